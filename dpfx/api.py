@@ -1,0 +1,107 @@
+"""``dpfx.compile``: the user's entry point, and the wrapper module it returns.
+
+    dp_model = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.1)
+    loss = F.cross_entropy(dp_model(x), y)
+    loss.backward()        # every trainable p.grad is the DP-SGD gradient
+
+# Note [Why the batch dim is marked unbacked]
+Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
+compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
+symbol that nothing specializes on, so one forward and one backward graph serve every batch size
+including 0 and 1 (tests/test_core.py::test_batch_sizes_compile_once).
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .backend import DPBackend
+from .config import DPConfig
+from .errors import CaptureError, DPFXError, PrivacyError
+
+
+class DPModule(torch.nn.Module):
+    """A compiled private view of ``model``; it shares the model's parameters."""
+
+    def __init__(self, model: torch.nn.Module, config: DPConfig):
+        super().__init__()
+        self._orig_mod = model
+        backend = DPBackend(model, config)
+        object.__setattr__(self, "_dpfx_backend", backend)
+        object.__setattr__(self, "_dpfx_compiled",
+                           torch.compile(model, backend=backend, fullgraph=True))
+
+    @property
+    def dp_config(self) -> DPConfig:
+        return self._dpfx_backend.config
+
+    @property
+    def compile_count(self) -> int:
+        """Graphs handed to the inner compiler (a forward and a backward count two)."""
+        return self._dpfx_backend.compiles
+
+    def forward(self, *args, **kwargs):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        batch = _check_batch(tensors)
+        config = self.dp_config
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        if training and batch == 0 and config.loss_reduction == "mean" \
+                and config.expected_batch_size is None:
+            raise ValueError(
+                "empty batch with loss_reduction='mean' and no expected_batch_size: the DP-SGD "
+                "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
+        for t in tensors:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        backend = self._dpfx_backend
+        backend.forward_ran = False
+        try:
+            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+                out = self._dpfx_compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, DPFXError):
+                raise e.inner_exception.with_traceback(None) from None
+            raise
+        except torch._dynamo.exc.Unsupported as e:
+            raise CaptureError(
+                f"the model's forward could not be captured as one graph (a graph break): "
+                f"{str(e).splitlines()[0]}. dpfx never runs part of a model outside its "
+                f"private graph; rewrite the construct named above.") from e
+        if training and not backend.forward_ran:
+            raise PrivacyError(
+                "the forward did not run through dpfx's compiled graph (torch.compile fell back "
+                "to eager); the gradients would not be private")
+        return out
+
+
+def _check_batch(tensors: list[torch.Tensor]) -> int:
+    if not tensors:
+        raise CaptureError("dpfx needs at least one tensor input with the batch in dim 0")
+    for t in tensors:
+        if t.dim() == 0:
+            raise CaptureError("every tensor input needs the batch in dim 0; got a 0-d tensor")
+    batch = tensors[0].shape[0]
+    if any(t.shape[0] != batch for t in tensors):
+        sizes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"every tensor input needs the batch in dim 0 with the same size; got "
+                         f"shapes {sizes}")
+    return batch
+
+
+def compile(model: torch.nn.Module, *, max_grad_norm: float, noise_multiplier: float,
+            loss_reduction: str = "mean", expected_batch_size: int | None = None,
+            seed: int | None = None, backend: str = "inductor") -> DPModule:
+    """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
+
+    After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
+    per-example losses, every trainable parameter gets
+    ``p.grad = (sum_i clip_C(g_i)[p] + N(0, sigma^2 C^2)) / D`` with C = max_grad_norm,
+    sigma = noise_multiplier, and D = expected_batch_size, else the batch size ("mean"), or 1
+    ("sum"). The returned module shares ``model``'s parameters.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
+    config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
+                      backend)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True)")
+    return DPModule(model, config)

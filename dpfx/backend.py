@@ -1,0 +1,167 @@
+"""The torch.compile backend: Inductor's own capture, with dpfx's passes as its inner compiler.
+
+``compile_fx(gm, inputs, inner_compile=...)`` runs aot_autograd with Inductor's decompositions,
+joint-graph passes and partitioner, then calls the inner compiler for the forward and the backward
+graph. dpfx rewrites those graphs (see ``dpfx.passes``) and then lowers them with Inductor's
+``compile_fx_inner`` (backend="inductor") or runs them as plain FX (backend="eager"), so both
+backends execute the same rewritten graphs.
+
+# Note [No caches that skip the inner compiler]
+AOTAutogradCache returns compiled artifacts without calling the inner compiler; a hit for a graph
+first compiled without dpfx would hand back *non-private* gradients. It is disabled for every dpfx
+compile. Inductor's FX graph cache stays on: its key is the rewritten graph itself.
+(tests/test_core.py::test_plain_torch_compile_first_does_not_leak)
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from .config import DPConfig
+from .errors import CaptureError
+from .passes import ForwardInfo, Stages, compile_backward, compile_forward
+
+
+class DPBackend:
+    """One per ``dpfx.compile`` call: knows the model's parameters and the DP options."""
+
+    def __init__(self, model: torch.nn.Module, config: DPConfig):
+        self.config = config
+        self.param_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        self.buffer_ids = {id(b) for b in model.buffers()} | {
+            id(p) for p in model.parameters() if not p.requires_grad}
+        self._forward: dict[Any, ForwardInfo] = {}
+        self.forward_ran = False
+        self.compiles = 0
+        self.stages = Stages(on_stage=self._dump)
+        self.param_grads: list = []
+        self._generator = None
+        if config.seed is not None:
+            self._generator = torch.Generator().manual_seed(config.seed)
+
+    # -- dynamo entry point ----------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        self._input_kinds = [self._kind(x) for x in example_inputs]
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=self._inner)
+
+    def _kind(self, x: Any) -> str:
+        if not isinstance(x, torch.Tensor):
+            return "symint"
+        if id(x) in self.param_names:
+            return "param:" + self.param_names[id(x)]
+        if id(x) in self.buffer_ids or isinstance(x, torch.nn.Parameter):
+            return "constant"
+        return "input"
+
+    # -- inner compiler: one call for the forward, one for the backward --------------------------
+    def _inner(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Any:
+        self.compiles += 1
+        if kwargs.get("is_backward"):
+            runner = self._backward(gm, example_inputs, kwargs)
+        else:
+            runner = self._forward_graph(gm, example_inputs, kwargs)
+        return runner
+
+    def _forward_graph(self, gm, example_inputs, kwargs):
+        batch_inputs = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            idx = _input_index(node)
+            if idx is not None and self._input_kinds[idx] == "input":
+                batch_inputs[node.name] = 0
+        info = compile_forward(gm, batch_inputs, self.stages,
+                               check=not kwargs.get("is_inference", False))
+        self._forward[kwargs.get("graph_id")] = info
+        compiled = self._lower(gm, example_inputs, kwargs)
+
+        def run_forward(args):
+            self.forward_ran = True
+            return compiled(args)
+
+        run_forward._boxed_call = True
+        return run_forward
+
+    def _backward(self, gm, example_inputs, kwargs):
+        fw = self._forward.get(kwargs.get("graph_id"))
+        if fw is None:
+            raise CaptureError("dpfx saw a backward graph without its forward graph")
+        output = gm.graph.find_nodes(op="output")[0]
+        param_outputs = {}
+        for i, desc in enumerate(_descs(output, len(output.args[0]))):
+            idx = getattr(getattr(desc, "grad_of", None), "idx", None)
+            if idx is None or output.args[0][i] is None:
+                continue
+            kind = self._input_kinds[idx]
+            if kind.startswith("param:"):
+                param_outputs[i] = kind[len("param:"):]
+        tangents = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            desc = node.meta.get("desc")
+            out_idx = getattr(getattr(desc, "output", None), "idx", None)
+            if type(desc).__name__ == "TangentAOTInput" and out_idx is not None:
+                tangents[node.name] = out_idx
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        device = _device_of(example_inputs)
+        self.param_grads = compile_backward(gm, fw, param_outputs, tangents, self.config,
+                                            fake_mode, device, self.stages)
+        if self.config.backend == "inductor":
+            from torch._inductor.fx_passes.replace_random import replace_random_passes
+
+            replace_random_passes(gm)
+            gm.recompile()
+        compiled = self._lower(gm, example_inputs, kwargs)
+
+        def run_backward(args):
+            if self._generator is None:
+                return compiled(args)
+            step_seed = int(torch.randint(2**62, (1,), generator=self._generator))
+            devices = [device] if device.type != "cpu" else []
+            with torch.random.fork_rng(devices=devices, device_type=device.type):
+                if device.type == "cpu":
+                    torch.manual_seed(step_seed)
+                else:
+                    torch.get_device_module(device.type).manual_seed(step_seed)
+                return compiled(args)
+
+        run_backward._boxed_call = True
+        return run_backward
+
+    def _lower(self, gm, example_inputs, kwargs):
+        if self.config.backend == "eager":
+            return make_boxed_func(gm.forward)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def _dump(self, stage: str, text: str) -> None:
+        directory = os.environ.get("DPFX_DUMP_DIR")
+        if not directory:
+            return
+        os.makedirs(directory, exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", stage)
+        with open(os.path.join(directory, f"{self.compiles:03d}_{safe}.txt"), "w") as f:
+            f.write(text)
+
+
+def _input_index(node: fx.Node) -> int | None:
+    return getattr(node.meta.get("desc"), "idx", None)
+
+
+def _descs(output: fx.Node, n: int) -> list:
+    descs = output.meta.get("desc")
+    if descs is None or len(descs) != n:
+        raise CaptureError(
+            "aot_autograd did not describe the backward outputs (torch too old or too new?); "
+            "dpfx needs them to know which output is which parameter's gradient")
+    return list(descs)
+
+
+def _device_of(example_inputs) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")

@@ -1,0 +1,25 @@
+"""The errors dpfx raises. Each one names the parameter or module, the ATen op and a fix.
+
+A privacy compiler must never fall back to non-private gradients; these errors are how it refuses.
+"""
+
+
+class DPFXError(Exception):
+    """Base class of every dpfx error."""
+
+
+class PrivacyError(DPFXError):
+    """The model or a rewritten graph would break DP-SGD's guarantee.
+
+    Raised for forward ops that mix examples (BatchNorm in training mode, reductions over the
+    batch dim, ...) and when the verifier cannot prove that every trainable parameter's gradient
+    passes through per-sample clipping and noise.
+    """
+
+
+class UnsupportedOpError(DPFXError):
+    """No rule can make a parameter's weight gradient per-sample."""
+
+
+class CaptureError(DPFXError):
+    """The model could not be captured as one graph (a graph break, an unsupported input)."""

@@ -1,0 +1,119 @@
+"""The dpfx compiler, one screen: what happens to the forward and to the backward graph.
+
+Inductor's ``compile_fx`` captures the model with aot_autograd (its own decompositions and
+partitioner) and calls dpfx's inner compiler once for the forward and once for the backward graph.
+
+    forward:   find batch dims -> check no op mixes examples -> lower
+    backward:  find batch dims -> per-sample rewrite -> clip and noise -> verify -> lower
+
+Every step is a named function of this package; ``Stages`` records the graph text after each one
+for ``dpfx.explain`` and ``DPFX_DUMP_DIR``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..config import DPConfig
+from ..printer import format_graph
+from .batch import BatchAnalysis, BatchDim, Layout
+from .clip_noise import insert_clip_and_noise
+from .emit import Emitter
+from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
+from .verify import check_forward, verify_backward
+
+
+@dataclasses.dataclass
+class ForwardInfo:
+    """What the backward compile needs to know about its forward graph."""
+    batch_symbols: set
+    layouts: dict[str, Layout]  # forward node name -> layout (saved tensors keep their names)
+    output_layouts: list[Layout]
+
+
+@dataclasses.dataclass
+class Stages:
+    """Readable graph text after each pass, in order."""
+    graphs: dict[str, str] = dataclasses.field(default_factory=dict)
+    on_stage: Callable[[str, str], None] | None = None
+
+    def record(self, name: str, gm: fx.GraphModule, batch_symbols, output_names=None) -> None:
+        text = format_graph(gm, name, batch_symbols, output_names)
+        self.graphs[name] = text
+        if self.on_stage is not None:
+            self.on_stage(name, text)
+
+
+def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: Stages,
+                    check: bool = True) -> ForwardInfo:
+    """``batch_inputs``: placeholder name -> batch dim, for the user's tensor inputs."""
+    symbols = _batch_symbols(gm, batch_inputs)
+    seeds = {name: BatchDim(d) for name, d in batch_inputs.items()}
+    an = BatchAnalysis(gm.graph, symbols, seeds)
+    stages.record("forward", gm, symbols)
+    if check:
+        check_forward(gm, an)
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return ForwardInfo(
+        batch_symbols=symbols,
+        layouts={n.name: an.layout(n) for n in gm.graph.nodes},
+        output_layouts=[an.layout(o) if isinstance(o, fx.Node) else None for o in outs],
+    )
+
+
+def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[int, str],
+                     tangent_outputs: dict[str, int], config: DPConfig, fake_mode: Any,
+                     device: torch.device, stages: Stages) -> list[ParamGrad]:
+    """Rewrite ``gm`` in place so that every output in ``param_outputs`` (output index ->
+    parameter name) is the DP-SGD gradient. Returns what each parameter's rewrite did."""
+    output = gm.graph.find_nodes(op="output")[0]
+    outs = list(output.args[0])
+    names = {i: f"grad[{n}]" for i, n in param_outputs.items()}
+    stages.record("backward.captured", gm, fw.batch_symbols, names)
+
+    seeds = dict(fw.layouts)
+    for ph, out_idx in tangent_outputs.items():
+        seeds[ph] = fw.output_layouts[out_idx] if out_idx < len(fw.output_layouts) else None
+    an = BatchAnalysis(gm.graph, fw.batch_symbols, seeds,
+                       data_sources={n for n in gm.graph.find_nodes(op="placeholder")
+                                     if n.name in tangent_outputs})
+    emit = Emitter(gm.graph, fake_mode, an, before=output)
+    grads = [ParamGrad(name, i, outs[i]) for i, name in sorted(param_outputs.items())]
+    if not grads:
+        return grads
+
+    rewrite_per_sample(RewriteContext(an, emit), grads)
+    private = insert_clip_and_noise(emit, grads, config, device)
+    for pg in grads:
+        outs[pg.output_index] = private[pg.name]
+    output.args = (tuple(outs),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    stages.record("backward.private", gm, fw.batch_symbols, names)
+
+    verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
+    gm.graph.lint()
+    return grads
+
+
+def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:
+    from ..errors import CaptureError
+    from .batch import sym_expr
+    import sympy
+
+    symbols = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in batch_inputs:
+            size = sym_expr(node.meta["val"].shape[batch_inputs[node.name]])
+            if not isinstance(size, sympy.Symbol):
+                raise CaptureError(
+                    f"the batch dim of input {node.name} was specialized to {size}; dpfx needs it "
+                    f"symbolic (do not call torch._dynamo.mark_static on inputs)")
+            symbols.add(size)
+    if not symbols:
+        raise CaptureError("the captured forward has no batched tensor input")
+    return symbols

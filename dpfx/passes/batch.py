@@ -1,0 +1,211 @@
+"""Batch-dim analysis: for every tensor of an ATen FX graph, which dim holds the examples.
+
+Example, with B the batch symbol that dpfx marks on dim 0 of every user input:
+
+    x       f32[B, 6, 8]      BatchDim(dim=0)
+    view    f32[6*B, 8]       BatchDim(dim=0, outer=1, inner=6)   # view(x, [6*B, 8])
+    permute f32[8, 6*B]       BatchDim(dim=1, outer=1, inner=6)
+
+A dim of size ``outer * B * inner`` is a row-major flattening of (outer, B, inner): ``inner`` is
+what was flattened *after* the batch (a sequence), ``outer`` what came before it. Whether a tensor
+is batched at all is read off its symbolic shape (the batch symbol appears in a size), which is
+exact; *where* in a flattened dim the batch sits is followed through the dataflow with sympy,
+because ``(B, T) -> B*T`` and ``(T, B) -> T*B`` have the same size but opposite layouts.
+
+``data_dependent`` holds every node computed from the examples: batched nodes, the extra
+``data_sources`` (the backward's tangents, which carry the loss even when batch-free), and all
+their descendants.
+
+Three answers per tensor: ``None`` (batch-free), a ``BatchDim``, or an ``Ambiguous`` (batched, but
+the layout could not be proven). Rules refuse to fire on ``Ambiguous``; the forward check reports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDim:
+    dim: int
+    outer: sympy.Expr = sympy.Integer(1)
+    inner: sympy.Expr = sympy.Integer(1)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.outer == 1 and self.inner == 1
+
+    def moved(self, dim: int) -> "BatchDim":
+        return BatchDim(dim, self.outer, self.inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ambiguous:
+    reason: str
+
+
+Layout = BatchDim | Ambiguous | None
+
+
+def sym_expr(size: Any) -> sympy.Expr:
+    if isinstance(size, torch.SymInt):
+        return sympy.sympify(size.node.expr)
+    return sympy.Integer(int(size))
+
+
+def _whole(expr: sympy.Expr) -> bool:
+    """True if ``expr`` is a polynomial with integer coefficients (a valid size), not a fraction."""
+    _, den = sympy.fraction(sympy.cancel(sympy.together(expr)))
+    return den == 1
+
+
+def _prod(exprs) -> sympy.Expr:
+    out = sympy.Integer(1)
+    for e in exprs:
+        out = out * e
+    return out
+
+
+class BatchAnalysis:
+    """Layouts of every node of ``graph``. ``seeds`` gives layouts of placeholders by name."""
+
+    def __init__(self, graph: fx.Graph, batch_symbols: set[sympy.Symbol], seeds: dict[str, Layout],
+                 data_sources: set[fx.Node] = frozenset()):
+        if not batch_symbols:
+            raise ValueError("batch analysis needs at least one batch symbol")
+        self.batch = sorted(batch_symbols, key=str)[0]
+        self._subs = {s: self.batch for s in batch_symbols if s != self.batch}
+        self.layouts: dict[fx.Node, Any] = {}
+        self.data_dependent: set[fx.Node] = set()
+        for node in graph.nodes:
+            self.layouts[node] = self._transfer(node, seeds)
+            if node in data_sources or self._batched_val(node.meta.get("val")) or any(
+                a in self.data_dependent for a in node.all_input_nodes
+            ):
+                self.data_dependent.add(node)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def shape(self, val: torch.Tensor) -> list[sympy.Expr]:
+        return [sympy.sympify(sym_expr(s)).subs(self._subs) for s in val.shape]
+
+    def has_batch(self, expr: sympy.Expr) -> bool:
+        return self.batch in sympy.sympify(expr).free_symbols
+
+    def _batched_val(self, val: Any) -> bool:
+        if isinstance(val, torch.Tensor):
+            return any(self.has_batch(s) for s in self.shape(val))
+        if isinstance(val, (tuple, list)):
+            return any(self._batched_val(v) for v in val)
+        return False
+
+    def is_batched(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and self._batched_val(node.meta.get("val"))
+
+    def layout(self, node: fx.Node) -> Layout:
+        return self.layouts.get(node)
+
+    # -- transfer functions ----------------------------------------------------------------------
+    def from_shape(self, val: torch.Tensor) -> Layout:
+        dims = [d for d, s in enumerate(self.shape(val)) if self.has_batch(s)]
+        if not dims:
+            return None
+        if len(dims) > 1:
+            return Ambiguous(f"the batch size appears in dims {dims} of shape {self.shape(val)}")
+        size = self.shape(val)[dims[0]]
+        if sympy.simplify(size - self.batch) == 0:
+            return BatchDim(dims[0])
+        return Ambiguous(f"dim {dims[0]} of size {size} mixes the batch with other dims")
+
+    def _transfer(self, node: fx.Node, seeds: dict[str, Layout]) -> Any:
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            if node.op == "placeholder":
+                return None
+            return tuple(
+                self.from_shape(v) if isinstance(v, torch.Tensor) else None for v in val
+            )
+        if not isinstance(val, torch.Tensor) or not self._batched_val(val):
+            return None
+        if node.op == "placeholder":
+            return seeds.get(node.name, self.from_shape(val))
+        if node.target is operator.getitem:
+            parent = self.layouts.get(node.args[0])
+            if isinstance(parent, tuple) and isinstance(node.args[1], int):
+                return parent[node.args[1]]
+            return self.from_shape(val)
+        src = node.args[0] if node.args else None
+        src_layout = self.layouts.get(src) if isinstance(src, fx.Node) else None
+        if isinstance(src_layout, BatchDim):
+            moved = self._move(node, src, src_layout, val)
+            if moved is not NotImplemented:
+                return moved
+        return self._inherit(node, val)
+
+    def _move(self, node: fx.Node, src: fx.Node, bd: BatchDim, val: torch.Tensor) -> Any:
+        """Layout through ops that move dims; NotImplemented for everything else."""
+        t = node.target
+        rank_in = src.meta["val"].dim()
+        if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            return self._through_view(self.shape(src.meta["val"]), bd, self.shape(val))
+        if t is aten.permute.default:
+            dims = [d % rank_in for d in node.args[1]]
+            return bd.moved(dims.index(bd.dim))
+        if t is aten.t.default:
+            return bd.moved(1 - bd.dim) if rank_in == 2 else bd
+        if t is aten.transpose.int:
+            d0, d1 = (d % rank_in for d in node.args[1:3])
+            return bd.moved({d0: d1, d1: d0}.get(bd.dim, bd.dim))
+        if t is aten.unsqueeze.default:
+            d = node.args[1] % (rank_in + 1)
+            return bd.moved(bd.dim + 1 if d <= bd.dim else bd.dim)
+        if t is aten.expand.default:
+            return bd.moved(bd.dim + val.dim() - rank_in)
+        return NotImplemented
+
+    def _through_view(self, ins: list, bd: BatchDim, outs: list) -> Layout:
+        stride = bd.inner * _prod(ins[bd.dim + 1:])
+        prefix = _prod(ins[: bd.dim]) * bd.outer
+        for j in reversed(range(len(outs))):
+            if not self.has_batch(outs[j]):
+                continue
+            inner = sympy.simplify(stride / _prod(outs[j + 1:]))
+            if not _whole(inner):
+                continue
+            outer = sympy.simplify(outs[j] / (self.batch * inner))
+            if (
+                _whole(outer)
+                and not self.has_batch(outer)
+                and sympy.simplify(_prod(outs[:j]) * outer - prefix) == 0
+            ):
+                return BatchDim(j, outer, inner)
+        return Ambiguous(f"view {ins} -> {outs} splits or scrambles the batch dim")
+
+    def _inherit(self, node: fx.Node, val: torch.Tensor) -> Layout:
+        """Pointwise and other shape-preserving ops: take the layout of the input dim whose size
+        expression equals the output's batched dim; fall back to reading the shape."""
+        out_shape = self.shape(val)
+        out_dims = [d for d, s in enumerate(out_shape) if self.has_batch(s)]
+        if len(out_dims) != 1:
+            return self.from_shape(val)
+        (d,) = out_dims
+        candidates = set()
+        for a in node.all_input_nodes:
+            lay = self.layouts.get(a)
+            if isinstance(lay, BatchDim) and isinstance(a.meta.get("val"), torch.Tensor):
+                in_size = self.shape(a.meta["val"])[lay.dim]
+                if sympy.simplify(in_size - out_shape[d]) == 0:
+                    candidates.add((lay.outer, lay.inner))
+        if len(candidates) == 1:
+            outer, inner = candidates.pop()
+            return BatchDim(d, outer, inner)
+        if len(candidates) > 1:
+            return Ambiguous(f"inputs of {node.name} disagree on the batch layout")
+        return self.from_shape(val)
+

@@ -1,0 +1,88 @@
+"""Insert the DP-SGD step as graph nodes: per-sample norms, clip factor, clipped sum, noise, divide.
+
+For per-sample gradients ``ps[p]`` of shape (B, *p.shape) the pass emits, with C = max_grad_norm,
+sigma = noise_multiplier, and ``scale`` = B for loss_reduction="mean" (the backward graph holds
+g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
+
+    per_sample_norms = scale * sqrt(sum_p sum(ps[p]**2, dims 1..))       # f32[B]
+    clip_factor      = min(1, C / (per_sample_norms + 1e-6))              # f32[B]
+    clipped[p]       = sum_i (clip_factor * scale)_i * ps[p]_i            # p.shape
+    noise            = randn([sum of numels]) ; noise[p] = slice(noise) * (sigma * C)
+    grad[p]          = (clipped[p] + noise[p]) / D
+
+D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. All of it is ordinary ATen,
+so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
+into the final pointwise kernel. One ``randn`` serves all parameters (sliced), so there is one seed
+per step. Every node that the verifier relies on carries ``meta["dpfx"]``: "per_sample_norms",
+"clip_factor", "clip_coef", "clipped_sum", "noise", "noise_scale", "private_grad".
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import CLIP_EPS, DPConfig
+from .emit import Emitter
+from .per_sample import ParamGrad
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfig,
+                          device: torch.device) -> dict[str, torch.fx.Node]:
+    batch = emit.batch_size()
+    mean = config.loss_reduction == "mean"
+
+    squares = []
+    for pg in grads:
+        ps = pg.per_sample
+        if ps.meta["val"].dtype != torch.float32:
+            ps = emit(prims.convert_element_type.default, ps, torch.float32)
+        rank = ps.meta["val"].dim()
+        sq = emit(aten.mul.Tensor, ps, ps)
+        squares.append(emit(aten.sum.dim_IntList, sq, list(range(1, rank))) if rank > 1 else sq)
+    norm_sq = squares[0]
+    for sq in squares[1:]:
+        norm_sq = emit(aten.add.Tensor, norm_sq, sq)
+    norms = emit(aten.sqrt.default, norm_sq)
+    if mean:
+        norms = emit(aten.mul.Tensor, norms, batch)
+    norms.meta["dpfx"] = "per_sample_norms"
+    denom = emit(aten.add.Tensor, norms, CLIP_EPS)
+    ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom), config.max_grad_norm)
+    clip_factor = emit(aten.clamp_max.default, ratio, 1.0, tag="clip_factor")
+    coef = emit(aten.mul.Tensor, clip_factor, batch) if mean else clip_factor
+    coef.meta["dpfx"] = "clip_coef"
+
+    total = sum(pg.grad.meta["val"].numel() for pg in grads)
+    noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,
+                 pin_memory=False, tag="noise")
+    std = config.noise_std
+
+    private = {}
+    offset = 0
+    for pg in grads:
+        ps = pg.per_sample
+        shape = list(pg.grad.meta["val"].shape)
+        numel = pg.grad.meta["val"].numel()
+        rank = ps.meta["val"].dim()
+        coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
+        weighted = emit(aten.mul.Tensor, ps, coef_b, tag="clip_apply")
+        clipped = emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")
+        chunk = emit(aten.slice.Tensor, noise, 0, offset, offset + numel)
+        scaled = emit(aten.mul.Tensor, emit(aten.view.default, chunk, shape), std,
+                      tag="noise_scale")
+        offset += numel
+        noisy = emit(aten.add.Tensor, clipped, scaled)
+        if not mean:
+            out = noisy
+        elif config.expected_batch_size is not None:
+            out = emit(aten.mul.Tensor, noisy, 1.0 / config.expected_batch_size)
+        else:
+            out = emit(aten.div.Tensor, noisy, batch)
+        dtype = pg.grad.meta["val"].dtype
+        if out.meta["val"].dtype != dtype:
+            out = emit(prims.convert_element_type.default, out, dtype)
+        out.meta["dpfx"] = "private_grad"
+        private[pg.name] = out
+    return private

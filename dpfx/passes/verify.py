@@ -1,0 +1,201 @@
+"""The two proofs dpfx makes before it hands a graph to Inductor.
+
+1. ``check_forward``: no forward op mixes examples. Example i's loss may depend on example i only;
+   otherwise clipping g_i bounds nothing. Flagged: any op whose inputs carry the batch dim and whose
+   output does not (a reduction over examples: BatchNorm's batch statistics, ``x.mean(0)``, a loss
+   computed inside the model), any op with a ``dim`` argument that names the batch dim (softmax,
+   cumsum, sort over examples), and any tensor whose batch layout cannot be proven.
+
+2. ``verify_backward``: every trainable parameter's gradient output is clipped and noised. With the
+   backward graph as a networkx DiGraph, removing the ``clipped_sum`` nodes must disconnect every
+   data source (the tangents and every saved activation that carries the batch) from every gradient
+   output; each output must descend from a ``noise_scale`` node whose factor is sigma * C; every
+   clipped tensor must be one of the tensors the per-sample norm is taken over; and the clip factor
+   must be ``min(1, C / (norm + eps))``. A violation is a ``PrivacyError`` naming the parameter.
+
+See tests/test_verifier.py, which hands the verifier broken graphs.
+"""
+from __future__ import annotations
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ..config import DPConfig
+from ..errors import PrivacyError
+from .batch import Ambiguous, BatchAnalysis, BatchDim
+
+aten = torch.ops.aten
+
+# Ops whose dim argument restructures a tensor without combining examples.
+_DIM_OPS_THAT_KEEP_EXAMPLES_APART = {
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+}
+
+
+def module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, kind = list(stack.values())[-1]
+        kind_name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+        path = path.replace("L['self'].", "").replace("L['self']", "<root>")
+        return f"module '{path}' ({kind_name})"
+    trace = node.meta.get("stack_trace", "")
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    return f"code `{lines[-1]}`" if lines else "the model's forward"
+
+
+def _fix_for(node: fx.Node) -> str:
+    where = module_of(node)
+    if "BatchNorm" in where:
+        return ("BatchNorm in training mode averages over the batch. Replace it with GroupNorm "
+                "(dpfx.replace_batchnorm(model)), or put the module in eval mode.")
+    return ("Make example i's output depend on example i only: compute the loss outside the "
+            "dpfx-compiled module, and reduce over feature dims, never over dim 0.")
+
+
+def _dim_args(node: fx.Node) -> list:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.name not in ("dim", "dims"):
+            continue
+        if i < len(node.args):
+            found.append(node.args[i])
+        elif arg.name in node.kwargs:
+            found.append(node.kwargs[arg.name])
+        else:
+            found.append("default")
+    return found
+
+
+def forward_problems(gm: fx.GraphModule, an: BatchAnalysis) -> list[str]:
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        batched_in = [a for a in node.all_input_nodes if an.is_batched(a)]
+        val = node.meta.get("val")
+        if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):
+            continue
+        op = getattr(node.target, "__name__", str(node.target))
+        where = f"op {node.target} in {module_of(node)}"
+        if not an.is_batched(node):
+            problems.append(f"{where} reduces over the batch dim. {_fix_for(node)}")
+            continue
+        lay = an.layout(node)
+        if isinstance(lay, Ambiguous):
+            problems.append(f"{where}: dpfx cannot prove it keeps examples apart ({lay.reason}). "
+                            f"{_fix_for(node)}")
+            continue
+        if node.target in _DIM_OPS_THAT_KEEP_EXAMPLES_APART:
+            continue
+        src = an.layout(batched_in[0])
+        if not isinstance(src, BatchDim) or batched_in[0] is not node.args[0]:
+            continue
+        rank = batched_in[0].meta["val"].dim()
+        for dims in _dim_args(node):
+            if dims == "default" or dims is None:
+                dims = list(range(rank))
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            if op.startswith("sum") or op.startswith("mean") or op.startswith("amax"):
+                dims = dims or list(range(rank))
+            if src.dim in [d % max(rank, 1) for d in dims if isinstance(d, int)]:
+                problems.append(f"{where} works along the batch dim {src.dim}. {_fix_for(node)}")
+    return problems
+
+
+def check_forward(gm: fx.GraphModule, an: BatchAnalysis) -> None:
+    problems = forward_problems(gm, an)
+    if problems:
+        raise PrivacyError("the forward pass mixes examples, so per-example clipping would not "
+                           "bound any example's influence:\n  - " + "\n  - ".join(problems))
+
+
+def _as_nx(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        for a in node.all_input_nodes:
+            g.add_edge(a, node)
+    return g
+
+
+def _tagged(graph: fx.Graph, tag: str) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.meta.get("dpfx") == tag]
+
+
+def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.Node],
+                    config: DPConfig) -> None:
+    """Prove that each node in ``grads`` (parameter name -> gradient output) is private."""
+    graph = gm.graph
+    g = _as_nx(graph)
+    sources = [n for n in graph.find_nodes(op="placeholder")
+               if an.is_batched(n) or n.name.startswith("tangents")]
+    clipped = _tagged(graph, "clipped_sum")
+    cut = g.copy()
+    cut.remove_nodes_from(clipped)
+    leaked = set()
+    for s in sources:
+        leaked |= nx.descendants(cut, s) | {s}
+
+    norms = _tagged(graph, "per_sample_norms")
+    factors = _tagged(graph, "clip_factor")
+    if len(norms) != 1 or len(factors) != 1:
+        raise PrivacyError(f"expected one per-sample norm and one clip factor node, found "
+                           f"{len(norms)} and {len(factors)}")
+    (norm,), (factor,) = norms, factors
+    _check_clip_factor(factor, norm, config, g)
+    norm_inputs = nx.ancestors(g, norm)
+    for c in clipped:
+        apply = c.args[0]
+        if apply.meta.get("dpfx") != "clip_apply":
+            raise PrivacyError(f"clipped sum {c.name} does not reduce a clip_apply node")
+        ps, coef = apply.args
+        if ps not in norm_inputs:
+            raise PrivacyError(f"{ps.name} is clipped but is not part of the per-sample norm")
+        base = coef.args[0] if coef.target is aten.view.default else coef
+        if base.meta.get("dpfx") != "clip_coef" or not (
+                base is factor or base.target is aten.mul.Tensor and base.args[0] is factor):
+            raise PrivacyError(f"{c.name} is not scaled by the clip factor")
+
+    for name, out in grads.items():
+        if out in leaked:
+            path = _leak_path(cut, sources, out)
+            raise PrivacyError(
+                f"the gradient of parameter '{name}' has a path from the data that bypasses "
+                f"per-sample clipping: {' -> '.join(n.name for n in path)}")
+        ancestors = nx.ancestors(g, out)
+        if factor not in ancestors:
+            raise PrivacyError(f"the gradient of parameter '{name}' does not depend on the clip "
+                               f"factor")
+        scales = [n for n in ancestors if n.meta.get("dpfx") == "noise_scale"]
+        if not scales:
+            raise PrivacyError(f"no noise is added to the gradient of parameter '{name}'")
+        for s in scales:
+            noise_src, std = s.args
+            if std != config.noise_std or not any(
+                    a.meta.get("dpfx") == "noise" for a in nx.ancestors(g, s)):
+                raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
+                                   f"scale {std}, expected {config.noise_std}")
+
+
+def _check_clip_factor(factor: fx.Node, norm: fx.Node, config: DPConfig, g: nx.DiGraph) -> None:
+    ok = (factor.target is aten.clamp_max.default and factor.args[1] == 1.0)
+    ratio = factor.args[0] if ok else None
+    ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] == config.max_grad_norm
+    ok = ok and norm in nx.ancestors(g, ratio)
+    if not ok:
+        raise PrivacyError("the clip factor is not min(1, C / (per-sample norm + eps)) with "
+                           f"C = {config.max_grad_norm}")
+
+
+def _leak_path(cut: nx.DiGraph, sources, out) -> list[fx.Node]:
+    for s in sources:
+        if nx.has_path(cut, s, out):
+            return nx.shortest_path(cut, s, out)
+    return [out]

@@ -1,0 +1,81 @@
+"""The rule registry: how each weight-gradient op becomes per-sample.
+
+A rule is data: the ATen overloads it rewrites, a ``check`` that validates the op's constants and
+layouts (returning ``None`` when the rule applies, else the reason it does not), a ``rewrite`` that
+emits the per-sample form, a tensor of shape ``(B, *grad.shape)``, and a ``cost`` that states the
+per-sample form's time and memory as sympy expressions in the graph's size symbols. Example::
+
+    Rule("mm", targets=(aten.mm.default,), check=check_mm, rewrite=rewrite_mm, cost=cost_mm)
+
+Two registries, both keyed by ATen overload:
+
+- ``FRONTIER``: ops where the batch dim is reduced away (``mm`` contracting over B*T, ``sum`` over the
+  batch dim, ``convolution_backward``...). These are where a parameter's gradient stops being
+  per-example; the rule keeps the example dim instead.
+- ``LIFT``: batch-free ops between a frontier and the gradient output (``permute``, ``view``, the
+  ``add`` that sums the uses of a tied weight). A lift rule re-emits the op with a leading example
+  dim, like a vmap batching rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch.fx as fx
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    targets: tuple
+    check: Callable[[fx.Node, Any], str | None]
+    rewrite: Callable[[fx.Node, Any], fx.Node]
+    cost: Callable[[fx.Node, Any], dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LiftRule:
+    name: str
+    targets: tuple
+    lift: Callable[[fx.Node, dict, Any], fx.Node]
+
+
+FRONTIER: dict[Any, list[Rule]] = {}
+LIFT: dict[Any, LiftRule] = {}
+
+
+def register(rule: Rule) -> Rule:
+    for t in rule.targets:
+        FRONTIER.setdefault(t, []).append(rule)
+    return rule
+
+
+def register_lift(rule: LiftRule) -> LiftRule:
+    for t in rule.targets:
+        if t in LIFT:
+            raise ValueError(f"two lift rules for {t}")
+        LIFT[t] = rule
+    return rule
+
+
+def frontier_key(node: fx.Node) -> Any:
+    """Tuple-returning ops (convolution_backward) are matched on the getitem of their output."""
+    import operator
+
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0].target
+    return node.target
+
+
+def find(node: fx.Node, ctx: Any) -> tuple[Rule | None, list[str]]:
+    """The first rule whose check passes, else the reasons every candidate gave."""
+    reasons = []
+    for rule in FRONTIER.get(frontier_key(node), []):
+        why = rule.check(node, ctx)
+        if why is None:
+            return rule, []
+        reasons.append(f"{rule.name}: {why}")
+    return None, reasons
+
+
+from . import linear, lift, reduction  # noqa: E402,F401  (registration)
