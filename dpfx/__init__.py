@@ -7,10 +7,10 @@
 """
 from .api import DPModule, compile
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
-# explain added below
+from .explain import Report, explain
 
 __all__ = [
-    "compile", "DPModule",
+    "compile", "explain", "DPModule", "Report",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError",
 ]
 __version__ = "0.1.0"

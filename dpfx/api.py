@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .backend import DPBackend
 from .config import DPConfig
@@ -60,7 +61,11 @@ class DPModule(torch.nn.Module):
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
+            if isinstance(e.inner_exception, GuardOnDataDependentSymNode):
+                raise _symbolic_batch_error(e.inner_exception) from e
             raise
+        except GuardOnDataDependentSymNode as e:
+            raise _symbolic_batch_error(e) from e
         except torch._dynamo.exc.Unsupported as e:
             raise CaptureError(
                 f"the model's forward could not be captured as one graph (a graph break): "
@@ -71,6 +76,15 @@ class DPModule(torch.nn.Module):
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
         return out
+
+
+def _symbolic_batch_error(e: Exception) -> CaptureError:
+    first = str(e).splitlines()[0]
+    return CaptureError(
+        f"torch could not trace this model with a symbolic batch size ({first}). dpfx keeps the "
+        f"batch symbolic so that one graph serves every batch size, and some torch kernels branch "
+        f"on sizes; a known case is a hidden layer of width 1 (the stride test in mm's backward). "
+        f"Widen that layer or file an issue with the expression above.")
 
 
 def _check_batch(tensors: list[torch.Tensor]) -> int:

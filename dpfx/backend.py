@@ -41,6 +41,7 @@ class DPBackend:
         self.compiles = 0
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
+        self.last_backward = None
         self._generator = None
         if config.seed is not None:
             self._generator = torch.Generator().manual_seed(config.seed)
@@ -108,8 +109,9 @@ class DPBackend:
                 tangents[node.name] = out_idx
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         device = _device_of(example_inputs)
-        self.param_grads = compile_backward(gm, fw, param_outputs, tangents, self.config,
-                                            fake_mode, device, self.stages)
+        self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
+                                              fake_mode, device, self.stages)
+        self.param_grads = self.last_backward.grads
         if self.config.backend == "inductor":
             from torch._inductor.fx_passes.replace_random import replace_random_passes
 

@@ -35,6 +35,15 @@ class ForwardInfo:
 
 
 @dataclasses.dataclass
+class BackwardResult:
+    """The rewritten backward graph and what the passes knew about it (for tests and explain)."""
+    gm: fx.GraphModule
+    analysis: BatchAnalysis
+    grads: list[ParamGrad]
+    private: dict[str, fx.Node]
+
+
+@dataclasses.dataclass
 class Stages:
     """Readable graph text after each pass, in order."""
     graphs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -67,7 +76,7 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 
 def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[int, str],
                      tangent_outputs: dict[str, int], config: DPConfig, fake_mode: Any,
-                     device: torch.device, stages: Stages) -> list[ParamGrad]:
+                     device: torch.device, stages: Stages) -> BackwardResult:
     """Rewrite ``gm`` in place so that every output in ``param_outputs`` (output index ->
     parameter name) is the DP-SGD gradient. Returns what each parameter's rewrite did."""
     output = gm.graph.find_nodes(op="output")[0]
@@ -84,7 +93,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     emit = Emitter(gm.graph, fake_mode, an, before=output)
     grads = [ParamGrad(name, i, outs[i]) for i, name in sorted(param_outputs.items())]
     if not grads:
-        return grads
+        return BackwardResult(gm, an, grads, {})
 
     rewrite_per_sample(RewriteContext(an, emit), grads)
     private = insert_clip_and_noise(emit, grads, config, device)
@@ -97,7 +106,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
 
     verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
     gm.graph.lint()
-    return grads
+    return BackwardResult(gm, an, grads, private)
 
 
 def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:

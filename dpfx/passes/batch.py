@@ -95,6 +95,12 @@ class BatchAnalysis:
     def shape(self, val: torch.Tensor) -> list[sympy.Expr]:
         return [sympy.sympify(sym_expr(s)).subs(self._subs) for s in val.shape]
 
+    def pretty(self, expr) -> str:
+        """``expr`` (or a list of them) with the batch symbol written as B, for reports."""
+        if isinstance(expr, (list, tuple)):
+            return "[" + ", ".join(self.pretty(e) for e in expr) + "]"
+        return str(sympy.sympify(expr).subs(self.batch, sympy.Symbol("B")))
+
     def has_batch(self, expr: sympy.Expr) -> bool:
         return self.batch in sympy.sympify(expr).free_symbols
 

@@ -51,8 +51,9 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     denom = emit(aten.add.Tensor, norms, CLIP_EPS)
     ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom), config.max_grad_norm)
     clip_factor = emit(aten.clamp_max.default, ratio, 1.0, tag="clip_factor")
-    coef = emit(aten.mul.Tensor, clip_factor, batch) if mean else clip_factor
-    coef.meta["dpfx"] = "clip_coef"
+    # The coefficient that multiplies the per-sample gradients the graph holds: for "mean" they
+    # are g_i / B, so the coefficient is clip_factor * B.
+    coef = emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean else clip_factor
 
     total = sum(pg.grad.meta["val"].numel() for pg in grads)
     noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,

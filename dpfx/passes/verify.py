@@ -29,6 +29,8 @@ aten = torch.ops.aten
 
 # Ops whose dim argument restructures a tensor without combining examples.
 _DIM_OPS_THAT_KEEP_EXAMPLES_APART = {
+    aten.permute.default,
+    aten.transpose.int,
     aten.unsqueeze.default,
     aten.squeeze.dim,
     aten.squeeze.dims,
@@ -43,7 +45,8 @@ def module_of(node: fx.Node) -> str:
         path = path.replace("L['self'].", "").replace("L['self']", "<root>")
         return f"module '{path}' ({kind_name})"
     trace = node.meta.get("stack_trace", "")
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in trace.strip().splitlines()
+             if ln.strip() and not set(ln.strip()) <= set("^~ ")]
     return f"code `{lines[-1]}`" if lines else "the model's forward"
 
 
@@ -159,8 +162,8 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
         if ps not in norm_inputs:
             raise PrivacyError(f"{ps.name} is clipped but is not part of the per-sample norm")
         base = coef.args[0] if coef.target is aten.view.default else coef
-        if base.meta.get("dpfx") != "clip_coef" or not (
-                base is factor or base.target is aten.mul.Tensor and base.args[0] is factor):
+        if not (base is factor or base.meta.get("dpfx") == "clip_coef"
+                and base.target is aten.mul.Tensor and base.args[0] is factor):
             raise PrivacyError(f"{c.name} is not scaled by the clip factor")
 
     for name, out in grads.items():

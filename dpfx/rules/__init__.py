@@ -78,4 +78,4 @@ def find(node: fx.Node, ctx: Any) -> tuple[Rule | None, list[str]]:
     return None, reasons
 
 
-from . import linear, lift, reduction  # noqa: E402,F401  (registration)
+from . import convolution, embedding, linear, lift, reduction  # noqa: E402,F401  (registration)

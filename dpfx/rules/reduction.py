@@ -49,7 +49,7 @@ def cost_sum(node, ctx) -> dict:
     for s in shape:
         numel = numel * s
     out = node.meta["val"].numel()
-    return {"form": f"sum over non-batch dims of {shape}", "flops": numel,
+    return {"form": f"sum over non-batch dims of {ctx.analysis.pretty(shape)}", "flops": numel,
             "memory": ctx.analysis.batch * out}
 
 

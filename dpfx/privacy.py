@@ -1,0 +1,370 @@
+"""Privacy accounting for DP-SGD: epsilon of a run, noise calibration, and a running ledger.
+
+    from dpfx.privacy import Accountant, epsilon, noise_multiplier
+
+    q = 256 / 60000                                   # Poisson sample rate: E[batch] / N
+    epsilon(noise_multiplier=1.1, sample_rate=q, steps=2340, delta=1e-5)        # ~0.918
+    epsilon(noise_multiplier=1.1, sample_rate=q, steps=2340, delta=1e-5,
+            accountant="rdp")                                                    # ~1.098
+    sigma = noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=q, steps=2340)
+
+    acc = Accountant()                    # one per training run
+    acc.step(noise_multiplier=sigma, sample_rate=q)      # after every optimizer step
+    acc.get_epsilon(1e-5)
+    torch.save({"model": ..., "accountant": acc.state_dict()}, path)   # plain, JSON-able data
+
+# Note [Nothing here is written by hand]
+Every epsilon comes from Google's ``dp_accounting`` package: one DP-SGD step is the event
+``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` (the Poisson-subsampled Gaussian
+mechanism with sensitivity 1, since the noise std is sigma * C for clipping bound C), ``steps``
+of them are ``SelfComposedDpEvent``, and training phases with different (sigma, q) are a
+``ComposedDpEvent``. The neighbouring relation is dp_accounting's default, add-or-remove-one,
+which is the one Poisson sampling's analysis uses. Two accountants:
+
+* ``"rdp"``: Renyi DP (Mironov 2017, "Renyi Differential Privacy"; the subsampled Gaussian's RDP
+  is Mironov, Talwar & Zhang 2019), converted to (epsilon, delta). Fast (~25 ms whatever
+  ``steps`` is), and looser.
+* ``"pld"`` (default): privacy loss distributions composed by FFT (Koskela, Jalko & Honkela 2020;
+  Doroshenko et al. 2022, "Connect the Dots"). Tight, and its rounding is pessimistic, so a
+  coarser grid only ever overstates epsilon.
+
+# Note [PLD grid]
+The PLD accountant's cost and accuracy are set by ``value_discretization_interval`` (the grid step
+of the privacy loss). One fixed step is wrong at both ends: dp_accounting's default 1e-4 takes
+0.4 s for the MNIST example above but 5 s at sigma=0.3, 27 s at sigma=0.1, and at sigma=0.01,
+q=0.5, 1e5 steps it asks for an 80 GB array. The grid therefore follows the size of epsilon,
+read from a cheap RDP pass over the same event (``pld_discretization_interval``)::
+
+    step = 1e-4 * sqrt(max(1, eps_rdp))
+
+which is the default 1e-4 for eps <= 1 and 3e-3 at eps = 1000. Measured against a 4x finer grid
+over q in [1e-4, 0.99], steps in [1e3, 1e6] and eps in [3, 1000] the relative error stayed below
+1.2e-3 (below 6e-4 in most cells) and every call took under 1.2 s; the one exception was
+q=1e-4 with 1e6 steps at eps ~2, 1% off at a step of 1.7e-4, near the default (measurements on
+2 shared CPU cores, dp_accounting 0.6.0). Above ``PLD_MAX_EPSILON`` (eps_rdp >
+1000, no meaningful privacy) the PLD grid still explodes, so the RDP bound is returned instead;
+it is also returned if the PLD numerics overflow to inf/nan while RDP is finite. Both are valid
+upper bounds on epsilon, so this never understates the privacy loss.
+
+# Note [sigma = 0]
+``noise_multiplier=0`` is accepted (``dpfx.compile`` accepts it for non-private debugging) and
+its epsilon is ``math.inf``: no noise, no privacy. It is not an error so that an ``Accountant``
+can record such steps honestly.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import dp_accounting
+from dp_accounting import pld as _pld
+from dp_accounting import rdp as _rdp
+
+__all__ = ["Accountant", "epsilon", "noise_multiplier", "dp_event", "pld_discretization_interval",
+           "ACCOUNTANTS"]
+
+ACCOUNTANTS = ("pld", "rdp")
+
+# See Note [PLD grid].
+PLD_BASE_DISCRETIZATION = 1e-4
+PLD_MAX_EPSILON = 1e3
+
+# Default search range of ``noise_multiplier`` and its relative tolerance.
+SIGMA_BRACKET = (1e-2, 1e4)
+SIGMA_TOLERANCE = 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation: each check names the argument and says what it is.
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_noise_multiplier(sigma, name: str = "noise_multiplier") -> float:
+    if not _is_number(sigma) or math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (sigma: noise std / clipping bound; 0 means no "
+            f"noise and epsilon = inf), got {sigma!r}")
+    return float(sigma)
+
+
+def _check_sample_rate(q, name: str = "sample_rate") -> float:
+    if not _is_number(q) or math.isnan(q) or not 0 < q <= 1:
+        raise ValueError(
+            f"{name} must be in (0, 1] (the Poisson sampling probability q = expected batch "
+            f"size / dataset size), got {q!r}")
+    return float(q)
+
+
+def _check_steps(steps, name: str = "steps") -> int:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"{name} must be an int >= 0 (number of noisy steps), got {steps!r}")
+    return int(steps)
+
+
+def _check_delta(delta, name: str = "delta") -> float:
+    if not _is_number(delta) or math.isnan(delta) or not 0 < delta < 1:
+        raise ValueError(
+            f"{name} must be in (0, 1) (typically < 1/dataset size), got {delta!r}")
+    return float(delta)
+
+
+def _check_accountant(name) -> str:
+    if name not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}")
+    return name
+
+
+# ------------------------------------------------------------------------------------------------
+# Events and accountants.
+
+def dp_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
+    """The dp_accounting event of ``steps`` DP-SGD steps with Poisson rate q and noise sigma."""
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps)
+    if steps == 0:
+        return dp_accounting.NoOpDpEvent()   # SelfComposedDpEvent rejects count=0
+    step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def _rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
+    return _rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def pld_discretization_interval(rdp_epsilon: float) -> float:
+    """The PLD grid step for an event whose RDP epsilon is ``rdp_epsilon`` (Note [PLD grid])."""
+    return PLD_BASE_DISCRETIZATION * math.sqrt(max(1.0, rdp_epsilon))
+
+
+def _pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
+    """``_pld_epsilon_uncached``, memoized for hashable events (calibration revisits points)."""
+    try:
+        return _pld_epsilon_cached(event, delta)
+    except TypeError:                           # ComposedDpEvent holds a list: not hashable
+        return _pld_epsilon_uncached(event, delta)
+
+
+def _pld_epsilon_uncached(event: dp_accounting.DpEvent, delta: float) -> float:
+    """PLD epsilon on the adaptive grid, or the RDP bound where PLD is useless (Note [PLD grid])."""
+    eps_rdp = _rdp_epsilon(event, delta)
+    if not eps_rdp <= PLD_MAX_EPSILON:          # also inf (sigma = 0) and nan
+        return eps_rdp
+    interval = pld_discretization_interval(eps_rdp)
+    try:
+        eps = _pld.PLDAccountant(value_discretization_interval=interval).compose(event) \
+            .get_epsilon(delta)
+    except (OverflowError, FloatingPointError):
+        return eps_rdp
+    return float(eps) if math.isfinite(eps) else eps_rdp
+
+
+_pld_epsilon_cached = functools.lru_cache(maxsize=256)(_pld_epsilon_uncached)
+
+
+class _AdaptivePLDAccountant(dp_accounting.PrivacyAccountant):
+    """dp_accounting's PLD accountant with the grid of Note [PLD grid], chosen per ``get_epsilon``.
+
+    Being a ``PrivacyAccountant`` lets ``dp_accounting.calibrate_dp_mechanism`` drive it.
+    """
+
+    def __init__(self):
+        super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+    def _maybe_compose(self, event, count, do_compose):
+        # Support is decided by the PLD accountant; the event itself is kept in the ledger.
+        return _pld.PLDAccountant()._maybe_compose(event, count, False)
+
+    def get_epsilon(self, target_delta: float) -> float:
+        return _pld_epsilon(self.ledger, target_delta)
+
+
+def _make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
+    return _AdaptivePLDAccountant() if name == "pld" else _rdp.RdpAccountant()
+
+
+def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str) -> float:
+    return float(_make_accountant(accountant).compose(event).get_epsilon(delta))
+
+
+# ------------------------------------------------------------------------------------------------
+# Public functions.
+
+def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float,
+            accountant: str = "pld") -> float:
+    """Epsilon after ``steps`` DP-SGD steps at noise ``noise_multiplier`` and Poisson rate q.
+
+    Returns ``math.inf`` for ``noise_multiplier=0`` and 0.0 for ``steps=0``.
+    """
+    event = dp_event(noise_multiplier, sample_rate, steps)
+    return _event_epsilon(event, _check_delta(delta), _check_accountant(accountant))
+
+
+def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,
+                     steps: int, accountant: str = "pld", tolerance: float = SIGMA_TOLERANCE,
+                     bracket: tuple[float, float] = SIGMA_BRACKET) -> float:
+    """The smallest sigma in ``bracket`` whose epsilon is <= ``target_epsilon``.
+
+    The answer s satisfies epsilon(s) <= target_epsilon and lies within ``tolerance * s`` above
+    the exact smallest sigma (a relative tolerance). A doubling/halving search from sigma = 1
+    narrows ``bracket`` to [s, 2s] (at most log2 of its width evaluations), then
+    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method, bounded) finishes.
+    Raises ValueError when no sigma in ``bracket`` reaches the target, or when its lower end
+    already does (widen ``bracket``).
+    """
+    target_epsilon = _check_target_epsilon(target_epsilon)
+    target_delta = _check_delta(target_delta, "target_delta")
+    q = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps)
+    if steps == 0:
+        raise ValueError("steps must be >= 1 to calibrate noise_multiplier (0 steps spend no "
+                         "privacy at any sigma)")
+    accountant = _check_accountant(accountant)
+    tolerance = _check_tolerance(tolerance)
+    lo, hi = _check_bracket(bracket)
+
+    def eps_at(sigma: float) -> float:
+        return _event_epsilon(dp_event(sigma, q, steps), target_delta, accountant)
+
+    lo, hi = _narrow_bracket(eps_at, target_epsilon, lo, hi)
+    sigma = dp_accounting.calibrate_dp_mechanism(
+        lambda: _make_accountant(accountant),
+        lambda s: dp_event(s, q, steps),
+        target_epsilon, target_delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
+        tol=tolerance * lo)
+    return float(sigma)
+
+
+def _check_target_epsilon(eps) -> float:
+    if not _is_number(eps) or math.isnan(eps) or eps <= 0 or math.isinf(eps):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {eps!r}")
+    return float(eps)
+
+
+def _check_tolerance(tol) -> float:
+    if not _is_number(tol) or not 0 < tol < 0.5:
+        raise ValueError(f"tolerance must be in (0, 0.5) (relative, on sigma), got {tol!r}")
+    return float(tol)
+
+
+def _check_bracket(bracket) -> tuple[float, float]:
+    try:
+        lo, hi = bracket
+    except (TypeError, ValueError):
+        raise ValueError(f"bracket must be a pair (low, high) of sigmas, got {bracket!r}") from None
+    if not (_is_number(lo) and _is_number(hi) and 0 < lo < hi < math.inf):
+        raise ValueError(f"bracket must satisfy 0 < low < high < inf, got {bracket!r}")
+    return float(lo), float(hi)
+
+
+def _narrow_bracket(eps_at, target: float, lo: float, hi: float) -> tuple[float, float]:
+    """[a, b] within [lo, hi], b <= 2a, with eps_at(a) > target >= eps_at(b); else ValueError.
+
+    Walks from sigma = 1 (clamped into the bracket) by factors of 2, so it makes at most
+    log2(hi / lo) + 2 evaluations, and epsilon is monotone decreasing in sigma.
+    """
+    s = min(max(1.0, lo), hi)
+    eps = eps_at(s)
+    if eps > target:                            # too little noise: walk up
+        while s < hi:
+            a, s = s, min(2 * s, hi)
+            eps = eps_at(s)
+            if eps <= target:
+                return a, s
+        raise ValueError(
+            f"target_epsilon={target} is unreachable: even noise_multiplier={hi} (the top of "
+            f"bracket) gives epsilon={eps:.6g}; raise bracket's upper end or target_epsilon")
+    while s > lo:                               # enough noise: walk down
+        b, s = s, max(s / 2, lo)
+        eps = eps_at(s)
+        if eps > target:
+            return s, b
+    raise ValueError(
+        f"target_epsilon={target} is reached already at noise_multiplier={lo} (the bottom of "
+        f"bracket, epsilon={eps:.6g}); lower bracket's lower end to find the smallest sigma")
+
+
+# ------------------------------------------------------------------------------------------------
+# A running ledger.
+
+class Accountant:
+    """Records DP-SGD steps as they happen and reports epsilon so far.
+
+    Consecutive steps with the same (sigma, q) are merged into one phase (a
+    ``SelfComposedDpEvent``); phases compose (``ComposedDpEvent``). ``state_dict()`` is plain
+    JSON-able data, so epsilon keeps counting across a restart::
+
+        acc = Accountant()
+        for x, y in loader:
+            ...; optimizer.step()
+            acc.step(noise_multiplier=1.1, sample_rate=q)
+        acc.get_epsilon(1e-5)
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(self, accountant: str = "pld"):
+        self.accountant = _check_accountant(accountant)
+        self._history: list[list] = []          # [sigma, q, steps] per phase
+        self._cache: tuple | None = None        # ((history, delta), epsilon)
+
+    def step(self, *, noise_multiplier: float, sample_rate: float, n: int = 1) -> None:
+        """Record ``n`` steps at noise ``noise_multiplier`` and Poisson rate ``sample_rate``."""
+        sigma = _check_noise_multiplier(noise_multiplier)
+        q = _check_sample_rate(sample_rate)
+        n = _check_steps(n, "n")
+        if n == 0:
+            return
+        if self._history and self._history[-1][:2] == [sigma, q]:
+            self._history[-1][2] += n
+        else:
+            self._history.append([sigma, q, n])
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """The phases so far, as (noise_multiplier, sample_rate, steps)."""
+        return [tuple(phase) for phase in self._history]
+
+    @property
+    def steps(self) -> int:
+        return sum(phase[2] for phase in self._history)
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """The dp_accounting event of everything recorded (``NoOpDpEvent`` when empty)."""
+        events = [dp_event(*phase) for phase in self._history]
+        if not events:
+            return dp_accounting.NoOpDpEvent()
+        return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+    def get_epsilon(self, delta: float) -> float:
+        delta = _check_delta(delta)
+        key = (tuple(self.history), delta)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, _event_epsilon(self.dp_event(), delta, self.accountant))
+        return self._cache[1]
+
+    def state_dict(self) -> dict:
+        return {"version": self.STATE_VERSION, "accountant": self.accountant,
+                "history": [list(phase) for phase in self._history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
+            raise ValueError(f"state must be a dict from Accountant.state_dict() with version "
+                             f"{self.STATE_VERSION}, got {state!r}")
+        accountant = _check_accountant(state.get("accountant"))
+        history = []
+        for phase in state.get("history", []):
+            if not isinstance(phase, (list, tuple)) or len(phase) != 3:
+                raise ValueError(f"state['history'] entries must be [noise_multiplier, "
+                                 f"sample_rate, steps], got {phase!r}")
+            sigma, q, n = phase
+            history.append([_check_noise_multiplier(sigma), _check_sample_rate(q),
+                            _check_steps(n, "steps")])
+        self.accountant, self._history, self._cache = accountant, history, None
+
+    def __repr__(self) -> str:
+        return f"Accountant({self.accountant!r}, history={self.history})"

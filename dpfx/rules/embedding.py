@@ -1,0 +1,337 @@
+"""Per-sample gradients of embedding tables: ``nn.Embedding``, ``table[idx]`` and ``nn.EmbeddingBag``.
+
+With Inductor's decompositions an ``Embedding(V, d)`` weight gradient on (B, T) indices reads::
+
+    zeros = full([V, d], 0)
+    grad  = _unsafe_masked_index_put_accumulate(zeros, mask, [idx], g)   # idx (B, T), g (B, T, d)
+
+a scatter-add of every token's output gradient into its row of one shared table: the sum over
+examples happens because all B*T tokens land in the same [V, d] table. Giving every example its own
+table keeps them apart::
+
+    rows = arange(B).view(B, 1).expand(B, T)
+    ps   = _unsafe_masked_index_put_accumulate(full([B, V, d], 0), mask, [rows, idx], g)   # (B, V, d)
+
+The mask (``padding_idx`` and out-of-range indices) and accumulation (an index repeated within one
+example adds up) are the op's own, so the per-sample form inherits them unchanged. The same rewrite
+serves ``index_put(zeros, [idx], g, accumulate=True)`` (the backward of ``table[idx]``) and
+``embedding_dense_backward`` (graphs captured without Inductor's decomposition of it).
+
+``_embedding_bag_backward`` (EmbeddingBag, modes "sum" and "mean") reduces each bag to one output
+row; its gradient is a scatter-add of ``grad[bag(j)] * w_j`` for every index j, with
+``bag(j) = searchsorted(offsets, j, right=True) - 1`` and ``w_j`` the per-sample weight, ``1`` or
+``1 / bag_size``. Since ``grad`` has the batch at dim 0, bag b is example b's output row, so the
+per-bag scatter (rows = ``bag``) is exactly the per-example gradient. Whether each bag reads only its
+own example's indices is a property of the forward, which ``check_forward`` decides.
+
+Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
+often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
+any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``,
+EmbeddingBag mode "max", and index layouts other than a plain batch dim 0.
+
+Strategy: this is "materialize": the per-sample form is a dense (B, V, d) tensor, B*V*d memory. The
+ghost-norm variant (a later issue) never builds it: example i's squared norm is
+``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T) Gram matrix masked by index equality, and
+the clipped sum is one scatter-add of the clip-scaled token gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import Rule, register
+from ..passes.batch import BatchDim
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_MODES = {0: "sum", 1: "mean", 2: "max"}
+
+
+# -- checks shared by every form -------------------------------------------------------------------
+def _plain_at_front(node, ctx) -> bool:
+    lay = ctx.layout(node)
+    return isinstance(lay, BatchDim) and lay.is_plain and lay.dim == 0
+
+
+def _is_zeros(node) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is aten.zeros.default:
+        return True
+    return node.target is aten.full.default and node.args[1] == 0
+
+
+def _batch_reduction_upstream(nodes, ctx) -> fx.Node | None:
+    """A data-dependent ancestor of ``nodes`` that reduces over the batch, if any: its output mixes
+    examples, so a per-sample form built from it would let example j's data into example i's
+    gradient (``scale_grad_by_freq`` counts indices over the whole batch this way)."""
+    an = ctx.analysis
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in an.data_dependent:
+            continue
+        seen.add(node)
+        if (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+                and not an.is_batched(node)
+                and any(an.is_batched(a) for a in node.all_input_nodes)):
+            return node
+        stack.extend(node.all_input_nodes)
+    return None
+
+
+def _mixing_reason(nodes, ctx) -> str | None:
+    mixer = _batch_reduction_upstream(nodes, ctx)
+    if mixer is None:
+        return None
+    return (f"the gradient values depend on {mixer.name} ({mixer.target}), which reduces over the "
+            f"batch, so one example's gradient would depend on the others' data (is "
+            f"scale_grad_by_freq=True? it counts indices over the whole batch)")
+
+
+def _check_scatter(base, idx, values, mask, ctx) -> str | None:
+    """The common checks of a scatter-add of (B, ...) values into a zero table."""
+    if not _is_zeros(base) or ctx.analysis.is_batched(base):
+        return f"the accumulated-into tensor {getattr(base, 'name', base)} is not a zero table"
+    if not isinstance(idx, fx.Node) or idx.meta["val"].dtype not in (torch.int64, torch.int32):
+        return "the index is not an integer tensor"
+    if not _plain_at_front(idx, ctx):
+        return f"the index has batch layout {ctx.layout(idx)}; it must be a plain batch at dim 0"
+    if not _plain_at_front(values, ctx):
+        return f"the values have batch layout {ctx.layout(values)}; need a plain batch at dim 0"
+    if values.meta["val"].dim() != idx.meta["val"].dim() + base.meta["val"].dim() - 1:
+        return "the values are not one row of the table per index"
+    if mask is not None and ctx.layout(mask) is not None and not (
+            _plain_at_front(mask, ctx) and mask.meta["val"].dim() == values.meta["val"].dim()):
+        return f"the mask has batch layout {ctx.layout(mask)}; need a plain batch at dim 0"
+    return _mixing_reason([idx, values, mask], ctx)
+
+
+# -- emitting the per-sample scatter ---------------------------------------------------------------
+def _sizes(node, ctx) -> list:
+    return [ctx.emit.size(s) for s in ctx.analysis.shape(node.meta["val"])]
+
+
+def _example_rows(idx, ctx) -> fx.Node:
+    """arange(B) broadcast to ``idx``'s shape: the example each index belongs to."""
+    batch = ctx.emit.batch_size()
+    val = idx.meta["val"]
+    rows = _iota(batch, val.dtype, val.device, ctx)
+    rows = ctx.emit(aten.view.default, rows, [batch] + [1] * (val.dim() - 1))
+    return ctx.emit(aten.expand.default, rows, _sizes(idx, ctx))
+
+
+def _iota(length, dtype, device, ctx) -> fx.Node:
+    """arange(length). Emitted ops must be ones that survive Inductor's decompositions (the graph
+    is already decomposed): ``prims.iota``, not ``aten.arange``."""
+    return ctx.emit(prims.iota.default, length, start=0, step=1, dtype=dtype, device=device,
+                    requires_grad=False)
+
+
+def _per_example_tables(table_shape: list, val: torch.Tensor, ctx) -> fx.Node:
+    """full([B, *table_shape], 0) with ``val``'s dtype and device."""
+    return ctx.emit(aten.full.default, [ctx.emit.batch_size(), *table_shape], 0, dtype=val.dtype,
+                    layout=torch.strided, device=val.device, pin_memory=False)
+
+
+def _scatter_per_example(base_shape, dtype_of, rows, idx, values, mask, ctx) -> fx.Node:
+    """index_put(full([B, *base_shape], 0), [rows, idx], values, accumulate=True), with the masked
+    op's semantics when ``mask`` is given: masked-out values are zeroed and indices clamped into
+    the table. (Emitting ``_unsafe_masked_index_put_accumulate`` itself would not trace: its fake
+    implementation asks whether the (B, V, d) base is empty, a guard on the unbacked batch size.)"""
+    tables = _per_example_tables(base_shape, dtype_of, ctx)
+    if mask is not None:
+        val = values.meta["val"]
+        zero = ctx.emit(aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
+        values = ctx.emit(aten.where.self, mask, values, zero)
+        idx = ctx.emit(aten.clamp_min.default, idx, -base_shape[0])
+        idx = ctx.emit(aten.clamp_max.default, idx, base_shape[0] - 1)
+    return ctx.emit(aten.index_put.default, tables, [rows, idx], values, True)
+
+
+def _scatter_cost(form: str, values, table, ctx) -> dict:
+    numel = 1
+    for s in ctx.analysis.shape(values.meta["val"]):
+        numel = numel * s
+    table_numel = 1
+    for s in ctx.analysis.shape(table.meta["val"]):
+        table_numel = table_numel * s
+    return {"form": form, "flops": numel, "memory": ctx.analysis.batch * table_numel}
+
+
+# -- _unsafe_masked_index_put_accumulate(zeros, mask, [idx], values) -------------------------------
+def _masked_args(node):
+    base, mask, indices, values = node.args[:4]
+    return base, mask, indices, values
+
+
+def check_masked_put(node, ctx) -> str | None:
+    base, mask, indices, values = _masked_args(node)
+    if len(indices) != 1 or indices[0] is None:
+        return f"it indexes {len(indices)} dims; the rule handles one index tensor on dim 0"
+    return _check_scatter(base, indices[0], values, mask, ctx)
+
+
+def rewrite_masked_put(node, ctx):
+    base, mask, (idx,), values = _masked_args(node)
+    return _scatter_per_example(_sizes(base, ctx), base.meta["val"], _example_rows(idx, ctx), idx,
+                                values, mask, ctx)
+
+
+def cost_masked_put(node, ctx) -> dict:
+    base, _, _, values = _masked_args(node)
+    return _scatter_cost("masked index_put into [B, V, d] (materialize)", values, base, ctx)
+
+
+# -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
+def _put_args(node):
+    base, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    return base, indices, values, accumulate
+
+
+def check_index_put(node, ctx) -> str | None:
+    base, indices, values, accumulate = _put_args(node)
+    if not accumulate:
+        return "accumulate=False overwrites instead of summing the per-token gradients"
+    if len(indices) != 1 or indices[0] is None:
+        return f"it indexes {len(indices)} dims; the rule handles one index tensor on dim 0"
+    return _check_scatter(base, indices[0], values, None, ctx)
+
+
+def rewrite_index_put(node, ctx):
+    base, (idx,), values, _ = _put_args(node)
+    return _scatter_per_example(_sizes(base, ctx), base.meta["val"], _example_rows(idx, ctx), idx,
+                                values, None, ctx)
+
+
+def cost_index_put(node, ctx) -> dict:
+    base, _, values, _ = _put_args(node)
+    return _scatter_cost("index_put into [B, V, d] (materialize)", values, base, ctx)
+
+
+# -- embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq) ---
+def check_dense_backward(node, ctx) -> str | None:
+    grad_output, idx, _, _, scale_grad_by_freq = node.args[:5]
+    if scale_grad_by_freq:
+        return ("scale_grad_by_freq=True divides by index counts over the whole batch, so one "
+                "example's gradient would depend on the others' data")
+    if not _plain_at_front(idx, ctx):
+        return f"the indices have batch layout {ctx.layout(idx)}; need a plain batch at dim 0"
+    if not _plain_at_front(grad_output, ctx):
+        return f"the output gradient has batch layout {ctx.layout(grad_output)}"
+    return _mixing_reason([idx, grad_output], ctx)
+
+
+def _valid_token_mask(idx, num_weights: int, padding_idx: int, rank: int, ctx) -> fx.Node:
+    """(0 <= idx < V) & (idx != padding_idx), unsqueezed to ``rank`` dims, as the decomposition."""
+    valid = ctx.emit(aten.bitwise_and.Tensor, ctx.emit(aten.ge.Scalar, idx, 0),
+                     ctx.emit(aten.lt.Scalar, idx, num_weights))
+    mask = ctx.emit(aten.bitwise_and.Tensor, valid, ctx.emit(aten.ne.Scalar, idx, padding_idx))
+    for _ in range(rank - idx.meta["val"].dim()):
+        mask = ctx.emit(aten.unsqueeze.default, mask, -1)
+    return mask
+
+
+def rewrite_dense_backward(node, ctx):
+    grad_output, idx, num_weights, padding_idx, _ = node.args[:5]
+    if idx.meta["val"].dtype != torch.int64:
+        idx = ctx.emit(prims.convert_element_type.default, idx, torch.int64)
+    gval = grad_output.meta["val"]
+    mask = _valid_token_mask(idx, num_weights, padding_idx, gval.dim(), ctx)
+    row_shape = _sizes(grad_output, ctx)[idx.meta["val"].dim():]
+    ps = _scatter_per_example([num_weights, *row_shape], gval, _example_rows(idx, ctx), idx,
+                              grad_output, mask, ctx)
+    if gval.dtype != node.meta["val"].dtype:
+        ps = ctx.emit(prims.convert_element_type.default, ps, node.meta["val"].dtype)
+    return ps
+
+
+def cost_dense_backward(node, ctx) -> dict:
+    return _scatter_cost("masked index_put into [B, V, d] (materialize)", node.args[0], node, ctx)
+
+
+# -- _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, V, ...) ----
+def _bag_args(node) -> dict:
+    names = [a.name for a in node.target._schema.arguments]
+    args = {a.name: a.default_value for a in node.target._schema.arguments if a.has_default_value()}
+    args.update(zip(names, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def check_embedding_bag(node, ctx) -> str | None:
+    a = _bag_args(node)
+    if a["mode"] not in (0, 1):
+        return (f"EmbeddingBag mode '{_MODES.get(a['mode'], a['mode'])}' routes the gradient "
+                f"through the argmax indices; only modes 'sum' and 'mean' have a per-sample rule")
+    if a["scale_grad_by_freq"]:
+        return ("scale_grad_by_freq=True divides by index counts over the whole batch, so one "
+                "example's gradient would depend on the others' data")
+    if a["sparse"]:
+        return "sparse=True gradients are not supported; use a dense EmbeddingBag"
+    grad, offsets, indices = a["grad"], a["offsets"], a["indices"]
+    if not _plain_at_front(grad, ctx) or grad.meta["val"].dim() != 2:
+        return f"the bag outputs' gradient has batch layout {ctx.layout(grad)}; need (B, d)"
+    if not _plain_at_front(offsets, ctx) or offsets.meta["val"].dim() != 1:
+        return (f"the offsets have batch layout {ctx.layout(offsets)}; need one offset per example "
+                f"(include_last_offset=True is not supported)")
+    if indices.meta["val"].dim() != 1:
+        return "the indices are not the flattened 1-D index list"
+    return _mixing_reason([grad, indices, offsets, a["bag_size"], a["per_sample_weights"]], ctx)
+
+
+def _bag_of_each_index(indices, offsets, ctx) -> fx.Node:
+    """bag(j) = searchsorted(offsets, j, right=True) - 1: the bag (= example) index j falls in."""
+    val = indices.meta["val"]
+    positions = _iota(_sizes(indices, ctx)[0], offsets.meta["val"].dtype, val.device, ctx)
+    after = ctx.emit(aten.searchsorted.Tensor, offsets, positions, right=True)
+    return ctx.emit(aten.sub.Tensor, after, 1)
+
+
+def _bag_values(a: dict, bag, ctx) -> fx.Node:
+    """grad[bag(j)] times index j's weight in its bag's reduction, shape (N, d)."""
+    values = ctx.emit(aten.index.Tensor, a["grad"], [bag])
+    if a["mode"] == 1:
+        sizes = ctx.emit(aten.index.Tensor, a["bag_size"], [bag])
+        values = ctx.emit(aten.div.Tensor, values, ctx.emit(aten.unsqueeze.default, sizes, 1))
+    if a["per_sample_weights"] is not None:
+        weights = ctx.emit(aten.unsqueeze.default, a["per_sample_weights"], 1)
+        values = ctx.emit(aten.mul.Tensor, values, weights)
+    return values
+
+
+def rewrite_embedding_bag(node, ctx):
+    a = _bag_args(node)
+    indices, grad = a["indices"], a["grad"]
+    bag = _bag_of_each_index(indices, a["offsets"], ctx)
+    values = _bag_values(a, bag, ctx)
+    mask = None
+    if a["padding_idx"] >= 0:
+        mask = ctx.emit(aten.unsqueeze.default, ctx.emit(aten.ne.Scalar, indices, a["padding_idx"]),
+                        1)
+    table = [a["num_weights"], _sizes(grad, ctx)[1]]
+    return _scatter_per_example(table, grad.meta["val"], bag, indices, values, mask, ctx)
+
+
+def cost_embedding_bag(node, ctx) -> dict:
+    a = _bag_args(node)
+    numel = ctx.analysis.shape(a["indices"].meta["val"])[0] * ctx.analysis.shape(
+        a["grad"].meta["val"])[1]
+    table = 1
+    for s in ctx.analysis.shape(node.meta["val"]):
+        table = table * s
+    return {"form": "per-bag index_put into [B, V, d] (materialize)", "flops": numel,
+            "memory": ctx.analysis.batch * table}
+
+
+MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
+                           check_masked_put, rewrite_masked_put, cost_masked_put))
+INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_index_put.default),
+                          check_index_put, rewrite_index_put, cost_index_put))
+DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),
+                               check_dense_backward, rewrite_dense_backward, cost_dense_backward))
+EMBEDDING_BAG = register(Rule("embedding_bag", (aten._embedding_bag_backward.default,),
+                              check_embedding_bag, rewrite_embedding_bag, cost_embedding_bag))

@@ -1,0 +1,65 @@
+"""Small models shared by the core tests and the golden graphs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """The canonical 2-layer MLP."""
+
+    def __init__(self, d_in=8, hidden=16, d_out=4, bias=True):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, d_out, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class SeqModel(nn.Module):
+    """A sequence model: Linear on a (B, T, d) input, a learned positional parameter with no batch
+    dim, an elementwise scale, and a mean over time before the head."""
+
+    def __init__(self, T=6, d=8, hidden=16, n_classes=4):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, T, d) * 0.1)
+        self.proj = nn.Linear(d, hidden)
+        self.gamma = nn.Parameter(torch.ones(hidden))
+        self.head = nn.Linear(hidden, n_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.proj(x + self.pos)) * self.gamma
+        return self.head(h.mean(1))
+
+
+class TiedMLP(nn.Module):
+    """One Linear applied twice: its per-sample gradients must be summed over both uses."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+class MatmulParam(nn.Module):
+    """A raw parameter used with ``@`` on a 3-D input (no nn.Linear)."""
+
+    def __init__(self, d=5, k=3):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, k) * 0.3)
+
+    def forward(self, x):
+        return (x @ self.w).sum(1)
+
+
+def mse(out, y):
+    return F.mse_loss(out, y)
+
+
+def xent(out, y):
+    return F.cross_entropy(out, y)

@@ -1,0 +1,73 @@
+"""The independent reference every differential test compares against: torch.func per-example
+gradients (vmap of grad over the batch), flat clipping over all parameters, sum, divide.
+
+Nothing here shares code with dpfx's compiler.
+"""
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call, grad, vmap
+
+CLIP_EPS = 1e-6
+
+
+def per_example_grads(model, loss_fn, inputs, targets):
+    """{name: (B, *p.shape)}: the gradient of example i's own loss, loss_fn(out_i, y_i)."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def one(p, x, y):
+        out = functional_call(model, {**p, **frozen, **buffers}, (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    return vmap(grad(one), in_dims=(None, 0, 0))(params, inputs, targets)
+
+
+def dp_sgd_grads(model, loss_fn, inputs, targets, *, max_grad_norm, loss_reduction="mean",
+                 expected_batch_size=None):
+    """The DP-SGD gradient with sigma = 0, as Opacus defines it."""
+    batch = inputs.shape[0]
+    names = [k for k, v in model.named_parameters() if v.requires_grad]
+    if batch == 0:
+        return {k: torch.zeros_like(dict(model.named_parameters())[k]) for k in names}
+    g = per_example_grads(model, loss_fn, inputs, targets)
+    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+    factor = (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+    if loss_reduction == "mean":
+        denom = expected_batch_size or batch
+    else:
+        denom = 1
+    return {k: (g[k] * factor.view(-1, *[1] * (g[k].dim() - 1))).sum(0) / denom for k in names}
+
+
+def clip_fraction(model, loss_fn, inputs, targets, max_grad_norm) -> float:
+    """Share of examples whose gradient norm exceeds C (tests use it to make clipping bite)."""
+    if inputs.shape[0] == 0:
+        return 0.0
+    g = per_example_grads(model, loss_fn, inputs, targets)
+    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+    return float((norms > max_grad_norm).float().mean())
+
+
+def run_dpfx(dp_model, model, loss_fn, inputs, targets, loss_reduction="mean"):
+    """One step through dpfx: returns {name: p.grad clone}, leaving the grads zeroed."""
+    model.zero_grad(set_to_none=True)
+    out = dp_model(inputs)
+    if inputs.shape[0] == 0:
+        loss = out.sum() * 0.0
+    else:
+        reduce = torch.mean if loss_reduction == "mean" else torch.sum
+        per_example = torch.stack([loss_fn(out[i:i + 1], targets[i:i + 1])
+                                   for i in range(inputs.shape[0])])
+        loss = reduce(per_example)
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")

@@ -1,0 +1,175 @@
+"""Differential tests of the convolution rule (dpfx/rules/convolution.py) against torch.func.
+
+Models are ``[input scale] -> conv -> flatten -> Linear`` so every example has its own loss. The
+learned input scale makes the convolution's input require grad, as it does for every convolution
+but a network's first; without it (a first layer) convolution_backward computes no input gradient
+and none of its outputs is batched. Both cases are drawn.
+
+Each example builds a fresh model after ``torch._dynamo.reset()``: without it dynamo's automatic
+dynamic shapes make the spatial sizes of later models symbolic, which is a separate concern
+(test_symbolic_spatial_sizes covers the rule on symbolic sizes).
+"""
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import dpfx
+from models import xent
+from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d}
+N_CLASSES = 3
+
+
+class InputScale(nn.Module):
+    """x * s with a learned per-channel s: the layer in front makes the conv's input need grad."""
+
+    def __init__(self, channels: int, spatial_dims: int):
+        super().__init__()
+        self.s = nn.Parameter(1 + 0.1 * torch.randn(1, channels, *[1] * spatial_dims))
+
+    def forward(self, x):
+        return x * self.s
+
+
+class MeanOverSpace(nn.Module):
+    def forward(self, x):
+        return x.mean(dim=tuple(range(2, x.dim())))
+
+
+def conv_classifier(conv: nn.Module, x: torch.Tensor, *, scale_input=True, head="flatten"):
+    """[InputScale] -> conv -> (flatten | spatial mean) -> Linear; layer 'conv' is the conv."""
+    layers = {"scale": InputScale(x.shape[1], x.dim() - 2)} if scale_input else {}
+    layers["conv"] = conv
+    layers["pool"] = nn.Flatten() if head == "flatten" else MeanOverSpace()
+    body = nn.Sequential(OrderedDict(layers))
+    with torch.no_grad():
+        features = body(torch.zeros(1, *x.shape[1:])).shape[1]
+    body.add_module("head", nn.Linear(features, N_CLASSES))
+    return body
+
+
+def check(model, x, y, *, C, reduction="mean", expected=None, backend="eager"):
+    """dpfx with sigma = 0 equals the reference; returns {param name: rules that fired}."""
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=expected, backend=backend)
+    got = run_dpfx(dp, model, xent, x, y, reduction)
+    want = dp_sgd_grads(model, xent, x, y, max_grad_norm=C, loss_reduction=reduction,
+                        expected_batch_size=expected)
+    assert_close(got, want)
+    return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+
+
+def assert_conv_rule_fired(rules, bias: bool):
+    assert rules["conv.weight"] == ["convolution"], rules
+    if bias:
+        assert rules["conv.bias"] in (["convolution"], ["sum"]), rules
+
+
+def labels(batch: int) -> torch.Tensor:
+    return torch.randint(0, N_CLASSES, (batch,))
+
+
+@st.composite
+def conv_configs(draw):
+    """Conv constructor kwargs and an input shape, for a valid convolution of dim 1, 2 or 3.
+    Kernel, stride and dilation differ per spatial dim; padding is an int, a per-dim tuple,
+    "same" (stride 1; asymmetric for even kernels) or "valid"."""
+    dim = draw(st.sampled_from([1, 2, 3]))
+    per_dim = lambda values: tuple(draw(st.sampled_from(values)) for _ in range(dim))
+    groups = draw(st.sampled_from([1, 2, 3]))
+    depthwise = draw(st.booleans())
+    in_ch = groups * (1 if depthwise else draw(st.integers(1, 2)))
+    out_ch = groups * draw(st.integers(1, 2))
+    kernel = per_dim([2, 3, 1] if dim < 3 else [2, 1])
+    dilation = per_dim([1, 2])
+    padding = draw(st.sampled_from(["int", "tuple", "same", "valid"]))
+    padding = {"int": draw(st.integers(0, 2)), "tuple": per_dim([0, 1, 2])}.get(padding, padding)
+    stride = 1 if padding == "same" else per_dim([1, 2])
+    mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "circular", "replicate"]))
+    kwargs = dict(in_channels=in_ch, out_channels=out_ch, kernel_size=kernel, stride=stride,
+                  padding=padding, dilation=dilation, groups=groups, bias=draw(st.booleans()),
+                  padding_mode=mode)
+    spatial = [draw(st.integers(5, 6)) for _ in range(dim)]
+    return dim, kwargs, spatial
+
+
+@SETTINGS
+@given(config=conv_configs(), batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
+       first_layer=st.booleans())
+def test_conv_matches_reference(config, batch, reduction, first_layer):
+    torch._dynamo.reset()
+    dim, kwargs, spatial = config
+    x = torch.randn(batch, kwargs["in_channels"], *spatial) * 3
+    y = labels(batch)
+    model = conv_classifier(CONV[dim](**kwargs), x, scale_input=not first_layer)
+    C = 1e-3
+    if batch:
+        assert clip_fraction(model, xent, x, y, C) > 0
+    expected = 3 if batch == 0 and reduction == "mean" else None
+    rules = check(model, x, y, C=C, reduction=reduction, expected=expected)
+    assert_conv_rule_fired(rules, kwargs["bias"])
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(dim=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), kernel=st.integers(1, 3),
+       stride=st.integers(1, 3), padding=st.integers(0, 1), dilation=st.integers(1, 2),
+       extra_out=st.integers(0, 2), bias=st.booleans(), batch=st.integers(0, 3))
+def test_transposed_conv_matches_reference(dim, groups, kernel, stride, padding, dilation,
+                                           extra_out, bias, batch):
+    """output_padding < max(stride, dilation) makes windows run past the input; the rule trims."""
+    torch._dynamo.reset()
+    output_padding = min(extra_out, max(stride, dilation) - 1)
+    conv = CONV_T[dim](2 * groups, 2 * groups, kernel, stride=stride, padding=padding,
+                       output_padding=output_padding, groups=groups, bias=bias,
+                       dilation=dilation)
+    x = torch.randn(batch, 2 * groups, *[4] * dim) * 3
+    y = labels(batch)
+    model = conv_classifier(conv, x)
+    if batch:
+        assert clip_fraction(model, xent, x, y, 1e-3) > 0
+    rules = check(model, x, y, C=1e-3, reduction="sum")
+    assert_conv_rule_fired(rules, bias)
+
+
+def test_symbolic_spatial_sizes():
+    """One compiled model fed several image sizes: dynamo makes H and W symbolic on the second,
+    so the rule's unfold, views and bmm run on SymInt sizes (and on B = 0 afterwards)."""
+    torch._dynamo.reset()
+    conv = nn.Conv2d(2, 4, 3, stride=2, padding=1, dilation=2)
+    model = conv_classifier(conv, torch.randn(1, 2, 9, 9), head="mean")
+    dp = dpfx.compile(model, max_grad_norm=1e-3, noise_multiplier=0.0, expected_batch_size=3,
+                      backend="eager")
+    for shape in [(2, 2, 9, 9), (3, 2, 11, 8), (1, 2, 12, 10), (0, 2, 7, 7)]:
+        x, y = torch.randn(shape) * 3, labels(shape[0])
+        want = dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-3, expected_batch_size=3)
+        assert_close(run_dpfx(dp, model, xent, x, y), want)
+    rules = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+    assert_conv_rule_fired(rules, bias=True)
+    assert dp.compile_count == 4
+
+
+def test_first_layer_conv():
+    """convolution_backward with output_mask [False, True, True]: the frontier is the getitem of a
+    tuple with no batched output."""
+    torch._dynamo.reset()
+    x, y = torch.randn(3, 3, 7, 7), labels(3)
+    model = conv_classifier(nn.Conv2d(3, 4, 3, padding=1), x, scale_input=False)
+    assert_conv_rule_fired(check(model, x, y, C=1e-3), bias=True)
+
+
+def test_inductor_conv2d():
+    """Inductor lowers the rule's unfold/bmm. Inductor's CPU layout optimization (channels-last
+    convolutions) is turned off: with the batch marked unbacked, the forward convolution's real
+    strides disagree with its fake ones (an Inductor issue, not this rule's; see the module report)."""
+    torch._dynamo.reset()
+    x, y = torch.randn(4, 2, 6, 6) * 3, labels(4)
+    model = conv_classifier(nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2), x)
+    assert clip_fraction(model, xent, x, y, 1e-2) > 0
+    with torch._inductor.config.patch(layout_optimization=False):
+        rules = check(model, x, y, C=1e-2, reduction="mean", backend="inductor")
+    assert_conv_rule_fired(rules, bias=True)
