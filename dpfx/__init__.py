@@ -8,9 +8,10 @@
 from .api import DPModule, compile
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
+from .modules import replace_batchnorm
 
 __all__ = [
-    "compile", "explain", "DPModule", "Report",
+    "compile", "explain", "replace_batchnorm", "DPModule", "Report",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,8 @@ including 0 and 1 (tests/test_core.py::test_batch_sizes_compile_once).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -19,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .backend import DPBackend
 from .config import DPConfig
 from .errors import CaptureError, DPFXError, PrivacyError
+from .modules import check_modules
 
 
 class DPModule(torch.nn.Module):
@@ -51,12 +54,15 @@ class DPModule(torch.nn.Module):
             raise ValueError(
                 "empty batch with loss_reduction='mean' and no expected_batch_size: the DP-SGD "
                 "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
+        if training:
+            check_modules(self._orig_mod)
         for t in tensors:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         backend = self._dpfx_backend
         backend.forward_ran = False
         try:
-            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
+                    _size_checks_that_trace():
                 out = self._dpfx_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
@@ -66,6 +72,10 @@ class DPModule(torch.nn.Module):
             raise
         except GuardOnDataDependentSymNode as e:
             raise _symbolic_batch_error(e) from e
+        except torch._dynamo.exc.UserError as e:
+            if "data-dependent" in str(e):
+                raise _symbolic_batch_error(e) from e
+            raise
         except torch._dynamo.exc.Unsupported as e:
             raise CaptureError(
                 f"the model's forward could not be captured as one graph (a graph break): "
@@ -76,6 +86,27 @@ class DPModule(torch.nn.Module):
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
         return out
+
+
+_verify_batch_size = torch.nn.functional._verify_batch_size
+
+
+def _verify_batch_size_if_known(size) -> None:
+    """torch's check that a norm layer sees more than one value per channel in training, skipped
+    when the batch is symbolic (the check would pin the batch size; with B = 1 and one value per
+    group GroupNorm then returns zeros instead of raising)."""
+    if any(isinstance(s, torch.SymInt) for s in size):
+        return
+    _verify_batch_size(size)
+
+
+@contextlib.contextmanager
+def _size_checks_that_trace():
+    torch.nn.functional._verify_batch_size = _verify_batch_size_if_known
+    try:
+        yield
+    finally:
+        torch.nn.functional._verify_batch_size = _verify_batch_size
 
 
 def _symbolic_batch_error(e: Exception) -> CaptureError:

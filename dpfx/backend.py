@@ -49,7 +49,10 @@ class DPBackend:
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         self._input_kinds = [self._kind(x) for x in example_inputs]
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
+        # at the first forward, not suppressed until (or skipped before) the first backward.
+        with torch._functorch.config.patch(enable_autograd_cache=False,
+                                           force_non_lazy_backward_lowering=True):
             return compile_fx(gm, example_inputs, inner_compile=self._inner)
 
     def _kind(self, x: Any) -> str:

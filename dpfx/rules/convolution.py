@@ -116,7 +116,7 @@ def _product(ctx, sizes):
 
 
 def _patches(ctx, args: ConvArgs, positions: list):
-    """(B, C, *spatial) image -> (B, C, *positions, *kernel): the window every output position reads."""
+    """(B, C, *spatial) image -> (B, C, *positions, *kernel): what each output position reads."""
     x, n = args.image, len(args.kernel)
     if any(args.padding):
         pad = [p for p in reversed(args.padding) for _ in range(2)]
@@ -137,7 +137,7 @@ def per_sample_weight(ctx, args: ConvArgs):
     g, n = args.groups, len(args.kernel)
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
     batch = ctx.emit.batch_size()
-    batch_groups = ctx.emit(operator.mul, batch, g)
+    batch_groups = _product(ctx, [batch, g])
     positions = [_size(ctx, args.response, 2 + i) for i in range(n)]
     num_positions = _product(ctx, positions)
     patches = _patches(ctx, args, positions)
@@ -166,21 +166,25 @@ def rewrite_convolution(node, ctx):
     return per_sample_weight(ctx, args)
 
 
+def _positions(ctx, node):
+    """The number of spatial positions of ``node``, a sympy expression."""
+    return math.prod(ctx.analysis.shape(node.meta["val"])[2:])
+
+
 def cost_convolution(node, ctx) -> dict:
     args = ConvArgs.of(node.args[0])
     batch = ctx.analysis.batch
-    shape = ctx.analysis.shape(args.response.meta["val"])
-    positions = math.prod(shape[2:]) if len(shape) > 2 else 1
     if node.args[1] == BIAS:
-        return {"form": f"sum of {shape} over its spatial dims", "flops": batch * shape[1] * positions,
-                "memory": batch * shape[1]}
-    g = args.groups
+        channels = int(args.grad_out.meta["val"].shape[1])
+        return {"form": f"sum of [B, {channels}, ...] over its spatial dims",
+                "flops": batch * channels * _positions(ctx, args.grad_out),
+                "memory": batch * channels}
+    g, k, p = args.groups, math.prod(args.kernel), _positions(ctx, args.response)
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
-    k = math.prod(args.kernel)
     return {
-        "form": f"bmm([B*{g}, {c_resp // g}, {positions}], unfold -> [B*{g}, {positions}, {c_img * k}])",
-        "flops": 2 * batch * c_resp * c_img * k * positions,
-        "memory": batch * g * c_img * k * positions + batch * c_resp * c_img * k,
+        "form": f"bmm([B*{g}, {c_resp // g}, {p}], unfold to [B*{g}, {p}, {c_img * k}])",
+        "flops": 2 * batch * c_resp * c_img * k * p,
+        "memory": batch * g * c_img * k * p + batch * c_resp * c_img * k,
     }
 
 

@@ -1,0 +1,43 @@
+"""Module-level checks and fixes that need no graph: BatchNorm is the one every DP user meets.
+
+    model = dpfx.replace_batchnorm(model)     # BatchNorm{1,2,3}d -> GroupNorm, in place
+
+BatchNorm in training mode normalizes each example with statistics of the whole batch, so
+example i's output depends on every other example and per-example clipping bounds nothing. The
+forward check (passes/verify.py) catches it in the graph too; this check runs first because
+torch's batch_norm tests the batch size in Python, before dpfx sees any graph.
+"""
+from __future__ import annotations
+
+
+import torch.nn as nn
+
+from .errors import PrivacyError
+
+
+def check_modules(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            raise PrivacyError(
+                f"module '{name or '<root>'}' ({type(module).__name__}) is in training mode: "
+                f"BatchNorm averages over the batch, so each example's output depends on the "
+                f"others. Replace it with GroupNorm (dpfx.replace_batchnorm(model)), or put it in "
+                f"eval mode with frozen statistics.")
+
+
+def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
+    """Swap every BatchNorm{1,2,3}d for a GroupNorm over the same channels, in place.
+
+    The number of groups is the largest divisor of the channel count not above ``max_groups``,
+    as is usual for DP image models (Opacus' fixer uses the gcd with 32)."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            channels = child.num_features
+            groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
+            setattr(model, name, nn.GroupNorm(groups, channels, eps=child.eps, affine=child.affine))
+        else:
+            replace_batchnorm(child, max_groups)
+    return model
+
+
+__all__ = ["check_modules", "replace_batchnorm"]

@@ -1,0 +1,52 @@
+"""End to end through Inductor's C++ backend: correctness, one compile for every batch size, and
+the caches that must not hand back non-private graphs. Kept small: each compile costs seconds."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dpfx
+from models import MLP, SeqModel, mse, xent
+from reference import assert_close, dp_sgd_grads, run_dpfx
+
+
+@pytest.mark.parametrize("model_cls,loss_fn,shape,target", [
+    (MLP, mse, (8,), lambda b: torch.randn(b, 4)),
+    (SeqModel, xent, (6, 8), lambda b: torch.randint(0, 4, (b,))),
+])
+def test_batch_sizes_compile_once(model_cls, loss_fn, shape, target):
+    """Batch sizes 0, 1, 2, 7, 64 in a row: one forward and one backward graph, all exact."""
+    model = model_cls()
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=8)
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+    for batch in [0, 1, 2, 7, 64]:
+        x, y = torch.randn(batch, *shape), target(batch)
+        got = run_dpfx(dp, model, loss_fn, x, y)
+        want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.1, expected_batch_size=8)
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert dp.compile_count == 2
+    lowered = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+    assert lowered - misses == 2  # both graphs went through Inductor, not eager
+
+
+def test_sum_reduction_and_actual_batch_denominator():
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum")
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    got = run_dpfx(dp, model, mse, x, y, "sum")
+    assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, loss_reduction="sum"),
+                 rtol=1e-4, atol=1e-6)
+
+
+def test_plain_torch_compile_first_does_not_leak():
+    """Note [No caches that skip the inner compiler]: a non-private torch.compile of the same
+    model first must not make dpfx reuse its graphs."""
+    model = MLP()
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    plain = torch.compile(model)
+    mse(plain(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0)
+    got = run_dpfx(dp, model, mse, x, y)
+    assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.01), rtol=1e-4, atol=1e-6)
+    total = torch.sqrt(sum(g.pow(2).sum() for g in got.values()))
+    assert total <= 0.01 + 1e-6  # the mean of clipped gradients is within C

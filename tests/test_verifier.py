@@ -1,0 +1,228 @@
+"""The verifier rejects graphs that leak, and every refused model leaves the user's model intact."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpfx
+from dpfx.config import DPConfig
+from dpfx.passes.verify import verify_backward
+from models import MLP, mse
+from reference import assert_close, dp_sgd_grads, run_dpfx
+
+aten = torch.ops.aten
+CONFIG = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
+
+
+def _rewritten():
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=CONFIG.max_grad_norm,
+                      noise_multiplier=CONFIG.noise_multiplier, backend="eager")
+    dp(torch.randn(3, 8))
+    return dp._dpfx_backend.last_backward
+
+
+def _insert_before(gm, anchor, op, *args):
+    with gm.graph.inserting_before(anchor):
+        node = gm.graph.call_function(op, args)
+    node.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+    return node
+
+
+def _route_output(result, name, new_node):
+    output = result.gm.graph.find_nodes(op="output")[0]
+    old = result.private[name]
+    output.args = (tuple(new_node if a is old else a for a in output.args[0]),)
+    return {**result.private, name: new_node}
+
+
+def test_intact_graph_verifies():
+    result = _rewritten()
+    verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_gradient_routed_around_the_clip_is_rejected():
+    result = _rewritten()
+    pg = next(p for p in result.grads if p.name == "fc1.weight")
+    output = result.gm.graph.find_nodes(op="output")[0]
+    unclipped = _insert_before(result.gm, output, aten.sum.dim_IntList, pg.per_sample, [0])
+    noise = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "noise_scale")
+    leaky = _insert_before(result.gm, output, aten.add.Tensor, unclipped, noise)
+    private = _route_output(result, "fc1.weight", leaky)
+    with pytest.raises(dpfx.PrivacyError, match="fc1.weight.*bypasses per-sample clipping"):
+        verify_backward(result.gm, result.analysis, private, CONFIG)
+
+
+def test_missing_noise_is_rejected():
+    result = _rewritten()
+    clipped = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clipped_sum"
+                   and n.meta["val"].shape == (4,))
+    private = _route_output(result, "fc2.bias", clipped)
+    with pytest.raises(dpfx.PrivacyError, match="no noise .*fc2.bias"):
+        verify_backward(result.gm, result.analysis, private, CONFIG)
+
+
+def test_wrong_noise_scale_is_rejected():
+    result = _rewritten()
+    scale = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "noise_scale")
+    scale.args = (scale.args[0], CONFIG.noise_std / 2)
+    with pytest.raises(dpfx.PrivacyError, match="not N\\(0"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_wrong_clip_bound_is_rejected():
+    result = _rewritten()
+    factor = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor")
+    ratio = factor.args[0]
+    ratio.args = (ratio.args[0], 10 * CONFIG.max_grad_norm)
+    with pytest.raises(dpfx.PrivacyError, match="clip factor"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+# -- models dpfx must refuse, and what they leave behind ------------------------------------------
+
+def _assert_untouched(model, before):
+    for (name, p), b in zip(model.named_parameters(), before):
+        assert torch.equal(p, b), name
+        assert p.grad is None, name
+
+
+def _refuse(model, x, error, match):
+    before = [p.detach().clone() for p in model.parameters()]
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
+    with pytest.raises(error, match=match):
+        dp(x)
+    _assert_untouched(model, before)
+
+
+def test_batchnorm_in_training_is_refused():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    _refuse(model, torch.randn(5, 4), dpfx.PrivacyError, r"(?s)module '1'.*BatchNorm.*GroupNorm")
+
+
+class CrossBatchMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+class LossInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).mean()
+
+
+class SoftmaxOverBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return F.softmax(self.fc(x), dim=0)
+
+
+@pytest.mark.parametrize("model_cls,match", [
+    (CrossBatchMean, "reduces over the batch dim|works along the batch dim"),
+    (LossInside, "reduces over the batch dim.*loss outside"),
+    (SoftmaxOverBatch, "batch dim"),
+])
+def test_ops_that_mix_examples_are_refused(model_cls, match):
+    _refuse(model_cls(), torch.randn(5, 4), dpfx.PrivacyError, match)
+
+
+@torch.library.custom_op("dpfx_test::scale", mutates_args=())
+def _scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@torch.library.custom_op("dpfx_test::scale_weight_grad", mutates_args=())
+def _scale_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (g * x).sum(0)
+
+
+@_scale.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+@_scale_weight_grad.register_fake
+def _(g, x):
+    return g.new_empty(g.shape[1:])
+
+
+def _scale_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    return g * w, _scale_weight_grad(g, x)
+
+
+def _scale_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+_scale.register_autograd(_scale_backward, setup_context=_scale_setup)
+
+
+class CustomWeightGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return _scale(x, self.w)
+
+
+def test_unknown_weight_gradient_op_is_refused():
+    _refuse(CustomWeightGrad(), torch.randn(5, 4), dpfx.UnsupportedOpError,
+            r"parameter 'w'.*dpfx_test.scale_weight_grad")
+
+
+def test_model_stays_usable_after_an_error():
+    model = CrossBatchMean()
+    _refuse(model, torch.randn(5, 4), dpfx.PrivacyError, "batch")
+    out = model(torch.randn(5, 4))  # the user's module still runs eagerly
+    out.sum().backward()
+    assert model.fc.weight.grad is not None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+    ({"noise_multiplier": -1.0}, "noise_multiplier"),
+    ({"loss_reduction": "avg"}, "loss_reduction"),
+    ({"expected_batch_size": 0}, "expected_batch_size"),
+    ({"seed": 1.5}, "seed"),
+    ({"backend": "tvm"}, "backend"),
+])
+def test_bad_options_name_the_argument(kwargs, match):
+    options = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dpfx.compile(MLP(), **options)
+
+
+def test_bad_inputs():
+    model = MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        dp(torch.randn(0, 8))
+    with pytest.raises(TypeError):
+        dpfx.compile(lambda x: x, max_grad_norm=1.0, noise_multiplier=1.0)
+    frozen = MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable"):
+        dpfx.compile(frozen, max_grad_norm=1.0, noise_multiplier=1.0)
+    _assert_untouched(model, before)
+
+
+def test_replace_batchnorm_makes_the_model_trainable():
+    model = nn.Sequential(nn.Linear(4, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 2))
+    dpfx.replace_batchnorm(model, max_groups=4)
+    assert isinstance(model[1], nn.GroupNorm) and model[1].num_groups == 4
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager")
+    assert_close(run_dpfx(dp, model, mse, x, y), dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1))
