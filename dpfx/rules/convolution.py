@@ -2,7 +2,7 @@
 
 In the backward graph a convolution's parameter gradients are outputs 1 and 2 of one op::
 
-    cb = convolution_backward(g, x, w, [Cout], stride, padding, dilation, False, [0, 0], groups, mask)
+    cb = convolution_backward(g, x, w, [Cout], stride, padding, dilation, False, [0], groups, mask)
     getitem(cb, 1)    # weight grad, f32[Cout, Cin/groups, *k]: a sum over the batch and positions
     getitem(cb, 2)    # bias grad, f32[Cout]: g summed over dims 0, 2, 3, ...
 
@@ -18,7 +18,8 @@ is ``aten.unfold`` once per spatial dim (window ``dilation*(k-1)+1``, step ``str
 strided slice for dilation, so 1d, 2d and 3d convolutions share the code; ``padding="same"``,
 asymmetric padding and non-zero ``padding_mode`` reach the graph as a pad op *before* the
 convolution, so the op's own padding is always symmetric zeros. The batch is never folded into the
-convolution's ``groups`` (``B*groups`` is 0 for an empty batch, which ATen rejects).
+convolution's ``groups`` (``B*groups`` is 0 for an empty batch, which ATen rejects). The price is
+memory: the patches hold B * Cin * P * K values, the kernel size times the input's.
 
 A transposed convolution is the input-gradient of a convolution, so its weight gradient is the
 convolution weight gradient with the roles swapped: ``g`` is unfolded and ``x`` is contracted.
