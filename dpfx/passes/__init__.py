@@ -96,6 +96,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         return BackwardResult(gm, an, grads, {})
 
     rewrite_per_sample(RewriteContext(an, emit), grads)
+    stages.record("backward.per_sample", gm, fw.batch_symbols, names)
     private = insert_clip_and_noise(emit, grads, config, device)
     for pg in grads:
         outs[pg.output_index] = private[pg.name]

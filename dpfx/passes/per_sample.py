@@ -17,6 +17,7 @@ Any node on that walk with no rule is an ``UnsupportedOpError`` naming the param
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch.fx as fx
@@ -54,6 +55,14 @@ HINT = (
 )
 
 
+def _producer_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs of the op that computed ``node``: for a getitem of a tuple-returning op
+    (convolution_backward), the op's own inputs."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0].all_input_nodes
+    return node.all_input_nodes
+
+
 def _op_name(node: fx.Node) -> str:
     key = rules.frontier_key(node)
     return getattr(key, "__name__", str(key)) if not hasattr(key, "_overloadname") else str(key)
@@ -80,7 +89,7 @@ def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.N
         raise UnsupportedOpError(
             f"parameter '{pg.name}': its gradient {node.name} ({node.target}) still has the batch "
             f"dim; a parameter must not have a batch-sized dim. {HINT}")
-    if any(an.is_batched(a) for a in node.all_input_nodes):
+    if any(an.is_batched(a) for a in _producer_inputs(node)):
         rule, reasons = rules.find(node, ctx)
         if rule is None:
             why = "; ".join(reasons) if reasons else "no rule is registered for it"
