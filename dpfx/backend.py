@@ -28,6 +28,11 @@ from .errors import CaptureError
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
 
 
+# Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
+# unbacked (a stride assertion fails at run time; plain torch.compile fails the same way).
+INDUCTOR_PATCHES = {"layout_optimization": False}
+
+
 class DPBackend:
     """One per ``dpfx.compile`` call: knows the model's parameters and the DP options."""
 
@@ -53,7 +58,8 @@ class DPBackend:
         # at the first forward, not suppressed until (or skipped before) the first backward.
         with torch._functorch.config.patch(enable_autograd_cache=False,
                                            force_non_lazy_backward_lowering=True):
-            return compile_fx(gm, example_inputs, inner_compile=self._inner)
+            return compile_fx(gm, example_inputs, inner_compile=self._inner,
+                              config_patches=INDUCTOR_PATCHES)
 
     def _kind(self, x: Any) -> str:
         if not isinstance(x, torch.Tensor):

@@ -12,5 +12,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(autouse=True)
 def _seed():
+    # A fresh dynamo per test: automatic dynamic shapes would otherwise carry symbolic sizes from
+    # one test's model into the next one of the same class.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     yield

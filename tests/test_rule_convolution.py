@@ -168,13 +168,12 @@ def test_first_layer_conv():
 
 
 def test_inductor_conv2d():
-    """Inductor lowers the rule's unfold/bmm. Inductor's CPU layout optimization (channels-last
-    convolutions) is off: with the batch marked unbacked, the forward Conv2d's real strides
+    """Inductor lowers the rule's unfold/bmm. dpfx turns Inductor's CPU layout optimization off
+    (backend.INDUCTOR_PATCHES): with the batch unbacked, the forward Conv2d's real strides would
     disagree with its fake ones (assert_size_stride fails; plain torch.compile too)."""
     torch._dynamo.reset()
     x, y = torch.randn(4, 2, 6, 6) * 3, labels(4)
     model = conv_classifier(nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2), x)
     assert clip_fraction(model, xent, x, y, 1e-2) > 0
-    with torch._inductor.config.patch(layout_optimization=False):
-        rules = check(model, x, y, C=1e-2, reduction="mean", backend="inductor")
+    rules = check(model, x, y, C=1e-2, reduction="mean", backend="inductor")
     assert_conv_rule_fired(rules, bias=True)

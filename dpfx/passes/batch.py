@@ -176,6 +176,9 @@ class BatchAnalysis:
         return NotImplemented
 
     def _through_view(self, ins: list, bd: BatchDim, outs: list) -> Layout:
+        d = bd.dim
+        if len(outs) > d and all(sympy.simplify(a - b) == 0 for a, b in zip(ins[:d + 1], outs)):
+            return bd  # the view only reshapes dims after the batch (Flatten and its backward)
         stride = bd.inner * _prod(ins[bd.dim + 1:])
         prefix = _prod(ins[: bd.dim]) * bd.outer
         for j in reversed(range(len(outs))):
