@@ -9,9 +9,11 @@ from .api import DPModule, compile
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
 from .modules import replace_batchnorm
+from .passes import Problem
+from .validate import validate
 
 __all__ = [
-    "compile", "explain", "replace_batchnorm", "DPModule", "Report",
+    "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError",
 ]
 __version__ = "0.1.0"

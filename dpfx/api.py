@@ -54,11 +54,11 @@ class DPModule(torch.nn.Module):
             raise ValueError(
                 "empty batch with loss_reduction='mean' and no expected_batch_size: the DP-SGD "
                 "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
-        if training:
+        backend = self._dpfx_backend
+        if training and backend.problems is None:
             check_modules(self._orig_mod)
         for t in tensors:
             torch._dynamo.decorators.mark_unbacked(t, 0)
-        backend = self._dpfx_backend
         backend.forward_ran = False
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \

@@ -47,6 +47,7 @@ class DPBackend:
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
         self.last_backward = None
+        self.problems: list | None = None  # a list while dpfx.validate collects refusals
         self._generator = None
         if config.seed is not None:
             self._generator = torch.Generator().manual_seed(config.seed)
@@ -86,7 +87,8 @@ class DPBackend:
             if idx is not None and self._input_kinds[idx] == "input":
                 batch_inputs[node.name] = 0
         info = compile_forward(gm, batch_inputs, self.stages,
-                               check=not kwargs.get("is_inference", False))
+                               check=not kwargs.get("is_inference", False),
+                               problems=self.problems)
         self._forward[kwargs.get("graph_id")] = info
         compiled = self._lower(gm, example_inputs, kwargs)
 
@@ -119,8 +121,10 @@ class DPBackend:
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         device = _device_of(example_inputs)
         self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
-                                              fake_mode, device, self.stages)
+                                              fake_mode, device, self.stages, self.problems)
         self.param_grads = self.last_backward.grads
+        if self.problems:
+            return _refuse_to_run
         if self.config.backend == "inductor":
             from torch._inductor.fx_passes.replace_random import replace_random_passes
 
@@ -176,3 +180,10 @@ def _device_of(example_inputs) -> torch.device:
         if isinstance(x, torch.Tensor):
             return x.device
     return torch.device("cpu")
+
+
+def _refuse_to_run(args):
+    raise RuntimeError("dpfx.validate compiled this graph only to inspect it; it does not run")
+
+
+_refuse_to_run._boxed_call = True

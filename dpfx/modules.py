@@ -15,14 +15,21 @@ import torch.nn as nn
 from .errors import PrivacyError
 
 
+def module_problems(model: nn.Module) -> list[str]:
+    return [
+        f"module '{name or '<root>'}' ({type(module).__name__}) is in training mode: BatchNorm "
+        f"averages over the batch, so each example's output depends on the others. Replace it "
+        f"with GroupNorm (dpfx.replace_batchnorm(model)), or put it in eval mode with frozen "
+        f"statistics."
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training
+    ]
+
+
 def check_modules(model: nn.Module) -> None:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            raise PrivacyError(
-                f"module '{name or '<root>'}' ({type(module).__name__}) is in training mode: "
-                f"BatchNorm averages over the batch, so each example's output depends on the "
-                f"others. Replace it with GroupNorm (dpfx.replace_batchnorm(model)), or put it in "
-                f"eval mode with frozen statistics.")
+    problems = module_problems(model)
+    if problems:
+        raise PrivacyError(problems[0])
 
 
 def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
@@ -40,4 +47,4 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     return model
 
 
-__all__ = ["check_modules", "replace_batchnorm"]
+__all__ = ["check_modules", "module_problems", "replace_batchnorm"]

@@ -78,7 +78,11 @@ class BagClassifier(nn.Module):
 
 # -- helpers ---------------------------------------------------------------------------------------
 def compile_and_compare(model, x, y, *, C, reduction, backend="eager"):
-    """dpfx with sigma = 0 equals the reference; returns {param name: rules that fired}."""
+    """dpfx with sigma = 0 equals the reference; returns {param name: rules that fired}.
+
+    Dynamo is reset first: every example then compiles from a clean state, instead of one in which
+    earlier examples of the same model class made the sequence dim dynamic."""
+    torch._dynamo.reset()
     expected = 4 if x.shape[0] == 0 and reduction == "mean" else None
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
                       expected_batch_size=expected, backend=backend)
@@ -146,6 +150,20 @@ def test_tied_lm_head_sums_both_uses(batch):
     assert_clipping_bites(model, x, y, 0.05)
     rules, _ = compile_and_compare(model, x, y, C=0.05, reduction="mean")
     assert sorted(rules["emb.weight"]) == ["embedding", "mm"]
+
+
+def test_varying_sequence_length_recompiles_with_symbolic_length():
+    """A second length makes Dynamo mark the sequence dim dynamic: the rule must hold for a
+    symbolic T as well as for a static one."""
+    torch._dynamo.reset()
+    model = EmbeddingClassifier(vocab=9, dim=4, padding_idx=0)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend="eager")
+    y = torch.tensor([0, 1, 2])
+    for seq in (3, 5, 2):
+        x = token_ids(3, seq, 9, repeat=True, seed=seq)
+        got = run_dpfx(dp, model, F.cross_entropy, x, y)
+        assert_close(got, dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.05))
+        assert dp._dpfx_backend.param_grads[0].rules == ["embedding"]
 
 
 def test_scale_grad_by_freq_is_refused():

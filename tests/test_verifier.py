@@ -226,3 +226,30 @@ def test_replace_batchnorm_makes_the_model_trainable():
     x, y = torch.randn(5, 4), torch.randn(5, 2)
     dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager")
     assert_close(run_dpfx(dp, model, mse, x, y), dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1))
+
+
+class ManyProblems(nn.Module):
+    """BatchNorm in training, a cross-batch mean, and a parameter no rule covers, at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.fc(self.bn(x))
+        return _scale(h - h.mean(0, keepdim=True), self.w)
+
+
+def test_validate_lists_every_problem_without_raising():
+    model = ManyProblems()
+    before = [p.detach().clone() for p in model.parameters()]
+    problems = dpfx.validate(model, torch.randn(5, 4))
+    kinds = [p.kind for p in problems]
+    text = "\n".join(map(str, problems))
+    assert "module 'bn' (BatchNorm1d)" in text and "GroupNorm" in text
+    assert "reduces over the batch dim" in text
+    assert kinds.count("unsupported") == 1 and "parameter 'w'" in text
+    _assert_untouched(model, before)
+    assert dpfx.validate(MLP(), torch.randn(3, 8)) == []

@@ -23,7 +23,17 @@ from .batch import BatchAnalysis, BatchDim, Layout
 from .clip_noise import insert_clip_and_noise
 from .emit import Emitter
 from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
-from .verify import check_forward, verify_backward
+from .verify import check_forward, forward_problems, verify_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One reason a model cannot be trained privately as it is (``dpfx.validate``)."""
+    kind: str  # "privacy" | "unsupported" | "capture"
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}"
 
 
 @dataclasses.dataclass
@@ -57,13 +67,16 @@ class Stages:
 
 
 def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: Stages,
-                    check: bool = True) -> ForwardInfo:
-    """``batch_inputs``: placeholder name -> batch dim, for the user's tensor inputs."""
+                    check: bool = True, problems: list | None = None) -> ForwardInfo:
+    """``batch_inputs``: placeholder name -> batch dim, for the user's tensor inputs.
+    With a ``problems`` list, refusals are appended to it instead of raised (dpfx.validate)."""
     symbols = _batch_symbols(gm, batch_inputs)
     seeds = {name: BatchDim(d) for name, d in batch_inputs.items()}
     an = BatchAnalysis(gm.graph, symbols, seeds)
     stages.record("forward", gm, symbols)
-    if check:
+    if problems is not None:
+        problems.extend(Problem("privacy", m) for m in forward_problems(gm, an))
+    elif check:
         check_forward(gm, an)
     out = gm.graph.find_nodes(op="output")[0]
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
@@ -76,7 +89,8 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 
 def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[int, str],
                      tangent_outputs: dict[str, int], config: DPConfig, fake_mode: Any,
-                     device: torch.device, stages: Stages) -> BackwardResult:
+                     device: torch.device, stages: Stages,
+                     problems: list | None = None) -> BackwardResult:
     """Rewrite ``gm`` in place so that every output in ``param_outputs`` (output index ->
     parameter name) is the DP-SGD gradient. Returns what each parameter's rewrite did."""
     output = gm.graph.find_nodes(op="output")[0]
@@ -95,7 +109,11 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     if not grads:
         return BackwardResult(gm, an, grads, {})
 
-    rewrite_per_sample(RewriteContext(an, emit), grads)
+    errors = [] if problems is not None else None
+    rewrite_per_sample(RewriteContext(an, emit), grads, errors)
+    if errors:
+        problems.extend(Problem("unsupported", str(e)) for e in errors)
+        return BackwardResult(gm, an, grads, {})
     stages.record("backward.per_sample", gm, fw.batch_symbols, names)
     private = insert_clip_and_noise(emit, grads, config, device)
     for pg in grads:

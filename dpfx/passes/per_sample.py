@@ -68,14 +68,22 @@ def _op_name(node: fx.Node) -> str:
     return getattr(key, "__name__", str(key)) if not hasattr(key, "_overloadname") else str(key)
 
 
-def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad]) -> None:
+def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
+                       errors: list | None = None) -> None:
+    """Fill ``pg.per_sample`` for every parameter; the first refusal raises, or, with an
+    ``errors`` list, every parameter's refusal is collected there (dpfx.validate)."""
     memo: dict[fx.Node, fx.Node | None] = {}
     for pg in grads:
-        pg.per_sample = _per_sample(pg.grad, pg, ctx, memo)
-        if pg.per_sample is None:
-            raise UnsupportedOpError(
-                f"parameter '{pg.name}': its gradient does not depend on the batch, so it cannot "
-                f"be clipped per example. {HINT}")
+        try:
+            pg.per_sample = _per_sample(pg.grad, pg, ctx, memo)
+            if pg.per_sample is None:
+                raise UnsupportedOpError(
+                    f"parameter '{pg.name}': its gradient does not depend on the batch, so it "
+                    f"cannot be clipped per example. {HINT}")
+        except UnsupportedOpError as e:
+            if errors is None:
+                raise
+            errors.append(e)
 
 
 def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node | None:
