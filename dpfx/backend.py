@@ -128,7 +128,10 @@ class DPBackend:
         if self.config.backend == "inductor":
             from torch._inductor.fx_passes.replace_random import replace_random_passes
 
-            replace_random_passes(gm)
+            from torch._inductor.virtualized import V
+
+            with V.set_fake_mode(fake_mode):
+                replace_random_passes(gm)
             gm.recompile()
         compiled = self._lower(gm, example_inputs, kwargs)
 

@@ -80,6 +80,8 @@ class BatchAnalysis:
                  data_sources: set[fx.Node] = frozenset()):
         if not batch_symbols:
             raise ValueError("batch analysis needs at least one batch symbol")
+        self.batch_symbols = set(batch_symbols)
+        self.data_sources = set(data_sources)
         self.batch = sorted(batch_symbols, key=str)[0]
         self._subs = {s: self.batch for s in batch_symbols if s != self.batch}
         self.layouts: dict[fx.Node, Any] = {}
@@ -90,6 +92,11 @@ class BatchAnalysis:
                 a in self.data_dependent for a in node.all_input_nodes
             ):
                 self.data_dependent.add(node)
+
+    def rerun(self, graph: fx.Graph) -> "BatchAnalysis":
+        """The analysis of ``graph`` (rewritten in place) from the same placeholder layouts."""
+        seeds = {n.name: self.layouts.get(n) for n in graph.find_nodes(op="placeholder")}
+        return BatchAnalysis(graph, self.batch_symbols, seeds, self.data_sources)
 
     # -- queries ---------------------------------------------------------------------------------
     def shape(self, val: torch.Tensor) -> list[sympy.Expr]:

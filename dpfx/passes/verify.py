@@ -11,7 +11,9 @@
    data source (the tangents and every saved activation that carries the batch) from every gradient
    output; each output must descend from a ``noise_scale`` node whose factor is sigma * C; every
    clipped tensor must be one of the tensors the per-sample norm is taken over; and the clip factor
-   must be ``min(1, C / (norm + eps))``. A violation is a ``PrivacyError`` naming the parameter.
+   must be ``min(1, C / (norm + eps))``; and, re-running the batch analysis on the rewritten
+   graph, no op other than the clipped sums may combine examples. A violation is a
+   ``PrivacyError`` naming the parameter.
 
 See tests/test_verifier.py, which hands the verifier broken graphs.
 """
@@ -77,9 +79,13 @@ def _dim_args(node: fx.Node) -> list:
 
 
 def forward_problems(gm: fx.GraphModule, an: BatchAnalysis) -> list[str]:
+    return _problems(gm, an, skip=set())
+
+
+def _problems(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[str]:
     problems = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.meta.get("dpfx") in skip:
             continue
         batched_in = [a for a in node.all_input_nodes if an.is_batched(a)]
         val = node.meta.get("val")
@@ -146,6 +152,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     for s in sources:
         leaked |= nx.descendants(cut, s) | {s}
 
+    _check_no_other_batch_mixing(gm, an)
     norms = _tagged(graph, "per_sample_norms")
     factors = _tagged(graph, "clip_factor")
     if len(norms) != 1 or len(factors) != 1:
@@ -185,6 +192,16 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                     a.meta.get("dpfx") == "noise" for a in nx.ancestors(g, s)):
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
+
+
+def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
+    """After the rewrite, the clipped sums are the only ops that may combine examples: a rule
+    that read a batch-wide value (a count over the whole batch, say) would leak through it."""
+    after = an.rerun(gm.graph)
+    mixing = [m for m in _problems(gm, after, skip={"clipped_sum"})]
+    if mixing:
+        raise PrivacyError("the rewritten backward graph combines examples outside the clipped "
+                           "sums:\n  - " + "\n  - ".join(mixing))
 
 
 def _check_clip_factor(factor: fx.Node, norm: fx.Node, config: DPConfig, g: nx.DiGraph) -> None:

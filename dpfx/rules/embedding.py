@@ -1,4 +1,4 @@
-"""Per-sample gradients of embedding tables: ``nn.Embedding``, ``table[idx]`` and ``nn.EmbeddingBag``.
+"""Per-sample gradients of embedding tables: ``nn.Embedding`` and ``table[idx]``.
 
 With Inductor's decompositions an ``Embedding(V, d)`` weight gradient on (B, T) indices reads::
 
@@ -10,24 +10,20 @@ examples happens because all B*T tokens land in the same [V, d] table. Giving ev
 table keeps them apart::
 
     rows = arange(B).view(B, 1).expand(B, T)
-    ps   = _unsafe_masked_index_put_accumulate(full([B, V, d], 0), mask, [rows, idx], g)   # (B, V, d)
+    ps   = index_put(full([B, V, d], 0), [rows, idx], where(mask, g, 0), accumulate=True)
 
 The mask (``padding_idx`` and out-of-range indices) and accumulation (an index repeated within one
 example adds up) are the op's own, so the per-sample form inherits them unchanged. The same rewrite
 serves ``index_put(zeros, [idx], g, accumulate=True)`` (the backward of ``table[idx]``) and
 ``embedding_dense_backward`` (graphs captured without Inductor's decomposition of it).
 
-``_embedding_bag_backward`` (EmbeddingBag, modes "sum" and "mean") reduces each bag to one output
-row; its gradient is a scatter-add of ``grad[bag(j)] * w_j`` for every index j, with
-``bag(j) = searchsorted(offsets, j, right=True) - 1`` and ``w_j`` the per-sample weight, ``1`` or
-``1 / bag_size``. Since ``grad`` has the batch at dim 0, bag b is example b's output row, so the
-per-bag scatter (rows = ``bag``) is exactly the per-example gradient. Whether each bag reads only its
-own example's indices is a property of the forward, which ``check_forward`` decides.
+``nn.EmbeddingBag`` is not covered: its forward's bag bookkeeping (``offset2bag`` over the
+flattened indices) does not keep a provable batch layout, so the forward check refuses it with a
+PrivacyError before any rule is asked (tests/test_rule_embedding.py::test_embedding_bag_is_refused).
 
 Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
-any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``,
-EmbeddingBag mode "max", and index layouts other than a plain batch dim 0.
+any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and index layouts other than a plain batch dim 0.
 
 Strategy: this is "materialize": the per-sample form is a dense (B, V, d) tensor, B*V*d memory. The
 ghost-norm variant (a later issue) never builds it: example i's squared norm is
@@ -45,7 +41,6 @@ from ..passes.batch import BatchDim
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_MODES = {0: "sum", 1: "mean", 2: "max"}
 
 
 # -- checks shared by every form -------------------------------------------------------------------
@@ -151,14 +146,19 @@ def _scatter_per_example(base_shape, dtype_of, rows, idx, values, mask, ctx) -> 
     return ctx.emit(aten.index_put.default, tables, [rows, idx], values, True)
 
 
-def _scatter_cost(form: str, values, table, ctx) -> dict:
-    numel = 1
-    for s in ctx.analysis.shape(values.meta["val"]):
-        numel = numel * s
-    table_numel = 1
-    for s in ctx.analysis.shape(table.meta["val"]):
-        table_numel = table_numel * s
-    return {"form": form, "flops": numel, "memory": ctx.analysis.batch * table_numel}
+def _product(exprs):
+    out = 1
+    for e in exprs:
+        out = out * e
+    return out
+
+
+def _scatter_cost(kind: str, values, table_shape, ctx) -> dict:
+    """One add per value element; a (B, *table_shape) tensor held (the materialize strategy)."""
+    table = ", ".join(str(s) for s in table_shape)
+    return {"form": f"{kind} into [B, {table}] (materialize)",
+            "flops": _product(ctx.analysis.shape(values.meta["val"])),
+            "memory": ctx.analysis.batch * _product(table_shape)}
 
 
 # -- _unsafe_masked_index_put_accumulate(zeros, mask, [idx], values) -------------------------------
@@ -182,7 +182,7 @@ def rewrite_masked_put(node, ctx):
 
 def cost_masked_put(node, ctx) -> dict:
     base, _, _, values = _masked_args(node)
-    return _scatter_cost("masked index_put into [B, V, d] (materialize)", values, base, ctx)
+    return _scatter_cost("masked index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
 
 
 # -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
@@ -209,10 +209,10 @@ def rewrite_index_put(node, ctx):
 
 def cost_index_put(node, ctx) -> dict:
     base, _, values, _ = _put_args(node)
-    return _scatter_cost("index_put into [B, V, d] (materialize)", values, base, ctx)
+    return _scatter_cost("index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
 
 
-# -- embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq) ---
+# -- embedding_dense_backward(grad_output, indices, V, padding_idx, scale_grad_by_freq) -----------
 def check_dense_backward(node, ctx) -> str | None:
     grad_output, idx, _, _, scale_grad_by_freq = node.args[:5]
     if scale_grad_by_freq:
@@ -250,81 +250,8 @@ def rewrite_dense_backward(node, ctx):
 
 
 def cost_dense_backward(node, ctx) -> dict:
-    return _scatter_cost("masked index_put into [B, V, d] (materialize)", node.args[0], node, ctx)
-
-
-# -- _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, V, ...) ----
-def _bag_args(node) -> dict:
-    names = [a.name for a in node.target._schema.arguments]
-    args = {a.name: a.default_value for a in node.target._schema.arguments if a.has_default_value()}
-    args.update(zip(names, node.args))
-    args.update(node.kwargs)
-    return args
-
-
-def check_embedding_bag(node, ctx) -> str | None:
-    a = _bag_args(node)
-    if a["mode"] not in (0, 1):
-        return (f"EmbeddingBag mode '{_MODES.get(a['mode'], a['mode'])}' routes the gradient "
-                f"through the argmax indices; only modes 'sum' and 'mean' have a per-sample rule")
-    if a["scale_grad_by_freq"]:
-        return ("scale_grad_by_freq=True divides by index counts over the whole batch, so one "
-                "example's gradient would depend on the others' data")
-    if a["sparse"]:
-        return "sparse=True gradients are not supported; use a dense EmbeddingBag"
-    grad, offsets, indices = a["grad"], a["offsets"], a["indices"]
-    if not _plain_at_front(grad, ctx) or grad.meta["val"].dim() != 2:
-        return f"the bag outputs' gradient has batch layout {ctx.layout(grad)}; need (B, d)"
-    if not _plain_at_front(offsets, ctx) or offsets.meta["val"].dim() != 1:
-        return (f"the offsets have batch layout {ctx.layout(offsets)}; need one offset per example "
-                f"(include_last_offset=True is not supported)")
-    if indices.meta["val"].dim() != 1:
-        return "the indices are not the flattened 1-D index list"
-    return _mixing_reason([grad, indices, offsets, a["bag_size"], a["per_sample_weights"]], ctx)
-
-
-def _bag_of_each_index(indices, offsets, ctx) -> fx.Node:
-    """bag(j) = searchsorted(offsets, j, right=True) - 1: the bag (= example) index j falls in."""
-    val = indices.meta["val"]
-    positions = _iota(_sizes(indices, ctx)[0], offsets.meta["val"].dtype, val.device, ctx)
-    after = ctx.emit(aten.searchsorted.Tensor, offsets, positions, right=True)
-    return ctx.emit(aten.sub.Tensor, after, 1)
-
-
-def _bag_values(a: dict, bag, ctx) -> fx.Node:
-    """grad[bag(j)] times index j's weight in its bag's reduction, shape (N, d)."""
-    values = ctx.emit(aten.index.Tensor, a["grad"], [bag])
-    if a["mode"] == 1:
-        sizes = ctx.emit(aten.index.Tensor, a["bag_size"], [bag])
-        values = ctx.emit(aten.div.Tensor, values, ctx.emit(aten.unsqueeze.default, sizes, 1))
-    if a["per_sample_weights"] is not None:
-        weights = ctx.emit(aten.unsqueeze.default, a["per_sample_weights"], 1)
-        values = ctx.emit(aten.mul.Tensor, values, weights)
-    return values
-
-
-def rewrite_embedding_bag(node, ctx):
-    a = _bag_args(node)
-    indices, grad = a["indices"], a["grad"]
-    bag = _bag_of_each_index(indices, a["offsets"], ctx)
-    values = _bag_values(a, bag, ctx)
-    mask = None
-    if a["padding_idx"] >= 0:
-        mask = ctx.emit(aten.unsqueeze.default, ctx.emit(aten.ne.Scalar, indices, a["padding_idx"]),
-                        1)
-    table = [a["num_weights"], _sizes(grad, ctx)[1]]
-    return _scatter_per_example(table, grad.meta["val"], bag, indices, values, mask, ctx)
-
-
-def cost_embedding_bag(node, ctx) -> dict:
-    a = _bag_args(node)
-    numel = ctx.analysis.shape(a["indices"].meta["val"])[0] * ctx.analysis.shape(
-        a["grad"].meta["val"])[1]
-    table = 1
-    for s in ctx.analysis.shape(node.meta["val"]):
-        table = table * s
-    return {"form": "per-bag index_put into [B, V, d] (materialize)", "flops": numel,
-            "memory": ctx.analysis.batch * table}
+    return _scatter_cost("masked index_put", node.args[0], ctx.analysis.shape(node.meta["val"]),
+                         ctx)
 
 
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
@@ -333,5 +260,3 @@ INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_ind
                           check_index_put, rewrite_index_put, cost_index_put))
 DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),
                                check_dense_backward, rewrite_dense_backward, cost_dense_backward))
-EMBEDDING_BAG = register(Rule("embedding_bag", (aten._embedding_bag_backward.default,),
-                              check_embedding_bag, rewrite_embedding_bag, cost_embedding_bag))

@@ -9,13 +9,20 @@ never saw the batch: ``permute`` (``mm`` gives W^T's gradient), ``view`` (a bias
     view(x, [16])               ->  view(x_ps, [B, 16])
     add(x, y)                   ->  add(x_ps, y_ps)      (both per-sample)
     mul(x, c)                   ->  mul(x_ps, c)         (c data-independent)
+    index_put(zeros, [i], v, accumulate=True)
+                                ->  index_put(zeros[B, ...], [arange(B)[:, None], i], v_ps, True)
+    slice_scatter(zeros, x, d, ...)  ->  slice_scatter(zeros[B, ...], x_ps, d + 1, ...)
 
 Ops that are not linear in the per-example terms (``mul`` of two data-dependent tensors, ``add`` of a
 data-dependent and a data-independent tensor) have no per-sample meaning and are refused.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
+
+import torch.fx as fx
 
 from . import LiftRule, register_lift
 
@@ -129,6 +136,89 @@ def lift_cat(node, ps_args, ctx):
     return ctx.emit(aten.cat.default, [ps_args[p] for p in parts], dim % _rank(node) + 1)
 
 
+# -- index_put-accumulate into zeros: linear in its values -----------------------------------------
+def _is_zero_table(node, ctx) -> bool:
+    if not isinstance(node, fx.Node) or node in ctx.analysis.data_dependent:
+        return False
+    return node.target is aten.zeros.default or (
+        node.target is aten.full.default and node.args[1] == 0)
+
+
+def _scatter_args(node):
+    """(base, mask or None, indices, values, accumulate) of the three index_put forms."""
+    if node.target is aten._unsafe_masked_index_put_accumulate.default:
+        base, mask, indices, values = node.args[:4]
+        return base, mask, indices, values, True
+    base, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    return base, None, indices, values, accumulate
+
+
+def _clamp_index(index, size, ctx):
+    """clamp(index, -size, size - 1), as the masked op clamps before scattering."""
+    if isinstance(size, int):
+        low, high = -size, size - 1
+    else:
+        low, high = ctx.emit(operator.neg, size), ctx.emit(operator.sub, size, 1)
+    return ctx.emit(aten.clamp_max.default, ctx.emit(aten.clamp_min.default, index, low), high)
+
+
+def lift_index_put(node, ps_args, ctx):
+    """A scatter-add of batch-free values (the gradient of a table looked up with indices that do
+    not depend on the data: ``nn.Embedding(T, d)(arange(T))`` as a positional embedding). It is
+    linear in the values, so example i's gradient scatters example i's values with the same
+    indices into its own zero table: the indices get a leading ``arange(B)`` index, broadcast
+    against them, and the values a leading example dim. Indices, mask and table must be
+    data-independent (else one example's gradient would depend on the others' data)."""
+    base, mask, indices, values, accumulate = _scatter_args(node)
+    if not accumulate:
+        raise LiftRefused("index_put without accumulate=True overwrites, it is not linear")
+    if set(ps_args) != {values}:
+        raise LiftRefused("only the scattered values may depend on the data, not the table, "
+                          "indices or mask")
+    if not _is_zero_table(base, ctx):
+        raise LiftRefused(f"the table {getattr(base, 'name', base)} is not a data-independent "
+                          f"zero tensor, so the scatter is not linear in the values")
+    if any(i is None or i.meta["val"].dtype not in (torch.int64, torch.int32) for i in indices):
+        raise LiftRefused("the rule needs integer index tensors on the leading dims (no None, "
+                          "no boolean masks)")
+    base_val = base.meta["val"]
+    sizes = [ctx.emit.size(s) for s in ctx.analysis.shape(base_val)]
+    index_rank = max(i.meta["val"].dim() for i in indices)
+    batch = ctx.emit.batch_size()
+    rows = ctx.emit(prims.iota.default, batch, start=0, step=1, dtype=torch.int64,
+                    device=base_val.device, requires_grad=False)
+    rows = ctx.emit(aten.view.default, rows, [batch] + [1] * index_rank)
+    ps = _expand_to(ps_args[values], _rank(values),
+                    index_rank + base_val.dim() - len(indices), ctx)
+    if mask is not None:
+        zero = ctx.emit(aten.scalar_tensor.default, 0, dtype=ps.meta["val"].dtype,
+                        device=base_val.device)
+        ps = ctx.emit(aten.where.self, mask, ps, zero)
+        indices = [_clamp_index(i, size, ctx) for i, size in zip(indices, sizes)]
+    tables = ctx.emit(aten.full.default, [batch, *sizes], 0, dtype=base_val.dtype,
+                      layout=torch.strided, device=base_val.device, pin_memory=False)
+    return ctx.emit(aten.index_put.default, tables, [rows, *indices], ps, True)
+
+
+def lift_scatter_into_zeros(node, ps_args, ctx):
+    """``slice_scatter``/``select_scatter`` of a per-sample gradient into a zero tensor (the
+    gradient of ``pos[:, :T]`` or ``pos[0]``): linear in the source, so each example's source goes
+    into its own zero tensor, one dim further right."""
+    base, src, dim = node.args[:3]
+    if set(ps_args) != {src}:
+        raise LiftRefused("only the scattered source may depend on the data")
+    if not _is_zero_table(base, ctx):
+        raise LiftRefused(f"the tensor scattered into, {getattr(base, 'name', base)}, is not a "
+                          f"data-independent zero tensor")
+    val = base.meta["val"]
+    sizes = [ctx.emit.size(s) for s in ctx.analysis.shape(val)]
+    zeros = ctx.emit(aten.full.default, [ctx.emit.batch_size(), *sizes], 0, dtype=val.dtype,
+                     layout=torch.strided, device=val.device, pin_memory=False)
+    return ctx.emit(node.target, zeros, ps_args[src], dim % val.dim() + 1, *node.args[3:],
+                    **node.kwargs)
+
+
 register_lift(LiftRule("view", (aten.view.default, aten._unsafe_view.default, aten.reshape.default),
                        lift_view))
 register_lift(LiftRule("permute", (aten.permute.default, aten.t.default, aten.transpose.int),
@@ -144,3 +234,9 @@ register_lift(LiftRule("unary", (aten.neg.default, aten.clone.default, aten.alia
                                  prims.convert_element_type.default, aten._to_copy.default),
                        lift_unary))
 register_lift(LiftRule("cat", (aten.cat.default,), lift_cat))
+register_lift(LiftRule("index_put", (aten._unsafe_masked_index_put_accumulate.default,
+                                     aten.index_put.default, aten._unsafe_index_put.default),
+                       lift_index_put))
+register_lift(LiftRule("scatter_into_zeros", (aten.slice_scatter.default,
+                                              aten.select_scatter.default),
+                       lift_scatter_into_zeros))

@@ -1,0 +1,200 @@
+"""The training-step implementations compared by the benchmark.
+
+Each factory takes a freshly built model and returns a ``Method``: ``step(x, y)`` runs one full
+training step (forward, backward, and for the private methods per-sample clipping at C, Gaussian
+noise sigma*C, division by the expected batch size; then ``optimizer.step()`` (SGD) and
+``zero_grad``), and ``compiles()`` reports the graphs compiled so far where that applies.
+
+All private methods implement the same DP-SGD step (flat clipping over all parameters, Opacus's
+semantics), so their timings compare like with like.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+
+from models import loss_fn
+
+C = 1.0        # max_grad_norm
+SIGMA = 1.0    # noise_multiplier
+LR = 0.01
+
+
+@dataclass
+class Method:
+    step: Callable[[torch.Tensor, torch.Tensor], None]
+    compiles: Optional[Callable[[], int]] = None   # None: not applicable (eager)
+
+
+def unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _dynamo_compiles() -> Callable[[], int]:
+    start = unique_graphs()
+    return lambda: unique_graphs() - start
+
+
+# --- non-private --------------------------------------------------------------------------------
+
+def nonprivate_eager(model: nn.Module, B: int) -> Method:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step(x, y):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step)
+
+
+def nonprivate_compile(model: nn.Module, B: int) -> Method:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    compiles = _dynamo_compiles()
+    cmodel = torch.compile(model)
+
+    def step(x, y):
+        loss_fn(cmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step, compiles)
+
+
+# --- Opacus -------------------------------------------------------------------------------------
+
+def _opacus(model: nn.Module, B: int, mode: str, x_example, y_example):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    # A loader over one batch of B examples: sample rate 1, so Opacus's expected batch size is B.
+    loader = DataLoader(TensorDataset(x_example, y_example), batch_size=B)
+    engine = PrivacyEngine()
+    kwargs = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
+                  max_grad_norm=C, poisson_sampling=False, grad_sample_mode=mode,
+                  loss_reduction="mean")
+    if mode == "ghost":
+        kwargs["criterion"] = nn.CrossEntropyLoss(reduction="mean")
+        return engine.make_private(**kwargs)[:3]
+    gsm, dp_opt, _ = engine.make_private(**kwargs)
+    return gsm, dp_opt, None
+
+
+def opacus_hooks(model: nn.Module, B: int, x, y) -> Method:
+    gsm, opt, _ = _opacus(model, B, "hooks", x, y)
+
+    def step(x, y):
+        loss_fn(gsm(x), y).backward()
+        opt.step()                      # clip per-sample grads, add noise, scale, SGD
+        opt.zero_grad(set_to_none=True)  # also clears grad_sample
+
+    return Method(step)
+
+
+def opacus_ghost(model: nn.Module, B: int, x, y) -> Method:
+    """Ghost clipping: the wrapped criterion's loss.backward() runs two backward passes (per-sample
+    norms without per-sample gradients, then the clipped, reweighted sum); the optimizer adds
+    noise and scales."""
+    gsm, opt, criterion = _opacus(model, B, "ghost", x, y)
+
+    def step(x, y):
+        out = gsm(x)
+        if out.dim() == 3:   # (B, T, V) logits: per-sequence loss, mean over its T tokens
+            loss = criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1), shape=out.shape)
+        else:
+            loss = criterion(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step)
+
+
+# --- torch.func ---------------------------------------------------------------------------------
+
+def _func_dp_grads(model: nn.Module):
+    buffers = dict(model.named_buffers())
+
+    def one(params, x, y):
+        out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    def dp_grads(params, x, y, denom: int):
+        g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+        factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        out = {}
+        for k, v in g.items():
+            clipped = (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0)
+            out[k] = (clipped + SIGMA * C * torch.randn_like(clipped)) / denom
+        return out
+
+    return dp_grads
+
+
+def _func_method(model: nn.Module, B: int, compiled: bool) -> Method:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    fn = _func_dp_grads(model)
+    compiles = None
+    if compiled:
+        compiles = _dynamo_compiles()
+        fn = torch.compile(fn)
+
+    def step(x, y):
+        grads = fn({k: p.detach() for k, p in named.items()}, x, y, B)
+        for k, p in named.items():
+            p.grad = grads[k]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step, compiles)
+
+
+def func_eager(model, B):
+    return _func_method(model, B, compiled=False)
+
+
+def func_compile(model, B):
+    return _func_method(model, B, compiled=True)
+
+
+# --- dpfx ---------------------------------------------------------------------------------------
+
+def dpfx_inductor(model: nn.Module, B: int) -> Method:
+    import dpfx
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
+                      backend="inductor")
+
+    def step(x, y):
+        loss_fn(dp(x), y).backward()     # p.grad: clipped, noised, / B
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    m = Method(step, lambda: dp.compile_count)
+    m.dp_model = dp
+    return m
+
+
+# name -> (label, factory, needs the example batch)
+METHODS = {
+    "eager": ("non-private eager", nonprivate_eager, False),
+    "compile": ("non-private torch.compile", nonprivate_compile, False),
+    "opacus_hooks": ("Opacus hooks", opacus_hooks, True),
+    "opacus_ghost": ("Opacus ghost clipping", opacus_ghost, True),
+    "func_eager": ("torch.func vmap(grad), eager", func_eager, False),
+    "func_compile": ("torch.func vmap(grad), torch.compile", func_compile, False),
+    "dpfx": ("dpfx (inductor)", dpfx_inductor, False),
+}
+
+
+def make(name: str, model: nn.Module, B: int, x, y) -> Method:
+    _, factory, needs_batch = METHODS[name]
+    return factory(model, B, x, y) if needs_batch else factory(model, B)

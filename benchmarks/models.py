@@ -1,0 +1,141 @@
+"""The benchmark models, built from code, with their synthetic data and loss.
+
+Every model returns logits; the loss is cross-entropy, the mean over the batch of per-example
+losses (for the GPT model, each example's loss is the mean over its T positions, so the mean over
+all B*T tokens is the mean over the batch of per-example losses, the contract of dpfx and Opacus).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """64-512-512-10."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 512)
+        self.fc2 = nn.Linear(512, 512)
+        self.fc3 = nn.Linear(512, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """Three stride-2 3x3 convolutions 3->32->64->64, each followed by GroupNorm and ReLU, on
+    3x32x32 (32 -> 16 -> 8 -> 4), then Linear(64*4*4, 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, stride=2, padding=1)
+        self.gn1 = nn.GroupNorm(8, 32)
+        self.conv2 = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+        self.gn2 = nn.GroupNorm(8, 64)
+        self.conv3 = nn.Conv2d(64, 64, 3, stride=2, padding=1)
+        self.gn3 = nn.GroupNorm(8, 64)
+        self.fc = nn.Linear(64 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.gn1(self.conv1(x)))
+        x = torch.relu(self.gn2(self.conv2(x)))
+        x = torch.relu(self.gn3(self.conv3(x)))
+        return self.fc(x.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.reshape(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """2-layer GPT-style decoder: d=128, T=64, 4 heads, vocab 256; a learned positional
+    nn.Parameter(1, T, d) added to the token embeddings (no arange embedding lookup)."""
+
+    def __init__(self, vocab=256, d=128, T=64, heads=4, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(1, T, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+class EmbeddingBag(nn.Module):
+    """nn.Embedding(20000, 64) on (B, 32) indices, mean over the 32 positions, Linear(64, 10)."""
+
+    def __init__(self, vocab=20000, d=64, n_classes=10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, n_classes)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx).mean(1))
+
+
+def _mlp_data(B, g):
+    return torch.randn(B, 64, generator=g), torch.randint(0, 10, (B,), generator=g)
+
+
+def _cnn_data(B, g):
+    return torch.randn(B, 3, 32, 32, generator=g), torch.randint(0, 10, (B,), generator=g)
+
+
+def _gpt_data(B, g):
+    seq = torch.randint(0, 256, (B, 65), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _emb_data(B, g):
+    return torch.randint(0, 20000, (B, 32), generator=g), torch.randint(0, 10, (B,), generator=g)
+
+
+# name -> (constructor, data(B, generator), full-run batch sizes, short description)
+MODELS = {
+    "mlp": (MLP, _mlp_data, (64, 256), "MLP 64-512-512-10, input (B, 64)"),
+    "cnn": (CNN, _cnn_data, (32, 64), "3-conv GroupNorm CNN on 3x32x32"),
+    "gpt": (GPT, _gpt_data, (16, 32), "2-layer GPT, d=128, T=64, 4 heads, vocab 256"),
+    "embedding": (EmbeddingBag, _emb_data, (64, 256), "Embedding(20000, 64) on (B, 32) -> mean -> Linear"),
+}
+
+
+def loss_fn(out, y):
+    """Mean over the batch of per-example losses (handles the empty batch: zero loss)."""
+    if out.shape[0] == 0:
+        return out.sum() * 0.0
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def build(name: str, B: int, seed: int = 0):
+    ctor, data, _, _ = MODELS[name]
+    torch.manual_seed(seed)
+    model = ctor()
+    x, y = data(B, torch.Generator().manual_seed(seed + 1))
+    return model, x, y
+
+
+def make_data(name: str, B: int, seed: int):
+    return MODELS[name][1](B, torch.Generator().manual_seed(seed))
