@@ -106,7 +106,11 @@ def _cnn_data(B, g):
 
 def _gpt_data(B, g):
     seq = torch.randint(0, 256, (B, 65), generator=g)
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    # Fresh row-major tensors: for B = 0, seq[:, :-1].contiguous() keeps the stride 65 of its
+    # parent (an empty tensor counts as contiguous), and a stride guard would recompile.
+    x = torch.empty(B, 64, dtype=seq.dtype).copy_(seq[:, :-1])
+    y = torch.empty(B, 64, dtype=seq.dtype).copy_(seq[:, 1:])
+    return x, y
 
 
 def _emb_data(B, g):

@@ -144,9 +144,11 @@ def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
     out = {"sizes": sizes, "compiles_before": before}
     try:
         finite = True
+        out["compiles_per_step"] = []
         for i, s in enumerate(sizes):
             x, y = models.make_data(model_name, s, seed=100 + i)
             m.step(x, y)
+            out["compiles_per_step"].append(m.compiles())
             finite &= all(bool(torch.isfinite(p).all()) for p in m.dp_model.parameters())
         out["compiles_after"] = m.compiles()
         out["params_finite"] = finite
@@ -255,7 +257,9 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
              f"C = 1, sigma = 1, SGD. Total run time {meta['total_s'] / 60:.1f} min; load average at "
              f"start {' '.join(meta['machine'].get('loadavg_at_start', []))}.", "",
              "first step: compilation included (cold caches). compiles: graphs compiled "
-             "(forward + backward = 2). x compiled: median step / non-private torch.compile's. "
+             "(dpfx: forward + backward = 2; torch.compile: dynamo graphs, whose backward is compiled "
+             "with them). x compiled, x eager: median step / the non-private torch.compile, eager "
+             "median step. "
              "step mem: peak tensor memory allocated during one step (CPU allocator, via "
              "torch.profiler).", ""]
     by_model: dict[str, list[dict]] = {}
@@ -264,17 +268,18 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
     for name, rows in by_model.items():
         lines += [f"## {name}: {models.MODELS[name][3]}", "",
                   "| B | method | first step (s) | compiles | median step (ms) | x compiled "
-                  "| step mem (MB) |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+                  "| x eager | step mem (MB) |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             if r["status"] != "ok":
-                lines.append(f"| {r['batch']} | {r['label']} | fails: {r['error']} | | | | |")
+                err = r["error"].replace("|", "\\|")
+                lines.append(f"| {r['batch']} | {r['label']} | fails: {err} | | | | | |")
                 continue
-            ratio = r.get("ratio_to_compile")
             lines.append(
                 f"| {r['batch']} | {r['label']} | {r['first_step_s']:.2f} | "
                 f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | "
-                f"{'' if ratio is None else f'{ratio:.2f}'} | {r['step_peak_mb']:.1f} |")
+                f"{fmt(r.get('ratio_to_compile'), '.2f')} | {fmt(r.get('ratio_to_eager'), '.2f')} | "
+                f"{r['step_peak_mb']:.1f} |")
         vb = [r for r in rows if r.get("varbatch")]
         for r in vb:
             v = r["varbatch"]
@@ -365,11 +370,11 @@ def driver(args) -> None:
             rows = run_config(name, B, args.methods, args, jsonl)
             if os.path.exists(jsonl):
                 os.remove(jsonl)
-            base = next((r for r in rows if r["method"] == "compile" and r["status"] == "ok"),
-                        None)
-            for r in rows:
-                if base and r["status"] == "ok":
-                    r["ratio_to_compile"] = r["median_ms"] / base["median_ms"]
+            for key, ref in (("ratio_to_compile", "compile"), ("ratio_to_eager", "eager")):
+                base = next((r for r in rows if r["method"] == ref and r["status"] == "ok"), None)
+                for r in rows:
+                    if base and r["status"] == "ok":
+                        r[key] = r["median_ms"] / base["median_ms"]
             results += rows
             meta["total_s"] = time.perf_counter() - t_start
             _write(results, meta, args.out)   # partial results survive an interrupted run

@@ -9,6 +9,8 @@ that clipping bites, so dpfx's gradient must equal the reference's exactly, and 
 frontier rules fired for every parameter. backend="eager" runs the same rewritten graphs as
 Inductor; one small GPT-style test goes through Inductor.
 """
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -18,9 +20,10 @@ from hypothesis import given, settings, strategies as st
 import dpfx
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
-REDUCTIONS = st.sampled_from(["mean", "sum"])
-BATCHES = st.integers(0, 4)
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
+# (loss_reduction, expected_batch_size): D = B, D = expected, and "sum".
+DP_CONFIGS = st.sampled_from([("mean", None), ("mean", 5), ("sum", None)])
+MAX_BATCH = 4
 C = 0.05
 
 
@@ -34,22 +37,28 @@ def xent_over_positions(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def check(model, loss_fn, x, y, *, reduction, backend="eager"):
-    """dpfx with sigma = 0 equals the reference DP-SGD gradient, with clipping biting on a
-    non-empty batch; returns {parameter: frontier rules fired} and the backend for inspection."""
+def check(model, loss_fn, x, y, *, config, backend="eager"):
+    """One compiled graph serves every batch size: for B = 0..len(x) (B = 0 only where the
+    divisor D is known: "sum" or an expected_batch_size), dpfx with sigma = 0 on the first B
+    examples equals the reference DP-SGD gradient, and clipping bites on the full batch.
+    Returns {parameter: frontier rules fired} and the backend, for inspection."""
     torch._dynamo.reset()  # conftest's fresh dynamo, per hypothesis example (see conftest.py)
-    batch = x.shape[0]
-    expected = 4 if batch == 0 and reduction == "mean" else None
-    if batch:
-        assert clip_fraction(model, loss_fn, x, y, C) > 0
+    reduction, expected = config
+    assert clip_fraction(model, loss_fn, x, y, C) > 0
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
                       expected_batch_size=expected, backend=backend)
-    got = run_dpfx(dp, model, loss_fn, x, y, reduction)
-    want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=C, loss_reduction=reduction,
-                        expected_batch_size=expected)
-    assert_close(got, want, rtol=1e-4, atol=1e-6)
-    backend_state = dp._dpfx_backend
-    return {pg.name: pg.rules for pg in backend_state.param_grads}, backend_state
+    first = 0 if reduction == "sum" or expected else 1
+    for batch in range(first, x.shape[0] + 1):
+        xb, yb = x[:batch], y[:batch]
+        got = run_dpfx(dp, model, loss_fn, xb, yb, reduction)
+        want = dp_sgd_grads(model, loss_fn, xb, yb, max_grad_norm=C, loss_reduction=reduction,
+                            expected_batch_size=expected)
+        try:
+            assert_close(got, want)
+        except AssertionError as e:
+            raise AssertionError(f"batch size {batch}: {e}") from None
+    assert dp.compile_count == 2, "one forward and one backward graph for every batch size"
+    return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}, dp._dpfx_backend
 
 
 def assert_linear_rules(rules, prefix, bias=True):
@@ -60,88 +69,68 @@ def assert_linear_rules(rules, prefix, bias=True):
         assert f"{prefix}.bias" not in rules
 
 
-def per_sample_graph(backend_state) -> str:
-    return backend_state.stages.graphs["backward.per_sample"]
-
-
 # -- 1. normalization layers -----------------------------------------------------------------------
 class NormNet(nn.Module):
     """A normalization layer on the raw input, then tanh and a Linear head on the flattened
     features."""
 
-    def __init__(self, norm, features, n_classes=3):
+    def __init__(self, norm, shape, n_classes=3):
         super().__init__()
         self.norm = norm
-        self.head = nn.Linear(features, n_classes)
+        self.head = nn.Linear(math.prod(shape), n_classes)
 
     def forward(self, x):
         return self.head(torch.tanh(self.norm(x)).flatten(1))
 
 
-def numel(shape):
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
-def check_norm(norm, shape, batch, reduction, affine_params):
-    """Every affine parameter in ``affine_params`` is a broadcast parameter: its rule is ``sum``."""
-    model = NormNet(norm, numel(shape))
-    x = torch.randn(batch, *shape) * 2
-    y = torch.randint(0, 3, (batch,))
-    rules, _ = check(model, xent, x, y, reduction=reduction)
+def check_norm(norm, shape, config, affine_params):
+    """Every affine parameter of the norm is broadcast over the batch: its rule is ``sum``."""
+    model = NormNet(norm, shape)
+    x = torch.randn(MAX_BATCH, *shape) * 2
+    y = torch.randint(0, 3, (MAX_BATCH,))
+    rules, _ = check(model, xent, x, y, config=config)
+    assert {n for n in rules if n.startswith("norm.")} == {f"norm.{n}" for n in affine_params}
     for name in affine_params:
         assert rules[f"norm.{name}"] == ["sum"], rules
-    assert not {n for n in rules if n.startswith("norm.")} - {f"norm.{n}" for n in affine_params}
     assert_linear_rules(rules, "head")
 
 
-@SETTINGS
-@given(affine=st.booleans(), bias=st.booleans(), two_dims=st.booleans(), batch=BATCHES,
-       reduction=REDUCTIONS)
-def test_layer_norm(affine, bias, two_dims, batch, reduction):
+@settings(SETTINGS, max_examples=6)
+@given(affine=st.booleans(), bias=st.booleans(), two_dims=st.booleans(), config=DP_CONFIGS)
+def test_layer_norm(affine, bias, two_dims, config):
     """LayerNorm over the last one or two dims of (B, T, d), with and without weight and bias."""
     shape = (3, 4)
-    norm = nn.LayerNorm(shape if two_dims else shape[-1], elementwise_affine=affine,
-                        bias=bias)
-    params = [n for n, _ in norm.named_parameters()]
-    check_norm(norm, shape, batch, reduction, params)
+    norm = nn.LayerNorm(shape if two_dims else shape[-1], elementwise_affine=affine, bias=bias)
+    check_norm(norm, shape, config, [n for n, _ in norm.named_parameters()])
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=6)
 @given(groups_channels=st.sampled_from([(1, 4), (2, 4), (2, 6), (3, 6)]),
-       spatial=st.sampled_from([(), (3,), (2, 3)]), affine=st.booleans(), batch=BATCHES,
-       reduction=REDUCTIONS)
-def test_group_norm(groups_channels, spatial, affine, batch, reduction):
+       spatial=st.sampled_from([(), (3,), (2, 3)]), affine=st.booleans(), config=DP_CONFIGS)
+def test_group_norm(groups_channels, spatial, affine, config):
     """GroupNorm on (B, C) and (B, C, *spatial); every group holds more than one value so that a
     batch of one is valid (the reference runs each example alone)."""
     groups, channels = groups_channels
     norm = nn.GroupNorm(groups, channels, affine=affine)
-    check_norm(norm, (channels, *spatial), batch, reduction, ["weight", "bias"] if affine else [])
+    check_norm(norm, (channels, *spatial), config, ["weight", "bias"] if affine else [])
 
 
-@SETTINGS
-@given(affine=st.booleans(), batch=BATCHES, reduction=REDUCTIONS)
-def test_rms_norm(affine, batch, reduction):
+@settings(SETTINGS, max_examples=4)
+@given(affine=st.booleans(), config=DP_CONFIGS)
+def test_rms_norm(affine, config):
     """nn.RMSNorm over the last dim, with and without its elementwise scale."""
-    norm = nn.RMSNorm(4, elementwise_affine=affine)
-    check_norm(norm, (3, 4), batch, reduction, ["weight"] if affine else [])
-
-
-INSTANCE_NORMS = [(nn.InstanceNorm1d, (3, 5)), (nn.InstanceNorm2d, (2, 2, 3)),
-                  (nn.InstanceNorm3d, (2, 2, 2, 2))]
+    check_norm(nn.RMSNorm(4, elementwise_affine=affine), (3, 4), config,
+               ["weight"] if affine else [])
 
 
 @pytest.mark.xfail(raises=dpfx.CaptureError, strict=True, reason=(
     "torch.instance_norm runs batch_norm on a (1, B*C, ...) view, whose numel() == 0 test guards "
     "on the unbacked batch (Eq(C*L*u0, 0)); needs a traceable instance_norm during capture"))
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("batch", [0, 1, 3])
-@pytest.mark.parametrize("cls,shape", INSTANCE_NORMS, ids=["1d", "2d", "3d"])
-def test_instance_norm(cls, shape, batch, reduction):
+@pytest.mark.parametrize("cls,shape", [(nn.InstanceNorm1d, (3, 5)), (nn.InstanceNorm2d, (2, 2, 3)),
+                                       (nn.InstanceNorm3d, (2, 2, 2, 2))], ids=["1d", "2d", "3d"])
+def test_instance_norm(cls, shape):
     """InstanceNorm1d/2d/3d with affine=True, no running stats: weight and bias are ``sum``."""
-    check_norm(cls(shape[0], affine=True), shape, batch, reduction, ["weight", "bias"])
+    check_norm(cls(shape[0], affine=True), shape, ("mean", 5), ["weight", "bias"])
 
 
 # -- 2. nn.MultiheadAttention ----------------------------------------------------------------------
@@ -181,10 +170,12 @@ class MHANet(nn.Module):
         return self.head(out.mean(1))
 
 
-def check_mha(model, batch, reduction, T=4):
-    x = torch.randn(batch, T, model.features)
-    y = torch.randint(0, 3, (batch,))
-    rules, _ = check(model, xent, x, y, reduction=reduction)
+def check_mha(model, config, T=4):
+    """Projection weights are ``mm`` (one packed in_proj for self-attention, else q/k/v each),
+    biases and bias_k/bias_v are ``sum``."""
+    x = torch.randn(MAX_BATCH, T, model.features)
+    y = torch.randint(0, 3, (MAX_BATCH,))
+    rules, _ = check(model, xent, x, y, config=config)
     attn = model.attn
     if model.splits is None:
         assert rules["attn.in_proj_weight"] == ["mm"], rules
@@ -197,19 +188,17 @@ def check_mha(model, batch, reduction, T=4):
         assert rules["attn.bias_k"] == ["sum"] and rules["attn.bias_v"] == ["sum"], rules
     assert_linear_rules(rules, "attn.out_proj", bias=attn.out_proj.bias is not None)
     assert_linear_rules(rules, "head")
-    return rules
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=8)
 @given(batch_first=st.booleans(), bias=st.booleans(), heads=st.sampled_from([1, 2]),
-       kv_dims=st.sampled_from([(None, None), (6, 5), (8, 3)]), batch=BATCHES,
-       reduction=REDUCTIONS)
-def test_multihead_attention(batch_first, bias, heads, kv_dims, batch, reduction):
-    """nn.MultiheadAttention as is, in training mode: packed or separate projections, with or
-    without biases, batch first or not; every weight is ``mm`` and every bias ``sum``."""
+       kv_dims=st.sampled_from([(None, None), (6, 5), (8, 3)]), config=DP_CONFIGS)
+def test_multihead_attention(batch_first, bias, heads, kv_dims, config):
+    """nn.MultiheadAttention as is, in training mode with need_weights=False: packed or separate
+    projections, with or without biases, batch first or not."""
     kdim, vdim = kv_dims
-    model = MHANet(heads=heads, batch_first=batch_first, bias=bias, kdim=kdim, vdim=vdim)
-    check_mha(model, batch, reduction)
+    check_mha(MHANet(heads=heads, batch_first=batch_first, bias=bias, kdim=kdim, vdim=vdim),
+              config)
 
 
 @pytest.mark.xfail(raises=dpfx.CaptureError, strict=True, reason=(
@@ -219,8 +208,8 @@ def test_multihead_attention(batch_first, bias, heads, kv_dims, batch, reduction
 def test_multihead_attention_bias_kv(batch_first, kv_dims):
     """add_bias_kv=True: bias_k and bias_v are broadcast over the batch, so ``sum``."""
     kdim, vdim = kv_dims
-    model = MHANet(batch_first=batch_first, add_bias_kv=True, kdim=kdim, vdim=vdim)
-    check_mha(model, 3, "sum")
+    check_mha(MHANet(batch_first=batch_first, add_bias_kv=True, kdim=kdim, vdim=vdim),
+              ("mean", 5))
 
 
 # -- 3. hand-written attention with scaled_dot_product_attention -----------------------------------
@@ -258,16 +247,16 @@ class SDPANet(nn.Module):
         return self.head(self.attn(x).mean(1))
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=6)
 @given(causal=st.booleans(), heads=st.sampled_from([1, 2, 4]), bias=st.booleans(),
-       T=st.integers(1, 4), batch=BATCHES, reduction=REDUCTIONS)
-def test_scaled_dot_product_attention(causal, heads, bias, T, batch, reduction):
+       T=st.integers(1, 4), config=DP_CONFIGS)
+def test_scaled_dot_product_attention(causal, heads, bias, T, config):
     """The projections around F.scaled_dot_product_attention (causal or not) are Linears on
     (B, T, E): ``mm`` for weights, ``sum`` for biases, whatever the head split."""
     model = SDPANet(heads=heads, causal=causal, bias=bias)
-    x = torch.randn(batch, T, 8)
-    y = torch.randint(0, 3, (batch,))
-    rules, _ = check(model, xent, x, y, reduction=reduction)
+    x = torch.randn(MAX_BATCH, T, 8)
+    y = torch.randint(0, 3, (MAX_BATCH,))
+    rules, _ = check(model, xent, x, y, config=config)
     for name in ("q", "k", "v", "o"):
         assert_linear_rules(rules, f"attn.{name}", bias=bias)
 
@@ -287,8 +276,8 @@ class ParamPositions(nn.Module):
 
 
 class ArangePositions(nn.Module):
-    """nn.Embedding(T_max, d) looked up with arange(T) and broadcast over the batch (the
-    GPT-2 positional embedding; Opacus' embedding hook cannot do it, the lookup has no batch)."""
+    """nn.Embedding(T_max, d) looked up with arange(T) and broadcast over the batch (the GPT-2
+    positional embedding; Opacus' embedding hook cannot do it, the lookup has no batch)."""
 
     def __init__(self, T_max, d=4):
         super().__init__()
@@ -313,39 +302,29 @@ class IndexedPositions(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+# kind -> (model, parameter name, the lifted op that scatters the per-sample sum into the table)
 POSITIONAL = {"parameter": (ParamPositions, "pos", "slice_scatter"),
               "embedding": (ArangePositions, "pos.weight", "index_put"),
               "indexed": (IndexedPositions, "pos", "index_put")}
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=8)
 @given(kind=st.sampled_from(sorted(POSITIONAL)), T=st.integers(1, 5), extra=st.integers(0, 2),
-       batch=BATCHES, reduction=REDUCTIONS)
-def test_positional_embeddings(kind, T, extra, batch, reduction):
-    """A positional table used without a batch dim: the frontier is the ``sum`` over the batch;
-    the scatter back into the table (slice_scatter for a slice, index_put-accumulate for an
-    arange lookup) is lifted per example. When the table is longer than T (extra > 0) rows past
-    T must get a zero per-sample gradient."""
+       config=DP_CONFIGS)
+def test_positional_embeddings(kind, T, extra, config):
+    """A positional table used without a batch dim: the frontier is the ``sum`` over the batch,
+    and the scatter back into the table (slice_scatter for a slice, index_put-accumulate for an
+    arange lookup) is lifted per example. Rows past T (extra > 0) get zero gradients; a slice of
+    the whole parameter (extra = 0) is a plain broadcast with nothing to lift."""
     cls, name, lifted = POSITIONAL[kind]
     model = cls(T + extra)
-    x = torch.randn(batch, T, 4)
-    y = torch.randint(0, 3, (batch,))
-    rules, backend_state = check(model, xent, x, y, reduction=reduction)
+    x = torch.randn(MAX_BATCH, T, 4)
+    y = torch.randint(0, 3, (MAX_BATCH,))
+    rules, backend_state = check(model, xent, x, y, config=config)
     assert rules[name] == ["sum"], rules
-    assert lifted in per_sample_graph(backend_state)
+    graph = backend_state.stages.graphs["backward.per_sample"]
+    assert (lifted in graph) == (kind != "parameter" or extra > 0), graph
     assert_linear_rules(rules, "head")
-
-
-def test_full_length_positional_parameter():
-    """The (1, T, d) parameter used whole: a plain broadcast, the ``sum`` rule and nothing else."""
-
-    class Whole(ParamPositions):
-        def forward(self, x):
-            return self.head(torch.tanh(x + self.pos).mean(1))
-
-    model = Whole(5)
-    rules, _ = check(model, xent, torch.randn(3, 5, 4), torch.randint(0, 3, (3,)), reduction="sum")
-    assert rules["pos"] == ["sum"]
 
 
 # -- 5. a GPT-style model --------------------------------------------------------------------------
@@ -369,7 +348,7 @@ class TinyGPT(nn.Module):
     """Token embedding + arange positional embedding, one block, final LayerNorm, LM head tied to
     the token embedding. ``last_only``: logits of the last position (B, V), else (B, T, V)."""
 
-    def __init__(self, vocab=11, d=16, T=8, heads=2, last_only=True):
+    def __init__(self, vocab, d, T, heads=2, last_only=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(T, d)
@@ -385,15 +364,17 @@ class TinyGPT(nn.Module):
         return F.linear(h, self.tok.weight)
 
 
-def gpt_data(batch, T, vocab, last_only):
-    idx = torch.randint(0, vocab, (batch, T))
-    y = torch.randint(0, vocab, (batch,) if last_only else (batch, T))
-    return idx, y, (xent if last_only else xent_over_positions)
-
-
-def assert_gpt_rules(rules):
-    """Token table: its lookup (embedding rule) plus the tied head (mm), summed per example;
-    positional table: sum + index_put lift; LayerNorms and biases: sum; Linears: mm."""
+def check_gpt(model, T, config, backend="eager"):
+    """Token table: its lookup (``embedding``) plus the tied head (``mm``), summed per example
+    by the add lift; positional table: ``sum`` + index_put lift; LayerNorms and biases: ``sum``;
+    Linears: ``mm``. Loss: cross-entropy of the last position, or its mean over positions."""
+    vocab = model.tok.num_embeddings
+    idx = torch.randint(0, vocab, (MAX_BATCH, T))
+    if model.last_only:
+        y, loss_fn = torch.randint(0, vocab, (MAX_BATCH,)), xent
+    else:
+        y, loss_fn = torch.randint(0, vocab, (MAX_BATCH, T)), xent_over_positions
+    rules, _ = check(model, loss_fn, idx, y, config=config, backend=backend)
     assert sorted(rules["tok.weight"]) == ["embedding", "mm"], rules
     assert rules["pos.weight"] == ["sum"], rules
     for ln in ("block.ln1", "block.ln2", "ln_f"):
@@ -403,20 +384,14 @@ def assert_gpt_rules(rules):
         assert_linear_rules(rules, lin)
 
 
-@SETTINGS
-@given(last_only=st.booleans(), T=st.integers(1, 4), batch=BATCHES, reduction=REDUCTIONS)
-def test_tiny_gpt(last_only, T, batch, reduction):
-    """The whole model against the reference, loss on the last position or the mean over
-    positions of each example."""
-    model = TinyGPT(vocab=7, d=8, T=4, last_only=last_only)
-    idx, y, loss_fn = gpt_data(batch, T, 7, last_only)
-    rules, _ = check(model, loss_fn, idx, y, reduction=reduction)
-    assert_gpt_rules(rules)
+@settings(SETTINGS, max_examples=4)
+@given(last_only=st.booleans(), T=st.integers(1, 4), config=DP_CONFIGS)
+def test_tiny_gpt(last_only, T, config):
+    """The whole GPT-style model against the reference, on eager."""
+    check_gpt(TinyGPT(vocab=7, d=8, T=4, last_only=last_only), T, config)
 
 
 def test_tiny_gpt_inductor():
-    """The same rewritten graphs lowered by Inductor (d=16, T=8, vocab 11)."""
-    model = TinyGPT(vocab=11, d=16, T=8, last_only=False)
-    idx, y, loss_fn = gpt_data(3, 8, 11, last_only=False)
-    rules, _ = check(model, loss_fn, idx, y, reduction="mean", backend="inductor")
-    assert_gpt_rules(rules)
+    """The same rewritten graphs lowered by Inductor (d=16, T=8, vocab 11), loss averaged over
+    positions, every batch size 0..4 through one compiled graph."""
+    check_gpt(TinyGPT(vocab=11, d=16, T=8, last_only=False), 8, ("mean", 5), backend="inductor")

@@ -53,6 +53,21 @@ def test_gradient_routed_around_the_clip_is_rejected():
         verify_backward(result.gm, result.analysis, private, CONFIG)
 
 
+def test_batch_wide_value_inside_a_per_sample_gradient_is_rejected():
+    """A rule that scaled example i's gradient by a statistic of the whole batch (as
+    scale_grad_by_freq would) keeps every path through the clip, yet leaks: caught by re-running
+    the batch analysis on the rewritten graph."""
+    result = _rewritten()
+    ps = next(p for p in result.grads if p.name == "fc2.bias").per_sample
+    tangent = next(n for n in result.gm.graph.nodes if n.name.startswith("tangents"))
+    anchor = ps.next
+    batch_total = _insert_before(result.gm, anchor, aten.sum.dim_IntList, tangent, [0])
+    scaled = _insert_before(result.gm, anchor, aten.mul.Tensor, ps, batch_total)
+    ps.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    with pytest.raises(dpfx.PrivacyError, match="combines examples outside the clipped sums"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
 def test_missing_noise_is_rejected():
     result = _rewritten()
     clipped = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clipped_sum"

@@ -79,11 +79,13 @@ def _dim_args(node: fx.Node) -> list:
 
 
 def forward_problems(gm: fx.GraphModule, an: BatchAnalysis) -> list[str]:
-    return _problems(gm, an, skip=set())
+    return [f"op {node.target} in {module_of(node)} {reason}. {_fix_for(node)}"
+            for node, reason in mixing_ops(gm, an, skip=set())]
 
 
-def _problems(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[str]:
-    problems = []
+def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tuple]:
+    """(node, reason) for every op that combines examples, except nodes tagged in ``skip``."""
+    found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("dpfx") in skip:
             continue
@@ -91,31 +93,32 @@ def _problems(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[str
         val = node.meta.get("val")
         if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):
             continue
-        op = getattr(node.target, "__name__", str(node.target))
-        where = f"op {node.target} in {module_of(node)}"
         if not an.is_batched(node):
-            problems.append(f"{where} reduces over the batch dim. {_fix_for(node)}")
+            found.append((node, "reduces over the batch dim"))
             continue
         lay = an.layout(node)
         if isinstance(lay, Ambiguous):
-            problems.append(f"{where}: dpfx cannot prove it keeps examples apart ({lay.reason}). "
-                            f"{_fix_for(node)}")
+            found.append((node, f"cannot be proven to keep examples apart ({lay.reason})"))
             continue
         if node.target in _DIM_OPS_THAT_KEEP_EXAMPLES_APART:
             continue
         src = an.layout(batched_in[0])
         if not isinstance(src, BatchDim) or batched_in[0] is not node.args[0]:
             continue
-        rank = batched_in[0].meta["val"].dim()
-        for dims in _dim_args(node):
-            if dims == "default" or dims is None:
-                dims = list(range(rank))
-            dims = [dims] if isinstance(dims, int) else list(dims)
-            if op.startswith("sum") or op.startswith("mean") or op.startswith("amax"):
-                dims = dims or list(range(rank))
-            if src.dim in [d % max(rank, 1) for d in dims if isinstance(d, int)]:
-                problems.append(f"{where} works along the batch dim {src.dim}. {_fix_for(node)}")
-    return problems
+        if src.dim in _named_dims(node, batched_in[0].meta["val"].dim()):
+            found.append((node, f"works along the batch dim {src.dim}"))
+    return found
+
+
+def _named_dims(node: fx.Node, rank: int) -> set[int]:
+    """The dims an op's ``dim``/``dims`` arguments name; an omitted or empty one means all."""
+    named = set()
+    for dims in _dim_args(node):
+        if dims == "default" or dims is None or dims == []:
+            dims = list(range(rank))
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        named |= {d % max(rank, 1) for d in dims if isinstance(d, int)}
+    return named
 
 
 def check_forward(gm: fx.GraphModule, an: BatchAnalysis) -> None:
@@ -152,7 +155,6 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     for s in sources:
         leaked |= nx.descendants(cut, s) | {s}
 
-    _check_no_other_batch_mixing(gm, an)
     norms = _tagged(graph, "per_sample_norms")
     factors = _tagged(graph, "clip_factor")
     if len(norms) != 1 or len(factors) != 1:
@@ -192,16 +194,17 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                     a.meta.get("dpfx") == "noise" for a in nx.ancestors(g, s)):
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
+    _check_no_other_batch_mixing(gm, an)
 
 
 def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
     """After the rewrite, the clipped sums are the only ops that may combine examples: a rule
     that read a batch-wide value (a count over the whole batch, say) would leak through it."""
-    after = an.rerun(gm.graph)
-    mixing = [m for m in _problems(gm, after, skip={"clipped_sum"})]
+    mixing = mixing_ops(gm, an.rerun(gm.graph), skip={"clipped_sum"})
     if mixing:
-        raise PrivacyError("the rewritten backward graph combines examples outside the clipped "
-                           "sums:\n  - " + "\n  - ".join(mixing))
+        raise PrivacyError(
+            "the rewritten backward graph combines examples outside the clipped sums:\n  - "
+            + "\n  - ".join(f"{node.name} = {node.target}: {why}" for node, why in mixing))
 
 
 def _check_clip_factor(factor: fx.Node, norm: fx.Node, config: DPConfig, g: nx.DiGraph) -> None:
