@@ -4,18 +4,23 @@
     python benchmarks/run.py --quick         # smoke run: one batch size per model, few steps
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
 
-For every (model, batch size) a fresh worker process (this file with --worker) runs every method
-one after the other; the driver collects their JSON lines and writes results.json, results.md
-and ratio.png under --out.
+For every (model, batch size) a fresh worker process (this file with --worker) sets up every
+method side by side: first step and warm-up per method, then the timed steps round-robin over
+the methods (one step of each in turn), so that load from other processes on a shared machine
+falls on every method alike. The driver collects the results and writes results.json,
+results.md and ratio.png under --out (worker logs under --out/logs). A method that raises is
+recorded as "fails: <error>"; a worker that dies is rerun without the method it died in.
 
 Measurements, per (model, batch, method):
 - first step: wall time of the first training step, compilation included. Every method compiles
   cold: dynamo is reset and Inductor gets a fresh, empty cache directory (no FX-graph or kernel
   cache hits from an earlier method or run). The worker warms Inductor's compile workers and C++
-  toolchain probe once on a throwaway function before the first method.
+  toolchain probe once on a throwaway function before the first method. Dynamo is reset once
+  per worker, not between methods (their compiled code must stay alive for the round-robin).
 - compiles: graphs compiled during the method (dpfx: ``compile_count``; torch.compile methods:
   the delta of ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
-- median step: median wall time of N steps after warm-up steps.
+- median step: median wall time of N steps (round-robin, after warm-up steps); results.json also
+  has min, quartiles and max.
 - x compiled: median step / non-private torch.compile's median step for the same model and batch.
 - step memory: peak bytes of tensor memory live during one steady-state step above what was
   live when the step began, from the CPU allocator's own accounting (torch.profiler with
@@ -34,6 +39,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,46 +98,107 @@ def poisson_sizes(B: int, n: int = 10, seed: int = 0) -> list[int]:
     return [sizes[0], 0, sizes[1], 1] + sizes[2:]
 
 
-def run_method(model_name: str, B: int, method: str, steps: int, warmup: int) -> dict:
+class Progress:
+    """The method and phase the worker is in, on disk, so that the driver can name the method
+    a crashed worker died in (one small unbuffered write per step)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    def mark(self, method: str, phase: str) -> None:
+        os.write(self.fd, f"{method} {phase}\n".encode())
+
+
+def fail(res: dict, e: BaseException, phase: str) -> None:
+    res["status"] = "fails"
+    res["error"] = short_error(e)
+    res["failed_in"] = phase
+    res["traceback"] = traceback.format_exc(limit=-6)
+
+
+def worker(args) -> None:
+    """Phase 1, per method: build the model, first step (cold compile), warm-up. Phase 2: the
+    timed steps, round-robin over the methods (step 1 of every method, then step 2, ...), so that
+    load from other processes on a shared machine falls on every method alike. Phase 3, per
+    method: one profiled step for memory; dpfx's variable-batch check."""
+    import tempfile
+
     import torch
     from torch._inductor.utils import fresh_cache
 
     import methods
     import models
 
-    res = {"model": model_name, "batch": B, "method": method,
-           "label": methods.METHODS[method][0]}
+    torch.set_num_threads(THREADS)
+    progress = Progress(args.progress)
+    name, B = args.models[0], args.batch
+    warm_inductor()
     torch._dynamo.reset()
-    with fresh_cache():
+    cache_root = tempfile.mkdtemp(prefix="dpfx-bench-")
+    live, results = {}, {}
+    for method in args.methods:
+        res = results[method] = {"model": name, "batch": B, "method": method,
+                                 "label": methods.METHODS[method][0]}
+        progress.mark(method, "setup")
         try:
-            model, x, y = models.build(model_name, B)
-            m = methods.make(method, model, B, x, y)
-            t0 = time.perf_counter()
-            m.step(x, y)
-            res["first_step_s"] = time.perf_counter() - t0
-            for _ in range(warmup):
-                m.step(x, y)
-            times = []
-            for _ in range(steps):
+            # a fresh, empty Inductor cache per method: no FX-graph or kernel cache hits
+            with fresh_cache(dir=cache_root, delete=False):
+                model, x, y = models.build(name, B)
+                m = methods.make(method, model, B, x, y)
                 t0 = time.perf_counter()
                 m.step(x, y)
-                times.append(time.perf_counter() - t0)
-            res["median_ms"] = 1e3 * statistics.median(times)
-            res["min_ms"] = 1e3 * min(times)
-            res["max_ms"] = 1e3 * max(times)
-            res["steps"] = steps
+                res["first_step_s"] = time.perf_counter() - t0
+                for _ in range(args.warmup):
+                    m.step(x, y)
             res["compiles"] = m.compiles() if m.compiles else None
+            live[method] = (m, model, x, y)
+        except Exception as e:  # a method that fails on a model is a result, not a crash
+            fail(res, e, "setup/first step")
+        print(f"  {name} B={B} {method:13s} first step "
+              f"{res.get('first_step_s', float('nan')):7.2f} s  "
+              f"{'ok' if method in live else 'FAILS ' + res['error']}", flush=True)
+
+    times = {method: [] for method in live}
+    for _ in range(args.steps):
+        for method in list(live):
+            m, _, x, y = live[method]
+            progress.mark(method, "timing")
+            try:
+                t0 = time.perf_counter()
+                m.step(x, y)
+                times[method].append(time.perf_counter() - t0)
+            except Exception as e:
+                fail(results[method], e, "timed steps")
+                del live[method]
+
+    for method, (m, model, x, y) in live.items():
+        res = results[method]
+        t = sorted(times[method])
+        res["steps"] = len(t)
+        res["median_ms"] = 1e3 * statistics.median(t)
+        res["min_ms"] = 1e3 * t[0]
+        res["max_ms"] = 1e3 * t[-1]
+        res["q1_ms"], res["q3_ms"] = (1e3 * q for q in statistics.quantiles(t, n=4)) \
+            if len(t) > 1 else (res["median_ms"],) * 2
+        progress.mark(method, "memory")
+        try:
             res["step_peak_mb"] = step_peak_bytes(m.step, x, y) / 2**20
             res["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            if m.compiles:
+                res["compiles_after_timing"] = m.compiles()
             if method == "dpfx":
-                res["varbatch"] = dpfx_variable_batch(m, model_name, B)
+                progress.mark(method, "variable batch")
+                res["varbatch"] = dpfx_variable_batch(m, name, B)
             res["status"] = "ok"
-        except Exception as e:  # a method that fails on a model is a result, not a crash
-            res["status"] = "fails"
-            res["error"] = short_error(e)
-            res["traceback"] = traceback.format_exc(limit=-6)
-    torch._dynamo.reset()
-    return res
+        except Exception as e:
+            fail(res, e, "memory/variable batch")
+        print(f"  {name} B={B} {method:13s} median {res['median_ms']:9.2f} ms  {res['status']}",
+              flush=True)
+
+    with open(args.jsonl, "w") as f:
+        for method in args.methods:
+            f.write(json.dumps(results[method]) + "\n")
+    shutil.rmtree(cache_root, ignore_errors=True)
 
 
 def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
@@ -158,20 +225,6 @@ def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
         out["error"] = short_error(e)
         out["compiles_after"] = m.compiles()
     return out
-
-
-def worker(args) -> None:
-    import torch
-
-    torch.set_num_threads(THREADS)
-    warm_inductor()
-    for method in args.methods:
-        res = run_method(args.models[0], args.batch, method, args.steps, args.warmup)
-        with open(args.jsonl, "a") as f:
-            f.write(json.dumps(res) + "\n")
-        status = res["status"] if res["status"] == "ok" else "FAILS " + res["error"]
-        print(f"  {args.models[0]} B={args.batch} {method:13s} first {res.get('first_step_s', 0):7.2f}s"
-              f"  median {res.get('median_ms', float('nan')):9.2f} ms  {status}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,39 +259,47 @@ def machine_info() -> dict:
     return info
 
 
-def run_config(model: str, B: int, method_list: list[str], args, jsonl: str) -> list[dict]:
-    """Run one worker for (model, B); if it dies, record the method it died in and go on."""
-    done: list[dict] = []
+def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
+    """Run one worker for (model, B). If it dies, the method it was in (from its progress file)
+    is recorded as failing and the worker is run again without it."""
     todo = list(method_list)
+    crashed: list[dict] = []
+    base = os.path.join(args.out, "logs", f"worker-{model}-{B}")
+    os.makedirs(os.path.dirname(base), exist_ok=True)
     while todo:
-        if os.path.exists(jsonl):
-            os.remove(jsonl)
+        jsonl, progress = base + ".jsonl", base + ".progress"
+        for path in (jsonl, progress):
+            if os.path.exists(path):
+                os.remove(path)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
                "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--jsonl", jsonl]
-        log = os.path.join(args.out, "logs", f"worker-{model}-{B}.log")
-        os.makedirs(os.path.dirname(log), exist_ok=True)
+               "--warmup", str(args.warmup), "--jsonl", jsonl, "--progress", progress]
         try:
-            with open(log, "a") as err:   # warnings and profiler chatter go to the log
-                proc = subprocess.run(cmd, timeout=args.timeout, stderr=err)
-            rc = proc.returncode
+            with open(base + ".log", "a") as err:   # warnings and profiler chatter
+                rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        got = []
-        if os.path.exists(jsonl):
+        if rc == 0 and os.path.exists(jsonl):
             with open(jsonl) as f:
-                got = [json.loads(ln) for ln in f if ln.strip()]
-        done += got
-        todo = todo[len(got):]
-        if todo and rc != 0:
-            why = f"worker timed out after {args.timeout}s" if rc == "timeout" \
-                else f"worker process died (exit code {rc})"
-            done.append({"model": model, "batch": B, "method": todo[0],
-                         "label": METHOD_LABELS[todo[0]], "status": "fails", "error": why})
-            todo = todo[1:]
-        elif todo:
-            break
-    return done
+                got = {r["method"]: r for r in map(json.loads, f) if r}
+            os.remove(jsonl)
+            got.update({c["method"]: c for c in crashed})
+            return [got[m] for m in method_list if m in got]
+        last = None
+        if os.path.exists(progress):
+            with open(progress) as f:
+                lines = f.read().split()
+            last = (lines[-2], lines[-1]) if len(lines) >= 2 else None
+        why = f"worker timed out after {args.timeout}s" if rc == "timeout" \
+            else f"worker process died (exit code {rc})"
+        victim = last[0] if last and last[0] in todo else todo[0]
+        phase = last[1] if last else "start"
+        print(f"  {model} B={B} {victim}: {why} during {phase}; rerunning without it", flush=True)
+        crashed.append({"model": model, "batch": B, "method": victim,
+                        "label": METHOD_LABELS[victim], "status": "fails",
+                        "error": f"{why} during {phase}"})
+        todo.remove(victim)
+    return crashed
 
 
 def fmt(v, spec):
@@ -366,10 +427,7 @@ def driver(args) -> None:
         elif args.quick:
             batches = batches[:1]
         for B in batches:
-            jsonl = os.path.join(args.out, f".worker-{name}-{B}.jsonl")
-            rows = run_config(name, B, args.methods, args, jsonl)
-            if os.path.exists(jsonl):
-                os.remove(jsonl)
+            rows = run_config(name, B, args.methods, args)
             for key, ref in (("ratio_to_compile", "compile"), ("ratio_to_eager", "eager")):
                 base = next((r for r in rows if r["method"] == ref and r["status"] == "ok"), None)
                 for r in rows:
@@ -409,6 +467,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--jsonl", help=argparse.SUPPRESS)
+    ap.add_argument("--progress", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps is None:
         args.steps = 5 if args.quick else 20

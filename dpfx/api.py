@@ -8,7 +8,7 @@
 Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
 compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
 symbol that nothing specializes on, so one forward and one backward graph serve every batch size
-including 0 and 1 (tests/test_core.py::test_batch_sizes_compile_once).
+including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
 """
 from __future__ import annotations
 
@@ -134,7 +134,8 @@ def _check_batch(tensors: list[torch.Tensor]) -> int:
 
 def compile(model: torch.nn.Module, *, max_grad_norm: float, noise_multiplier: float,
             loss_reduction: str = "mean", expected_batch_size: int | None = None,
-            seed: int | None = None, backend: str = "inductor") -> DPModule:
+            seed: int | None = None, backend: str = "inductor",
+            strategy: str = "auto") -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -142,11 +143,15 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float, noise_multiplier: f
     ``p.grad = (sum_i clip_C(g_i)[p] + N(0, sigma^2 C^2)) / D`` with C = max_grad_norm,
     sigma = noise_multiplier, and D = expected_batch_size, else the batch size ("mean"), or 1
     ("sum"). The returned module shares ``model``'s parameters.
+
+    ``strategy``: "materialize" builds per-sample gradients; "ghost" computes per-sample norms
+    without them and the clipped sum as one weight-gradient product (where a rule has that form);
+    "auto" picks per parameter by the rules' symbolic memory cost. All give the same gradients.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
-                      backend)
+                      backend, strategy)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     return DPModule(model, config)

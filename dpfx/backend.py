@@ -10,7 +10,7 @@ backends execute the same rewritten graphs.
 AOTAutogradCache returns compiled artifacts without calling the inner compiler; a hit for a graph
 first compiled without dpfx would hand back *non-private* gradients. It is disabled for every dpfx
 compile. Inductor's FX graph cache stays on: its key is the rewritten graph itself.
-(tests/test_core.py::test_plain_torch_compile_first_does_not_leak)
+(tests/test_inductor.py::test_plain_torch_compile_first_does_not_leak)
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import math
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
+STRATEGIES = ("auto", "materialize", "ghost")
 
 # Added to the per-sample norm before dividing, as Opacus does, so that results compare number for
 # number: clip_factor = min(1, C / (||g|| + CLIP_EPS)).
@@ -20,6 +21,7 @@ class DPConfig:
     expected_batch_size: int | None = None
     seed: int | None = None
     backend: str = "inductor"
+    strategy: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
@@ -50,6 +52,8 @@ class DPConfig:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 

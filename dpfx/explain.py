@@ -1,7 +1,7 @@
 """``dpfx.explain``: what the compiler did to each parameter, and every graph it produced.
 
     report = dpfx.explain(model, x, max_grad_norm=1.0, noise_multiplier=1.0)
-    print(report)                 # parameter | shape | rule | per-sample form | cost
+    print(report)                 # parameter | shape | rule | strategy | per-sample form | cost
     report.write("dumps/")        # forward.txt, backward.captured.txt, backward.private.txt + .png
 
 explain compiles with backend="eager" (the same rewritten graphs as Inductor gets, without the C++
@@ -23,6 +23,7 @@ class ParamRow:
     name: str
     shape: tuple
     rules: list[str]
+    strategy: str
     form: str
     flops: str
     memory: str
@@ -34,9 +35,9 @@ class Report:
     graphs: dict[str, str]
 
     def __str__(self) -> str:
-        head = ("parameter", "shape", "rule", "per-sample form", "flops", "memory")
-        body = [(r.name, "x".join(map(str, r.shape)), "+".join(r.rules), r.form, r.flops, r.memory)
-                for r in self.rows]
+        head = ("parameter", "shape", "rule", "strategy", "per-sample form", "flops", "memory")
+        body = [(r.name, "x".join(map(str, r.shape)), "+".join(r.rules), r.strategy, r.form,
+                 r.flops, r.memory) for r in self.rows]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
@@ -70,8 +71,10 @@ def explain(model: torch.nn.Module, *example_inputs, **options) -> Report:
     rows = []
     for pg in backend.param_grads:
         cost = pg.costs[0] if len(pg.costs) == 1 else _merge(pg.costs)
-        rows.append(ParamRow(pg.name, tuple(shapes[pg.name].shape), pg.rules, cost["form"],
-                             _pretty(cost["flops"]), _pretty(cost["memory"])))
+        key = "ghost_" if pg.strategy == "ghost" else ""
+        rows.append(ParamRow(pg.name, tuple(shapes[pg.name].shape), pg.rules, pg.strategy,
+                             cost[key + "form"], _pretty(cost[key + "flops"]),
+                             _pretty(cost[key + "memory"])))
     return Report(rows, dict(backend.stages.graphs))
 
 

@@ -58,11 +58,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--batch-size", type=int, default=128, help="expected (Poisson) batch size")
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=256, help="expected (Poisson) batch size")
     ap.add_argument("--lr", type=float, default=None,
-                    help="SGD learning rate (default 2.0 private, 0.05 with momentum non-private)")
-    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+                    help="SGD learning rate (default 4.0 private, 0.05 with momentum non-private)")
+    ap.add_argument("--max-grad-norm", type=float, default=0.5)
     ap.add_argument("--target-epsilon", type=float, default=3.0)
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--non-private", action="store_true")
@@ -96,7 +96,7 @@ def main() -> None:
     if args.non_private:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=0.9)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr or 2.0)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr or 4.0)
     generator = torch.Generator().manual_seed(args.seed)
     loader = poisson_loader(train, q, steps=steps, generator=generator)
     start = time.perf_counter()

@@ -13,7 +13,9 @@ def test_explain_reports_every_parameter_and_leaves_grads_alone(tmp_path):
     report = dpfx.explain(model, torch.randn(2, 6, 8), max_grad_norm=1.0, noise_multiplier=1.0)
     rows = {r.name: r for r in report.rows}
     assert set(rows) == {n for n, _ in model.named_parameters()}
-    assert rows["proj.weight"].rules == ["mm"] and "bmm" in rows["proj.weight"].form
+    assert rows["proj.weight"].rules == ["mm"] and rows["proj.weight"].strategy == "ghost"
+    assert "Gram" in rows["proj.weight"].form
+    assert rows["pos"].strategy == "materialize"
     assert rows["pos"].rules == ["sum"] and rows["pos"].shape == (1, 6, 8)
     assert "B" in rows["proj.weight"].flops
     text = str(report)

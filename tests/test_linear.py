@@ -15,15 +15,21 @@ from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 
 
-def check(model, loss_fn, x, y, *, C, reduction, expected=None):
-    """dpfx with sigma = 0 equals the reference; returns the ParamGrads for rule assertions."""
+def check(model, loss_fn, x, y, *, C, reduction, expected=None, strategy="auto"):
+    """dpfx with sigma = 0 equals the reference; returns {parameter: rules that fired}."""
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend="eager")
+                      expected_batch_size=expected, backend="eager", strategy=strategy)
     got = run_dpfx(dp, model, loss_fn, x, y, reduction)
     want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=C, loss_reduction=reduction,
                         expected_batch_size=expected)
     assert_close(got, want)
-    return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+    grads = dp._dpfx_backend.param_grads
+    if strategy != "auto":
+        # A weight with a ghost form takes it when asked; everything else materializes.
+        for pg in grads:
+            want_strategy = "ghost" if strategy == "ghost" and pg.rules == ["mm"] else "materialize"
+            assert pg.strategy == want_strategy, (pg.name, pg.strategy)
+    return {pg.name: pg.rules for pg in grads}
 
 
 @SETTINGS
@@ -32,8 +38,10 @@ def check(model, loss_fn, x, y, *, C, reduction, expected=None):
     extra=st.lists(st.integers(1, 3), min_size=0, max_size=2),
     batch=st.integers(0, 8), bias=st.booleans(),
     reduction=st.sampled_from(["mean", "sum"]), expected=st.sampled_from([None, 5]),
+    strategy=st.sampled_from(["auto", "materialize", "ghost"]),
 )
-def test_mlp_matches_reference(d_in, hidden, d_out, extra, batch, bias, reduction, expected):
+def test_mlp_matches_reference(d_in, hidden, d_out, extra, batch, bias, reduction, expected,
+                               strategy):
     if batch == 0 and reduction == "mean" and expected is None:
         expected = 4
     model = MLP(d_in, hidden, d_out, bias)
@@ -42,7 +50,8 @@ def test_mlp_matches_reference(d_in, hidden, d_out, extra, batch, bias, reductio
     C = 0.05
     if batch:
         assert clip_fraction(model, mse, x, y, C) > 0.5
-    rules = check(model, mse, x, y, C=C, reduction=reduction, expected=expected)
+    rules = check(model, mse, x, y, C=C, reduction=reduction, expected=expected,
+                  strategy=strategy)
     assert rules["fc1.weight"] == ["mm"] and rules["fc2.weight"] == ["mm"]
     if bias:
         assert rules["fc1.bias"] == ["sum"] and rules["fc2.bias"] == ["sum"]
@@ -50,24 +59,27 @@ def test_mlp_matches_reference(d_in, hidden, d_out, extra, batch, bias, reductio
 
 @SETTINGS
 @given(batch=st.integers(1, 6), T=st.integers(1, 5), reduction=st.sampled_from(["mean", "sum"]),
-       C=st.sampled_from([0.01, 0.3, 100.0]))
-def test_params_without_batch_dim(batch, T, reduction, C):
+       C=st.sampled_from([0.01, 0.3, 100.0]),
+       strategy=st.sampled_from(["auto", "materialize", "ghost"]))
+def test_params_without_batch_dim(batch, T, reduction, C, strategy):
     """A positional parameter (1, T, d) and an elementwise scale: broadcast over the batch in the
     forward, so their gradients are batch sums in the backward; dpfx keeps them per-sample."""
     model = SeqModel(T=T)
     x = torch.randn(batch, T, 8)
     y = torch.randint(0, 4, (batch,))
-    rules = check(model, xent, x, y, C=C, reduction=reduction)
+    rules = check(model, xent, x, y, C=C, reduction=reduction, strategy=strategy)
     assert rules["pos"] == ["sum"] and rules["gamma"] == ["sum"]
     assert rules["proj.weight"] == ["mm"]
 
 
 @pytest.mark.parametrize("batch", [0, 1, 5])
 def test_tied_weights_sum_their_uses(batch):
+    """Two uses are summed before the norm, so a single ghost norm does not apply: the tied
+    weight materializes even when ghost is asked for (check() asserts that)."""
     model = TiedMLP()
     x = torch.randn(batch, 8)
     y = torch.randint(0, 3, (batch,))
-    rules = check(model, xent, x, y, C=0.1, reduction="mean", expected=4)
+    rules = check(model, xent, x, y, C=0.1, reduction="mean", expected=4, strategy="ghost")
     assert rules["shared.weight"] == ["mm", "mm"]
 
 
@@ -77,6 +89,13 @@ def test_raw_parameter_matmul(reduction):
     x = torch.randn(6, 4, 5)
     y = torch.randn(6, 3)
     assert check(model, mse, x, y, C=0.1, reduction=reduction)["w"] == ["mm"]
+
+
+@pytest.mark.parametrize("strategy", ["materialize", "ghost"])
+def test_raw_parameter_matmul_strategies(strategy):
+    model = MatmulParam()
+    x, y = torch.randn(6, 4, 5), torch.randn(6, 3)
+    assert check(model, mse, x, y, C=0.1, reduction="mean", strategy=strategy)["w"] == ["mm"]
 
 
 def test_batch_second_layout():

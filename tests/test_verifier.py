@@ -14,11 +14,12 @@ aten = torch.ops.aten
 CONFIG = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
 
 
-def _rewritten():
+def _rewritten(strategy="materialize", x_shape=(3, 8)):
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=CONFIG.max_grad_norm,
-                      noise_multiplier=CONFIG.noise_multiplier, backend="eager")
-    dp(torch.randn(3, 8))
+                      noise_multiplier=CONFIG.noise_multiplier, backend="eager",
+                      strategy=strategy)
+    dp(torch.randn(*x_shape))
     return dp._dpfx_backend.last_backward
 
 
@@ -36,9 +37,23 @@ def _route_output(result, name, new_node):
     return {**result.private, name: new_node}
 
 
-def test_intact_graph_verifies():
-    result = _rewritten()
+@pytest.mark.parametrize("strategy,x_shape", [
+    ("materialize", (3, 8)), ("ghost", (3, 8)), ("ghost", (3, 5, 8))])
+def test_intact_graph_verifies(strategy, x_shape):
+    result = _rewritten(strategy, x_shape)
+    assert {pg.strategy for pg in result.grads if pg.name.endswith("weight")} == {strategy}
     verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_book_keeping_product_without_the_clip_factor_is_rejected():
+    """The ghost strategy's clipped sum is one mm with clip-scaled rows; scaling by anything
+    but the clip coefficient is refused."""
+    result = _rewritten("ghost", (3, 5, 8))
+    apply = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_apply")
+    ones = _insert_before(result.gm, apply, aten.ones_like.default, apply.args[1])
+    apply.args = (apply.args[0], ones)
+    with pytest.raises(dpfx.PrivacyError, match="not scaled by the clip factor"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
 def test_gradient_routed_around_the_clip_is_rejected():

@@ -110,7 +110,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         return BackwardResult(gm, an, grads, {})
 
     errors = [] if problems is not None else None
-    rewrite_per_sample(RewriteContext(an, emit), grads, errors)
+    rewrite_per_sample(RewriteContext(an, emit, config.strategy), grads, errors)
     if errors:
         problems.extend(Problem("unsupported", str(e)) for e in errors)
         return BackwardResult(gm, an, grads, {})

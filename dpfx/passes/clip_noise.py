@@ -10,6 +10,9 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     noise            = randn([sum of numels]) ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
 
+For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
+``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps.
+
 D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. All of it is ordinary ATen,
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
 into the final pointwise kernel. One ``randn`` serves all parameters (sliced), so there is one seed
@@ -33,14 +36,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     batch = emit.batch_size()
     mean = config.loss_reduction == "mean"
 
-    squares = []
-    for pg in grads:
-        ps = pg.per_sample
-        if ps.meta["val"].dtype != torch.float32:
-            ps = emit(prims.convert_element_type.default, ps, torch.float32)
-        rank = ps.meta["val"].dim()
-        sq = emit(aten.mul.Tensor, ps, ps)
-        squares.append(emit(aten.sum.dim_IntList, sq, list(range(1, rank))) if rank > 1 else sq)
+    squares = [_squared_norm(pg, emit) for pg in grads]
     norm_sq = squares[0]
     for sq in squares[1:]:
         norm_sq = emit(aten.add.Tensor, norm_sq, sq)
@@ -63,13 +59,9 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     private = {}
     offset = 0
     for pg in grads:
-        ps = pg.per_sample
         shape = list(pg.grad.meta["val"].shape)
         numel = pg.grad.meta["val"].numel()
-        rank = ps.meta["val"].dim()
-        coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
-        weighted = emit(aten.mul.Tensor, ps, coef_b, tag="clip_apply")
-        clipped = emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")
+        clipped = _clipped_sum(pg, coef, batch, emit)
         chunk = emit(aten.slice.Tensor, noise, 0, offset, offset + numel)
         scaled = emit(aten.mul.Tensor, emit(aten.view.default, chunk, shape), std,
                       tag="noise_scale")
@@ -87,3 +79,33 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         out.meta["dpfx"] = "private_grad"
         private[pg.name] = out
     return private
+
+
+def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
+    """f32[B]: the squared norm of each example's gradient of this parameter."""
+    if pg.strategy == "ghost":
+        sq = pg.ghost.norm_sq
+        if sq.meta["val"].dtype != torch.float32:
+            sq = emit(prims.convert_element_type.default, sq, torch.float32)
+        return sq
+    ps = pg.per_sample
+    if ps.meta["val"].dtype != torch.float32:
+        ps = emit(prims.convert_element_type.default, ps, torch.float32)
+    rank = ps.meta["val"].dim()
+    sq = emit(aten.mul.Tensor, ps, ps)
+    return emit(aten.sum.dim_IntList, sq, list(range(1, rank))) if rank > 1 else sq
+
+
+def _clipped_sum(pg: ParamGrad, coef, batch, emit: Emitter) -> torch.fx.Node:
+    """sum_i coef_i * grad_i, in the parameter's shape."""
+    if pg.strategy == "ghost":
+        # Book-keeping: one weight-gradient product with clip-scaled rows, then the same data
+        # movement the original graph applied between the frontier and the output.
+        out = pg.ghost.clipped_sum(coef)
+        for node in pg.chain:
+            out = emit(node.target, out, *node.args[1:], **node.kwargs)
+        return out
+    rank = pg.per_sample.meta["val"].dim()
+    coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
+    weighted = emit(aten.mul.Tensor, pg.per_sample, coef_b, tag="clip_apply")
+    return emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")

@@ -20,6 +20,8 @@ import dataclasses
 import operator
 from typing import Any
 
+import sympy
+import torch
 import torch.fx as fx
 
 from .. import rules
@@ -27,6 +29,8 @@ from ..errors import UnsupportedOpError
 from ..rules.lift import LiftRefused
 from .batch import BatchAnalysis
 from .emit import Emitter
+
+aten = torch.ops.aten
 
 
 @dataclasses.dataclass
@@ -38,12 +42,16 @@ class ParamGrad:
     per_sample: fx.Node | None = None
     rules: list[str] = dataclasses.field(default_factory=list)
     costs: list[dict] = dataclasses.field(default_factory=list)
+    strategy: str = "materialize"
+    ghost: Any = None  # rules.Ghost when strategy == "ghost"
+    chain: list[fx.Node] = dataclasses.field(default_factory=list)  # frontier -> output ops
 
 
 @dataclasses.dataclass
 class RewriteContext:
     analysis: BatchAnalysis
     emit: Emitter
+    strategy: str = "auto"
 
     def layout(self, node: Any):
         return self.analysis.layout(node) if isinstance(node, fx.Node) else None
@@ -75,6 +83,8 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
     memo: dict[fx.Node, fx.Node | None] = {}
     for pg in grads:
         try:
+            if _plan_ghost(pg, ctx):
+                continue
             pg.per_sample = _per_sample(pg.grad, pg, ctx, memo)
             if pg.per_sample is None:
                 raise UnsupportedOpError(
@@ -84,6 +94,52 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
             if errors is None:
                 raise
             errors.append(e)
+
+
+# Ops between a frontier and the gradient output that keep every per-sample norm unchanged, so
+# the frontier's ghost norm is the parameter's: data movement only (no add, no scaling).
+_NORM_PRESERVING = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.alias.default,
+}
+# Sizes at which "auto" compares the rules' symbolic memory costs.
+NOMINAL_SIZE = 128
+
+
+def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
+    """Use the frontier rule's ghost form when the strategy allows it and the gradient is the
+    frontier's output moved around (a single frontier, norm-preserving ops only)."""
+    if ctx.strategy == "materialize":
+        return False
+    chain, node = [], pg.grad
+    an = ctx.analysis
+    while not any(an.is_batched(a) for a in _producer_inputs(node)):
+        if node.target not in _NORM_PRESERVING or len(node.users) != 1:
+            return False
+        chain.append(node)
+        node = node.args[0]
+        if not isinstance(node, fx.Node) or node not in an.data_dependent:
+            return False
+    if len(node.users) != 1:
+        return False
+    rule, _ = rules.find(node, ctx)
+    if rule is None or rule.ghost is None or rule.ghost_check(node, ctx) is not None:
+        return False
+    cost = rule.cost(node, ctx)
+    if ctx.strategy == "auto" and not _nominal(cost["ghost_memory"]) < _nominal(cost["memory"]):
+        return False
+    pg.ghost = rule.ghost(node, ctx)
+    pg.strategy = "ghost"
+    pg.chain = chain[::-1]
+    pg.rules.append(rule.name)
+    pg.costs.append(cost)
+    return True
+
+
+def _nominal(expr) -> float:
+    expr = sympy.sympify(expr)
+    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
 
 
 def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node | None:

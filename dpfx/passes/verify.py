@@ -164,12 +164,14 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     _check_clip_factor(factor, norm, config, g)
     norm_inputs = nx.ancestors(g, norm)
     for c in clipped:
-        apply = c.args[0]
-        if apply.meta.get("dpfx") != "clip_apply":
-            raise PrivacyError(f"clipped sum {c.name} does not reduce a clip_apply node")
+        apply = _clip_apply_of(c)
         ps, coef = apply.args
-        if ps not in norm_inputs:
-            raise PrivacyError(f"{ps.name} is clipped but is not part of the per-sample norm")
+        data = [x for x in c.all_input_nodes + [ps] if x in an.data_dependent or x is ps]
+        for x in data:
+            x = _through_moves(x)
+            if x is not apply and x not in norm_inputs:
+                raise PrivacyError(f"{x.name} enters the clipped sum {c.name} but is not part of "
+                                   f"the per-sample norm")
         base = coef.args[0] if coef.target is aten.view.default else coef
         if not (base is factor or base.meta.get("dpfx") == "clip_coef"
                 and base.target is aten.mul.Tensor and base.args[0] is factor):
@@ -205,6 +207,26 @@ def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
         raise PrivacyError(
             "the rewritten backward graph combines examples outside the clipped sums:\n  - "
             + "\n  - ".join(f"{node.name} = {node.target}: {why}" for node, why in mixing))
+
+
+_MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.permute.default, aten.unsqueeze.default}
+
+
+def _through_moves(node: fx.Node) -> fx.Node:
+    while node.target in _MOVES and node.meta.get("dpfx") is None:
+        node = node.args[0]
+    return node
+
+
+def _clip_apply_of(clipped: fx.Node) -> fx.Node:
+    """The clip_apply node a clipped sum reduces: its direct input (materialize) or one reached
+    through data movement (the book-keeping product's reshaped operand)."""
+    applies = [_through_moves(x) for x in clipped.all_input_nodes]
+    applies = [x for x in applies if x.meta.get("dpfx") == "clip_apply"]
+    if len(applies) != 1:
+        raise PrivacyError(f"clipped sum {clipped.name} does not reduce exactly one clip_apply node")
+    return applies[0]
 
 
 def _check_clip_factor(factor: fx.Node, norm: fx.Node, config: DPConfig, g: nx.DiGraph) -> None:

@@ -25,12 +25,27 @@ import torch.fx as fx
 
 
 @dataclasses.dataclass(frozen=True)
+class Ghost:
+    """A per-sample form that never builds (B, *grad.shape): the squared per-sample norms
+    (ghost norm: Goodfellow 2015, Li et al. 2022) and a function that, given the clip
+    coefficients c (f32[B]), emits sum_i c_i * grad_i as one ordinary weight-gradient product
+    (book-keeping: Bu et al. 2023). The emitted product is tagged "clipped_sum" and the operand
+    scaled by c "clip_apply", which is what the verifier reads."""
+    norm_sq: fx.Node
+    clipped_sum: Callable[[fx.Node], fx.Node]
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     name: str
     targets: tuple
     check: Callable[[fx.Node, Any], str | None]
     rewrite: Callable[[fx.Node, Any], fx.Node]
     cost: Callable[[fx.Node, Any], dict] | None = None
+    # Optional second strategy: ``ghost(node, ctx) -> Ghost``, applicable when
+    # ``ghost_check(node, ctx)`` returns None; ``cost`` then also states "ghost_memory".
+    ghost: Callable[[fx.Node, Any], Ghost] | None = None
+    ghost_check: Callable[[fx.Node, Any], str | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

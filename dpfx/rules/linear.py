@@ -9,12 +9,16 @@ example dim means splitting that contraction into (B, T) and contracting only T:
 which is the per-sample gradient of Goodfellow (2015) / Opacus' linear rule, but derived from the
 graph: the same rule serves any rank of input and any flattening order, since the batch layout of
 both operands comes from `passes.batch`.
+
+The rule also has a ghost form (``ghost_mm``): per-sample norms from the operands alone and the
+clipped sum as one mm with clip-scaled rows, so the (B, out, in) tensor is never built. The
+compiler picks it per parameter when its memory is smaller (``strategy="auto"``).
 """
 from __future__ import annotations
 
 import torch
 
-from . import Rule, register
+from . import Ghost, Rule, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -44,11 +48,51 @@ def cost_mm(node, ctx) -> dict:
     m, k = ctx.analysis.shape(a.meta["val"])
     n = ctx.analysis.shape(b.meta["val"])[1]
     batch = ctx.analysis.batch
+    r = k / batch
     return {
-        "form": f"bmm([B, {m}, {k / batch}], [B, {k / batch}, {n}])",
+        "form": f"bmm([B, {m}, {r}], [B, {r}, {n}])",
         "flops": 2 * m * k * n,
         "memory": batch * m * n,
+        "ghost_form": "|a|^2 |g|^2" if r == 1 else f"<Gram [B, {r}, {r}], Gram [B, {r}, {r}]>",
+        "ghost_flops": 2 * k * r * (m + n) + 2 * m * k * n,
+        "ghost_memory": batch * (2 * r * r + r * n) if r != 1 else batch * (n + 2),
     }
 
 
-MM = register(Rule("mm", (aten.mm.default,), check_mm, rewrite_mm, cost_mm))
+def check_ghost_mm(node, ctx) -> str | None:
+    if ctx.layout(node.args[1]).outer != 1:
+        return "book-keeping needs the batch as the outer factor of the contracted dim"
+    return None
+
+
+def ghost_mm(node, ctx) -> Ghost:
+    """||A_i^T G_i||_F^2 without the (B, M, N) per-sample gradients. With one row per example
+    (R = 1) it factorizes as ||a_i||^2 ||g_i||^2; with R rows (a sequence) it is
+    <A_i A_i^T, G_i G_i^T>, two (B, R, R) Gram matrices (Li et al. 2022). The clipped sum is the
+    same mm as the original weight gradient with the second operand's rows scaled by c_i."""
+    emit = ctx.emit
+    a, b = node.args[:2]
+    a3 = emit.batch_to_front(a, ctx.layout(a))  # (B, M, R)
+    b3 = emit.batch_to_front(b, ctx.layout(b))  # (B, R, N)
+    r = ctx.analysis.shape(a3.meta["val"])[2]
+    if r == 1:
+        norm_a = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a3, a3), [1, 2])
+        norm_b = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, b3, b3), [1, 2])
+        norm_sq = emit(aten.mul.Tensor, norm_a, norm_b)
+    else:
+        gram_a = emit(aten.bmm.default, emit(aten.permute.default, a3, [0, 2, 1]), a3)
+        gram_b = emit(aten.bmm.default, b3, emit(aten.permute.default, b3, [0, 2, 1]))
+        norm_sq = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_a, gram_b), [1, 2])
+
+    def clipped_sum(coef):
+        scaled = emit(aten.mul.Tensor, b3, emit(aten.view.default, coef, [emit.batch_size(), 1, 1]),
+                      tag="clip_apply")
+        rows = emit(aten.reshape.default, scaled, [emit.size(s) for s in
+                                                   ctx.analysis.shape(b.meta["val"])])
+        return emit(aten.mm.default, a, rows, tag="clipped_sum")
+
+    return Ghost(norm_sq, clipped_sum)
+
+
+MM = register(Rule("mm", (aten.mm.default,), check_mm, rewrite_mm, cost_mm,
+                   ghost=ghost_mm, ghost_check=check_ghost_mm))

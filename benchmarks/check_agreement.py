@@ -1,0 +1,51 @@
+"""Check that the private methods of the benchmark compute the same DP-SGD update.
+
+    python benchmarks/check_agreement.py [--models mlp cnn gpt embedding] [--batch 8]
+
+With sigma = 0 and lr = 1, one step of every private method must change the parameters by the
+same clipped, averaged gradient as torch.func's vmap(grad) reference; prints the largest relative
+difference per (model, method). Not part of the timed suite (it recompiles every method).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import methods  # noqa: E402
+import models  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=list(models.MODELS), choices=list(models.MODELS))
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    methods.SIGMA, methods.LR = 0.0, 1.0
+    for name in args.models:
+        ref = None
+        for meth in ["func_eager", "opacus_hooks", "opacus_ghost", "func_compile", "dpfx"]:
+            torch._dynamo.reset()
+            model, x, y = models.build(name, args.batch)
+            before = {k: p.detach().clone() for k, p in model.named_parameters()}
+            try:
+                methods.make(meth, model, args.batch, x, y).step(x, y)
+            except Exception as e:
+                print(f"{name:10s} {meth:13s} fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+                continue
+            delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+            if ref is None:
+                ref = delta
+                continue
+            err = max(((delta[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item()
+                      for k in ref)
+            print(f"{name:10s} {meth:13s} max relative difference to torch.func: {err:.1e}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
