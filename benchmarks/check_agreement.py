@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+import warnings
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,17 +27,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    warnings.filterwarnings("ignore")
     methods.SIGMA, methods.LR = 0.0, 1.0
     for name in args.models:
         ref = None
-        for meth in ["func_eager", "opacus_hooks", "opacus_ghost", "func_compile", "dpfx"]:
+        for meth in ["func_eager", "opacus_hooks", "opacus_ghost", "func_compile", "dpfx",
+                     "dpfx_materialize"]:
             torch._dynamo.reset()
             model, x, y = models.build(name, args.batch)
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
             try:
                 methods.make(meth, model, args.batch, x, y).step(x, y)
             except Exception as e:
-                print(f"{name:10s} {meth:13s} fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+                print(f"{name:10s} {meth:16s} fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
                 continue
             delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
             if ref is None:
@@ -43,7 +47,7 @@ def main() -> None:
                 continue
             err = max(((delta[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item()
                       for k in ref)
-            print(f"{name:10s} {meth:13s} max relative difference to torch.func: {err:.1e}",
+            print(f"{name:10s} {meth:16s} max relative difference to torch.func: {err:.1e}",
                   flush=True)
 
 

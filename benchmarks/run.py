@@ -50,8 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 METHOD_ORDER = ["eager", "compile", "opacus_hooks", "opacus_ghost", "func_eager",
-                "func_compile", "dpfx"]
-THREADS = 2
+                "func_compile", "dpfx", "dpfx_materialize"]
+QUICK_METHODS = [m for m in METHOD_ORDER if m != "dpfx_materialize"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def worker(args) -> None:
     import methods
     import models
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     progress = Progress(args.progress)
     name, B = args.models[0], args.batch
     warm_inductor()
@@ -178,8 +178,8 @@ def worker(args) -> None:
         res["median_ms"] = 1e3 * statistics.median(t)
         res["min_ms"] = 1e3 * t[0]
         res["max_ms"] = 1e3 * t[-1]
-        res["q1_ms"], res["q3_ms"] = (1e3 * q for q in statistics.quantiles(t, n=4)) \
-            if len(t) > 1 else (res["median_ms"],) * 2
+        quartiles = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+        res["q1_ms"], res["q3_ms"] = 1e3 * quartiles[0], 1e3 * quartiles[2]
         progress.mark(method, "memory")
         try:
             res["step_peak_mb"] = step_peak_bytes(m.step, x, y) / 2**20
@@ -231,7 +231,7 @@ def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
 # driver
 # ------------------------------------------------------------------------------------------------
 
-def machine_info() -> dict:
+def machine_info(threads: int) -> dict:
     import torch
 
     cpu = "unknown"
@@ -243,7 +243,7 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": THREADS,
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
     try:
@@ -273,7 +273,8 @@ def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
                 os.remove(path)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
                "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--jsonl", jsonl, "--progress", progress]
+               "--warmup", str(args.warmup), "--threads", str(args.threads), "--jsonl", jsonl,
+               "--progress", progress]
         try:
             with open(base + ".log", "a") as err:   # warnings and profiler chatter
                 rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
@@ -294,7 +295,8 @@ def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
             else f"worker process died (exit code {rc})"
         victim = last[0] if last and last[0] in todo else todo[0]
         phase = last[1] if last else "start"
-        print(f"  {model} B={B} {victim}: {why} during {phase}; rerunning without it", flush=True)
+        print(f"  {model} B={B} {victim}: {why} during {phase}; rerunning without it "
+              f"(see {base}.log)", flush=True)
         crashed.append({"model": model, "batch": B, "method": victim,
                         "label": METHOD_LABELS[victim], "status": "fails",
                         "error": f"{why} during {phase}"})
@@ -367,7 +369,8 @@ def plot(results: list[dict], path: str) -> None:
         key = (r["model"], r["batch"])
         if key not in groups:
             groups.append(key)
-    methods = [m for m in METHOD_ORDER if m != "compile"]
+    methods = [m for m in METHOD_ORDER
+               if m != "compile" and any(r["method"] == m for r in results)]
     width = 0.8 / len(methods)
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
     for j, m in enumerate(methods):
@@ -406,6 +409,7 @@ METHOD_LABELS = {
     "func_eager": "torch.func vmap(grad), eager",
     "func_compile": "torch.func vmap(grad), torch.compile",
     "dpfx": "dpfx (inductor)",
+    "dpfx_materialize": "dpfx (inductor, strategy=materialize)",
 }
 
 
@@ -415,7 +419,7 @@ def driver(args) -> None:
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta = {"command": command.strip(), "machine": machine_info(), "steps": args.steps,
+    meta = {"command": command.strip(), "machine": machine_info(args.threads), "steps": args.steps,
             "warmup": args.warmup, "quick": args.quick}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
@@ -457,11 +461,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: first batch size per model, 5 steps after 1 warm-up")
     ap.add_argument("--models", nargs="+", default=list(models.MODELS), choices=list(models.MODELS))
-    ap.add_argument("--methods", nargs="+", default=METHOD_ORDER, choices=METHOD_ORDER)
+    ap.add_argument("--methods", nargs="+", default=None, choices=METHOD_ORDER,
+                    help="default: all (--quick: all but dpfx_materialize)")
     ap.add_argument("--batches", nargs="+", type=int, default=None,
                     help="override the batch sizes (default: each model's two, one with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 5)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -473,6 +479,8 @@ def main() -> None:
         args.steps = 5 if args.quick else 20
     if args.warmup is None:
         args.warmup = 1 if args.quick else 3
+    if args.methods is None:
+        args.methods = QUICK_METHODS if args.quick else METHOD_ORDER
     if args.worker:
         worker(args)
     else:

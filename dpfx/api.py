@@ -12,8 +12,6 @@ including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -22,6 +20,7 @@ from .backend import DPBackend
 from .config import DPConfig
 from .errors import CaptureError, DPFXError, PrivacyError
 from .modules import check_modules
+from .traceable import traceable_torch
 
 
 class DPModule(torch.nn.Module):
@@ -62,7 +61,7 @@ class DPModule(torch.nn.Module):
         backend.forward_ran = False
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
-                    _size_checks_that_trace():
+                    traceable_torch():
                 out = self._dpfx_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
@@ -86,27 +85,6 @@ class DPModule(torch.nn.Module):
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
         return out
-
-
-_verify_batch_size = torch.nn.functional._verify_batch_size
-
-
-def _verify_batch_size_if_known(size) -> None:
-    """torch's check that a norm layer sees more than one value per channel in training, skipped
-    when the batch is symbolic (the check would pin the batch size; with B = 1 and one value per
-    group GroupNorm then returns zeros instead of raising)."""
-    if any(isinstance(s, torch.SymInt) for s in size):
-        return
-    _verify_batch_size(size)
-
-
-@contextlib.contextmanager
-def _size_checks_that_trace():
-    torch.nn.functional._verify_batch_size = _verify_batch_size_if_known
-    try:
-        yield
-    finally:
-        torch.nn.functional._verify_batch_size = _verify_batch_size
 
 
 def _symbolic_batch_error(e: Exception) -> CaptureError:

@@ -135,3 +135,4 @@ def test_width_one_hidden_layer_is_a_clear_error():
         dp(torch.randn(3, 3))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+

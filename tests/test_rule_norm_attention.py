@@ -131,9 +131,6 @@ def test_rms_norm(affine, config):
                ["weight"] if affine else [])
 
 
-@pytest.mark.xfail(raises=dpfx.CaptureError, strict=True, reason=(
-    "torch.instance_norm runs batch_norm on a (1, B*C, ...) view, whose numel() == 0 test guards "
-    "on the unbacked batch (Eq(C*L*u0, 0)); needs a traceable instance_norm during capture"))
 @pytest.mark.parametrize("cls,shape", [(nn.InstanceNorm1d, (3, 5)), (nn.InstanceNorm2d, (2, 2, 3)),
                                        (nn.InstanceNorm3d, (2, 2, 2, 2))], ids=["1d", "2d", "3d"])
 def test_instance_norm(cls, shape):
@@ -209,9 +206,6 @@ def test_multihead_attention(batch_first, bias, heads, kv_dims, config):
               config)
 
 
-@pytest.mark.xfail(raises=dpfx.CaptureError, strict=True, reason=(
-    "add_bias_kv repeats bias_k over the batch (bias_k.repeat(1, B, 1)); torch's "
-    "repeat_backward tests `repeats` for a 0 and guards Eq(u0, 0) on the unbacked batch"))
 @pytest.mark.parametrize("batch_first,kv_dims", [(True, (None, None)), (False, (6, 5))])
 def test_multihead_attention_bias_kv(batch_first, kv_dims):
     """add_bias_kv=True: bias_k and bias_v are broadcast over the batch, so ``sum``."""

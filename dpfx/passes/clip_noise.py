@@ -21,6 +21,7 @@ per step. Every node that the verifier relies on carries ``meta["dpfx"]``: "per_
 """
 from __future__ import annotations
 
+import sympy
 import torch
 
 from ..config import CLIP_EPS, DPConfig
@@ -51,21 +52,22 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     # are g_i / B, so the coefficient is clip_factor * B.
     coef = emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean else clip_factor
 
-    total = sum(pg.grad.meta["val"].numel() for pg in grads)
-    noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,
-                 pin_memory=False, tag="noise")
+    # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
+    shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
+    numels = {name: sympy.Mul(*shape) for name, shape in shapes.items()}
+    noise = emit(aten.randn.default, [emit.size(sympy.Add(*numels.values()))],
+                 dtype=torch.float32, device=device, pin_memory=False, tag="noise")
     std = config.noise_std
 
     private = {}
-    offset = 0
+    offset = sympy.Integer(0)
     for pg in grads:
-        shape = list(pg.grad.meta["val"].shape)
-        numel = pg.grad.meta["val"].numel()
         clipped = _clipped_sum(pg, coef, batch, emit)
-        chunk = emit(aten.slice.Tensor, noise, 0, offset, offset + numel)
-        scaled = emit(aten.mul.Tensor, emit(aten.view.default, chunk, shape), std,
-                      tag="noise_scale")
-        offset += numel
+        chunk = emit(aten.slice.Tensor, noise, 0, emit.size(offset),
+                     emit.size(offset + numels[pg.name]))
+        view = emit(aten.view.default, chunk, [emit.size(s) for s in shapes[pg.name]])
+        scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
+        offset += numels[pg.name]
         noisy = emit(aten.add.Tensor, clipped, scaled)
         if not mean:
             out = noisy

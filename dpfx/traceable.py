@@ -1,0 +1,75 @@
+"""Stand-ins for the few torch functions that cannot be traced with a symbolic batch size.
+
+dpfx keeps the batch an unbacked symbol (Note [Why the batch dim is marked unbacked] in api.py),
+and a handful of torch's Python-level functions branch on sizes that contain it. While dpfx
+captures a model, ``traceable_torch()`` swaps them for versions with the same result that do not
+branch on the batch:
+
+- ``F._verify_batch_size`` (BatchNorm/GroupNorm/InstanceNorm's "more than one value per channel"
+  check): skipped for symbolic sizes. With B = 1 and one value per group, GroupNorm then returns
+  zeros where eager torch would raise.
+- ``F.instance_norm`` without running statistics: written out as var_mean over the spatial dims
+  (torch's own runs batch_norm on a (1, B*C, ...) view, whose kernel tests numel() == 0).
+- ``Tensor.repeat`` with a symbolic count (MultiheadAttention's add_bias_kv repeats bias_k over the
+  batch): reshape -> expand -> reshape, since repeat's backward tests each count against 0.
+
+The swap lasts only for the duration of a dpfx forward call (where dynamo traces); cached graphs
+do not depend on it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+_verify_batch_size = F._verify_batch_size
+_instance_norm = F.instance_norm
+_repeat = torch.Tensor.repeat
+
+
+def _verify_batch_size_if_known(size) -> None:
+    if any(isinstance(s, torch.SymInt) for s in size):
+        return
+    _verify_batch_size(size)
+
+
+def _instance_norm_written_out(input, running_mean=None, running_var=None, weight=None,
+                               bias=None, use_input_stats=True, momentum=0.1, eps=1e-5):
+    if not use_input_stats or running_mean is not None or running_var is not None:
+        return _instance_norm(input, running_mean, running_var, weight, bias, use_input_stats,
+                              momentum, eps)
+    F._verify_spatial_size(input.size())
+    var, mean = torch.var_mean(input, dim=tuple(range(2, input.dim())), unbiased=False,
+                               keepdim=True)
+    out = (input - mean) * torch.rsqrt(var + eps)
+    channel = (1, -1) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        out = out * weight.view(channel)
+    if bias is not None:
+        out = out + bias.view(channel)
+    return out
+
+
+def _repeat_by_expand(self, *sizes):
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
+        sizes = tuple(sizes[0])
+    if not any(isinstance(s, torch.SymInt) for s in sizes):
+        return _repeat(self, *sizes)
+    x = self.reshape((1,) * (len(sizes) - self.dim()) + tuple(self.shape))
+    split = [v for s in x.shape for v in (1, s)]
+    tiled = [v for r, s in zip(sizes, x.shape) for v in (r, s)]
+    return x.reshape(split).expand(tiled).reshape([r * s for r, s in zip(sizes, x.shape)])
+
+
+@contextlib.contextmanager
+def traceable_torch():
+    F._verify_batch_size = _verify_batch_size_if_known
+    F.instance_norm = _instance_norm_written_out
+    torch.Tensor.repeat = _repeat_by_expand
+    try:
+        yield
+    finally:
+        F._verify_batch_size = _verify_batch_size
+        F.instance_norm = _instance_norm
+        torch.Tensor.repeat = _repeat
