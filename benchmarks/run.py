@@ -231,6 +231,14 @@ def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
 # driver
 # ------------------------------------------------------------------------------------------------
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
 def machine_info(threads: int) -> dict:
     import torch
 
@@ -316,31 +324,36 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
              f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
              f"opacus {meta['machine']['opacus']}, Python {meta['machine']['python']}  ",
-             f"Steps: {meta['steps']} timed after {meta['warmup']} warm-up steps; "
-             f"C = 1, sigma = 1, SGD. Total run time {meta['total_s'] / 60:.1f} min; load average at "
-             f"start {' '.join(meta['machine'].get('loadavg_at_start', []))}.", "",
+             f"Steps: {meta['steps']} timed (round-robin over the methods) after {meta['warmup']} "
+             f"warm-up steps; C = 1, sigma = 1, SGD lr 0.01. Total run time "
+             f"{meta['total_s'] / 60:.1f} min; load average at start "
+             f"{' '.join(meta['machine'].get('loadavg_at_start', []))}"
+             f"{', at end ' + meta['loadavg_at_end'] if 'loadavg_at_end' in meta else ''}.", "",
              "first step: compilation included (cold caches). compiles: graphs compiled "
              "(dpfx: forward + backward = 2; torch.compile: dynamo graphs, whose backward is compiled "
              "with them). x compiled, x eager: median step / the non-private torch.compile, eager "
-             "median step. "
+             "median step (min step: the fastest timed step, least disturbed by other load). "
              "step mem: peak tensor memory allocated during one step (CPU allocator, via "
              "torch.profiler).", ""]
     by_model: dict[str, list[dict]] = {}
     for r in results:
         by_model.setdefault(r["model"], []).append(r)
     for name, rows in by_model.items():
+        loads = ", ".join(f"B={b}: {l}" for b, l in dict((r["batch"], r.get("loadavg_before", "?"))
+                                                          for r in rows).items())
         lines += [f"## {name}: {models.MODELS[name][3]}", "",
-                  "| B | method | first step (s) | compiles | median step (ms) | x compiled "
-                  "| x eager | step mem (MB) |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  f"Load average (1, 5, 15 min) when each batch size started: {loads}.", "",
+                  "| B | method | first step (s) | compiles | median step (ms) | min step (ms) "
+                  "| x compiled | x eager | step mem (MB) |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             if r["status"] != "ok":
                 err = r["error"].replace("|", "\\|")
-                lines.append(f"| {r['batch']} | {r['label']} | fails: {err} | | | | | |")
+                lines.append(f"| {r['batch']} | {r['label']} | fails: {err} | | | | | | |")
                 continue
             lines.append(
                 f"| {r['batch']} | {r['label']} | {r['first_step_s']:.2f} | "
-                f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | "
+                f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
                 f"{fmt(r.get('ratio_to_compile'), '.2f')} | {fmt(r.get('ratio_to_eager'), '.2f')} | "
                 f"{r['step_peak_mb']:.1f} |")
         vb = [r for r in rows if r.get("varbatch")]
@@ -431,7 +444,10 @@ def driver(args) -> None:
         elif args.quick:
             batches = batches[:1]
         for B in batches:
+            load = _loadavg()
             rows = run_config(name, B, args.methods, args)
+            for r in rows:
+                r["loadavg_before"] = load
             for key, ref in (("ratio_to_compile", "compile"), ("ratio_to_eager", "eager")):
                 base = next((r for r in rows if r["method"] == ref and r["status"] == "ok"), None)
                 for r in rows:
@@ -441,6 +457,7 @@ def driver(args) -> None:
             meta["total_s"] = time.perf_counter() - t_start
             _write(results, meta, args.out)   # partial results survive an interrupted run
     meta["total_s"] = time.perf_counter() - t_start
+    meta["loadavg_at_end"] = _loadavg()
     text = _write(results, meta, args.out)
     plot(results, os.path.join(args.out, "ratio.png"))
     print(text)

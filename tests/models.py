@@ -63,3 +63,30 @@ def mse(out, y):
 
 def xent(out, y):
     return F.cross_entropy(out, y)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(2, c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.gn2 = nn.GroupNorm(2, c)
+
+    def forward(self, x):
+        return torch.relu(x + self.gn2(self.conv2(torch.relu(self.gn1(self.conv1(x))))))
+
+
+class ResNetGN(nn.Module):
+    """A ResNet-style CNN with GroupNorm: stem, one residual block, strided conv, pooled head."""
+
+    def __init__(self, c=4, n_classes=3):
+        super().__init__()
+        self.stem = nn.Conv2d(1, c, 3, padding=1)
+        self.block = ResBlock(c)
+        self.down = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.head = nn.Linear(2 * c, n_classes)
+
+    def forward(self, x):
+        h = self.down(self.block(torch.relu(self.stem(x))))
+        return self.head(h.mean((2, 3)))

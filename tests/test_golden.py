@@ -1,4 +1,7 @@
-"""Golden graphs: the normalized forward and rewritten backward graphs of canonical models.
+"""Golden graphs: the normalized forward and rewritten backward graphs of canonical models (a
+2-layer MLP, a sequence model with a 3-D Linear input and a positional parameter, a ResNet-style
+CNN with GroupNorm, a GPT-style transformer with tied embeddings, an arange positional embedding
+and causal SDPA).
 
 Regenerate (from a clean tree, then read the diff line by line) with:
 
@@ -14,24 +17,36 @@ import pytest
 import torch
 
 import dpfx
-from models import MLP, SeqModel, mse, xent
+from models import MLP, ResNetGN, SeqModel, mse, xent
 from reference import assert_close, dp_sgd_grads, run_dpfx
+from test_rule_norm_attention import TinyGPT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DPFX_UPDATE_GOLDEN") == "1"
 
-CASES = {
-    "mlp": (MLP, (8,), mse, lambda b: torch.randn(b, 4)),
-    "seq": (SeqModel, (6, 8), xent, lambda b: torch.randint(0, 4, (b,))),
+
+def _floats(*shape):
+    return lambda b: torch.randn(b, *shape)
+
+
+def _ids(vocab, *shape):
+    return lambda b: torch.randint(0, vocab, (b, *shape))
+
+
+CASES = {  # model factory, input factory, loss, target factory
+    "mlp": (MLP, _floats(8), mse, _floats(4)),
+    "seq": (SeqModel, _floats(6, 8), xent, _ids(4)),
+    "resnet_gn": (ResNetGN, _floats(1, 6, 6), xent, _ids(3)),
+    "gpt": (lambda: TinyGPT(vocab=7, d=8, T=4), _ids(7, 4), xent, _ids(7)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_graphs(name):
-    model_cls, shape, loss_fn, target = CASES[name]
+    model_fn, inputs, loss_fn, target = CASES[name]
     torch.manual_seed(0)
-    model = model_cls()
-    report = dpfx.explain(model, torch.randn(3, *shape), max_grad_norm=1.0, noise_multiplier=1.0)
+    model = model_fn()
+    report = dpfx.explain(model, inputs(3), max_grad_norm=1.0, noise_multiplier=1.0)
     for stage in ("forward", "backward.private"):
         path = GOLDEN / f"{name}.{stage}.txt"
         text = report.graphs[stage]
@@ -40,7 +55,7 @@ def test_golden_graphs(name):
         assert path.exists(), f"missing golden {path}; run with DPFX_UPDATE_GOLDEN=1"
         assert text == path.read_text(), f"{path} changed; regenerate and review the diff"
     # The paired numeric check.
-    x, y = torch.randn(5, *shape), target(5)
+    x, y = inputs(5), target(5)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend="eager")
     assert_close(run_dpfx(dp, model, loss_fn, x, y),
                  dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.05))
