@@ -6,7 +6,7 @@
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
 method side by side: first step and warm-up per method, then the timed steps round-robin over
-the methods (one step of each in turn), so that load from other processes on a shared machine
+the methods (a block of steps of each in turn), so that load from other processes on a shared machine
 falls on every method alike. The driver collects the results and writes results.json,
 results.md and ratio.png under --out (worker logs under --out/logs). A method that raises is
 recorded as "fails: <error>"; a worker that dies is rerun without the method it died in.
@@ -19,8 +19,11 @@ Measurements, per (model, batch, method):
   per worker, not between methods (their compiled code must stay alive for the round-robin).
 - compiles: graphs compiled during the method (dpfx: ``compile_count``; torch.compile methods:
   the delta of ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
-- median step: median wall time of N steps (round-robin, after warm-up steps); results.json also
-  has min, quartiles and max.
+- median step: median wall time of N timed steps after the warm-up steps. The methods take turns
+  (round-robin): each turn runs one untimed step (the first step after another method ran meets
+  caches that method evicted) and then up to --block timed steps. results.json also has min,
+  quartiles and max, and the number of dynamo graphs compiled during the timed steps (0: no
+  recompiles).
 - x compiled: median step / non-private torch.compile's median step for the same model and batch.
 - step memory: peak bytes of tensor memory live during one steady-state step above what was
   live when the step began, from the CPU allocator's own accounting (torch.profiler with
@@ -118,7 +121,7 @@ def fail(res: dict, e: BaseException, phase: str) -> None:
 
 def worker(args) -> None:
     """Phase 1, per method: build the model, first step (cold compile), warm-up. Phase 2: the
-    timed steps, round-robin over the methods (step 1 of every method, then step 2, ...), so that
+    timed steps, round-robin over the methods (a block of steps of each in turn), so that
     load from other processes on a shared machine falls on every method alike. Phase 3, per
     method: one profiled step for memory; dpfx's variable-batch check."""
     import tempfile
@@ -159,17 +162,24 @@ def worker(args) -> None:
               f"{'ok' if method in live else 'FAILS ' + res['error']}", flush=True)
 
     times = {method: [] for method in live}
-    for _ in range(args.steps):
+    graphs_before = methods.unique_graphs()
+    rounds = math.ceil(args.steps / args.block)
+    for r in range(rounds):
+        n = min(args.block, args.steps - r * args.block)
         for method in list(live):
             m, _, x, y = live[method]
             progress.mark(method, "timing")
             try:
-                t0 = time.perf_counter()
-                m.step(x, y)
-                times[method].append(time.perf_counter() - t0)
+                m.step(x, y)   # untimed: the first step after another method ran is cache-cold
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    m.step(x, y)
+                    times[method].append(time.perf_counter() - t0)
             except Exception as e:
                 fail(results[method], e, "timed steps")
                 del live[method]
+    # dynamo's counter is process-wide: any graph compiled during the timed steps is a recompile
+    graphs_during_timing = methods.unique_graphs() - graphs_before
 
     for method, (m, model, x, y) in live.items():
         res = results[method]
@@ -184,7 +194,8 @@ def worker(args) -> None:
         try:
             res["step_peak_mb"] = step_peak_bytes(m.step, x, y) / 2**20
             res["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-            if m.compiles:
+            res["dynamo_graphs_compiled_during_timing"] = graphs_during_timing
+            if hasattr(m, "dp_model"):
                 res["compiles_after_timing"] = m.compiles()
             if method == "dpfx":
                 progress.mark(method, "variable batch")
@@ -259,6 +270,15 @@ def machine_info(threads: int) -> dict:
         info["opacus"] = opacus.__version__
     except Exception:
         info["opacus"] = "not installed"
+    try:  # read-only git queries: which dpfx was measured
+        root = os.path.dirname(HERE)
+        git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
+                                        timeout=30).stdout.strip()
+        info["dpfx_commit"] = git("rev-parse", "--short", "HEAD")
+        info["dpfx_uncommitted"] = [ln[3:] for ln in git("status", "--porcelain").splitlines()
+                                    if ln[3:].startswith("dpfx/")]
+    except Exception:
+        pass
     try:
         with open("/proc/loadavg") as f:
             info["loadavg_at_start"] = f.read().split()[:3]
@@ -281,7 +301,7 @@ def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
                 os.remove(path)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
                "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--threads", str(args.threads), "--jsonl", jsonl,
+               "--warmup", str(args.warmup), "--block", str(args.block), "--threads", str(args.threads), "--jsonl", jsonl,
                "--progress", progress]
         try:
             with open(base + ".log", "a") as err:   # warnings and profiler chatter
@@ -324,7 +344,11 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
              f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
              f"opacus {meta['machine']['opacus']}, Python {meta['machine']['python']}  ",
-             f"Steps: {meta['steps']} timed (round-robin over the methods) after {meta['warmup']} "
+             f"dpfx: commit {meta['machine'].get('dpfx_commit', '?')}"
+             + (f" with uncommitted changes to {', '.join(meta['machine']['dpfx_uncommitted'])}"
+                if meta['machine'].get('dpfx_uncommitted') else "") + "  ",
+             f"Steps: {meta['steps']} timed (round-robin over the methods in blocks of "
+             f"{meta.get('block', '?')}) after {meta['warmup']} "
              f"warm-up steps; C = 1, sigma = 1, SGD lr 0.01. Total run time "
              f"{meta['total_s'] / 60:.1f} min; load average at start "
              f"{' '.join(meta['machine'].get('loadavg_at_start', []))}"
@@ -433,7 +457,7 @@ def driver(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "machine": machine_info(args.threads), "steps": args.steps,
-            "warmup": args.warmup, "quick": args.quick}
+            "warmup": args.warmup, "block": args.block, "quick": args.quick}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
     results = []
@@ -484,6 +508,8 @@ def main() -> None:
                     help="override the batch sizes (default: each model's two, one with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 5)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 1)")
+    ap.add_argument("--block", type=int, default=5,
+                    help="timed steps per method per round-robin turn (default 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")

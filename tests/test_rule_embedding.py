@@ -76,7 +76,7 @@ class BagClassifier(nn.Module):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def compile_and_compare(model, x, y, *, C, reduction, backend="eager"):
+def compile_and_compare(model, x, y, *, C, reduction, backend="eager", strategy="auto"):
     """dpfx with sigma = 0 equals the reference; returns {param name: rules that fired}.
 
     Dynamo is reset first: every example then compiles from a clean state, instead of one in which
@@ -84,8 +84,10 @@ def compile_and_compare(model, x, y, *, C, reduction, backend="eager"):
     torch._dynamo.reset()
     expected = 4 if x.shape[0] == 0 and reduction == "mean" else None
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend=backend)
+                      expected_batch_size=expected, backend=backend, strategy=strategy)
     got = run_dpfx(dp, model, F.cross_entropy, x, y, reduction)
+    if strategy == "ghost":
+        assert {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}["emb.weight"] == "ghost"
     want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=C, loss_reduction=reduction,
                         expected_batch_size=expected)
     assert_close(got, want)
@@ -107,25 +109,30 @@ def assert_clipping_bites(model, x, y, C):
 @SETTINGS
 @given(vocab=st.integers(2, 12), dim=st.integers(2, 5), seq=st.integers(1, 6),
        batch=st.integers(0, 4), pad=st.one_of(st.none(), st.integers(0, 11)),
-       repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS), seed=st.integers(0, 99))
-def test_embedding_matches_reference(vocab, dim, seq, batch, pad, repeat, reduction, seed):
+       repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS), seed=st.integers(0, 99),
+       strategy=st.sampled_from(["materialize", "ghost"]))
+def test_embedding_matches_reference(vocab, dim, seq, batch, pad, repeat, reduction, seed,
+                                     strategy):
+    """Both strategies: the (B, V, d) per-sample tables, and the index-equality ghost norm with
+    the clip-scaled scatter-add (same gradients)."""
     pad = None if pad is None else pad % vocab
     model = EmbeddingClassifier(vocab, dim, padding_idx=pad)
     x = token_ids(batch, seq, vocab, repeat, seed)
     y = torch.randint(0, 3, (batch,))
     C = 0.05
     assert_clipping_bites(model, x, y, C)
-    rules, _ = compile_and_compare(model, x, y, C=C, reduction=reduction)
+    rules, _ = compile_and_compare(model, x, y, C=C, reduction=reduction, strategy=strategy)
     assert rules["emb.weight"] == ["embedding"]
 
 
+@pytest.mark.parametrize("strategy", ["materialize", "ghost"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_padding_row_is_zero_and_repeats_accumulate(reduction):
+def test_padding_row_is_zero_and_repeats_accumulate(reduction, strategy):
     model = EmbeddingClassifier(vocab=6, dim=3, padding_idx=0)
     x = torch.tensor([[0, 0, 4, 4, 4], [1, 0, 2, 2, 5], [0, 0, 0, 0, 0]])
     y = torch.tensor([0, 1, 2])
     assert_clipping_bites(model, x, y, 0.05)
-    rules, got = compile_and_compare(model, x, y, C=0.05, reduction=reduction)
+    rules, got = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy)
     assert rules["emb.weight"] == ["embedding"]
     assert torch.all(got["emb.weight"][0] == 0)
     assert torch.all(got["emb.weight"][3] == 0)
@@ -162,11 +169,13 @@ def test_scale_grad_by_freq_is_refused():
         dp(torch.randint(0, 7, (3, 4))).sum().backward()
 
 
-def test_inductor_embedding_matches_reference():
+@pytest.mark.parametrize("strategy", ["materialize", "ghost"])
+def test_inductor_embedding_matches_reference(strategy):
     model = EmbeddingClassifier(vocab=8, dim=4, padding_idx=1)
     x = token_ids(3, 4, 8, repeat=True, seed=0)
     y = torch.tensor([0, 2, 1])
-    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction="mean", backend="inductor")
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction="mean", backend="inductor",
+                                   strategy=strategy)
     assert rules["emb.weight"] == ["embedding"]
 
 

@@ -57,8 +57,10 @@ def check(model, loss_fn, x, y, *, config, backend="eager"):
         got = run_dpfx(dp, model, loss_fn, xb, yb, reduction)
         want = dp_sgd_grads(model, loss_fn, xb, yb, max_grad_norm=C, loss_reduction=reduction,
                             expected_batch_size=expected)
+        # Inductor's parallel CPU reductions may sum in another order than eager: 1e-4 relative.
+        tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {}
         try:
-            assert_close(got, want)
+            assert_close(got, want, **tol)
         except AssertionError as e:
             raise AssertionError(f"batch size {batch}: {e}") from None
     assert dp.compile_count == 2, "one forward and one backward graph for every batch size"

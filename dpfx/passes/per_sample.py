@@ -124,7 +124,9 @@ def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     if len(node.users) != 1:
         return False
     rule, _ = rules.find(node, ctx)
-    if rule is None or rule.ghost is None or rule.ghost_check(node, ctx) is not None:
+    if rule is None or rule.ghost is None:
+        return False
+    if rule.ghost_check is not None and rule.ghost_check(node, ctx) is not None:
         return False
     cost = rule.cost(node, ctx)
     if ctx.strategy == "auto" and not _nominal(cost["ghost_memory"]) < _nominal(cost["memory"]):

@@ -25,17 +25,18 @@ Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` 
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
 any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and index layouts other than a plain batch dim 0.
 
-Strategy: this is "materialize": the per-sample form is a dense (B, V, d) tensor, B*V*d memory. The
-ghost-norm variant (a later issue) never builds it: example i's squared norm is
-``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T) Gram matrix masked by index equality, and
-the clipped sum is one scatter-add of the clip-scaled token gradients.
+Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The ghost form of the
+masked index_put rule (``ghost_masked_put``, chosen by "auto" when B*T*(T+d) < B*V*d) never builds
+it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T) Gram
+matrix masked by index equality, and the clipped sum is one scatter-add of the clip-scaled token
+gradients.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from . import Rule, register
+from . import Ghost, Rule, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -181,8 +182,45 @@ def rewrite_masked_put(node, ctx):
 
 
 def cost_masked_put(node, ctx) -> dict:
-    base, _, _, values = _masked_args(node)
-    return _scatter_cost("masked index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
+    base, _, (idx,), values = _masked_args(node)
+    cost = _scatter_cost("masked index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
+    shape = ctx.analysis.shape(values.meta["val"])
+    rank = idx.meta["val"].dim()
+    tokens, width = _product(shape[1:rank]), _product(shape[rank:])
+    batch = ctx.analysis.batch
+    cost.update(ghost_form=f"index-equality Gram [B, {tokens}, {tokens}]",
+                ghost_flops=batch * tokens * tokens * (2 * width + 1),
+                ghost_memory=batch * tokens * (tokens + width))
+    return cost
+
+
+def ghost_masked_put(node, ctx) -> Ghost:
+    """Example i's squared norm without its (V, d) table: tokens t, t' of one example land in the
+    same row iff their indices are equal, so ||G_i||^2 = sum_{t,t'} [idx_t == idx_t'] <v_t, v_t'>,
+    a (T, T) Gram matrix masked by index equality (Li et al. 2022). The clipped sum is the op itself
+    with each example's values scaled by its clip coefficient (book-keeping, Bu et al. 2023)."""
+    base, mask, (idx,), values = _masked_args(node)
+    emit, val = ctx.emit, values.meta["val"]
+    batch = emit.batch_size()
+    shape = ctx.analysis.shape(val)
+    rank = idx.meta["val"].dim()
+    tokens, width = emit.size(_product(shape[1:rank])), emit.size(_product(shape[rank:]))
+    zero = emit(aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
+    kept = emit(aten.where.self, mask, values, zero)
+    rows = emit(aten.reshape.default, kept, [batch, tokens, width])
+    gram = emit(aten.bmm.default, rows, emit(aten.permute.default, rows, [0, 2, 1]))
+    flat_idx = emit(aten.reshape.default, idx, [batch, tokens])
+    same = emit(aten.eq.Tensor, emit(aten.unsqueeze.default, flat_idx, 2),
+                emit(aten.unsqueeze.default, flat_idx, 1))
+    norm_sq = emit(aten.sum.dim_IntList, emit(aten.where.self, same, gram, zero), [1, 2])
+
+    def clipped_sum(coef):
+        coef_b = emit(aten.view.default, coef, [batch] + [1] * (val.dim() - 1))
+        scaled = emit(aten.mul.Tensor, values, coef_b, tag="clip_apply")
+        return emit(aten._unsafe_masked_index_put_accumulate.default, base, mask, [idx], scaled,
+                    tag="clipped_sum")
+
+    return Ghost(norm_sq, clipped_sum)
 
 
 # -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
@@ -255,7 +293,8 @@ def cost_dense_backward(node, ctx) -> dict:
 
 
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
-                           check_masked_put, rewrite_masked_put, cost_masked_put))
+                           check_masked_put, rewrite_masked_put, cost_masked_put,
+                           ghost=ghost_masked_put))
 INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_index_put.default),
                           check_index_put, rewrite_index_put, cost_index_put))
 DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),
