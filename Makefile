@@ -20,3 +20,7 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/run.py
