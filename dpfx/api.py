@@ -46,6 +46,13 @@ class DPModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         batch = _check_batch(tensors)
+        if batch == 0:
+            # An empty slice such as x[:, :-1].contiguous() keeps its parent's strides (an empty
+            # tensor counts as contiguous), which would fail dynamo's stride guard and recompile.
+            # Empty inputs carry no data: hand dynamo fresh row-major ones.
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major_empty, (args, kwargs))
+            tensors = [t for t in pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)]
         config = self.dp_config
         training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         if training and batch == 0 and config.loss_reduction == "mean" \
@@ -85,6 +92,10 @@ class DPModule(torch.nn.Module):
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
         return out
+
+
+def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
 
 
 def _symbolic_batch_error(e: Exception) -> CaptureError:

@@ -50,3 +50,17 @@ def test_plain_torch_compile_first_does_not_leak():
     assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.01), rtol=1e-4, atol=1e-6)
     total = torch.sqrt(sum(g.pow(2).sum() for g in got.values()))
     assert total <= 0.01 + 1e-6  # the mean of clipped gradients is within C
+
+
+def test_empty_batch_with_odd_strides_does_not_recompile():
+    """seq[:, :-1].contiguous() of an empty batch keeps the parent's stride (65, not 64): dpfx
+    passes dynamo a row-major empty tensor, so the stride guard holds and nothing recompiles."""
+    model = MLP(d_in=64)
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=4)
+    for batch in [3, 0, 2]:
+        x = torch.randn(batch, 65)[:, :-1].contiguous()
+        y = torch.randn(batch, 4)
+        got = run_dpfx(dp, model, mse, x, y)
+        want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1, expected_batch_size=4)
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert dp.compile_count == 2
