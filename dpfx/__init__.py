@@ -5,15 +5,21 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()          # every trainable p.grad holds the DP-SGD gradient
 """
+from . import data, privacy, stats
 from .api import DPModule, compile
+from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
+                     save_checkpoint)
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
 from .modules import replace_batchnorm
+from .optim import DPOptimizer, VirtualBatches, split_batch
 from .passes import Problem
 from .validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
-    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError",
+    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
+    "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
+    "PrivateTraining", "save_checkpoint", "load_checkpoint", "data", "privacy", "stats",
 ]
 __version__ = "0.1.0"

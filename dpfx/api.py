@@ -12,6 +12,9 @@ including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -33,6 +36,26 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_dpfx_backend", backend)
         object.__setattr__(self, "_dpfx_compiled",
                            torch.compile(model, backend=backend, fullgraph=True))
+        # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
+        # (Note [Clipped sums stay out of p.grad]).
+        self.clipped_sums: dict[str, torch.Tensor] = {}
+        self.examples = 0            # examples in the accumulated backward passes
+        self._pending_examples = 0   # examples of forwards whose backward has not run yet
+        self._hooks = []
+        if config.noise == "optimizer":
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(_take_clipped_sum, weakref.ref(self), name)))
+
+    @property
+    def norm_stats(self):
+        """``dpfx.stats.NormStats`` when compiled with ``track_norms=True``, else None."""
+        return self._dpfx_backend.norm_stats
+
+    def reset_clipped_sums(self) -> None:
+        self.clipped_sums.clear()
+        self.examples = 0
 
     @property
     def dp_config(self) -> DPConfig:
@@ -56,7 +79,7 @@ class DPModule(torch.nn.Module):
         config = self.dp_config
         training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         if training and batch == 0 and config.loss_reduction == "mean" \
-                and config.expected_batch_size is None:
+                and config.expected_batch_size is None and config.noise == "graph":
             raise ValueError(
                 "empty batch with loss_reduction='mean' and no expected_batch_size: the DP-SGD "
                 "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
@@ -91,7 +114,31 @@ class DPModule(torch.nn.Module):
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
+        if training:
+            self._pending_examples = batch
         return out
+
+
+# Note [Clipped sums stay out of p.grad]
+# With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until
+# DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
+# dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
+# finds no gradient at all (it skips the parameter) instead of an un-noised one.
+def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
+    module = module_ref()
+    if module is None or p.grad is None:
+        return
+    acc = module.clipped_sums.get(name)
+    if acc is None:
+        module.clipped_sums[name] = p.grad
+        module.examples += module._pending_examples
+        module._pending_examples = 0
+    else:
+        acc.add_(p.grad)
+        if module._pending_examples:
+            module.examples += module._pending_examples
+            module._pending_examples = 0
+    p.grad = None
 
 
 def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
@@ -121,10 +168,11 @@ def _check_batch(tensors: list[torch.Tensor]) -> int:
     return batch
 
 
-def compile(model: torch.nn.Module, *, max_grad_norm: float, noise_multiplier: float,
-            loss_reduction: str = "mean", expected_batch_size: int | None = None,
-            seed: int | None = None, backend: str = "inductor",
-            strategy: str = "auto") -> DPModule:
+def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
+            noise_multiplier: float, loss_reduction: str = "mean",
+            expected_batch_size: int | None = None, seed: int | None = None,
+            backend: str = "inductor", strategy: str = "auto", noise: str = "graph",
+            track_norms: bool = False) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -136,11 +184,19 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float, noise_multiplier: f
     ``strategy``: "materialize" builds per-sample gradients; "ghost" computes per-sample norms
     without them and the clipped sum as one weight-gradient product (where a rule has that form);
     "auto" picks per parameter by the rules' symbolic memory cost. All give the same gradients.
+
+    ``max_grad_norm`` as a dict ``{name prefix: C}`` is per-layer clipping: each parameter is
+    clipped with the group of its longest matching prefix ("" matches all), and the noise std is
+    sigma * sqrt(sum C^2). ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
+    ``dp_model.clipped_sums`` (p.grad stays None) and ``dpfx.DPOptimizer`` adds the noise and
+    divides once per optimizer step (virtual batches, secure noise, distributed training).
+    ``track_norms``: record per-sample norms in ``dp_model.norm_stats`` (not private: see stats.py).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
-                      backend, strategy)
+                      backend, strategy, noise, track_norms)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
+    config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     return DPModule(model, config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from .config import DPConfig
 from .errors import CaptureError
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
+from .stats import NormStats
 
 
 # Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
@@ -51,6 +53,7 @@ class DPBackend:
         self._generator = None
         if config.seed is not None:
             self._generator = torch.Generator().manual_seed(config.seed)
+        self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -120,11 +123,16 @@ class DPBackend:
                 tangents[node.name] = out_idx
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         device = _device_of(example_inputs)
+        sink = self.norm_stats.sink if self.norm_stats is not None else None
         self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
-                                              fake_mode, device, self.stages, self.problems)
+                                              fake_mode, device, self.stages, self.problems,
+                                              norm_sink=sink)
         self.param_grads = self.last_backward.grads
         if self.problems:
             return _refuse_to_run
+        if self.norm_stats is not None:
+            groups = {self.config.group_of(pg.name) for pg in self.param_grads}
+            self.norm_stats.set_groups([k for k in self.config.clip_bounds if k in groups])
         native_noise = self.config.backend == "inductor" and device.type != "cpu"
         if native_noise:
             from torch._inductor.fx_passes.replace_random import replace_random_passes
@@ -140,10 +148,24 @@ class DPBackend:
         with torch._inductor.config.patch(fallback_random=not native_noise):
             compiled = self._lower(gm, example_inputs, kwargs)
 
+        if self.config.noise == "optimizer":     # no random op in the graph
+            def run_deferred(args):
+                return compiled(args)
+
+            run_deferred._boxed_call = True
+            return run_deferred
+
+        # Note [Where the graph's noise seed comes from]
+        # Every step runs under a fresh seed: from the OS's CSPRNG (secrets) by default, so the
+        # noise cannot be predicted from the user's torch.manual_seed (torch's default generator
+        # starts from a fixed seed in every process); from a generator seeded with ``seed`` when
+        # one is given, for reproducible runs. The stream itself is torch's (MT19937 on CPU,
+        # Philox on GPU): for noise from a cryptographic source use DPOptimizer(secure_mode=True).
         def run_backward(args):
             if self._generator is None:
-                return compiled(args)
-            step_seed = int(torch.randint(2**62, (1,), generator=self._generator))
+                step_seed = secrets.randbits(62)
+            else:
+                step_seed = int(torch.randint(2**62, (1,), generator=self._generator))
             devices = [device] if device.type != "cpu" else []
             with torch.random.fork_rng(devices=devices, device_type=device.type):
                 if device.type == "cpu":

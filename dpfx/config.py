@@ -7,6 +7,7 @@ import math
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
 STRATEGIES = ("auto", "materialize", "ghost")
+NOISE_MODES = ("graph", "optimizer")
 
 # Added to the per-sample norm before dividing, as Opacus does, so that results compare number for
 # number: clip_factor = min(1, C / (||g|| + CLIP_EPS)).
@@ -15,22 +16,33 @@ CLIP_EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class DPConfig:
-    max_grad_norm: float
+    """``max_grad_norm`` is one bound C (flat clipping: one norm over all parameters) or, for
+    per-layer clipping, a tuple of (parameter-name prefix, C) pairs: every trainable parameter
+    belongs to the group of its longest matching prefix, each group is clipped to its own C, and
+    the noise std is sigma * sqrt(sum of C^2) (the sensitivity of the whole clipped gradient).
+    ``noise="optimizer"`` leaves the noise and the divide by D to ``dpfx.DPOptimizer``."""
+    max_grad_norm: float | tuple
     noise_multiplier: float
     loss_reduction: str = "mean"
     expected_batch_size: int | None = None
     seed: int | None = None
     backend: str = "inductor"
     strategy: str = "auto"
+    noise: str = "graph"
+    track_norms: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
-            raise ValueError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise ValueError(
-                f"max_grad_norm must be finite and > 0 (it is the clipping bound C), "
-                f"got {self.max_grad_norm!r}"
-            )
+        if isinstance(self.max_grad_norm, dict):
+            object.__setattr__(self, "max_grad_norm", tuple(self.max_grad_norm.items()))
+        bounds = (self.max_grad_norm if isinstance(self.max_grad_norm, tuple)
+                  else (("", self.max_grad_norm),))
+        if not bounds:
+            raise ValueError("max_grad_norm: a per-layer dict needs at least one entry")
+        for key, c in bounds:
+            if not isinstance(key, str):
+                raise ValueError(f"max_grad_norm: per-layer keys are parameter-name prefixes "
+                                 f"(str), got {key!r}")
+            _check_bound(c, f"max_grad_norm[{key!r}]" if key else "max_grad_norm")
         if isinstance(self.noise_multiplier, bool) or not isinstance(self.noise_multiplier, (int, float)):
             raise ValueError(f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
@@ -56,8 +68,56 @@ class DPConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.noise not in NOISE_MODES:
+            raise ValueError(f"noise must be one of {NOISE_MODES}, got {self.noise!r}")
+        if not isinstance(self.track_norms, bool):
+            raise ValueError(f"track_norms must be a bool, got {self.track_norms!r}")
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.max_grad_norm, tuple)
+
+    @property
+    def clip_bounds(self) -> dict[str, float]:
+        """Group key -> C; flat clipping is the one group ``""``."""
+        if self.per_layer:
+            return {k: float(c) for k, c in self.max_grad_norm}
+        return {"": float(self.max_grad_norm)}
+
+    def group_of(self, param: str) -> str:
+        """The clipping group of a parameter: its longest matching name prefix (a prefix matches
+        the whole name or a dotted module path: "fc1" matches "fc1.weight", not "fc10.bias")."""
+        best = None
+        for key in self.clip_bounds:
+            if key == "" or param == key or param.startswith(key + "."):
+                if best is None or len(key) > len(best):
+                    best = key
+        if best is None:
+            raise ValueError(f"max_grad_norm: parameter '{param}' matches no per-layer key "
+                             f"(keys: {sorted(self.clip_bounds)}); add its name or a prefix")
+        return best
+
+    def check_params(self, names: list[str]) -> None:
+        """Every parameter in a group, every group used: a typo in a key is an error."""
+        used = {self.group_of(n) for n in names}
+        unused = sorted(set(self.clip_bounds) - used)
+        if unused:
+            raise ValueError(f"max_grad_norm: the per-layer keys {unused} match no trainable "
+                             f"parameter (parameters: {names})")
+
+    @property
+    def sensitivity(self) -> float:
+        """The L2 bound of one example's whole clipped gradient: C, or sqrt(sum C_g^2)."""
+        return math.sqrt(sum(c * c for c in self.clip_bounds.values()))
 
     @property
     def noise_std(self) -> float:
         """Standard deviation of the noise added to the clipped sum, before dividing by D."""
-        return self.noise_multiplier * self.max_grad_norm
+        return self.noise_multiplier * self.sensitivity
+
+
+def _check_bound(c, name: str) -> None:
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        raise ValueError(f"{name} must be a positive number, got {c!r}")
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"{name} must be finite and > 0 (it is the clipping bound C), got {c!r}")

@@ -33,10 +33,19 @@ applied to ``[dataset[0]]``, sliced to 0 rows, so it matches exactly what real b
 (this assumes dim 0 is the batch dim, as ``default_collate`` makes it). ``EmptyBatchCollate`` is a
 module-level class, so it pickles into worker processes (``num_workers > 0``, any start method).
 
+# Note [Distributed Poisson sampling]
+With ``rank`` and ``world_size``, rank r samples only the examples r, r + W, r + 2W, ... (a
+partition of the dataset), each with probability q, independently of the other ranks; every rank
+runs the same number of steps. The union of the ranks' batches is then exactly one Poisson batch
+of the whole dataset with rate q: the accountant counts one step per global step, with q, and the
+divisor is the global expected batch size q*N.
+
 # Note [Randomness]
 Sampling runs in the main process (a ``batch_sampler`` is never sent to workers) from
 ``torch.rand(N, generator=g) < q``. The same ``generator`` seed gives the same batches; without
 one each ``iter()`` seeds a fresh generator from torch's global RNG, like ``RandomSampler``.
+With ``world_size > 1`` and no ``generator``, each rank seeds from the OS's CSPRNG instead, so that
+ranks (which share torch's default seed) do not draw the same masks.
 torch's Mersenne Twister is not a cryptographic RNG: DP's guarantee assumes the sampling is
 secret and truly random, which is an accepted gap in DP-SGD libraries (Opacus included).
 """
@@ -45,6 +54,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import numbers
+import secrets
 from typing import Callable, Iterator, Sized
 
 import torch
@@ -83,7 +93,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int | Sized, sample_rate: float, steps: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1):
         if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
             num_samples = len(num_samples)
         self.num_samples = _check_count(num_samples, "num_samples", 0)
@@ -93,18 +103,28 @@ class PoissonBatchSampler(Sampler[list[int]]):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
         self.generator = generator
+        self.world_size = _check_count(world_size, "world_size", 1)
+        self.rank = _check_count(rank, "rank", 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be < world_size, got rank {rank}, world_size {world_size}")
+        # Note [Distributed Poisson sampling]: rank r owns the examples r, r + W, r + 2W, ...
+        self.indices = torch.arange(self.rank, self.num_samples, self.world_size)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         g = self.generator
-        if g is None:   # fresh randomness per iter(), reproducible under torch.manual_seed
+        if g is None and self.world_size > 1:
+            # Ranks share torch's default seed; correlated draws across shards would break the
+            # independence Poisson sampling's analysis needs.
+            g = torch.Generator().manual_seed(secrets.randbits(62))
+        elif g is None:   # fresh randomness per iter(), reproducible under torch.manual_seed
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             g = torch.Generator().manual_seed(seed)
         for _ in range(self.steps):
-            mask = torch.rand(self.num_samples, generator=g) < self.sample_rate
-            yield mask.nonzero().flatten().tolist()
+            mask = torch.rand(len(self.indices), generator=g) < self.sample_rate
+            yield self.indices[mask].tolist()
 
 
 def _empty_like_batch(batch):
@@ -148,7 +168,8 @@ _OWN_ARGS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 
 def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = None,
-                   generator: torch.Generator | None = None, **dataloader_kwargs) -> DataLoader:
+                   generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
+                   **dataloader_kwargs) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson batches (``PoissonBatchSampler``).
 
     ``generator`` drives the sampling only. ``collate_fn`` (default ``default_collate``) is
@@ -165,6 +186,7 @@ def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = 
     if len(dataset) == 0:
         raise ValueError("dataset is empty: nothing to sample")
     collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator)
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator,
+                                  rank=rank, world_size=world_size)
     return DataLoader(dataset, batch_sampler=sampler,
                       collate_fn=EmptyBatchCollate(dataset[0], collate_fn), **dataloader_kwargs)

@@ -53,12 +53,21 @@ def test_seed_reproducible(backend):
     assert not torch.allclose(a, c)
 
 
-def test_unseeded_noise_follows_torch_manual_seed():
+def test_unseeded_noise_is_not_predictable_from_torch_manual_seed():
+    """torch's default generator starts from a fixed seed in every process; unseeded noise must
+    not replay from it (backend.py, Note [Where the graph's noise seed comes from])."""
     torch.manual_seed(7)
     a = _noise_samples("eager", steps=1)
     torch.manual_seed(7)
     b = _noise_samples("eager", steps=1)
-    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, b)
+    # ... and the user's own random stream is untouched by the noise draws.
+    torch.manual_seed(7)
+    _noise_samples("eager", steps=1)
+    model_init_draws = torch.rand(3)   # MLP init and the data consumed the stream first
+    torch.manual_seed(7)
+    MLP(8, 32, 4), torch.randn(6, 8), torch.randn(6, 4)
+    torch.testing.assert_close(model_init_draws, torch.rand(3))
 
 
 def test_empty_batch_gives_noise_over_expected_batch_size():

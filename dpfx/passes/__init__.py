@@ -90,7 +90,8 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[int, str],
                      tangent_outputs: dict[str, int], config: DPConfig, fake_mode: Any,
                      device: torch.device, stages: Stages,
-                     problems: list | None = None) -> BackwardResult:
+                     problems: list | None = None, norm_sink: int | None = None
+                     ) -> BackwardResult:
     """Rewrite ``gm`` in place so that every output in ``param_outputs`` (output index ->
     parameter name) is the DP-SGD gradient. Returns what each parameter's rewrite did."""
     output = gm.graph.find_nodes(op="output")[0]
@@ -115,7 +116,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         problems.extend(Problem("unsupported", str(e)) for e in errors)
         return BackwardResult(gm, an, grads, {})
     stages.record("backward.per_sample", gm, fw.batch_symbols, names)
-    private = insert_clip_and_noise(emit, grads, config, device)
+    private = insert_clip_and_noise(emit, grads, config, device, norm_sink)
     for pg in grads:
         outs[pg.output_index] = private[pg.name]
     output.args = (tuple(outs),)

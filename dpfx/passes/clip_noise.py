@@ -13,17 +13,24 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
 ``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps.
 
-D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. All of it is ordinary ATen,
+D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1.
+
+Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and coefficient per
+group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at
+``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
+logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
+through ``dpfx::observe_norms`` (stats.py) before the clip factor. All of it is ordinary ATen,
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
 into the final pointwise kernel. One ``randn`` serves all parameters (sliced), so there is one seed
 per step. Every node that the verifier relies on carries ``meta["dpfx"]``: "per_sample_norms",
-"clip_factor", "clip_coef", "clipped_sum", "noise", "noise_scale", "private_grad".
+"clip_factor", "clip_coef", "clipped_sum", "noise", "noise_scale", "private_grad" | "clipped_grad".
 """
 from __future__ import annotations
 
 import sympy
 import torch
 
+from .. import stats  # noqa: F401  (registers dpfx::observe_norms)
 from ..config import CLIP_EPS, DPConfig
 from .emit import Emitter
 from .per_sample import ParamGrad
@@ -33,24 +40,48 @@ prims = torch.ops.prims
 
 
 def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfig,
-                          device: torch.device) -> dict[str, torch.fx.Node]:
+                          device: torch.device, norm_sink: int | None = None
+                          ) -> dict[str, torch.fx.Node]:
     batch = emit.batch_size()
     mean = config.loss_reduction == "mean"
 
-    squares = [_squared_norm(pg, emit) for pg in grads]
-    norm_sq = squares[0]
-    for sq in squares[1:]:
-        norm_sq = emit(aten.add.Tensor, norm_sq, sq)
-    norms = emit(aten.sqrt.default, norm_sq)
-    if mean:
-        norms = emit(aten.mul.Tensor, norms, batch)
-    norms.meta["dpfx"] = "per_sample_norms"
-    denom = emit(aten.add.Tensor, norms, CLIP_EPS)
-    ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom), config.max_grad_norm)
-    clip_factor = emit(aten.clamp_max.default, ratio, 1.0, tag="clip_factor")
-    # The coefficient that multiplies the per-sample gradients the graph holds: for "mean" they
-    # are g_i / B, so the coefficient is clip_factor * B.
-    coef = emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean else clip_factor
+    # One clipping group for flat clipping; one per per-layer key otherwise.
+    groups: dict[str, list[ParamGrad]] = {key: [] for key in config.clip_bounds}
+    for pg in grads:
+        groups[config.group_of(pg.name)].append(pg)
+    groups = {key: members for key, members in groups.items() if members}
+
+    norms = {}
+    for key, members in groups.items():
+        squares = [_squared_norm(pg, emit) for pg in members]
+        norm_sq = squares[0]
+        for sq in squares[1:]:
+            norm_sq = emit(aten.add.Tensor, norm_sq, sq)
+        norm = emit(aten.sqrt.default, norm_sq)
+        norms[key] = emit(aten.mul.Tensor, norm, batch) if mean else norm
+    if norm_sink is not None:
+        # Stacked so that one opaque call sees every group of one backward pass (stats.py).
+        rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
+        seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
+                    norm_sink)
+        norms = {key: emit(aten.select.int, seen, 0, i) for i, key in enumerate(norms)}
+
+    coefs = {}
+    for key, norm in norms.items():
+        norm.meta["dpfx"] = "per_sample_norms"
+        denom = emit(aten.add.Tensor, norm, CLIP_EPS)
+        ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom),
+                     config.clip_bounds[key])
+        clip_factor = emit(aten.clamp_max.default, ratio, 1.0, tag="clip_factor")
+        # The coefficient that multiplies the per-sample gradients the graph holds: for "mean"
+        # they are g_i / B, so the coefficient is clip_factor * B.
+        coefs[key] = (emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean
+                      else clip_factor)
+
+    clipped = {pg.name: _clipped_sum(pg, coefs[config.group_of(pg.name)], batch, emit)
+               for pg in grads}
+    if config.noise == "optimizer":
+        return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
 
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
@@ -62,25 +93,31 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     private = {}
     offset = sympy.Integer(0)
     for pg in grads:
-        clipped = _clipped_sum(pg, coef, batch, emit)
         chunk = emit(aten.slice.Tensor, noise, 0, emit.size(offset),
                      emit.size(offset + numels[pg.name]))
         view = emit(aten.view.default, chunk, [emit.size(s) for s in shapes[pg.name]])
         scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
         offset += numels[pg.name]
-        noisy = emit(aten.add.Tensor, clipped, scaled)
+        noisy = emit(aten.add.Tensor, clipped[pg.name], scaled)
         if not mean:
             out = noisy
         elif config.expected_batch_size is not None:
             out = emit(aten.mul.Tensor, noisy, 1.0 / config.expected_batch_size)
         else:
             out = emit(aten.div.Tensor, noisy, batch)
-        dtype = pg.grad.meta["val"].dtype
-        if out.meta["val"].dtype != dtype:
-            out = emit(prims.convert_element_type.default, out, dtype)
-        out.meta["dpfx"] = "private_grad"
-        private[pg.name] = out
+        private[pg.name] = _as_output(pg, out, "private_grad", emit)
     return private
+
+
+def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> torch.fx.Node:
+    dtype = pg.grad.meta["val"].dtype
+    if out.meta["val"].dtype != dtype:
+        out = emit(prims.convert_element_type.default, out, dtype)
+    if tag == "private_grad":
+        out.meta["dpfx"] = tag
+    else:   # the clipped sum itself may be the output: keep its "clipped_sum" tag
+        out.meta["dpfx_output"] = tag
+    return out
 
 
 def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:

@@ -9,9 +9,10 @@
 2. ``verify_backward``: every trainable parameter's gradient output is clipped and noised. With the
    backward graph as a networkx DiGraph, removing the ``clipped_sum`` nodes must disconnect every
    data source (the tangents and every saved activation that carries the batch) from every gradient
-   output; each output must descend from a ``noise_scale`` node whose factor is sigma * C; every
-   clipped tensor must be one of the tensors the per-sample norm is taken over; and the clip factor
-   must be ``min(1, C / (norm + eps))``; and, re-running the batch analysis on the rewritten
+   output; each output must descend from a ``noise_scale`` node whose factor is sigma * C (with
+   ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
+   tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
+   factor must be ``min(1, C / (norm + eps))`` with the C of the parameter's clipping group; and, re-running the batch analysis on the rewritten
    graph, no op other than the clipped sums may combine examples. A violation is a
    ``PrivacyError`` naming the parameter.
 
@@ -23,6 +24,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .. import stats  # noqa: F401  (dpfx::observe_norms)
 from ..config import DPConfig
 from ..errors import PrivacyError
 from .batch import Ambiguous, BatchAnalysis, BatchDim
@@ -155,38 +157,54 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     for s in sources:
         leaked |= nx.descendants(cut, s) | {s}
 
-    norms = _tagged(graph, "per_sample_norms")
     factors = _tagged(graph, "clip_factor")
-    if len(norms) != 1 or len(factors) != 1:
-        raise PrivacyError(f"expected one per-sample norm and one clip factor node, found "
-                           f"{len(norms)} and {len(factors)}")
-    (norm,), (factor,) = norms, factors
-    _check_clip_factor(factor, norm, config, g)
-    norm_inputs = nx.ancestors(g, norm)
+    if not factors:
+        raise PrivacyError("the backward graph has no clip factor node")
+    bound_of = {}      # clip factor -> its C
+    for factor in factors:
+        bound_of[factor] = _check_clip_factor(factor, config, g)
+    covered = {f: _norm_sources(f) for f in factors}   # what each factor's norm is taken over
+    factor_of = {}
     for c in clipped:
         apply = _clip_apply_of(c)
         ps, coef = apply.args
+        base = coef.args[0] if coef.target is aten.view.default else coef
+        if base.meta.get("dpfx") == "clip_coef" and base.target is aten.mul.Tensor:
+            base = base.args[0]
+        if base not in bound_of:
+            raise PrivacyError(f"{c.name} is not scaled by the clip factor")
+        factor_of[c] = base
         data = [x for x in c.all_input_nodes + [ps] if x in an.data_dependent or x is ps]
         for x in data:
             x = _through_moves(x)
-            if x is not apply and x not in norm_inputs:
+            if x is not apply and x not in covered[base]:
                 raise PrivacyError(f"{x.name} enters the clipped sum {c.name} but is not part of "
-                                   f"the per-sample norm")
-        base = coef.args[0] if coef.target is aten.view.default else coef
-        if not (base is factor or base.meta.get("dpfx") == "clip_coef"
-                and base.target is aten.mul.Tensor and base.args[0] is factor):
-            raise PrivacyError(f"{c.name} is not scaled by the clip factor")
+                                   f"the per-sample norm it is clipped by")
 
+    deferred = config.noise == "optimizer"
+    if deferred and _tagged(graph, "noise"):
+        raise PrivacyError("noise='optimizer' graphs must leave the noise to dpfx.DPOptimizer")
     for name, out in grads.items():
         if out in leaked:
             path = _leak_path(cut, sources, out)
             raise PrivacyError(
                 f"the gradient of parameter '{name}' has a path from the data that bypasses "
                 f"per-sample clipping: {' -> '.join(n.name for n in path)}")
-        ancestors = nx.ancestors(g, out)
-        if factor not in ancestors:
+        ancestors = nx.ancestors(g, out) | {out}
+        mine = [c for c in clipped if c in ancestors]
+        if not mine:
             raise PrivacyError(f"the gradient of parameter '{name}' does not depend on the clip "
                                f"factor")
+        bound = config.clip_bounds[config.group_of(name)]
+        for c in mine:
+            if bound_of[factor_of[c]] != bound:
+                raise PrivacyError(f"the gradient of parameter '{name}' is clipped to "
+                                   f"{bound_of[factor_of[c]]}, but its group's bound is {bound}")
+        if deferred:
+            if out.meta.get("dpfx_output") != "clipped_grad":
+                raise PrivacyError(f"the gradient output of parameter '{name}' is not the tagged "
+                                   f"clipped sum that dpfx.DPOptimizer noises")
+            continue
         scales = [n for n in ancestors if n.meta.get("dpfx") == "noise_scale"]
         if not scales:
             raise PrivacyError(f"no noise is added to the gradient of parameter '{name}'")
@@ -229,14 +247,36 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
     return applies[0]
 
 
-def _check_clip_factor(factor: fx.Node, norm: fx.Node, config: DPConfig, g: nx.DiGraph) -> None:
+def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> float:
+    """``factor`` is min(1, C / (per-sample norm + eps)) with one of the configured C; returns C."""
+    bounds = set(config.clip_bounds.values())
     ok = (factor.target is aten.clamp_max.default and factor.args[1] == 1.0)
     ratio = factor.args[0] if ok else None
-    ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] == config.max_grad_norm
-    ok = ok and norm in nx.ancestors(g, ratio)
+    ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] in bounds
+    ok = ok and any(a.meta.get("dpfx") == "per_sample_norms" for a in nx.ancestors(g, ratio))
     if not ok:
         raise PrivacyError("the clip factor is not min(1, C / (per-sample norm + eps)) with "
-                           f"C = {config.max_grad_norm}")
+                           f"C in {sorted(bounds)}")
+    return ratio.args[1]
+
+
+def _norm_sources(factor: fx.Node) -> set[fx.Node]:
+    """The ancestors of a clip factor, except that a row picked out of the stacked norms that
+    ``dpfx::observe_norms`` sees descends from that row's group only (stats.py)."""
+    seen, todo = set(), [factor]
+    while todo:
+        node = todo.pop()
+        inputs = node.all_input_nodes
+        if node.target is aten.select.int and inputs and \
+                inputs[0].target is torch.ops.dpfx.observe_norms.default:
+            stacked = inputs[0].args[0]
+            if stacked.target is aten.cat.default:
+                inputs = [stacked.args[0][node.args[2]]]
+        for a in inputs:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
 
 
 def _leak_path(cut: nx.DiGraph, sources, out) -> list[fx.Node]:

@@ -1,0 +1,169 @@
+"""``make_private``: model, optimizer, Poisson loader and accountant, wired together.
+
+    private = dpfx.make_private(model, optimizer, train_set, batch_size=256,
+                                max_grad_norm=1.0, noise_multiplier=1.1)
+    dp_model, optimizer, loader, accountant = private
+    for epoch in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(dp_model(x), y).backward()
+            optimizer.step()
+        print(accountant.get_epsilon(1e-5))
+
+or ``make_private_with_epsilon(..., target_epsilon=3.0, target_delta=1e-5, epochs=10)``, which
+calibrates sigma for that budget first. Everything is derived from one place:
+
+* sample rate q = batch_size / N (or ``sample_rate``), expected batch size D = round(q N);
+* the loader is ``poisson_loader(dataset, q)``: round(1/q) steps per epoch, batch sizes vary and
+  may be 0 (one compiled graph serves them all);
+* ``dpfx.compile(model, expected_batch_size=D, ...)``;
+* ``DPOptimizer`` records (sigma, q) in the accountant at every optimizer step, so epsilon
+  counts exactly the steps taken.
+
+Noise goes into the backward graph (fastest) unless the run needs it at the optimizer: virtual
+batches (``max_physical_batch_size``), ``secure_mode``, or torch.distributed with more than one
+rank (then each rank samples its shard: Note [Distributed Poisson sampling] in data.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from . import privacy
+from .api import DPModule, compile as dp_compile
+from .data import expected_batch_size, poisson_loader
+from .optim import DPOptimizer, VirtualBatches, _rank, _world
+
+
+@dataclasses.dataclass
+class PrivateTraining:
+    """What ``make_private`` returns; unpacks as (model, optimizer, loader, accountant)."""
+    model: DPModule
+    optimizer: DPOptimizer
+    loader: Any
+    accountant: privacy.Accountant
+    noise_multiplier: float
+    sample_rate: float
+    steps_per_epoch: int
+
+    def __iter__(self):
+        return iter((self.model, self.optimizer, self.loader, self.accountant))
+
+
+_LOADER_ARGS = ("num_workers", "pin_memory", "collate_fn", "worker_init_fn",
+                "multiprocessing_context", "persistent_workers", "prefetch_factor", "timeout")
+
+
+def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 data: Dataset | DataLoader, *, max_grad_norm: float | dict,
+                 noise_multiplier: float | None = None, batch_size: int | None = None,
+                 sample_rate: float | None = None, target_epsilon: float | None = None,
+                 target_delta: float | None = None, epochs: int | None = None,
+                 accountant: str = "pld", max_physical_batch_size: int | None = None,
+                 secure_mode: bool = False, loss_reduction: str = "mean",
+                 strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
+                 track_norms: bool = False, generator: torch.Generator | None = None,
+                 process_group=None, **loader_kwargs) -> PrivateTraining:
+    """Make a private training run out of a model, its optimizer and its data.
+
+    ``data``: a map-style dataset, or a DataLoader whose dataset, batch size and loading options
+    (workers, pinning, collate_fn) are reused; its own batching is replaced by Poisson sampling.
+    Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
+    ``epochs``), and one of ``batch_size`` (expected) or ``sample_rate``.
+    """
+    if isinstance(data, DataLoader):
+        loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
+                            and k not in ("prefetch_factor",)}, **loader_kwargs}
+        if loader_kwargs.get("num_workers", 0) == 0:
+            loader_kwargs.pop("persistent_workers", None)
+            loader_kwargs.pop("timeout", None)
+        if batch_size is None and sample_rate is None:
+            batch_size = data.batch_size
+        data = data.dataset
+    n = len(data) if hasattr(data, "__len__") else None
+    if not n:
+        raise ValueError("data must be a non-empty map-style dataset (or a DataLoader over one)")
+    if (batch_size is None) == (sample_rate is None):
+        raise ValueError("give exactly one of batch_size (the expected batch size) or "
+                         "sample_rate (its probability per example)")
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+                or not 0 < batch_size <= n:
+            raise ValueError(f"batch_size must be an int in [1, len(data) = {n}], got "
+                             f"{batch_size!r}")
+        sample_rate = batch_size / n
+    q = privacy._check_sample_rate(sample_rate)
+    steps_per_epoch = max(1, round(1 / q))
+
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+    if target_epsilon is not None:
+        if target_delta is None or epochs is None:
+            raise ValueError("target_epsilon needs target_delta and epochs (the number of "
+                             "passes the budget must cover)")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+        noise_multiplier = privacy.noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
+            steps=epochs * steps_per_epoch, accountant=accountant)
+    privacy._check_noise_multiplier(noise_multiplier)
+
+    world = _world(process_group)
+    noise = "optimizer" if (max_physical_batch_size is not None or secure_mode or world > 1) \
+        else "graph"
+    dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
+                          noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
+                          expected_batch_size=expected_batch_size(n, q), seed=seed,
+                          backend=backend, strategy=strategy, noise=noise,
+                          track_norms=track_norms)
+    acc = privacy.Accountant(accountant)
+    dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
+                               secure_mode=secure_mode, process_group=process_group)
+    loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
+                            rank=_rank(process_group) if world > 1 else 0, world_size=world,
+                            **loader_kwargs)
+    if max_physical_batch_size is not None:
+        loader = VirtualBatches(loader, max_physical_batch_size, dp_optimizer)
+    return PrivateTraining(dp_model, dp_optimizer, loader, acc, noise_multiplier, q,
+                           steps_per_epoch)
+
+
+def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              data: Dataset | DataLoader, *, target_epsilon: float,
+                              target_delta: float, epochs: int, max_grad_norm: float | dict,
+                              **kwargs) -> PrivateTraining:
+    """``make_private`` with sigma calibrated so that ``epochs`` epochs spend ``target_epsilon``
+    at ``target_delta`` (``dpfx.privacy.noise_multiplier``)."""
+    return make_private(module, optimizer, data, max_grad_norm=max_grad_norm,
+                        target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+                        **kwargs)
+
+
+def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
+                    **extra) -> None:
+    """Save model parameters, optimizer state and the accountant's ledger together, so that
+    epsilon keeps counting after a restart (``load_checkpoint``)."""
+    model = private.model if private is not None else model
+    optimizer = private.optimizer if private is not None else optimizer
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError("save_checkpoint needs the DPOptimizer, whose state holds the accountant")
+    base = model._orig_mod if isinstance(model, DPModule) else model
+    torch.save({"format": "dpfx-checkpoint-1", "model": base.state_dict(),
+                "optimizer": optimizer.state_dict(), "extra": extra}, path)
+
+
+def load_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
+                    optimizer=None) -> dict:
+    """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``."""
+    model = private.model if private is not None else model
+    optimizer = private.optimizer if private is not None else optimizer
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != "dpfx-checkpoint-1":
+        raise ValueError(f"{path} is not a dpfx checkpoint")
+    base = model._orig_mod if isinstance(model, DPModule) else model
+    base.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["extra"]

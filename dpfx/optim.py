@@ -1,0 +1,295 @@
+"""``DPOptimizer``: the optimizer side of a private run.
+
+    dp_model = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.1,
+                            expected_batch_size=256, noise="optimizer")
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp_model,
+                           accountant=dpfx.privacy.Accountant(), sample_rate=256 / 60000)
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(dp_model(x), y).backward()
+        opt.step()                       # noise once, divide by D, step, count epsilon
+
+It wraps any ``torch.optim.Optimizer`` (its ``param_groups`` and ``state`` are the inner
+optimizer's, so LR schedulers work) and does, at ``step()``:
+
+* ``noise="graph"`` models: p.grad is already private (the backward graph noised it); step and
+  record the step in the accountant.
+* ``noise="optimizer"`` models: the backward passes left sum_i clip(g_i) in
+  ``dp_model.clipped_sums``. ``step()`` adds N(0, (sigma * S)^2) once (torch's generator, or the
+  CSPRNG with ``secure_mode``), all-reduces across ranks when distributed (Note [Noise once
+  across ranks]), divides by D, writes p.grad and steps.
+
+# Note [Virtual batches]
+A logical batch too big for memory runs as several physical batches. ``signal_skip_step()``
+(which ``virtual_batches`` calls for every physical batch but the last) turns the next
+``step()`` and ``zero_grad()`` into no-ops, so the clipped sums of all physical batches add up
+and the noise is added once, for the logical batch. Since the graph undoes the mean over each
+physical batch before clipping, the sum is independent of how the batch is split: with sigma = 0
+it equals the one-big-batch step (tests/test_engine.py).
+
+# Note [Noise once across ranks]
+With torch.distributed initialized (world size W > 1), rank 0 adds N(0, (sigma * S)^2) to its
+clipped sum before one all-reduce (SUM) of all parameters flattened together; other ranks add
+nothing. Every rank then holds the same noisy sum and takes the same step. The alternative,
+N(0, (sigma * S)^2 / W) on every rank, gives the same distribution only if every rank's
+generator is independent and honest; with one noising rank the guarantee does not depend on the
+other ranks' generators. As in every DP-SGD deployment, the ranks are trusted with the data.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from .errors import PrivacyError
+from .noise import gaussian, secure_gaussian
+from .privacy import Accountant
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, dp_model, *,
+                 accountant: Accountant | None = None, sample_rate: float | None = None,
+                 secure_mode: bool = False, process_group=None):
+        from .api import DPModule
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, DPOptimizer):
+            raise TypeError("optimizer is already a DPOptimizer")
+        if not isinstance(dp_model, DPModule):
+            raise TypeError(f"dp_model must be what dpfx.compile returned, got "
+                            f"{type(dp_model).__name__}")
+        if accountant is not None and sample_rate is None:
+            raise ValueError("sample_rate: the accountant needs the Poisson sample rate q of each "
+                             "step (expected batch size / dataset size)")
+        if accountant is not None and not isinstance(accountant, Accountant):
+            raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
+                            f"{type(accountant).__name__}")
+        config = dp_model.dp_config
+        if secure_mode and config.noise != "optimizer":
+            raise ValueError("secure_mode draws the noise outside the graph: compile the model "
+                             "with dpfx.compile(..., noise='optimizer')")
+        if secure_mode and config.seed is not None:
+            raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
+                             "subtracted. Compile without seed=")
+        self.world = _world(process_group)
+        if self.world > 1 and config.noise != "optimizer":
+            raise ValueError("distributed training adds the noise once across ranks, at step(): "
+                             "compile the model with dpfx.compile(..., noise='optimizer')")
+        if self.world > 1 and config.loss_reduction == "mean" \
+                and config.expected_batch_size is None:
+            raise ValueError("distributed training needs expected_batch_size (the global "
+                             "expected batch size q*N) to divide by")
+        trainable = {id(p): n for n, p in dp_model._orig_mod.named_parameters()
+                     if p.requires_grad}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in trainable:
+                    raise ValueError("the optimizer updates a parameter that is not a trainable "
+                                     "parameter of dp_model; its gradient would not be private")
+        self.original_optimizer = optimizer
+        self.dp_model = dp_model
+        self.accountant = accountant
+        self.sample_rate = sample_rate
+        self.secure_mode = secure_mode
+        self.process_group = process_group
+        self.steps = 0
+        self._skip_next = False
+        self._open = False          # a logical step has started but not been taken
+        self._named = [(n, p) for n, p in dp_model._orig_mod.named_parameters()
+                       if p.requires_grad]
+        self._generator = None
+        if config.noise == "optimizer" and not secure_mode:
+            seed = secrets.randbits(62) if config.seed is None else config.seed
+            self._generator = torch.Generator().manual_seed(seed)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+
+    # The inner optimizer's state, seen through this one (LR schedulers read param_groups).
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r})"
+
+    # -- the step ----------------------------------------------------------------------------------
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the next ``step()`` and ``zero_grad()`` no-ops (Note [Virtual batches])."""
+        if do_skip and self.dp_model.dp_config.noise != "optimizer":
+            raise ValueError("virtual batches accumulate clipped sums across backward passes and "
+                             "noise them once: compile the model with noise='optimizer'")
+        self._skip_next = do_skip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._open:
+            return          # inside a logical batch: keep the clipped sums accumulating
+        self.original_optimizer.zero_grad(set_to_none)
+        self.dp_model.reset_clipped_sums()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._skip_next:
+            self._skip_next = False
+            self._open = True
+            return loss
+        if self.dp_model.dp_config.noise == "optimizer":
+            self._write_private_grads()
+        self.original_optimizer.step()
+        self._open = False
+        self.steps += 1
+        if self.accountant is not None:
+            self.accountant.step(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
+                                 sample_rate=self.sample_rate)
+        return loss
+
+    def _write_private_grads(self) -> None:
+        model, config = self.dp_model, self.dp_model.dp_config
+        sums = model.clipped_sums
+        for name, p in self._named:
+            if p.grad is not None:
+                raise PrivacyError(
+                    f"parameter '{name}' has a gradient that did not come from dpfx's clipped "
+                    f"sums (p.grad is set before DPOptimizer.step()); it would not be private")
+        if not self._named:
+            return
+        device = self._named[0][1].device
+        flat = torch.cat([
+            (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
+            for n, p in self._named])
+        examples = model.examples
+        if self.world <= 1 or _rank(self.process_group) == 0:
+            flat += self._noise(flat.numel(), config.noise_std, device)
+        if self.world > 1:
+            count = torch.tensor([float(examples)], device=device)
+            both = torch.cat([flat, count])
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
+            flat, examples = both[:-1], int(both[-1].item())
+        flat /= self._denominator(examples)
+        offset = 0
+        for name, p in self._named:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+            offset += n
+        model.reset_clipped_sums()
+
+    def _noise(self, n: int, std: float, device) -> torch.Tensor:
+        if std == 0:
+            return torch.zeros(n, device=device)
+        if self.secure_mode:
+            return secure_gaussian(n, std, device=device)
+        return gaussian(n, std, self._generator, device=device)
+
+    def _denominator(self, examples: int) -> float:
+        config = self.dp_model.dp_config
+        if config.loss_reduction == "sum":
+            return 1.0
+        if config.expected_batch_size is not None:
+            return float(config.expected_batch_size)
+        if examples == 0:
+            raise ValueError("empty logical batch with loss_reduction='mean' and no "
+                             "expected_batch_size: DP-SGD would divide by 0. Pass "
+                             "expected_batch_size to dpfx.compile (Poisson sampling's q*N)")
+        return float(examples)
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self._open:
+            raise ValueError("a logical batch is half accumulated (virtual batches); save after "
+                             "its step()")
+        return {"optimizer": self.original_optimizer.state_dict(),
+                "accountant": self.accountant.state_dict() if self.accountant else None,
+                "steps": self.steps,
+                "generator": None if self._generator is None or
+                self.dp_model.dp_config.seed is None else self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise ValueError("state must come from DPOptimizer.state_dict()")
+        if (state.get("accountant") is None) != (self.accountant is None):
+            raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
+                             "accountant; epsilon would not keep counting")
+        self.original_optimizer.load_state_dict(state["optimizer"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self.steps = int(state.get("steps", 0))
+        if state.get("generator") is not None and self._generator is not None:
+            self._generator.set_state(state["generator"])
+
+
+def _world(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+# -- virtual batches -------------------------------------------------------------------------------
+
+class VirtualBatches:
+    """Iterates ``loader`` and yields each batch as physical batches of at most
+    ``max_physical_batch_size`` examples, signalling ``optimizer`` to skip every step but a
+    logical batch's last (Note [Virtual batches]). An empty logical batch yields one empty
+    physical batch, so its (pure-noise) step still happens."""
+
+    def __init__(self, loader, max_physical_batch_size: int, optimizer: DPOptimizer):
+        if isinstance(max_physical_batch_size, bool) or not isinstance(
+                max_physical_batch_size, int) or max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be an int >= 1, got "
+                             f"{max_physical_batch_size!r}")
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError("virtual batches need a dpfx.DPOptimizer to skip the inner steps")
+        self.loader = loader
+        self.max_physical_batch_size = max_physical_batch_size
+        self.optimizer = optimizer
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            chunks = split_batch(batch, self.max_physical_batch_size)
+            for i, chunk in enumerate(chunks):
+                self.optimizer.signal_skip_step(i < len(chunks) - 1)
+                yield chunk
+
+
+def split_batch(batch, size: int) -> list:
+    """Split every tensor of a collated batch along dim 0 into pieces of at most ``size``."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return [batch]
+    n = leaves[0].shape[0]
+    pieces = max(1, math.ceil(n / size))
+    return [torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t, i=i: t[i * size:(i + 1) * size], batch) for i in range(pieces)]

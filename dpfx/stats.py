@@ -1,0 +1,109 @@
+"""Per-sample gradient norms seen by the compiled backward, for users tuning the clipping bound C.
+
+With ``dpfx.compile(..., track_norms=True)`` the backward graph passes each clipping group's
+per-sample norms (f32[B]) through ``dpfx::observe_norms``, an opaque custom op that hands a copy to
+the model's ``NormStats`` and returns its input unchanged. Inductor calls it as a fallback kernel;
+it costs one copy of B floats per group and a Python call per step.
+
+    dp_model = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.1, track_norms=True)
+    ...; loss.backward()
+    dp_model.norm_stats.clipped_fraction      # share of the last step's examples with norm > C
+    dp_model.norm_stats.quantiles([0.5, 0.9]) # over the recent window
+
+# Note [These numbers are not private]
+The per-sample norms are computed from the raw examples and nothing here adds noise: a norm, a
+quantile or a clipped fraction logged or published from a private run leaks about the examples it
+came from. Use them to choose C on public or proxy data, or budget for their release yourself.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+
+import torch
+
+_SINKS: dict[int, "weakref.ref[NormStats]"] = {}
+_NEXT = itertools.count()
+
+
+@torch.library.custom_op("dpfx::observe_norms", mutates_args=())
+def observe_norms(norms: torch.Tensor, sink: int) -> torch.Tensor:
+    """``norms``: f32[G, B], one row per clipping group."""
+    ref = _SINKS.get(sink)
+    stats = ref() if ref is not None else None
+    if stats is not None:
+        stats._record(norms.detach().clone())
+    return norms.clone()
+
+
+@observe_norms.register_fake
+def _observe_norms_fake(norms, sink):
+    return torch.empty_like(norms)
+
+
+class NormStats:
+    """The per-sample gradient norms of recent backward passes, by clipping group.
+
+    ``bounds`` maps group key to C, in the order of the rows the graph reports; flat clipping is
+    one group, key "".
+    Keeps the last ``window`` backward passes.
+    """
+
+    def __init__(self, bounds: dict[str, float], window: int = 100):
+        self.bounds = dict(bounds)
+        self._keys = list(self.bounds)
+        self.window = window
+        self._recent: dict[str, collections.deque] = {
+            k: collections.deque(maxlen=window) for k in self._keys}
+        self.examples = 0
+        self.clipped = 0
+        self.sink = next(_NEXT)
+        _SINKS[self.sink] = weakref.ref(self)
+
+    def set_groups(self, keys: list[str]) -> None:
+        """The groups the compiled graph reports, in its row order."""
+        self._keys = list(keys)
+
+    def _record(self, norms: torch.Tensor) -> None:
+        clipped = torch.zeros(norms.shape[1:], dtype=torch.bool, device=norms.device)
+        for key, row in zip(self._keys, norms):
+            self._recent[key].append(row)
+            clipped |= row > self.bounds[key]
+        self.examples += clipped.numel()
+        self.clipped += int(clipped.sum())
+        self._last_clipped = clipped
+
+    @property
+    def last(self) -> dict[str, torch.Tensor]:
+        """Group key -> the per-sample norms of the last backward pass (f32[B])."""
+        return {k: d[-1] for k, d in self._recent.items() if d}
+
+    @property
+    def clipped_fraction(self) -> float:
+        """Share of the last backward's examples that were clipped in at least one group (nan if
+        it was empty or nothing ran yet)."""
+        clipped = getattr(self, "_last_clipped", None)
+        if clipped is None or clipped.numel() == 0:
+            return float("nan")
+        return float(clipped.float().mean())
+
+    @property
+    def total_clipped_fraction(self) -> float:
+        """Share of every example seen so far that was clipped."""
+        return self.clipped / self.examples if self.examples else float("nan")
+
+    def quantiles(self, qs, group: str | None = None) -> torch.Tensor:
+        """Quantiles of the per-sample norms over the recent window."""
+        key = self._keys[0] if group is None else group
+        seen = [n.float().cpu() for n in self._recent[key]]
+        allnorms = torch.cat(seen) if seen else torch.empty(0)
+        if allnorms.numel() == 0:
+            return torch.full((len(qs),), float("nan"))
+        return torch.quantile(allnorms, torch.tensor(list(qs), dtype=torch.float32))
+
+    def reset(self) -> None:
+        for d in self._recent.values():
+            d.clear()
+        self.examples = self.clipped = 0
+        self._last_clipped = None
