@@ -4,9 +4,11 @@
     python examples/train_digits.py --target-epsilon 1
     python examples/train_digits.py --non-private         # the same model and steps, no DP
 
-Poisson-sampled batches (dpfx.data), noise calibrated to the target epsilon for the planned number
-of steps (dpfx.privacy, PLD accountant), the step itself compiled by dpfx through Inductor, and the
-epsilon actually spent reported from the running accountant.
+``dpfx.make_private_with_epsilon`` wires it all: Poisson-sampled batches (dpfx.data), noise
+calibrated to the target epsilon for the planned number of steps (dpfx.privacy, PLD accountant),
+the step compiled by dpfx through Inductor, and the accountant counting every optimizer step; the
+epsilon actually spent is reported from it. ``--max-physical-batch-size 64`` runs each Poisson
+batch as virtual batches; ``--secure-mode`` draws the noise from the OS CSPRNG.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 import dpfx
-from dpfx.data import expected_batch_size, poisson_loader
-from dpfx.privacy import Accountant, noise_multiplier
+from dpfx.data import poisson_loader
 
 
 def make_model(kind: str) -> nn.Module:
@@ -68,55 +69,64 @@ def main() -> None:
     ap.add_argument("--non-private", action="store_true")
     ap.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-physical-batch-size", type=int, default=None,
+                    help="run each Poisson batch as physical batches of at most this size "
+                         "(virtual batches: noise once per logical step)")
+    ap.add_argument("--secure-mode", action="store_true",
+                    help="draw the noise from the OS CSPRNG (dpfx.noise)")
     args = ap.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence notes
 
     torch.manual_seed(args.seed)
     train, (x_test, y_test) = load(args.seed)
     n = len(train)
-    q = args.batch_size / n
-    steps_per_epoch = round(1 / q)
-    steps = args.epochs * steps_per_epoch
     model = make_model(args.model)
-    accountant = Accountant("pld")
+    generator = torch.Generator().manual_seed(args.seed)
 
     if args.non_private:
-        sigma = 0.0
+        q = args.batch_size / n
+        steps_per_epoch, sigma = round(1 / q), 0.0
         step_model = torch.compile(model)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=0.9)
+        loader = poisson_loader(train, q, generator=generator)
+        accountant = None
     else:
-        sigma = noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
-                                 sample_rate=q, steps=steps)
-        step_model = dpfx.compile(model, max_grad_norm=args.max_grad_norm,
-                                  noise_multiplier=sigma,
-                                  expected_batch_size=expected_batch_size(n, q),
-                                  backend=args.backend)
+        # One call wires the Poisson loader, the compiled private model, the optimizer that
+        # counts steps in the accountant, and sigma calibrated for the whole run.
+        private = dpfx.make_private_with_epsilon(
+            model, torch.optim.SGD(model.parameters(), lr=args.lr or 4.0), train,
+            batch_size=args.batch_size, target_epsilon=args.target_epsilon,
+            target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
+            backend=args.backend, generator=generator, secure_mode=args.secure_mode,
+            max_physical_batch_size=args.max_physical_batch_size)
+        step_model, opt, loader, accountant = private
+        q, steps_per_epoch, sigma = private.sample_rate, private.steps_per_epoch, \
+            private.noise_multiplier
+    steps = args.epochs * steps_per_epoch
     print(f"digits: {n} train / {len(y_test)} test, q={q:.4f}, {steps} steps, sigma={sigma:.3f}, "
           f"C={args.max_grad_norm}, model={args.model}")
 
-    if args.non_private:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=0.9)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr or 4.0)
-    generator = torch.Generator().manual_seed(args.seed)
-    loader = poisson_loader(train, q, steps=steps, generator=generator)
     start = time.perf_counter()
-    bar = tqdm(loader, total=steps, unit="step")
-    for i, (x, y) in enumerate(bar):
-        if args.non_private and x.shape[0] == 0:
-            continue
-        out = step_model(x)
-        loss = F.cross_entropy(out, y) if x.shape[0] else out.sum() * 0.0
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not args.non_private:
-            accountant.step(noise_multiplier=sigma, sample_rate=q)
-        if (i + 1) % steps_per_epoch == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", test_acc=f"{accuracy(model, x_test, y_test):.3f}")
+    bar = tqdm(total=steps, unit="step")
+    for epoch in range(args.epochs):
+        for x, y in loader:
+            if args.non_private and x.shape[0] == 0:
+                bar.update()
+                continue
+            opt.zero_grad(set_to_none=True)
+            out = step_model(x)
+            loss = F.cross_entropy(out, y) if x.shape[0] else out.sum() * 0.0
+            loss.backward()
+            opt.step()
+            if args.non_private or not opt._open:   # a logical step was taken
+                bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}",
+                        test_acc=f"{accuracy(model, x_test, y_test):.3f}")
+    bar.close()
     elapsed = time.perf_counter() - start
 
     acc = accuracy(model, x_test, y_test)
-    eps = accountant.get_epsilon(args.delta) if not args.non_private else float("inf")
+    eps = accountant.get_epsilon(args.delta) if accountant is not None else float("inf")
     print(f"test accuracy {acc:.4f}  epsilon {eps:.3f} at delta {args.delta}  "
           f"({steps} steps in {elapsed:.1f}s)")
 
