@@ -10,6 +10,9 @@ branch on the batch:
   zeros where eager torch would raise.
 - ``F.instance_norm`` without running statistics: written out as var_mean over the spatial dims
   (torch's own runs batch_norm on a (1, B*C, ...) view, whose kernel tests numel() == 0).
+- ``F.bilinear`` (``nn.Bilinear``): written as one matmul and a broadcast product (torch's meta
+  function for ``_trilinear`` fails with a symbolic batch); the weight's gradient is then an
+  ``mm`` and the bias's a sum, both with rules.
 - ``Tensor.repeat`` with a symbolic count (MultiheadAttention's add_bias_kv repeats bias_k over the
   batch): reshape -> expand -> reshape, since repeat's backward tests each count against 0.
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 _verify_batch_size = F._verify_batch_size
 _instance_norm = F.instance_norm
 _repeat = torch.Tensor.repeat
+_bilinear = F.bilinear
 
 
 def _verify_batch_size_if_known(size) -> None:
@@ -62,14 +66,24 @@ def _repeat_by_expand(self, *sizes):
     return x.reshape(split).expand(tiled).reshape([r * s for r, s in zip(sizes, x.shape)])
 
 
+def _bilinear_written_out(input1, input2, weight, bias=None):
+    """out[..., o] = sum_ij x1[..., i] W[o, i, j] x2[..., j] + b[o]."""
+    out_f, in1, in2 = weight.shape
+    h = (input1 @ weight.permute(1, 0, 2).reshape(in1, out_f * in2)).unflatten(-1, (out_f, in2))
+    out = (h * input2.unsqueeze(-2)).sum(-1)
+    return out if bias is None else out + bias
+
+
 @contextlib.contextmanager
 def traceable_torch():
     F._verify_batch_size = _verify_batch_size_if_known
     F.instance_norm = _instance_norm_written_out
     torch.Tensor.repeat = _repeat_by_expand
+    F.bilinear = _bilinear_written_out
     try:
         yield
     finally:
+        F.bilinear = _bilinear
         F._verify_batch_size = _verify_batch_size
         F.instance_norm = _instance_norm
         torch.Tensor.repeat = _repeat

@@ -136,3 +136,37 @@ def test_width_one_hidden_layer_is_a_clear_error():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
 
+
+
+class BilinearModel(nn.Module):
+    def __init__(self, d1=3, d2=5, out=4, bias=True):
+        super().__init__()
+        self.d1 = d1
+        self.bil = nn.Bilinear(d1, d2, out, bias=bias)
+
+    def forward(self, x):
+        return self.bil(x[..., :self.d1], x[..., self.d1:])
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(0, 5), d1=st.integers(2, 4), d2=st.integers(2, 4), seq=st.sampled_from([None, 3]),
+       bias=st.booleans(), reduction=st.sampled_from(["mean", "sum"]),
+       strategy=st.sampled_from(["materialize", "ghost", "auto"]))
+def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
+    """nn.Bilinear captures through dpfx.traceable's written-out F.bilinear: the weight is an mm
+    (either strategy), the bias a sum."""
+    torch._dynamo.reset()
+    torch.manual_seed(batch)
+    model = BilinearModel(d1, d2, 4, bias)
+    shape = (batch, d1 + d2) if seq is None else (batch, seq, d1 + d2)
+    x, y = torch.randn(*shape) * 3, torch.randn(*shape[:-1], 4)
+    if batch > 1:
+        assert clip_fraction(model, mse, x, y, 0.05) > 0
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend="eager",
+                      loss_reduction=reduction, strategy=strategy, expected_batch_size=3)
+    got = run_dpfx(dp, model, mse, x, y, reduction)
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, loss_reduction=reduction,
+                        expected_batch_size=3)
+    assert_close(got, want, rtol=1e-4, atol=1e-6)
+    rules = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+    assert "mm" in rules["bil.weight"]

@@ -283,3 +283,56 @@ def test_validate_lists_every_problem_without_raising():
     assert kinds.count("unsupported") == 1 and "parameter 'w'" in text
     _assert_untouched(model, before)
     assert dpfx.validate(MLP(), torch.randn(3, 8)) == []
+
+
+# -- per-layer clipping and noise at the optimizer -------------------------------------------------
+
+def _rewritten_with(config_kwargs, x_shape=(3, 8)):
+    model = MLP()
+    dp = dpfx.compile(model, backend="eager", **config_kwargs)
+    dp(torch.randn(*x_shape))
+    return dp._dpfx_backend.last_backward, dp.dp_config
+
+
+def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
+    result, config = _rewritten_with(dict(max_grad_norm={"fc1": 0.1, "fc2": 0.3},
+                                          noise_multiplier=1.0))
+    verify_backward(result.gm, result.analysis, result.private, config)
+    factors = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor"]
+    assert len(factors) == 2
+    # Give group fc2's clip factor fc1's bound: still a configured C, but not fc2's.
+    ratio = next(f.args[0] for f in factors if f.args[0].args[1] == 0.3)
+    ratio.args = (ratio.args[0], 0.1)
+    with pytest.raises(dpfx.PrivacyError, match="fc2.* clipped to 0.1, but its group's bound"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_per_layer_clipped_sum_outside_its_groups_norm_is_rejected():
+    """fc2.weight's clipped sum scaled by fc1's clip factor: fc2's data is not in fc1's norm."""
+    result, config = _rewritten_with(dict(max_grad_norm={"fc1": 0.1, "fc2": 0.1},
+                                          noise_multiplier=1.0))
+    coefs = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_coef"]
+    applies = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_apply"]
+    fc1_coef, fc2_coef = coefs
+    view = next(a.args[1] for a in applies if a.args[1].target is aten.view.default
+                and a.args[1].args[0] is fc2_coef)
+    view.replace_input_with(fc2_coef, fc1_coef)
+    with pytest.raises(dpfx.PrivacyError, match="not part of the per-sample norm"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_optimizer_noise_graph_must_not_carry_noise():
+    result, config = _rewritten_with(dict(max_grad_norm=0.1, noise_multiplier=1.0,
+                                          noise="optimizer"))
+    verify_backward(result.gm, result.analysis, result.private, config)
+    assert not any(n.meta.get("dpfx") == "noise" for n in result.gm.graph.nodes)
+    # The same graph checked as a noise="graph" one: no noise is an error there.
+    graph_config = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
+    with pytest.raises(dpfx.PrivacyError, match="no noise"):
+        verify_backward(result.gm, result.analysis, result.private, graph_config)
+    # An output that is not the tagged clipped sum (here: the clipped sum times 2) is refused.
+    name, out = next(iter(result.private.items()))
+    doubled = _insert_before(result.gm, result.gm.graph.find_nodes(op="output")[0],
+                             aten.mul.Tensor, out, 2.0)
+    with pytest.raises(dpfx.PrivacyError, match="not the tagged clipped sum"):
+        verify_backward(result.gm, result.analysis, {**result.private, name: doubled}, config)

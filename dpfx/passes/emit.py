@@ -49,6 +49,7 @@ class Emitter:
             node = self.graph.call_function(op, tuple(args), kwargs)
         with self.fake_mode:
             node.meta["val"] = op(*_val(args), **_val(kwargs))
+        node.meta["dpfx_emitted"] = True   # the verifier tells dpfx's nodes from torch's
         if tag is not None:
             node.meta["dpfx"] = tag
         return node

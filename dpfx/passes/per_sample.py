@@ -12,12 +12,15 @@ lift rules (``LIFT`` registry). Example, a Linear weight::
     ps   = bmm(permute(view(view_4, [B, 6, 4]), [0, 2, 1]), view(view_2, [B, 6, 16]))
     grad_ps = permute(ps, [0, 2, 1])            # f32[B, 4, 16]
 
-Any node on that walk with no rule is an ``UnsupportedOpError`` naming the parameter and the op.
+A frontier that no rule matches goes to the vmap fallback (``rules/fallback.py``: vmap of the op
+over the example dim, for contractions over the batch; warned about and named in ``dpfx.explain``).
+Any other node on that walk with no rule is an ``UnsupportedOpError`` naming the parameter and the op.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any
 
 import sympy
@@ -26,6 +29,8 @@ import torch.fx as fx
 
 from .. import rules
 from ..errors import UnsupportedOpError
+from ..rules import fallback
+from ..rules.fallback import FallbackRefused
 from ..rules.lift import LiftRefused
 from .batch import BatchAnalysis
 from .emit import Emitter
@@ -144,6 +149,26 @@ def _nominal(expr) -> float:
     return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
 
 
+def _frontier_rule(node: fx.Node, pg: ParamGrad, ctx: RewriteContext) -> rules.Rule:
+    """The first registered rule whose check passes, else the vmap fallback when its check
+    passes (warned about, and named in explain), else an UnsupportedOpError with every reason."""
+    rule, reasons = rules.find(node, ctx)
+    if rule is not None:
+        return rule
+    why = fallback.check_vmap(node, ctx)
+    if why is None:
+        rule = fallback.fallback_rule(node)
+        warnings.warn(
+            f"dpfx: parameter '{pg.name}': no rule for weight-gradient op {_op_name(node)}; its "
+            f"per-sample gradient comes from the vmap fallback ({rule.name} in dpfx.explain)",
+            fallback.FallbackWarning, stacklevel=2)
+        return rule
+    reasons = reasons or ["no rule is registered for it"]
+    raise UnsupportedOpError(
+        f"parameter '{pg.name}': weight-gradient op {_op_name(node)} ({node.name}) reduces over "
+        f"the batch dim and {'; '.join(reasons)}; vmap-fallback: {why}. {HINT}")
+
+
 def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node | None:
     if node in memo:
         return memo[node]
@@ -156,13 +181,13 @@ def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.N
             f"parameter '{pg.name}': its gradient {node.name} ({node.target}) still has the batch "
             f"dim; a parameter must not have a batch-sized dim. {HINT}")
     if any(an.is_batched(a) for a in _producer_inputs(node)):
-        rule, reasons = rules.find(node, ctx)
-        if rule is None:
-            why = "; ".join(reasons) if reasons else "no rule is registered for it"
+        rule = _frontier_rule(node, pg, ctx)
+        try:
+            out = rule.rewrite(node, ctx)
+        except FallbackRefused as e:
             raise UnsupportedOpError(
-                f"parameter '{pg.name}': weight-gradient op {_op_name(node)} ({node.name}) "
-                f"reduces over the batch dim and {why}. {HINT}")
-        out = rule.rewrite(node, ctx)
+                f"parameter '{pg.name}': weight-gradient op {_op_name(node)} ({node.name}): "
+                f"the vmap fallback failed: {e}. {HINT}") from None
         pg.rules.append(rule.name)
         if rule.cost is not None:
             pg.costs.append(rule.cost(node, ctx))

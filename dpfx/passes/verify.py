@@ -261,11 +261,17 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> floa
 
 
 def _norm_sources(factor: fx.Node) -> set[fx.Node]:
-    """The ancestors of a clip factor, except that a row picked out of the stacked norms that
-    ``dpfx::observe_norms`` sees descends from that row's group only (stats.py)."""
+    """What a clip factor's per-sample norm is taken over: its ancestors through the nodes dpfx
+    emitted (the norm, the per-sample forms), stopping at the captured graph's own nodes. Walking
+    on through torch's backward would accept anything upstream of the norm: with per-layer
+    clipping, fc2's output gradient is upstream of fc1's per-sample gradients without being
+    part of fc1's norm. A row picked out of the stacked norms that ``dpfx::observe_norms`` sees
+    descends from that row's group only (stats.py)."""
     seen, todo = set(), [factor]
     while todo:
         node = todo.pop()
+        if node is not factor and not node.meta.get("dpfx_emitted"):
+            continue
         inputs = node.all_input_nodes
         if node.target is aten.select.int and inputs and \
                 inputs[0].target is torch.ops.dpfx.observe_norms.default:
@@ -276,7 +282,7 @@ def _norm_sources(factor: fx.Node) -> set[fx.Node]:
             if a not in seen:
                 seen.add(a)
                 todo.append(a)
-    return seen
+    return seen | {_through_moves(x) for x in seen}   # clipped sums are compared the same way
 
 
 def _leak_path(cut: nx.DiGraph, sources, out) -> list[fx.Node]:

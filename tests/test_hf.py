@@ -1,0 +1,147 @@
+"""Hugging Face models built from small configs (random init), against the torch.func reference.
+
+GPT-2 (``GPT2LMHeadModel``: LM head tied to the token embedding, Conv1D projections, learned
+positions) and BERT (``BertForSequenceClassification``: token type and position embeddings,
+LayerNorms, pooler), with dropout 0 so that the reference runs the same function. Each model sits
+in a small wrapper whose forward takes one tensor with the batch in dim 0 and returns logits:
+token ids and the attention mask travel stacked as (B, 2, T), because the reference maps one input
+over the batch. Passing the mask also keeps transformers' mask preprocessing off a branch that
+compares the batch size with a constant (``masking_utils._preprocess_mask_arguments`` tests
+``batch_size != position_ids.shape[0]`` when no mask is given, which torch cannot decide for an
+unbacked batch). sigma = 0 and C small enough that every example is clipped.
+
+The reference is a batch-of-one loop with plain autograd, not tests/reference.py's vmap: the sdpa
+path and BERT's mask preparation branch on tensor values (``mask.all()``), which vmap rejects.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpfx
+from reference import CLIP_EPS, assert_close, run_dpfx
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, T, C = 97, 8, 0.05
+
+
+class LMLogits(nn.Module):
+    """(B, 2, T) ids and mask -> (B, T, V) next-token logits of GPT-2."""
+
+    def __init__(self, attn_implementation):
+        super().__init__()
+        config = transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        config._attn_implementation = attn_implementation
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, x):
+        return self.model(input_ids=x[:, 0], attention_mask=x[:, 1], use_cache=False).logits
+
+
+class ClassifierLogits(nn.Module):
+    """(B, 2, T) ids and mask -> (B, 3) logits of a BERT sequence classifier."""
+
+    def __init__(self, attn_implementation):
+        super().__init__()
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+        config._attn_implementation = attn_implementation
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def forward(self, x):
+        return self.model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def xent(out, y):
+    return F.cross_entropy(out, y)
+
+
+def inputs(batch, padded):
+    """Token ids and a mask; with ``padded``, each example's last tokens are padding."""
+    ids = torch.randint(1, VOCAB, (batch, T))
+    mask = torch.ones(batch, T, dtype=torch.long)
+    if padded:
+        for i in range(batch):
+            mask[i, T - i:] = 0
+    return torch.stack([ids, mask], 1)
+
+
+def loop_dp_sgd_grads(model, loss_fn, x, y, expected):
+    """Each example's gradient on its own (batch of one), flat clipping, sum, divide by D."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    per_example = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
+        per_example.append(dict(zip(params, grads)))
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    norms = []
+    for g in per_example:
+        norm = torch.sqrt(sum(v.pow(2).sum() for v in g.values()))
+        norms.append(norm)
+        factor = (C / (norm + CLIP_EPS)).clamp(max=1.0)
+        for k in total:
+            total[k] += g[k] * factor
+    return {k: v / expected for k, v in total.items()}, norms
+
+
+def check(model, loss_fn, x, y, backend="eager", expected=5):
+    """dpfx equals the reference for B = len(x) and 1 through one compiled graph. Not B = 0:
+    the captured GPT-2/BERT forward carries a runtime assertion that the batch is non-empty
+    (``Ne(u0, 0)``, added while tracing transformers' code), so an empty batch fails inside the
+    model, before dpfx's part of the graph."""
+    model.train()
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=expected,
+                      backend=backend)
+    tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
+    for batch in (x.shape[0], 1):
+        got = run_dpfx(dp, model, loss_fn, x[:batch], y[:batch])
+        want, norms = loop_dp_sgd_grads(model, loss_fn, x[:batch], y[:batch], expected)
+        assert all(n > C for n in norms), "clipping must bite on every example"
+        try:
+            assert_close(got, want, **tol)
+        except AssertionError as e:
+            raise AssertionError(f"batch size {batch}: {e}") from None
+    assert dp.compile_count == 2
+    return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2(attn):
+    """Every parameter has a rule: the tied wte gets ``embedding`` + ``mm`` (the head), wpe a
+    ``sum`` over the batch, GPT-2's Conv1D weights (x @ W + b via addmm) ``mm``."""
+    torch.manual_seed(0)
+    model = LMLogits(attn)
+    x = inputs(3, padded=False)
+    rules = check(model, lm_loss, x, torch.randint(0, VOCAB, (3, T)))
+    assert sorted(rules["model.transformer.wte.weight"]) == ["embedding", "mm"], rules
+    assert rules["model.transformer.wpe.weight"] == ["sum"], rules
+    assert rules["model.transformer.h.0.attn.c_attn.weight"] == ["mm"], rules
+    assert not any(r.startswith("vmap-fallback") for rs in rules.values() for r in rs), rules
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bert_classifier(attn):
+    """BERT with padded examples: token, position and token-type tables, LayerNorms, pooler."""
+    torch.manual_seed(0)
+    model = ClassifierLogits(attn)
+    x = inputs(3, padded=True)
+    rules = check(model, xent, x, torch.randint(0, 3, (3,)))
+    assert rules["model.bert.embeddings.word_embeddings.weight"] == ["embedding"], rules
+    assert rules["model.classifier.weight"] == ["mm"], rules
+
+
+@pytest.mark.slow
+def test_gpt2_inductor():
+    torch.manual_seed(0)
+    model = LMLogits("sdpa")
+    check(model, lm_loss, inputs(3, padded=False), torch.randint(0, VOCAB, (3, T)),
+          backend="inductor")
