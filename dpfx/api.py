@@ -171,7 +171,7 @@ def _check_batch(tensors: list[torch.Tensor]) -> int:
 def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
-            backend: str = "inductor", strategy: str = "auto", noise: str = "graph",
+            backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
@@ -190,10 +190,23 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     sigma * sqrt(sum C^2). ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
     ``dp_model.clipped_sums`` (p.grad stays None) and ``dpfx.DPOptimizer`` adds the noise and
     divides once per optimizer step (virtual batches, secure noise, distributed training).
-    ``track_norms``: record per-sample norms in ``dp_model.norm_stats`` (not private: see stats.py).
+    The default ``noise`` is "graph", or "optimizer" when torch.distributed is initialized with
+    more than one rank (the noise is then added once across ranks: Note [Noise once across
+    ranks] in optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
+    (not private: see stats.py).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "dpfx.compile got a DistributedDataParallel module. DDP all-reduces every gradient "
+            "as it is produced, which would average per-rank noise and bypass dpfx's single "
+            "noising; compile the bare module (ddp.module) instead and step with "
+            "dpfx.DPOptimizer, which all-reduces the clipped sums once and adds the noise once.")
+    if noise is None:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        noise = "optimizer" if distributed else "graph"
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms)
     if not any(p.requires_grad for p in model.parameters()):

@@ -91,6 +91,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in trainable:
                     raise ValueError("the optimizer updates a parameter that is not a trainable "
                                      "parameter of dp_model; its gradient would not be private")
+        if self.world > 1:
+            _check_same_model(dp_model._orig_mod, process_group)
         self.original_optimizer = optimizer
         self.dp_model = dp_model
         self.accountant = accountant
@@ -242,6 +244,27 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
+
+
+def _check_same_model(model: torch.nn.Module, group) -> None:
+    """Every rank must start from the same parameters, or the ranks' steps diverge (and an
+    all-reduce of differently sized buffers can hang). Compares a fingerprint across ranks."""
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    fingerprint = torch.tensor(
+        [len(params), sum(p.numel() for p in params),
+         sum(float(p.double().sum()) for p in params),
+         sum(float(p.double().square().sum()) for p in params)], dtype=torch.float64)
+    device = params[0].device if params else torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = fingerprint.to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(everyone[0], other) for other in everyone[1:]):
+        raise ValueError(
+            f"the ranks hold different models (parameter count, size, sum, sum of squares by "
+            f"rank: {[t.tolist() for t in everyone]}); start every rank from the same "
+            f"parameters (same seed, or broadcast rank 0's state_dict) before DPOptimizer")
 
 
 def _world(group) -> int:

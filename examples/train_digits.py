@@ -8,15 +8,19 @@
 calibrated to the target epsilon for the planned number of steps (dpfx.privacy, PLD accountant),
 the step compiled by dpfx through Inductor, and the accountant counting every optimizer step; the
 epsilon actually spent is reported from it. ``--max-physical-batch-size 64`` runs each Poisson
-batch as virtual batches; ``--secure-mode`` draws the noise from the OS CSPRNG.
+batch as virtual batches; ``--secure-mode`` draws the noise from the OS CSPRNG. Under torchrun
+(``torchrun --nproc_per_node=2 examples/train_digits.py``) every rank samples its shard of the
+data, the clipped sums are all-reduced over gloo, and rank 0 adds the noise once.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -77,7 +81,12 @@ def main() -> None:
     args = ap.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence notes
 
-    torch.manual_seed(args.seed)
+    distributed = "RANK" in os.environ and not args.non_private    # launched by torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    main_rank = not distributed or dist.get_rank() == 0
+    torch.manual_seed(args.seed)       # the same initial model on every rank
     train, (x_test, y_test) = load(args.seed)
     n = len(train)
     model = make_model(args.model)
@@ -97,17 +106,22 @@ def main() -> None:
             model, torch.optim.SGD(model.parameters(), lr=args.lr or 4.0), train,
             batch_size=args.batch_size, target_epsilon=args.target_epsilon,
             target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
-            backend=args.backend, generator=generator, secure_mode=args.secure_mode,
+            backend=args.backend, secure_mode=args.secure_mode,
+            # one seeded sampler, or per-rank OS-seeded ones (a shared seed would correlate the
+            # ranks' draws; Note [Distributed Poisson sampling])
+            generator=None if distributed else generator,
             max_physical_batch_size=args.max_physical_batch_size)
         step_model, opt, loader, accountant = private
         q, steps_per_epoch, sigma = private.sample_rate, private.steps_per_epoch, \
             private.noise_multiplier
     steps = args.epochs * steps_per_epoch
-    print(f"digits: {n} train / {len(y_test)} test, q={q:.4f}, {steps} steps, sigma={sigma:.3f}, "
-          f"C={args.max_grad_norm}, model={args.model}")
+    if main_rank:
+        print(f"digits: {n} train / {len(y_test)} test, q={q:.4f}, {steps} steps, "
+              f"sigma={sigma:.3f}, C={args.max_grad_norm}, model={args.model}"
+              + (f", {dist.get_world_size()} ranks" if distributed else ""))
 
     start = time.perf_counter()
-    bar = tqdm(total=steps, unit="step")
+    bar = tqdm(total=steps, unit="step", disable=not main_rank)
     for epoch in range(args.epochs):
         for x, y in loader:
             if args.non_private and x.shape[0] == 0:
@@ -127,8 +141,11 @@ def main() -> None:
 
     acc = accuracy(model, x_test, y_test)
     eps = accountant.get_epsilon(args.delta) if accountant is not None else float("inf")
-    print(f"test accuracy {acc:.4f}  epsilon {eps:.3f} at delta {args.delta}  "
-          f"({steps} steps in {elapsed:.1f}s)")
+    if main_rank:
+        print(f"test accuracy {acc:.4f}  epsilon {eps:.3f} at delta {args.delta}  "
+              f"({steps} steps in {elapsed:.1f}s)")
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
