@@ -188,3 +188,30 @@ def test_custom_collate_is_wrapped_and_picklable():
 
 def _stack_images(batch):
     return torch.stack([item.image for item in batch])
+
+
+def test_distributed_shards_partition_the_dataset_and_keep_rate_q():
+    """Rank r samples the examples r, r+W, ...: the shards are disjoint and cover the dataset,
+    each example's inclusion rate is q, and ranks without a generator draw independently."""
+    n, q, world, steps = 30, 0.3, 3, 3000
+    samplers = [PoissonBatchSampler(n, q, steps=steps, rank=r, world_size=world)
+                for r in range(world)]
+    counts = torch.zeros(n)
+    owners = {}
+    per_rank_batches = []
+    for r, s in enumerate(samplers):
+        batches = list(s)
+        per_rank_batches.append(batches)
+        for b in batches:
+            for i in b:
+                assert owners.setdefault(i, r) == r
+                counts[i] += 1
+    assert set(owners) == set(range(n))
+    rate = counts / steps
+    assert (rate - q).abs().max().item() < 5 * (q * (1 - q) / steps) ** 0.5
+    # independent across ranks: rank 0's and rank 1's batch sizes are uncorrelated
+    a = torch.tensor([len(b) for b in per_rank_batches[0]], dtype=torch.float)
+    b = torch.tensor([len(b) for b in per_rank_batches[1]], dtype=torch.float)
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 5 / steps ** 0.5
+    with pytest.raises(ValueError, match="rank must be < world_size"):
+        PoissonBatchSampler(n, q, rank=3, world_size=3)

@@ -342,6 +342,7 @@ def test_make_private_wiring():
     assert len(private.loader) == 10
     _train(private)
     assert private.accountant.steps == 10
+    assert private.model.compile_count == 2        # one forward + one backward for every size
     assert private.accountant.get_epsilon(1e-5) == pytest.approx(dpfx.privacy.epsilon(
         noise_multiplier=1.3, sample_rate=0.1, steps=10, delta=1e-5))
 
