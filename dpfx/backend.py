@@ -161,18 +161,21 @@ class DPBackend:
         # starts from a fixed seed in every process); from a generator seeded with ``seed`` when
         # one is given, for reproducible runs. The stream itself is torch's (MT19937 on CPU,
         # Philox on GPU): for noise from a cryptographic source use DPOptimizer(secure_mode=True).
+        generator = _device_generator(device)
+
         def run_backward(args):
             if self._generator is None:
                 step_seed = secrets.randbits(62)
             else:
                 step_seed = int(torch.randint(2**62, (1,), generator=self._generator))
-            devices = [device] if device.type != "cpu" else []
-            with torch.random.fork_rng(devices=devices, device_type=device.type):
-                if device.type == "cpu":
-                    torch.manual_seed(step_seed)
-                else:
-                    torch.get_device_module(device.type).manual_seed(step_seed)
+            # Save, reseed and restore the one generator the graph draws from: ~5 us, where
+            # fork_rng + torch.manual_seed cost ~250 us on CPU (it visits every device type).
+            saved = generator.get_state()
+            generator.manual_seed(step_seed)
+            try:
                 return compiled(args)
+            finally:
+                generator.set_state(saved)
 
         run_backward._boxed_call = True
         return run_backward
@@ -210,6 +213,15 @@ def _device_of(example_inputs) -> torch.device:
         if isinstance(x, torch.Tensor):
             return x.device
     return torch.device("cpu")
+
+
+def _device_generator(device: torch.device) -> torch.Generator:
+    """The default generator that ``randn`` (or Inductor's Philox seeds) on ``device`` reads."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
 
 
 def _refuse_to_run(args):
