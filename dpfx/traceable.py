@@ -13,6 +13,9 @@ branch on the batch:
 - ``F.bilinear`` (``nn.Bilinear``): written as one matmul and a broadcast product (torch's meta
   function for ``_trilinear`` fails with a symbolic batch); the weight's gradient is then an
   ``mm`` and the bias's a sum, both with rules.
+- ``Tensor.view``/``Tensor.reshape`` as ``x.view(x.shape[0], -1)``: the -1 is written out as the
+  product of the static dims, since torch's size inference divides by the batch and asserts at
+  run time that it is not 0 (which fails every empty Poisson batch; seen in GPT-2's mask code).
 - ``Tensor.repeat`` with a symbolic count (MultiheadAttention's add_bias_kv repeats bias_k over the
   batch): reshape -> expand -> reshape, since repeat's backward tests each count against 0.
 
@@ -30,6 +33,8 @@ _verify_batch_size = F._verify_batch_size
 _instance_norm = F.instance_norm
 _repeat = torch.Tensor.repeat
 _bilinear = F.bilinear
+_view = torch.Tensor.view
+_reshape = torch.Tensor.reshape
 
 
 def _verify_batch_size_if_known(size) -> None:
@@ -74,16 +79,60 @@ def _bilinear_written_out(input1, input2, weight, bias=None):
     return out if bias is None else out + bias
 
 
+def _same_size(a, b) -> bool:
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return not isinstance(a, torch.SymInt) and not isinstance(b, torch.SymInt) and a == b
+
+
+def _explicit_sizes(self, sizes):
+    """``x.view(x.shape[0], -1, ...)`` with a symbolic batch: the -1 becomes the product of the
+    remaining static dims, so torch need not divide by the batch (which adds a runtime assert
+    that the batch is not 0, failing every empty Poisson batch)."""
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
+        sizes = tuple(sizes[0])
+    if (self.dim() == 0 or not isinstance(self.shape[0], torch.SymInt) or -1 not in sizes
+            or not sizes or not _same_size(sizes[0], self.shape[0])):
+        return sizes
+    rest = self.shape[1:]
+    known = [s for i, s in enumerate(sizes[1:]) if not (isinstance(s, int) and s == -1)]
+    if any(isinstance(s, torch.SymInt) for s in list(rest) + known):
+        return sizes
+    total = 1
+    for s in rest:
+        total *= s
+    given = 1
+    for s in known:
+        given *= s
+    if given == 0 or total % given:
+        return sizes
+    return tuple(total // given if (isinstance(s, int) and s == -1) else s for s in sizes)
+
+
+def _view_explicit(self, *sizes):
+    if sizes and isinstance(sizes[0], torch.dtype):
+        return _view(self, *sizes)
+    return _view(self, _explicit_sizes(self, sizes))
+
+
+def _reshape_explicit(self, *sizes):
+    return _reshape(self, _explicit_sizes(self, sizes))
+
+
 @contextlib.contextmanager
 def traceable_torch():
     F._verify_batch_size = _verify_batch_size_if_known
     F.instance_norm = _instance_norm_written_out
     torch.Tensor.repeat = _repeat_by_expand
     F.bilinear = _bilinear_written_out
+    torch.Tensor.view = _view_explicit
+    torch.Tensor.reshape = _reshape_explicit
     try:
         yield
     finally:
         F.bilinear = _bilinear
+        torch.Tensor.view = _view
+        torch.Tensor.reshape = _reshape
         F._verify_batch_size = _verify_batch_size
         F.instance_norm = _instance_norm
         torch.Tensor.repeat = _repeat

@@ -94,18 +94,19 @@ def loop_dp_sgd_grads(model, loss_fn, x, y, expected):
 
 
 def check(model, loss_fn, x, y, backend="eager", expected=5):
-    """dpfx equals the reference for B = len(x) and 1 through one compiled graph. Not B = 0:
-    the captured GPT-2/BERT forward carries a runtime assertion that the batch is non-empty
-    (``Ne(u0, 0)``, added while tracing transformers' code), so an empty batch fails inside the
-    model, before dpfx's part of the graph."""
+    """dpfx equals the reference for B = len(x), 0 and 1 through one compiled graph. B = 0 needs
+    dpfx.traceable's explicit ``view(B, -1)``: traced as is, transformers' mask code leaves a
+    runtime assertion that the batch is not 0 in the graph."""
     model.train()
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=expected,
                       backend=backend)
     tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
-    for batch in (x.shape[0], 1):
+    for batch in (x.shape[0], 0, 1):
         got = run_dpfx(dp, model, loss_fn, x[:batch], y[:batch])
         want, norms = loop_dp_sgd_grads(model, loss_fn, x[:batch], y[:batch], expected)
         assert all(n > C for n in norms), "clipping must bite on every example"
+        if batch == 0:
+            assert all(torch.count_nonzero(g) == 0 for g in got.values())
         try:
             assert_close(got, want, **tol)
         except AssertionError as e:

@@ -170,3 +170,31 @@ def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
     assert_close(got, want, rtol=1e-4, atol=1e-6)
     rules = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
     assert "mm" in rules["bil.weight"]
+
+
+class ViewMinusOne(nn.Module):
+    """``x.view(x.shape[0], -1)`` and ``reshape(x.size(0), -1, 4)``: torch's size inference
+    divides by the batch; dpfx.traceable writes the -1 out so that B = 0 still runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 8)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x.view(x.shape[0], -1)))
+        return self.fc2(h.reshape(x.size(0), -1, 4)).sum(1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_view_with_minus_one_runs_every_batch_size_on_one_graph(backend):
+    model = ViewMinusOne()
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend=backend,
+                      expected_batch_size=3)
+    tol = dict(rtol=1e-4, atol=1e-6)
+    for batch in (4, 0, 1, 3):
+        x, y = torch.randn(batch, 3, 4) * 3, torch.randn(batch, 4)
+        got = run_dpfx(dp, model, mse, x, y)
+        assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1,
+                                       expected_batch_size=3), **tol)
+    assert dp.compile_count == 2
