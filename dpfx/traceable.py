@@ -16,6 +16,10 @@ branch on the batch:
 - ``Tensor.view``/``Tensor.reshape`` as ``x.view(x.shape[0], -1)``: the -1 is written out as the
   product of the static dims, since torch's size inference divides by the batch and asserts at
   run time that it is not 0 (which fails every empty Poisson batch; seen in GPT-2's mask code).
+- ``F.embedding_bag`` on a (B, L) input (``nn.EmbeddingBag``, one bag per example): an embedding
+  lookup and the bag's sum / mean / max over non-padding entries, so the table's gradient is an
+  ordinary embedding gradient with a rule (torch's kernel's ``offset2bag`` bookkeeping has no
+  provable batch layout). The 1-D input + offsets form is left as is and refused.
 - ``Tensor.repeat`` with a symbolic count (MultiheadAttention's add_bias_kv repeats bias_k over the
   batch): reshape -> expand -> reshape, since repeat's backward tests each count against 0.
 
@@ -34,6 +38,7 @@ _instance_norm = F.instance_norm
 _repeat = torch.Tensor.repeat
 _bilinear = F.bilinear
 _view = torch.Tensor.view
+_embedding_bag = F.embedding_bag
 _reshape = torch.Tensor.reshape
 
 
@@ -77,6 +82,38 @@ def _bilinear_written_out(input1, input2, weight, bias=None):
     h = (input1 @ weight.permute(1, 0, 2).reshape(in1, out_f * in2)).unflatten(-1, (out_f, in2))
     out = (h * input2.unsqueeze(-2)).sum(-1)
     return out if bias is None else out + bias
+
+
+def _embedding_bag_written_out(input, weight, offsets=None, max_norm=None, norm_type=2.0,
+                               scale_grad_by_freq=False, mode="mean", sparse=False,
+                               per_sample_weights=None, include_last_offset=False,
+                               padding_idx=None):
+    """One bag per row of a (B, L) input: an embedding lookup, then the bag's sum, mean or max
+    over the non-padding entries (empty bags give zeros, as torch's kernel does)."""
+    if (input.dim() != 2 or offsets is not None or max_norm is not None
+            or (per_sample_weights is not None and mode != "sum") or mode not in
+            ("sum", "mean", "max")):
+        return _embedding_bag(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
+                              mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    emb = F.embedding(input, weight, None, None, 2.0, scale_grad_by_freq, sparse)   # (B, L, d)
+    keep = None if padding_idx is None else (input != padding_idx).unsqueeze(-1)
+    if per_sample_weights is not None:
+        emb = emb * per_sample_weights.unsqueeze(-1).to(emb.dtype)
+    if mode == "max":
+        if keep is None:
+            return emb.amax(1)
+        best = emb.masked_fill(~keep, float("-inf")).amax(1)
+        return torch.where(keep.any(1), best, torch.zeros_like(best))
+    if keep is not None:
+        emb = emb * keep.to(emb.dtype)
+    total = emb.sum(1)
+    if mode == "sum":
+        return total
+    if keep is None:
+        return total / input.shape[1]
+    return total / keep.sum(1).clamp(min=1).to(emb.dtype)
 
 
 def _same_size(a, b) -> bool:
@@ -125,12 +162,14 @@ def traceable_torch():
     F.instance_norm = _instance_norm_written_out
     torch.Tensor.repeat = _repeat_by_expand
     F.bilinear = _bilinear_written_out
+    F.embedding_bag = _embedding_bag_written_out
     torch.Tensor.view = _view_explicit
     torch.Tensor.reshape = _reshape_explicit
     try:
         yield
     finally:
         F.bilinear = _bilinear
+        F.embedding_bag = _embedding_bag
         torch.Tensor.view = _view
         torch.Tensor.reshape = _reshape
         F._verify_batch_size = _verify_batch_size

@@ -11,11 +11,15 @@ dynamic shapes make the spatial sizes of later models symbolic, which is a separ
 """
 from collections import OrderedDict
 
+import contextlib
+
+import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import dpfx
+from dpfx.rules import convolution
 from models import xent
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
@@ -177,3 +181,195 @@ def test_inductor_conv2d():
     assert clip_fraction(model, xent, x, y, 1e-2) > 0
     rules = check(model, x, y, C=1e-2, reduction="mean", backend="inductor")
     assert_conv_rule_fired(rules, bias=True)
+
+
+# -- ghost norm and book-keeping (strategy="ghost" | "auto") ---------------------------------------
+def check_strategy(model, x, y, *, C, strategy, reduction="mean", expected=None,
+                   backend="eager"):
+    """check() under ``strategy``; returns {param name: ParamGrad}."""
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=expected, backend=backend, strategy=strategy)
+    got = run_dpfx(dp, model, xent, x, y, reduction)
+    want = dp_sgd_grads(model, xent, x, y, max_grad_norm=C, loss_reduction=reduction,
+                        expected_batch_size=expected)
+    assert_close(got, want)
+    return {pg.name: pg for pg in dp._dpfx_backend.param_grads}
+
+
+def assert_ghost_fired(grads, norm_form: str | None = None):
+    """conv.weight took the ghost strategy (with the given norm form); conv.bias materialized."""
+    pg = grads["conv.weight"]
+    assert pg.rules == ["convolution"] and pg.strategy == "ghost", (pg.rules, pg.strategy)
+    if norm_form is not None:
+        assert pg.costs[0]["ghost_form"].startswith(norm_form), pg.costs[0]["ghost_form"]
+    if "conv.bias" in grads:
+        assert grads["conv.bias"].strategy == "materialize"
+
+
+def assert_auto_followed_cost(grads):
+    """"auto" took the ghost form only where its memory is lower at the nominal size."""
+    from dpfx.passes.per_sample import _nominal
+
+    pg = grads["conv.weight"]
+    cost = pg.costs[0]
+    assert pg.strategy in ("ghost", "materialize")
+    if pg.strategy == "ghost":
+        assert _nominal(cost["ghost_memory"]) < _nominal(cost["memory"]), cost
+
+
+@contextlib.contextmanager
+def forced_norm_form(form: str):
+    """Force the ghost norm's form: "gram" (<U U^T, G^T G>) or "direct" (|G U|^2); yields the
+    prefix of its ghost_form in the cost. Left alone, the rule takes the Gram form only where P^2
+    is small against the weight, which the small random layers of these sweeps rarely are."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(convolution, "_gram_is_smaller", lambda ctx, args: form == "gram")
+        yield "<Gram" if form == "gram" else "|bmm"
+
+
+@SETTINGS
+@given(config=conv_configs(), batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
+       first_layer=st.booleans(), form=st.sampled_from(["gram", "direct"]))
+def test_conv_ghost_matches_reference(config, batch, reduction, first_layer, form):
+    torch._dynamo.reset()
+    dim, kwargs, spatial = config
+    x = torch.randn(batch, kwargs["in_channels"], *spatial) * 3
+    y = labels(batch)
+    model = conv_classifier(CONV[dim](**kwargs), x, scale_input=not first_layer)
+    C = 1e-3
+    if batch:
+        assert clip_fraction(model, xent, x, y, C) > 0
+    expected = 3 if batch == 0 and reduction == "mean" else None
+    with forced_norm_form(form) as norm_form:
+        grads = check_strategy(model, x, y, C=C, strategy="ghost", reduction=reduction,
+                               expected=expected)
+    assert_ghost_fired(grads, norm_form)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(dim=st.sampled_from([1, 2, 3]), groups=st.sampled_from([1, 2]),
+       width=st.sampled_from([1, 4, 8]), kernel=st.integers(1, 3), stride=st.integers(1, 3),
+       spatial=st.integers(3, 6), batch=st.integers(0, 4),
+       reduction=st.sampled_from(["mean", "sum"]))
+def test_conv_auto_matches_reference(dim, groups, width, kernel, stride, spatial, batch,
+                                     reduction):
+    """Wide channels on small images (where the ghost form wins) and narrow ones on larger images
+    (where it does not): "auto" follows the cost and the numbers match either way."""
+    torch._dynamo.reset()
+    if dim == 3:
+        spatial = min(spatial, 4)
+    conv = CONV[dim](groups * width, groups * width, kernel, stride=stride, padding=1,
+                     groups=groups)
+    x = torch.randn(batch, groups * width, *[spatial] * dim) * 3
+    y = labels(batch)
+    model = conv_classifier(conv, x)
+    expected = 3 if batch == 0 and reduction == "mean" else None
+    grads = check_strategy(model, x, y, C=1e-3, strategy="auto", reduction=reduction,
+                           expected=expected)
+    assert grads["conv.weight"].rules == ["convolution"]
+    assert_auto_followed_cost(grads)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(dim=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), kernel=st.integers(1, 3),
+       stride=st.integers(1, 3), padding=st.integers(0, 1), dilation=st.integers(1, 2),
+       extra_out=st.integers(0, 2), batch=st.integers(1, 3),
+       reduction=st.sampled_from(["mean", "sum"]), form=st.sampled_from(["gram", "direct"]))
+def test_transposed_conv_ghost_matches_reference(dim, groups, kernel, stride, padding, dilation,
+                                                 extra_out, batch, reduction, form):
+    """The transposed convolution's ghost norm unfolds the output gradient (the roles swap) and
+    its book-keeping product is the same convolution_backward on the scaled output gradient."""
+    torch._dynamo.reset()
+    output_padding = min(extra_out, max(stride, dilation) - 1)
+    conv = CONV_T[dim](2 * groups, 2 * groups, kernel, stride=stride, padding=padding,
+                       output_padding=output_padding, groups=groups, dilation=dilation)
+    x = torch.randn(batch, 2 * groups, *[4] * dim) * 3
+    y = labels(batch)
+    model = conv_classifier(conv, x)
+    assert clip_fraction(model, xent, x, y, 1e-3) > 0
+    with forced_norm_form(form) as norm_form:
+        grads = check_strategy(model, x, y, C=1e-3, strategy="ghost", reduction=reduction)
+    assert_ghost_fired(grads, norm_form)
+
+
+@pytest.mark.parametrize("form", ["gram", "direct"])
+def test_conv_ghost_symbolic_spatial_sizes(form):
+    """The ghost form on SymInt image sizes (dynamo makes H, W symbolic on the second shape)."""
+    torch._dynamo.reset()
+    model = conv_classifier(nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2),
+                            torch.randn(1, 2, 9, 9), head="mean")
+    dp = dpfx.compile(model, max_grad_norm=1e-3, noise_multiplier=0.0, expected_batch_size=3,
+                      backend="eager", strategy="ghost")
+    with forced_norm_form(form) as norm_form:
+        for shape in [(2, 2, 9, 9), (3, 2, 11, 8), (0, 2, 7, 7)]:
+            x, y = torch.randn(shape) * 3, labels(shape[0])
+            want = dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-3, expected_batch_size=3)
+            assert_close(run_dpfx(dp, model, xent, x, y), want)
+    assert_ghost_fired({pg.name: pg for pg in dp._dpfx_backend.param_grads}, norm_form)
+
+
+def test_conv_ghost_bookkeeping_is_one_weight_gradient():
+    """Book-keeping: the clipped sum is one convolution_backward computing only the weight
+    gradient, of the clip-scaled output gradient; no (B, *weight.shape) tensor is built."""
+    torch._dynamo.reset()
+    x, y = torch.randn(3, 8, 4, 4) * 3, labels(3)
+    model = conv_classifier(nn.Conv2d(8, 8, 3, stride=2, padding=1), x)
+    dp = dpfx.compile(model, max_grad_norm=1e-3, noise_multiplier=0.0, backend="eager")
+    assert_close(run_dpfx(dp, model, xent, x, y), dp_sgd_grads(model, xent, x, y,
+                                                               max_grad_norm=1e-3))
+    grads = {pg.name: pg for pg in dp._dpfx_backend.param_grads}
+    assert_ghost_fired(grads, "<Gram")     # "auto": P = 4, a (4, 4) Gram against 8*8*9 weights
+    graph = dp._dpfx_backend.last_backward.gm.graph
+    clipped = [n for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"
+               and n.target is torch.ops.aten.convolution_backward.default]
+    assert len(clipped) == 1 and list(clipped[0].args[10]) == [False, True, False]
+    assert clipped[0].args[0].meta.get("dpfx") == "clip_apply"
+    weight_shaped = [n for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                     and [str(s) for s in n.meta["val"].shape[1:]] == ["8", "8", "3", "3"]]
+    assert not weight_shaped, weight_shaped
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "auto"])
+def test_inductor_conv_ghost(strategy):
+    """Inductor lowers the Gram bmm's and the book-keeping convolution_backward."""
+    torch._dynamo.reset()
+    x, y = torch.randn(4, 16, 4, 4) * 3, labels(4)
+    model = conv_classifier(nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=2), x)
+    assert clip_fraction(model, xent, x, y, 1e-2) > 0
+    grads = check_strategy(model, x, y, C=1e-2, strategy=strategy, backend="inductor")
+    assert_ghost_fired(grads, "<Gram")
+
+
+class BenchmarkCNN(nn.Module):
+    """benchmarks/models.py's CNN: stride-2 3x3 convs 3->32->64->64 on 32x32 (P = 256, 64, 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv2d(64, 64, 3, stride=2, padding=1)
+        self.fc = nn.Linear(64 * 4 * 4, N_CLASSES)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.fc(torch.relu(self.conv3(x)).flatten(1))
+
+
+def test_auto_takes_the_ghost_where_it_pays():
+    """Note [When auto takes the conv ghost]: "auto" takes the Gram form where its flops are at
+    most the per-sample product's (conv3, P = 16), not on larger images (conv1, conv2), where
+    strategy="ghost" still takes it (directly for conv1, whose P^2 exceeds its weight)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 32, 32)
+    auto = {r.name: r for r in dpfx.explain(BenchmarkCNN(), x, max_grad_norm=1.0,
+                                            noise_multiplier=1.0).rows}
+    assert [auto[f"conv{i}.weight"].strategy for i in (1, 2, 3)] == \
+        ["materialize", "materialize", "ghost"]
+    assert auto["conv3.weight"].form.startswith("<Gram [B*1, 16, 16]")
+    torch._dynamo.reset()
+    ghost = {r.name: r for r in dpfx.explain(BenchmarkCNN(), x, max_grad_norm=1.0,
+                                             noise_multiplier=1.0, strategy="ghost").rows}
+    assert [ghost[f"conv{i}.weight"].strategy for i in (1, 2, 3)] == ["ghost"] * 3
+    assert ghost["conv1.weight"].form.startswith("|bmm")
+    assert ghost["conv2.weight"].form.startswith("<Gram")

@@ -219,14 +219,59 @@ def test_embedding_dense_backward_refuses_scale_grad_by_freq(without_embedding_d
 
 
 # -- nn.EmbeddingBag -------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
-def test_embedding_bag_is_refused(mode):
-    """EmbeddingBag is not covered yet (see dpfx/rules/embedding.py): a clear refusal, never a
-    silent non-private gradient."""
-    model = BagClassifier(mode)
+@settings(max_examples=12, deadline=None)
+@given(mode=st.sampled_from(["sum", "mean", "max"]), batch=st.integers(0, 4),
+       bag=st.integers(1, 5), padding_idx=st.sampled_from([None, 0, -1]),
+       weighted=st.booleans(), reduction=st.sampled_from(["mean", "sum"]),
+       strategy=st.sampled_from(["auto", "materialize"]))
+def test_embedding_bag(mode, batch, bag, padding_idx, weighted, reduction, strategy):
+    """nn.EmbeddingBag over (B, L) ids (dpfx.traceable writes the bag out): sum (optionally
+    weighted), mean and max, padding entries left out of the bag, repeated ids in a bag."""
+    weighted = weighted and mode == "sum"
+    torch.manual_seed(batch * 7 + bag)
+    model = BagClassifier(mode, padding_idx=padding_idx, weighted=weighted)
+    x = torch.randint(0, 4, (batch, bag))          # a small range: repeats and padding
+    y = torch.randint(0, 3, (batch,))
+    if batch > 1:
+        assert clip_fraction(model, F.cross_entropy, x, y, 0.05) > 0
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy)
+    if batch:
+        assert "embedding" in rules["bag.weight"] or "index_put" in rules["bag.weight"], rules
+
+
+def test_embedding_bag_matches_torch_forward():
+    """The written-out bag equals torch's kernel, empty (all-padding) bags included."""
+    from dpfx.traceable import _embedding_bag_written_out
+
+    w = torch.randn(6, 3)
+    x = torch.tensor([[1, 2, 2, 0], [0, 0, 0, 0], [5, 4, 3, 1]])
+    psw = torch.rand(3, 4)
+    for mode in ("sum", "mean", "max"):
+        for pad in (None, 0):
+            want = F.embedding_bag(x, w, mode=mode, padding_idx=pad)
+            torch.testing.assert_close(_embedding_bag_written_out(x, w, mode=mode,
+                                                                  padding_idx=pad), want)
+    torch.testing.assert_close(
+        _embedding_bag_written_out(x, w, mode="sum", per_sample_weights=psw, padding_idx=0),
+        F.embedding_bag(x, w, mode="sum", per_sample_weights=psw, padding_idx=0))
+
+
+class FlatBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 4, mode="sum")
+
+    def forward(self, x):                  # 1-D ids with offsets: one bag per example
+        flat = x.flatten()
+        offsets = torch.arange(0, flat.shape[0], x.shape[1])
+        return self.bag(flat, offsets)
+
+
+def test_embedding_bag_with_offsets_is_refused():
+    model = FlatBags()
     before = [p.detach().clone() for p in model.parameters()]
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
-    with pytest.raises(dpfx.DPFXError, match="bag"):
+    with pytest.raises(dpfx.DPFXError):
         dp(torch.randint(0, 9, (3, 4)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())

@@ -121,12 +121,29 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         outs[pg.output_index] = private[pg.name]
     output.args = (tuple(outs),)
     gm.graph.eliminate_dead_code()
+    _drop_dead_convolution_outputs(gm.graph)
     gm.recompile()
     stages.record("backward.private", gm, fw.batch_symbols, names)
 
     verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
     gm.graph.lint()
     return BackwardResult(gm, an, grads, private)
+
+
+def _drop_dead_convolution_outputs(graph: fx.Graph) -> None:
+    """The captured convolution_backward still computes the weight and bias gradients that the
+    per-sample forms replaced (its output_mask); ask it only for the outputs still read. DCE
+    cannot do this: the op returns a tuple. Measured 10-12% of a GroupNorm-CNN DP step."""
+    import operator
+
+    for node in graph.find_nodes(op="call_function",
+                                 target=torch.ops.aten.convolution_backward.default):
+        used = {u.args[1] for u in node.users if u.target is operator.getitem}
+        mask = [bool(m) and i in used for i, m in enumerate(node.args[10])]
+        if mask != list(node.args[10]):
+            node.args = (*node.args[:10], mask)
+            node.meta["val"] = tuple(v if keep else None
+                                     for v, keep in zip(node.meta["val"], mask))
 
 
 def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:

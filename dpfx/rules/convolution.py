@@ -21,6 +21,12 @@ convolution, so the op's own padding is always symmetric zeros. The batch is nev
 convolution's ``groups`` (``B*groups`` is 0 for an empty batch, which ATen rejects). The price is
 memory: the patches hold B * Cin * P * K values, the kernel size times the input's.
 
+Strategies: the per-sample form above ("materialize") holds B * Cout * Cin/groups * K values. The
+ghost form (``ghost_convolution``) takes example i's squared norm from the same operands, as
+``<U_i U_i^T, G_i^T G_i>`` with two (P, P) Gram matrices or directly as ``|G_i U_i|^2``, whichever
+holds fewer values, and the clipped sum as the op's own weight gradient of the clip-scaled output
+gradient; "auto" takes it where it is also faster (Note [When auto takes the conv ghost]).
+
 A transposed convolution is the input-gradient of a convolution, so its weight gradient is the
 convolution weight gradient with the roles swapped: ``g`` is unfolded and ``x`` is contracted.
 Windows past the end of ``x`` (``output_padding``) are trimmed to ``x``'s spatial size.
@@ -31,9 +37,10 @@ import dataclasses
 import math
 import operator
 
+import sympy
 import torch
 
-from . import Rule, register
+from . import Ghost, Rule, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -133,8 +140,9 @@ def _patches(ctx, args: ConvArgs, positions: list):
     return x
 
 
-def per_sample_weight(ctx, args: ConvArgs):
-    """(B, *weight.shape): bmm over B*groups of the response against the unfolded patches."""
+def _unfolded(ctx, args: ConvArgs):
+    """The two operands of the per-sample product, groups folded into the batch:
+    response (B*groups, C_resp/groups, P) and patches (B*groups, P, C_img/groups * K)."""
     g, n = args.groups, len(args.kernel)
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
     batch = ctx.emit.batch_size()
@@ -150,8 +158,15 @@ def per_sample_weight(ctx, args: ConvArgs):
                        [batch_groups, num_positions, c_img * math.prod(args.kernel)])
     response = ctx.emit(aten.reshape.default, args.response,
                         [batch_groups, c_resp // g, num_positions])
+    return response, patches
+
+
+def per_sample_weight(ctx, args: ConvArgs):
+    """(B, *weight.shape): bmm over B*groups of the response against the unfolded patches."""
+    c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
+    response, patches = _unfolded(ctx, args)
     grad = ctx.emit(aten.bmm.default, response, patches)
-    return ctx.emit(aten.view.default, grad, [batch, c_resp, c_img, *args.kernel])
+    return ctx.emit(aten.view.default, grad, [ctx.emit.batch_size(), c_resp, c_img, *args.kernel])
 
 
 def per_sample_bias(ctx, args: ConvArgs):
@@ -172,6 +187,37 @@ def _positions(ctx, node):
     return math.prod(ctx.analysis.shape(node.meta["val"])[2:])
 
 
+def _at_nominal(expr) -> float:
+    """``expr`` with every size symbol at the nominal size "auto" compares costs at."""
+    from ..passes.per_sample import NOMINAL_SIZE
+
+    expr = sympy.sympify(expr)
+    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
+
+
+def _gram_terms(ctx, args: ConvArgs):
+    """Per example: (P, the weight's size C_resp * C_img/g * K)."""
+    c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
+    return _positions(ctx, args.response), c_resp * c_img * math.prod(args.kernel)
+
+
+def _gram_is_smaller(ctx, args: ConvArgs) -> bool:
+    """The ghost norm's form: the two (P, P) Gram matrices of every group hold fewer values than
+    the per-sample gradient it would otherwise build."""
+    p, weight = _gram_terms(ctx, args)
+    return _at_nominal(2 * args.groups * p * p) < weight
+
+
+def _gram_pays_off(ctx, args: ConvArgs) -> bool:
+    """The Gram matrices cost no more flops than the per-sample product they replace. The
+    book-keeping product has the per-sample product's flops (both contract over B*P), so where
+    this fails the ghost form does the work twice (Note [When auto takes the conv ghost])."""
+    p, weight = _gram_terms(ctx, args)
+    c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
+    gram = args.groups * p * p * (c_img * math.prod(args.kernel) + c_resp // args.groups)
+    return _at_nominal(gram - weight * p) <= 0
+
+
 def cost_convolution(node, ctx) -> dict:
     args = ConvArgs.of(node.args[0])
     batch = ctx.analysis.batch
@@ -182,12 +228,81 @@ def cost_convolution(node, ctx) -> dict:
                 "memory": batch * channels}
     g, k, p = args.groups, math.prod(args.kernel), _positions(ctx, args.response)
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
+    patches = batch * g * c_img * k * p
+    product = 2 * batch * c_resp * c_img * k * p   # the book-keeping product's flops too
+    if _gram_is_smaller(ctx, args):
+        ghost_form = f"<Gram [B*{g}, {p}, {p}], Gram [B*{g}, {p}, {p}]>"
+        ghost_flops = 2 * batch * g * p * p * (c_img * k + c_resp // g)
+        ghost_memory = 2 * batch * g * p * p
+    else:
+        ghost_form = f"|bmm([B*{g}, {c_resp // g}, {p}], [B*{g}, {p}, {c_img * k}])|^2"
+        ghost_flops = product
+        ghost_memory = batch * c_resp * c_img * k
     return {
         "form": f"bmm([B*{g}, {c_resp // g}, {p}], unfold to [B*{g}, {p}, {c_img * k}])",
-        "flops": 2 * batch * c_resp * c_img * k * p,
-        "memory": batch * g * c_img * k * p + batch * c_resp * c_img * k,
+        "flops": product,
+        "memory": patches + batch * c_resp * c_img * k,
+        "ghost_form": ghost_form + " + convolution_backward(c * grad_out)",
+        "ghost_flops": ghost_flops + product,
+        # the book-keeping product reads a clip-scaled copy of the response: B * C_resp * P
+        "ghost_memory": patches + ghost_memory + batch * c_resp * p,
     }
 
 
+# Note [When auto takes the conv ghost]
+# A convolution's per-sample product (B*groups small bmm's over P positions) and the
+# book-keeping product (one convolution_backward over B*P) cost the same flops, so the ghost form
+# adds its Gram matrices' flops and saves only the (B, *weight.shape) tensor's memory traffic.
+# That pays where P is small against the channels (late layers), not where the image is large.
+# Measured on the benchmark CNN (benchmarks/models.py, 1 thread, B=64, median ms): all convs
+# materialized 55.5; conv2 (P=64, 32->64) and conv3 (P=16, 64->64) ghost 56.8; conv3 ghost only
+# 36.5. So under "auto" the ghost form is offered only where the Gram flops are at most the
+# per-sample product's (conv3 here); strategy="ghost" takes it everywhere.
+# (tests/test_rule_convolution.py::test_auto_takes_the_ghost_where_it_pays)
+def check_ghost_convolution(node, ctx) -> str | None:
+    if node.args[1] == BIAS:
+        return "the bias gradient is a sum over positions; its per-sample form is only (B, C)"
+    if ctx.strategy == "auto" and not _gram_pays_off(ctx, ConvArgs.of(node.args[0])):
+        return "the Gram matrices would cost more flops than the per-sample product"
+    return None
+
+
+def ghost_convolution(node, ctx) -> Ghost:
+    """Example i's squared weight-gradient norm without the (B, *weight.shape) tensor. Per group,
+    the gradient is G_i U_i with G_i (C_resp/g, P) the response and U_i (P, C_img/g * K) the
+    unfolded patches, so ||G_i U_i||_F^2 = <U_i U_i^T, G_i^T G_i>, two (P, P) Gram matrices over
+    the output positions (Goodfellow 2015, Li et al. 2022). Where P^2 is larger than the weight
+    (early layers on big images) the norm is taken of G_i U_i directly. The clipped sum is the
+    op's own weight gradient with each example's output gradient scaled by its clip coefficient
+    (book-keeping, Bu et al. 2023), so no second backward runs."""
+    emit = ctx.emit
+    cb = node.args[0]
+    args = ConvArgs.of(cb)
+    batch = emit.batch_size()
+    response, patches = _unfolded(ctx, args)
+    if _gram_is_smaller(ctx, args):
+        gram_img = emit(aten.bmm.default, patches, emit(aten.permute.default, patches, [0, 2, 1]))
+        gram_resp = emit(aten.bmm.default, emit(aten.permute.default, response, [0, 2, 1]),
+                         response)
+        per_group = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_img, gram_resp), [1, 2])
+    else:
+        grad = emit(aten.bmm.default, response, patches)
+        per_group = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, grad, grad), [1, 2])
+    norm_sq = emit(aten.view.default, per_group, [batch, args.groups])
+    norm_sq = emit(aten.sum.dim_IntList, norm_sq, [1])
+
+    def clipped_sum(coef):
+        rank = args.grad_out.meta["val"].dim()
+        coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
+        scaled = emit(aten.mul.Tensor, args.grad_out, coef_b, tag="clip_apply")
+        cb_args = list(cb.args)
+        cb_args[0], cb_args[3], cb_args[10] = scaled, None, [False, True, False]
+        weight_grad = emit(aten.convolution_backward.default, *cb_args, tag="clipped_sum")
+        return emit(operator.getitem, weight_grad, WEIGHT)
+
+    return Ghost(norm_sq, clipped_sum)
+
+
 CONVOLUTION = register(Rule("convolution", (aten.convolution_backward.default,),
-                            check_convolution, rewrite_convolution, cost_convolution))
+                            check_convolution, rewrite_convolution, cost_convolution,
+                            ghost=ghost_convolution, ghost_check=check_ghost_convolution))

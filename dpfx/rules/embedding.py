@@ -17,9 +17,11 @@ example adds up) are the op's own, so the per-sample form inherits them unchange
 serves ``index_put(zeros, [idx], g, accumulate=True)`` (the backward of ``table[idx]``) and
 ``embedding_dense_backward`` (graphs captured without Inductor's decomposition of it).
 
-``nn.EmbeddingBag`` is not covered: its forward's bag bookkeeping (``offset2bag`` over the
-flattened indices) does not keep a provable batch layout, so the forward check refuses it with a
-PrivacyError before any rule is asked (tests/test_rule_embedding.py::test_embedding_bag_is_refused).
+``nn.EmbeddingBag`` on (B, L) ids (one bag per example) is captured through dpfx.traceable's
+written-out ``F.embedding_bag`` (a lookup, then the bag's sum/mean/max), so its table gradient
+comes to this rule. The 1-D ids + offsets form keeps torch's kernel, whose ``offset2bag``
+bookkeeping has no provable batch layout: the forward check refuses it with a PrivacyError
+(tests/test_rule_embedding.py).
 
 Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
