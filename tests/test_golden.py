@@ -1,7 +1,7 @@
 """Golden graphs: the normalized forward and rewritten backward graphs of canonical models (a
 2-layer MLP, a sequence model with a 3-D Linear input and a positional parameter, a ResNet-style
 CNN with GroupNorm, a GPT-style transformer with tied embeddings, an arange positional embedding
-and causal SDPA).
+and causal SDPA, and nn.MultiheadAttention used as is with add_bias_kv).
 
 Regenerate (from a clean tree, then read the diff line by line) with:
 
@@ -19,7 +19,7 @@ import torch
 import dpfx
 from models import MLP, ResNetGN, SeqModel, mse, xent
 from reference import assert_close, dp_sgd_grads, run_dpfx
-from test_rule_norm_attention import TinyGPT
+from test_rule_norm_attention import MHANet, TinyGPT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DPFX_UPDATE_GOLDEN") == "1"
@@ -38,6 +38,7 @@ CASES = {  # model factory, input factory, loss, target factory
     "seq": (SeqModel, _floats(6, 8), xent, _ids(4)),
     "resnet_gn": (ResNetGN, _floats(1, 6, 6), xent, _ids(3)),
     "gpt": (lambda: TinyGPT(vocab=7, d=8, T=4), _ids(7, 4), xent, _ids(7)),
+    "mha": (lambda: MHANet(embed=8, heads=2, add_bias_kv=True), _floats(4, 8), xent, _ids(3)),
 }
 
 
