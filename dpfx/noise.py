@@ -3,8 +3,9 @@
 ``dpfx.DPOptimizer`` adds N(0, (sigma * S)^2) to the clipped sum once per logical step (S the
 sensitivity, C or sqrt(sum C_g^2)). Two sources:
 
-* ``gaussian(n, std, generator)``: ``torch.randn`` on a ``torch.Generator`` (MT19937), seeded from
-  the OS's CSPRNG unless the user fixed a seed. Fast, and fine against an adversary who only sees
+* ``gaussian(n, std, generator)``: the Philox kernel of cpu_noise.py keyed from a
+  ``torch.Generator`` (``torch.randn`` where the kernel cannot be built), seeded from the OS's
+  CSPRNG unless the user fixed a seed. Fast, and fine against an adversary who only sees
   the trained model; an adversary who can observe or predict the generator's state could
   subtract the noise.
 * ``secure_gaussian(n, std)`` (``secure_mode=True``): every random bit comes from the kernel's
@@ -35,6 +36,8 @@ import os
 
 import torch
 
+from . import cpu_noise
+
 _MASK53 = (1 << 53) - 1
 
 
@@ -62,5 +65,5 @@ def secure_gaussian(n: int, std: float, dtype=torch.float32, device=None) -> tor
 
 def gaussian(n: int, std: float, generator: torch.Generator | None, dtype=torch.float32,
              device=None) -> torch.Tensor:
-    z = torch.randn(n, generator=generator, dtype=torch.float32)
+    z = cpu_noise.gaussian(n, generator)
     return (z * std).to(dtype=dtype, device=device)

@@ -390,7 +390,9 @@ def check_gpt(model, T, config, backend="eager"):
     rules, grads = check(model, loss_fn, idx, y, config=config, backend=backend)
     assert sorted(rules["tok.weight"]) == ["embedding", "mm"], rules
     assert rules["pos.weight"] == ["sum"], rules
-    assert grads["pos.weight"].per_sample.target is aten.index_put.default
+    # (Inductor's post-grad passes may reinplace the node after dpfx verified the graph.)
+    assert grads["pos.weight"].per_sample.target in (aten.index_put.default,
+                                                     aten.index_put_.default)
     for ln in ("block.ln1", "block.ln2", "ln_f"):
         assert rules[f"{ln}.weight"] == ["sum"] and rules[f"{ln}.bias"] == ["sum"], rules
     for lin in ("block.attn.q", "block.attn.k", "block.attn.v", "block.attn.o", "block.fc",

@@ -100,6 +100,32 @@ def test_wrong_noise_scale_is_rejected():
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
+
+def test_noise_from_something_other_than_a_standard_normal_is_rejected():
+    """Tagging a node "noise" proves nothing: it must be a standard normal draw."""
+    result = _rewritten()
+    noise = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "noise")
+    assert noise.target is torch.ops.dpfx.standard_normal.default      # CPU graph
+    noise.target, noise.args = aten.zeros.default, ([noise.args[0]],)
+    with pytest.raises(dpfx.PrivacyError, match="not from a standard normal draw"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_parameters_sharing_noise_entries_are_rejected():
+    """Two parameters drawing the same noise entries get correlated noise: none at all along
+    their difference."""
+    result = _rewritten()
+    slices = [n for n in result.gm.graph.nodes if n.target is aten.slice.Tensor
+              and n.args[0].meta.get("dpfx") == "noise"]
+    assert len(slices) == len(result.grads)     # one per parameter
+    first, second = slices[0], slices[1]
+    width = second.meta["val"].shape[0]
+    second.args = (second.args[0], 0, 0, width)    # overlaps [0, numel(fc1.weight))
+    with pytest.raises(dpfx.PrivacyError, match="may share noise entries"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+    second.args = (second.args[0], 0, first.args[3], first.args[3] + width)  # disjoint again
+    verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
 def test_wrong_clip_bound_is_rejected():
     result = _rewritten()
     factor = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor")

@@ -7,7 +7,7 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     per_sample_norms = scale * sqrt(sum_p sum(ps[p]**2, dims 1..))       # f32[B]
     clip_factor      = min(1, C / (per_sample_norms + 1e-6))              # f32[B]
     clipped[p]       = sum_i (clip_factor * scale)_i * ps[p]_i            # p.shape
-    noise            = randn([sum of numels]) ; noise[p] = slice(noise) * (sigma * C)
+    noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
 
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
@@ -21,8 +21,9 @@ group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`
 logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
 through ``dpfx::observe_norms`` (stats.py) before the clip factor. All of it is ordinary ATen,
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
-into the final pointwise kernel. One ``randn`` serves all parameters (sliced), so there is one seed
-per step. Every node that the verifier relies on carries ``meta["dpfx"]``: "per_sample_norms",
+into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
+per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
+(cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies on carries ``meta["dpfx"]``: "per_sample_norms",
 "clip_factor", "clip_coef", "clipped_sum", "noise", "noise_scale", "private_grad" | "clipped_grad".
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from .. import stats  # noqa: F401  (registers dpfx::observe_norms)
+from .. import cpu_noise, stats  # noqa: F401  (register dpfx::standard_normal, ::observe_norms)
 from ..config import CLIP_EPS, DPConfig
 from .emit import Emitter
 from .per_sample import ParamGrad
@@ -86,8 +87,12 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
     numels = {name: sympy.Mul(*shape) for name, shape in shapes.items()}
-    noise = emit(aten.randn.default, [emit.size(sympy.Add(*numels.values()))],
-                 dtype=torch.float32, device=device, pin_memory=False, tag="noise")
+    total = emit.size(sympy.Add(*numels.values()))
+    if device.type == "cpu":    # Philox + Box-Muller on every core (cpu_noise.py)
+        noise = emit(torch.ops.dpfx.standard_normal.default, total, device, tag="noise")
+    else:                       # Inductor lowers randn to its fused Philox
+        noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,
+                     pin_memory=False, tag="noise")
     std = config.noise_std
 
     private = {}

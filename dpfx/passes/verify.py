@@ -21,10 +21,11 @@ See tests/test_verifier.py, which hands the verifier broken graphs.
 from __future__ import annotations
 
 import networkx as nx
+import sympy
 import torch
 import torch.fx as fx
 
-from .. import stats  # noqa: F401  (dpfx::observe_norms)
+from .. import cpu_noise, stats  # noqa: F401  (dpfx::standard_normal, ::observe_norms)
 from ..config import DPConfig
 from ..errors import PrivacyError
 from .batch import Ambiguous, BatchAnalysis, BatchDim
@@ -184,6 +185,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     deferred = config.noise == "optimizer"
     if deferred and _tagged(graph, "noise"):
         raise PrivacyError("noise='optimizer' graphs must leave the noise to dpfx.DPOptimizer")
+    noise_slices = []
     for name, out in grads.items():
         if out in leaked:
             path = _leak_path(cut, sources, out)
@@ -210,11 +212,54 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
             raise PrivacyError(f"no noise is added to the gradient of parameter '{name}'")
         for s in scales:
             noise_src, std = s.args
-            if std != config.noise_std or not any(
-                    a.meta.get("dpfx") == "noise" for a in nx.ancestors(g, s)):
+            if std != config.noise_std:
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
+            noise_slices.append((name, _noise_slice(name, noise_src)))
+    _check_disjoint(noise_slices)
     _check_no_other_batch_mixing(gm, an)
+
+
+# Sources of i.i.d. N(0, 1) entries that a "noise" node may be.
+_STANDARD_NORMAL = {aten.randn.default, torch.ops.dpfx.standard_normal.default}
+
+
+def _noise_slice(name: str, node: fx.Node) -> tuple[fx.Node, sympy.Expr, sympy.Expr]:
+    """The (noise node, start, end) that ``node`` views: a contiguous run of one standard normal
+    draw, reached through views and one step-1 slice of dim 0."""
+    while node.target in (aten.view.default, aten.reshape.default):
+        node = node.args[0]
+    if node.target is not aten.slice.Tensor or tuple(node.args[1:2]) != (0,) or \
+            (len(node.args) > 4 and node.args[4] != 1):
+        raise PrivacyError(f"the noise of parameter '{name}' is not a contiguous slice of one "
+                           f"standard normal draw (found {node.name} = {node.target})")
+    source, start, end = node.args[0], _size_expr(node.args[2]), _size_expr(node.args[3])
+    if source.meta.get("dpfx") != "noise" or source.target not in _STANDARD_NORMAL:
+        raise PrivacyError(f"the noise of parameter '{name}' comes from {source.name} = "
+                           f"{source.target}, not from a standard normal draw")
+    return source, start, end
+
+
+def _check_disjoint(slices: list) -> None:
+    """Two parameters that shared noise entries would get correlated noise: along their
+    difference there would be none at all."""
+    for i, (a, (src_a, start_a, end_a)) in enumerate(slices):
+        for b, (src_b, start_b, end_b) in slices[i + 1:]:
+            if src_a is src_b and not _proven_le(end_a, start_b) and \
+                    not _proven_le(end_b, start_a):
+                raise PrivacyError(f"parameters '{a}' and '{b}' may share noise entries "
+                                   f"([{start_a}, {end_a}) and [{start_b}, {end_b}) of "
+                                   f"{src_a.name})")
+
+
+def _proven_le(a: sympy.Expr, b: sympy.Expr) -> bool:
+    return (sympy.simplify(a - b) <= 0) == sympy.true
+
+
+def _size_expr(x) -> sympy.Expr:
+    if isinstance(x, fx.Node):
+        x = x.meta["val"]
+    return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(x)
 
 
 def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:

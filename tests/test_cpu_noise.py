@@ -1,0 +1,129 @@
+"""The CPU noise kernel (cpu_noise.py, csrc/philox_normal.c): Philox4x32-10 bit for bit against
+Random123's known answers and an independent Python Philox, Box-Muller against a float64
+reference, and the samples' distribution. dpfx's noise is only as good as this."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import dpfx
+from dpfx import cpu_noise
+from models import MLP, mse
+from reference import run_dpfx
+
+pytestmark = pytest.mark.skipif(not cpu_noise.available(), reason="no C compiler")
+
+M32 = 0xFFFFFFFF
+
+
+def _philox_py(counter, key, rounds=10):
+    """Philox4x32 from Salmon et al. (SC'11), written from the paper's round function."""
+    (c0, c1, c2, c3), (k0, k1) = counter, key
+    for _ in range(rounds):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & M32, (p0 >> 32) ^ c3 ^ k1, p0 & M32
+        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("counter,key,expected", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((M32,) * 4, (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_known_answers(counter, key, expected):
+    assert cpu_noise.philox4x32_10(counter, key) == expected
+    assert _philox_py(counter, key) == expected
+
+
+def _normal_reference(n, key):
+    """float64 Box-Muller over the Python Philox, in the kernel's output order."""
+    m, k = n // 4, (key & M32, key >> 32)
+    blocks = []
+    for b in range(m + (n % 4 > 0)):
+        x = _philox_py((b & M32, b >> 32, 0, 0), k)
+        u = [(xi + 0.5) * 2.0 ** -32 for xi in x]
+        r0, r1 = math.sqrt(-2 * math.log(u[0])), math.sqrt(-2 * math.log(u[2]))
+        t0, t1 = 2 * math.pi * u[1], 2 * math.pi * u[3]
+        blocks.append([r0 * math.cos(t0), r0 * math.sin(t0), r1 * math.cos(t1), r1 * math.sin(t1)])
+    out = [blocks[b][j] for j in range(4) for b in range(m)]   # planes: out[b + j m]
+    out += blocks[m][:n % 4] if n % 4 else []
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 37, 4101])
+def test_normals_match_a_float64_reference(n):
+    key = 0x0123456789ABCDEF
+    got = cpu_noise.philox_normal(n, key)
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    # float32 uniforms (24-bit rounding) and libmvec's logf/cosf: a few ulp of z.
+    torch.testing.assert_close(got.double(), _normal_reference(n, key), rtol=2e-5, atol=2e-5)
+
+
+def test_output_does_not_depend_on_thread_count():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_noise.philox_normal(100_003, 42)
+        torch.set_num_threads(max(2, threads))
+        many = cpu_noise.philox_normal(100_003, 42)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert not torch.equal(one, cpu_noise.philox_normal(100_003, 43))
+
+
+def test_samples_are_standard_normal():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    z = cpu_noise.philox_normal(2_000_003, 2**63 + 12345).double()
+    n = z.numel()
+    assert abs(z.mean().item()) < 5 / math.sqrt(n)
+    assert z.var().item() == pytest.approx(1.0, abs=5 * math.sqrt(2 / n))
+    assert (z ** 3).mean().item() == pytest.approx(0.0, abs=5 * math.sqrt(15 / n))
+    assert (z ** 4).mean().item() == pytest.approx(3.0, abs=5 * math.sqrt(96 / n))
+    assert scipy_stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    # Tails: P(|z| > 4) = 6.33e-5, about 127 of 2M; the largest |z| the kernel can give is 6.76.
+    beyond4 = (z.abs() > 4).sum().item()
+    assert 127 - 5 * math.sqrt(127) < beyond4 < 127 + 5 * math.sqrt(127)
+    assert z.abs().max().item() < 6.8
+    # The four planes (cos and sin of each Box-Muller pair) are uncorrelated.
+    planes = z[:4 * (n // 4)].view(4, -1)
+    corr = torch.corrcoef(planes) - torch.eye(4, dtype=torch.float64)
+    assert corr.abs().max().item() < 5 / math.sqrt(n // 4)
+
+
+def test_keys_come_from_the_generator():
+    a = cpu_noise.gaussian(1000, torch.Generator().manual_seed(5))
+    b = cpu_noise.gaussian(1000, torch.Generator().manual_seed(5))
+    c = cpu_noise.gaussian(1000, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(9)
+    d = torch.ops.dpfx.standard_normal(1000, "cpu")
+    torch.manual_seed(9)
+    assert torch.equal(d, torch.ops.dpfx.standard_normal(1000, "cpu"))
+    assert not torch.equal(d, torch.ops.dpfx.standard_normal(1000, "cpu"))  # generator moved on
+
+
+def test_graph_noise_on_cpu_is_the_kernel():
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
+    run_dpfx(dp, model, mse, torch.randn(3, 8), torch.randn(3, 4))
+    noise = [n for n in dp._dpfx_backend.last_backward.gm.graph.nodes
+             if n.meta.get("dpfx") == "noise"]
+    assert [n.target for n in noise] == [torch.ops.dpfx.standard_normal.default]
+
+
+def test_without_a_compiler_noise_falls_back_to_torch_randn(monkeypatch):
+    monkeypatch.setattr(cpu_noise, "_library", lambda: cpu_noise._unavailable("test"))
+    with pytest.warns(RuntimeWarning, match="torch.randn instead"):
+        z = cpu_noise.gaussian(10_000, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(z, torch.randn(10_000, generator=torch.Generator().manual_seed(1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model = MLP()
+        dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager",
+                          expected_batch_size=4)
+        grads = run_dpfx(dp, model, mse, torch.randn(0, 8), torch.randn(0, 4))
+    assert all(g.abs().sum() > 0 for g in grads.values())     # noise, from torch.randn
