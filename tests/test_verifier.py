@@ -1,5 +1,8 @@
 """The verifier rejects graphs that leak, and every refused model leaves the user's model intact."""
+import types
+
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -125,6 +128,22 @@ def test_parameters_sharing_noise_entries_are_rejected():
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
     second.args = (second.args[0], 0, first.args[3], first.args[3] + width)  # disjoint again
     verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+def test_noise_slices_with_symbolic_bounds():
+    """A parameter with a symbolic dim has symbolic noise bounds: disjointness must be proven."""
+    from dpfx.passes.verify import _check_disjoint
+
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    src, other = types.SimpleNamespace(name="noise"), types.SimpleNamespace(name="noise_1")
+    n = sympy.Integer
+    _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(4), 4 + s)),
+                     ("c", (src, 4 + s, 4 + 3 * s)), ("d", (other, n(0), n(4)))])
+    with pytest.raises(dpfx.PrivacyError, match="'b' and 'a' may share"):
+        _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, s, s + 1))])    # s0 may be < 4
+    with pytest.raises(dpfx.PrivacyError, match="may share"):
+        _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(2), n(6))),
+                         ("c", (src, n(6), n(9)))])
+
 
 def test_wrong_clip_bound_is_rejected():
     result = _rewritten()

@@ -66,6 +66,11 @@ def _whole(expr: sympy.Expr) -> bool:
     return den == 1
 
 
+def _equal(a, b) -> bool:
+    """Size expressions a == b: structurally (cheap, the common case), else after simplify."""
+    return a == b or sympy.simplify(a - b) == 0
+
+
 def _prod(exprs) -> sympy.Expr:
     out = sympy.Integer(1)
     for e in exprs:
@@ -132,7 +137,7 @@ class BatchAnalysis:
         if len(dims) > 1:
             return Ambiguous(f"the batch size appears in dims {dims} of shape {self.shape(val)}")
         size = self.shape(val)[dims[0]]
-        if sympy.simplify(size - self.batch) == 0:
+        if _equal(size, self.batch):
             return BatchDim(dims[0])
         return Ambiguous(f"dim {dims[0]} of size {size} mixes the batch with other dims")
 
@@ -184,7 +189,7 @@ class BatchAnalysis:
 
     def _through_view(self, ins: list, bd: BatchDim, outs: list) -> Layout:
         d = bd.dim
-        if len(outs) > d and all(sympy.simplify(a - b) == 0 for a, b in zip(ins[:d + 1], outs)):
+        if len(outs) > d and all(_equal(a, b) for a, b in zip(ins[:d + 1], outs)):
             return bd  # the view only reshapes dims after the batch (Flatten and its backward)
         stride = bd.inner * _prod(ins[bd.dim + 1:])
         prefix = _prod(ins[: bd.dim]) * bd.outer
@@ -198,7 +203,7 @@ class BatchAnalysis:
             if (
                 _whole(outer)
                 and not self.has_batch(outer)
-                and sympy.simplify(_prod(outs[:j]) * outer - prefix) == 0
+                and _equal(_prod(outs[:j]) * outer, prefix)
             ):
                 return BatchDim(j, outer, inner)
         return Ambiguous(f"view {ins} -> {outs} splits or scrambles the batch dim")
@@ -216,7 +221,7 @@ class BatchAnalysis:
             lay = self.layouts.get(a)
             if isinstance(lay, BatchDim) and isinstance(a.meta.get("val"), torch.Tensor):
                 in_size = self.shape(a.meta["val"])[lay.dim]
-                if sympy.simplify(in_size - out_shape[d]) == 0:
+                if _equal(in_size, out_shape[d]):
                     candidates.add((lay.outer, lay.inner))
         if len(candidates) == 1:
             outer, inner = candidates.pop()
