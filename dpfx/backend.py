@@ -142,9 +142,11 @@ class DPBackend:
                 replace_random_passes(gm)
             gm.recompile()
         # Note [Noise from ATen's generator on CPU]
-        # Inductor's fused Philox randn costs ~15x ATen's vectorized torch.randn on CPU (22 ms vs
-        # 1.4 ms for 300k numbers on 2 cores), which made noise the bulk of a small model's step.
-        # On CPU the noise node stays aten.randn and Inductor calls it as a fallback kernel.
+        # Inductor's fused Philox randn costs ~15x ATen's torch.randn on CPU (22 ms vs 1.4 ms for
+        # 300k numbers on 2 cores), and ATen's is single-threaded MT19937. On CPU the graph's
+        # noise is dpfx::standard_normal (cpu_noise.py: Philox + Box-Muller on every core, 0.31
+        # ms for 300k), an extern kernel for Inductor; fallback_random keeps any other random op
+        # on ATen's kernels.
         with torch._inductor.config.patch(fallback_random=not native_noise):
             compiled = self._lower(gm, example_inputs, kwargs)
 

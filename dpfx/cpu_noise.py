@@ -9,8 +9,8 @@ thread, and on the benchmark models it was the largest single cost of a DP step 
 is slower still (Note [Noise from ATen's generator on CPU] in backend.py). The kernel in
 ``csrc/philox_normal.c`` is counter-based, so its blocks are independent: it vectorizes (8 lanes
 on AVX2) and splits across threads, and its output for a key does not depend on the thread
-count. Measured on the 2-core benchmark machine: 0.53 ms for 300k samples (ATen 1.22 ms) and
-2.2 ms for 1.28M (ATen 5.1 ms).
+count. Measured on the 2-core benchmark machine: 0.31 ms for 300k samples (ATen 1.22 ms) and
+1.25 ms for 1.28M (ATen 5.1 ms).
 
 # Note [Where the noise key comes from]
 ``dpfx::standard_normal`` draws its 64-bit Philox key from torch's default CPU generator, one

@@ -8,10 +8,15 @@
  * and (u2, u3) into four normals, written to out[b], out[b + m], out[b + 2m], out[b + 3m] with
  * m = n / 4 so that every store is contiguous across SIMD lanes. The n % 4 trailing entries
  * come from block m. A block depends on nothing but (key, b): the output is the same for any
- * thread count, and the loops vectorize (GCC with -O3 -ffast-math uses glibc's libmvec for
- * logf and cosf). dpfx_philox4x32_10 exposes one raw block for the known-answer tests. */
+ * thread count. Each thread takes tiles of 2048 blocks: Philox in AVX2 (eight blocks a step,
+ * a scalar loop elsewhere), then Box-Muller in a loop GCC vectorizes (with -O3 -ffast-math it
+ * calls glibc's libmvec for logf and cosf). dpfx_philox4x32_10 exposes one raw block for the
+ * known-answer tests. */
 #include <stdint.h>
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -44,32 +49,78 @@ void dpfx_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32
     out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
 }
 
-/* The four normals of block b. sin(t) is written cos(t - pi/2) so that GCC does not fuse the
- * pair into sincosf, which has no vector variant. */
-#define BLOCK_NORMALS(b, z0, z1, z2, z3) {                                         \
-    uint32_t a0 = (uint32_t)(b), a1 = (uint32_t)((uint64_t)(b) >> 32), a2 = 0, a3 = 0; \
-    PHILOX_10_ROUNDS                                                               \
-    float r0 = sqrtf(-2.0f * logf(UNIFORM(a0))), t0 = TWO_PI * UNIFORM(a1);        \
-    float r1 = sqrtf(-2.0f * logf(UNIFORM(a2))), t1 = TWO_PI * UNIFORM(a3);        \
+/* Philox words of the blocks lo..lo+count into x[0..3][0..count). */
+static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t count,
+                        uint32_t k0, uint32_t k1) {
+    int64_t j = 0;
+#if defined(__AVX2__)
+    /* Eight blocks per step. _mm256_mul_epu32 multiplies the even 32-bit lanes into 64-bit
+     * products; the odd lanes are shifted down and multiplied separately, and blends put the
+     * high and low halves back in lane order (GCC's own vectorization of the scalar loop
+     * shuffles far more: this is ~2.5x faster). */
+    const __m256i m0 = _mm256_set1_epi32((int)PHILOX_M0), m1 = _mm256_set1_epi32((int)PHILOX_M1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; j + 8 <= count; j += 8) {
+        const int64_t b = lo + j;
+        __m256i a0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)b), lane);
+        /* b..b+7 never carry into the high word: tiles start at multiples of 8. */
+        __m256i a1 = _mm256_set1_epi32((int)(uint32_t)((uint64_t)b >> 32));
+        __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
+        for (uint32_t r = 0; r < 10; r++) {
+            const __m256i key0 = _mm256_set1_epi32((int)(k0 + r * PHILOX_W0));
+            const __m256i key1 = _mm256_set1_epi32((int)(k1 + r * PHILOX_W1));
+            __m256i e0 = _mm256_mul_epu32(a0, m0), o0 = _mm256_mul_epu32(_mm256_srli_epi64(a0, 32), m0);
+            __m256i e1 = _mm256_mul_epu32(a2, m1), o1 = _mm256_mul_epu32(_mm256_srli_epi64(a2, 32), m1);
+            __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(e0, 32), o0, 0xAA);
+            __m256i lo0 = _mm256_blend_epi32(e0, _mm256_slli_epi64(o0, 32), 0xAA);
+            __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(e1, 32), o1, 0xAA);
+            __m256i lo1 = _mm256_blend_epi32(e1, _mm256_slli_epi64(o1, 32), 0xAA);
+            a0 = _mm256_xor_si256(_mm256_xor_si256(hi1, a1), key0);
+            a2 = _mm256_xor_si256(_mm256_xor_si256(hi0, a3), key1);
+            a1 = lo1; a3 = lo0;
+        }
+        _mm256_storeu_si256((__m256i *)&x[0][j], a0);
+        _mm256_storeu_si256((__m256i *)&x[1][j], a1);
+        _mm256_storeu_si256((__m256i *)&x[2][j], a2);
+        _mm256_storeu_si256((__m256i *)&x[3][j], a3);
+    }
+#endif
+    for (; j < count; j++) {
+        const int64_t b = lo + j;
+        uint32_t a0 = (uint32_t)b, a1 = (uint32_t)((uint64_t)b >> 32), a2 = 0, a3 = 0;
+        PHILOX_10_ROUNDS
+        x[0][j] = a0; x[1][j] = a1; x[2][j] = a2; x[3][j] = a3;
+    }
+}
+
+/* Box-Muller on two pairs of words. sin(t) is written cos(t - pi/2) so that GCC does not fuse
+ * the pair into sincosf, which has no vector variant. */
+#define BOX_MULLER(w0, w1, w2, w3, z0, z1, z2, z3) {                               \
+    float r0 = sqrtf(-2.0f * logf(UNIFORM(w0))), t0 = TWO_PI * UNIFORM(w1);        \
+    float r1 = sqrtf(-2.0f * logf(UNIFORM(w2))), t1 = TWO_PI * UNIFORM(w3);        \
     z0 = r0 * cosf(t0); z1 = r0 * cosf(t0 - HALF_PI);                              \
     z2 = r1 * cosf(t1); z3 = r1 * cosf(t1 - HALF_PI); }
 
 void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int threads) {
     const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    const int64_t m = n / 4;
+    const int64_t m = n / 4, blocks = m + (n % 4 != 0);
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t lo = 0; lo < m; lo += BLOCKS_PER_TASK) {
-        const int64_t hi = lo + BLOCKS_PER_TASK < m ? lo + BLOCKS_PER_TASK : m;
+    for (int64_t lo = 0; lo < blocks; lo += BLOCKS_PER_TASK) {
+        const int64_t count = lo + BLOCKS_PER_TASK < blocks ? BLOCKS_PER_TASK : blocks - lo;
+        uint32_t x[4][BLOCKS_PER_TASK];
+        philox_tile(x, lo, count, k0, k1);
+        const int64_t full = lo + count <= m ? count : m - lo;   /* blocks below m */
         #pragma omp simd
-        for (int64_t b = lo; b < hi; b++) {
+        for (int64_t j = 0; j < full; j++) {
             float z0, z1, z2, z3;
-            BLOCK_NORMALS(b, z0, z1, z2, z3)
+            BOX_MULLER(x[0][j], x[1][j], x[2][j], x[3][j], z0, z1, z2, z3)
+            const int64_t b = lo + j;
             out[b] = z0; out[b + m] = z1; out[b + 2 * m] = z2; out[b + 3 * m] = z3;
         }
-    }
-    if (n % 4) {
-        float z[4];
-        BLOCK_NORMALS(m, z[0], z[1], z[2], z[3])
-        for (int64_t i = 0; i < n % 4; i++) out[4 * m + i] = z[i];
+        if (full < count) {            /* block m: the n % 4 trailing entries */
+            float z[4];
+            BOX_MULLER(x[0][full], x[1][full], x[2][full], x[3][full], z[0], z[1], z[2], z[3])
+            for (int64_t i = 0; i < n % 4; i++) out[4 * m + i] = z[i];
+        }
     }
 }

@@ -9,8 +9,9 @@
 2. ``verify_backward``: every trainable parameter's gradient output is clipped and noised. With the
    backward graph as a networkx DiGraph, removing the ``clipped_sum`` nodes must disconnect every
    data source (the tangents and every saved activation that carries the batch) from every gradient
-   output; each output must descend from a ``noise_scale`` node whose factor is sigma * C (with
-   ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
+   output; each output must descend from a ``noise_scale`` node whose factor is sigma * C and
+   whose input is a slice of a standard normal draw that no other parameter's slice overlaps
+   (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
    factor must be ``min(1, C / (norm + eps))`` with the C of the parameter's clipping group; and, re-running the batch analysis on the rewritten
    graph, no op other than the clipped sums may combine examples. A violation is a
