@@ -147,7 +147,8 @@ def _clipped_sum(pg: ParamGrad, coef, batch, emit: Emitter) -> torch.fx.Node:
         # movement the original graph applied between the frontier and the output.
         out = pg.ghost.clipped_sum(coef)
         for node in pg.chain:
-            out = emit(node.target, out, *node.args[1:], **node.kwargs)
+            if node.target is not prims.convert_element_type.default:   # float32 until output
+                out = emit(node.target, out, *node.args[1:], **node.kwargs)
         return out
     rank = pg.per_sample.meta["val"].dim()
     coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))

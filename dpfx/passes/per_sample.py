@@ -36,6 +36,7 @@ from .batch import BatchAnalysis
 from .emit import Emitter
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 @dataclasses.dataclass
@@ -102,11 +103,15 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
 
 
 # Ops between a frontier and the gradient output that keep every per-sample norm unchanged, so
-# the frontier's ghost norm is the parameter's: data movement only (no add, no scaling).
+# the frontier's ghost norm is the parameter's: data movement only (no add, no scaling), and
+# the dtype cast that low-precision decompositions end with (bf16 embedding backward
+# accumulates in float32, then casts). The book-keeping replay skips the cast: the clipped sum
+# stays float32 until the output (rules.in_float32).
 _NORM_PRESERVING = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.alias.default,
+    prims.convert_element_type.default,
 }
 # Sizes at which "auto" compares the rules' symbolic memory costs.
 NOMINAL_SIZE = 128

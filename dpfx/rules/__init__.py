@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 
@@ -33,6 +34,17 @@ class Ghost:
     scaled by c "clip_apply", which is what the verifier reads."""
     norm_sq: fx.Node
     clipped_sum: Callable[[fx.Node], fx.Node]
+
+
+def in_float32(emit, *nodes: fx.Node) -> list[fx.Node]:
+    """The operands of a book-keeping product, in float32: the clip-scaled operand is float32
+    (c is), and the product stays there so that a bf16 or fp16 layer's clipped sum is exactly
+    as well bounded as a float32 one's: scaling in bf16 would round c_i up by as much as 2^-9
+    and let an example contribute more than C. The output is cast back to the parameter's
+    dtype once, after the noise (clip_noise._as_output)."""
+    return [n if n.meta["val"].dtype == torch.float32
+            else emit(torch.ops.prims.convert_element_type.default, n, torch.float32)
+            for n in nodes]
 
 
 @dataclasses.dataclass(frozen=True)
