@@ -12,6 +12,7 @@ import dpfx
 from models import MLP, MatmulParam, SeqModel, TiedMLP, mse, xent
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
+aten = torch.ops.aten
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 
 
@@ -198,3 +199,45 @@ def test_view_with_minus_one_runs_every_batch_size_on_one_graph(backend):
         assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1,
                                        expected_batch_size=3), **tol)
     assert dp.compile_count == 2
+
+
+class TransformedWeight(nn.Module):
+    """A weight reshaped by a fixed, data-independent map before its matmul: an autoregressive
+    mask (MADE), a kernel padded to a larger size, a flip, a roll."""
+
+    def __init__(self, kind, d_in, d_out):
+        super().__init__()
+        self.kind = kind
+        shape = (d_in, d_out - 3) if kind == "pad" else (d_in, d_out)
+        self.w = nn.Parameter(torch.randn(*shape) / d_in ** 0.5)
+
+    def forward(self, x):
+        w = {"triu": lambda w: torch.triu(w, 1), "tril": torch.tril,
+             "pad": lambda w: torch.nn.functional.pad(w, (1, 2)),
+             "flip": lambda w: torch.flip(w, [0, 1]),
+             "roll": lambda w: torch.roll(w, 2, 1)}[self.kind](self.w)
+        return x @ w
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["triu", "tril", "pad", "flip", "roll"]), d_in=st.integers(2, 5),
+       d_out=st.integers(4, 6), extra=st.lists(st.integers(1, 3), max_size=1),
+       batch=st.integers(0, 6), reduction=st.sampled_from(["mean", "sum"]),
+       C=st.sampled_from([0.01, 100.0]))
+def test_weight_transformed_before_use(kind, d_in, d_out, extra, batch, reduction, C):
+    """The transform's backward (where / constant_pad_nd / rev / index) sits between the mm and
+    the gradient output; its lift rule re-applies it to each example's gradient."""
+    model = TransformedWeight(kind, d_in, d_out)
+    x, y = torch.randn(batch, *extra, d_in) * 3, torch.randn(batch, *extra, d_out)
+    if batch and C < 1:
+        assert clip_fraction(model, mse, x, y, C) == 1.0
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=4, backend="eager")
+    got = run_dpfx(dp, model, mse, x, y, reduction)
+    assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=C, loss_reduction=reduction,
+                                   expected_batch_size=4))
+    (pg,) = dp._dpfx_backend.param_grads
+    lifted = {"triu": aten.where.self, "tril": aten.where.self, "pad": aten.constant_pad_nd.default,
+              "flip": torch.ops.prims.rev.default, "roll": aten.index.Tensor}[kind]
+    assert pg.rules == ["mm"] and pg.per_sample.target is lifted
+    assert tuple(pg.per_sample.meta["val"].shape[1:]) == tuple(model.w.shape)

@@ -12,6 +12,9 @@ never saw the batch: ``permute`` (``mm`` gives W^T's gradient), ``view`` (a bias
     index_put(zeros, [i], v, accumulate=True)
                                 ->  index_put(zeros[B, ...], [arange(B)[:, None], i], v_ps, True)
     slice_scatter(zeros, x, d, ...)  ->  slice_scatter(zeros[B, ...], x_ps, d + 1, ...)
+    where(mask, x, 0)           ->  where(mask, x_ps, 0)      (triu/tril/masked weights)
+    constant_pad_nd(x, pad, 0)  ->  constant_pad_nd(x_ps, pad, 0)   (F.pad of a weight)
+    rev(x, dims) / index(x, [None, i])  ->  the same one dim further right   (flip, roll)
 
 Ops that are not linear in the per-example terms (``mul`` of two data-dependent tensors, ``add`` of a
 data-dependent and a data-independent tensor) have no per-sample meaning and are refused.
@@ -219,6 +222,57 @@ def lift_scatter_into_zeros(node, ps_args, ctx):
                     **node.kwargs)
 
 
+# -- data movement and masking of a weight before its use: triu/tril, F.pad, flip, roll ---------
+def _is_zero_constant(node) -> bool:
+    """A data-independent scalar zero: ``full([], 0)``, ``scalar_tensor(0)`` or a Python 0."""
+    if not isinstance(node, fx.Node):
+        return node == 0
+    return node.target in (aten.full.default, aten.scalar_tensor.default) and \
+        node.meta["val"].dim() == 0 and node.args[-1] == 0
+
+
+def lift_where(node, ps_args, ctx):
+    """``where(mask, g, 0)``: the gradient of ``triu(w)``, ``tril(w)`` or any fixed mask. Linear in
+    g when the mask is data-independent and the other branch is zero."""
+    cond, a, b = node.args[:3]
+    if cond in ps_args or len(ps_args) != 1:
+        raise LiftRefused("the mask depends on the data, or both branches do")
+    (src, ps), = ps_args.items()
+    if not _is_zero_constant(b if src is a else a):
+        raise LiftRefused("the other branch is not zero: an affine, not linear, map of the "
+                          "per-example gradient")
+    ps = _expand_to(ps, _rank(src), _rank(node), ctx)
+    return ctx.emit(aten.where.self, cond, ps if src is a else a, ps if src is b else b)
+
+
+def lift_constant_pad(node, ps_args, ctx):
+    """``constant_pad_nd(g, pad, 0)``: the gradient of ``F.pad(w, ...)`` (negative pads, a slice).
+    Pads count from the last dim, so a leading example dim leaves them in place."""
+    _, ps = _single(node, ps_args)
+    pad = node.args[1]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if any(p > 0 for p in pad) and value != 0:
+        raise LiftRefused(f"padding with {value} adds a data-independent constant")
+    return ctx.emit(aten.constant_pad_nd.default, ps, pad, value)
+
+
+def lift_rev(node, ps_args, ctx):
+    """``rev(g, dims)``: the gradient of ``flip(w, dims)``."""
+    _, ps = _single(node, ps_args)
+    return ctx.emit(node.target, ps, [d % _rank(node) + 1 for d in node.args[1]])
+
+
+def lift_index(node, ps_args, ctx):
+    """``index(g, [None, idx])``: the gradient of ``roll(w, ...)`` and other fixed gathers.
+    The indices must not depend on the data; the example dim is kept with a leading None."""
+    _, ps = _single(node, ps_args)
+    return ctx.emit(aten.index.Tensor, ps, [None, *node.args[1]])
+
+
+register_lift(LiftRule("where", (aten.where.self,), lift_where))
+register_lift(LiftRule("constant_pad", (aten.constant_pad_nd.default,), lift_constant_pad))
+register_lift(LiftRule("rev", (prims.rev.default,), lift_rev))
+register_lift(LiftRule("index", (aten.index.Tensor,), lift_index))
 register_lift(LiftRule("view", (aten.view.default, aten._unsafe_view.default, aten.reshape.default),
                        lift_view))
 register_lift(LiftRule("permute", (aten.permute.default, aten.t.default, aten.transpose.int),
