@@ -1,7 +1,8 @@
 """Fast N(0, 1) noise on the CPU: a Philox4x32-10 + Box-Muller kernel in C, on every core.
 
-    z = torch.ops.dpfx.standard_normal(1_000_000, "cpu")  # f32[1000000], key from torch's CPU generator
-    z = philox_normal(n, key)                        # the same kernel with an explicit 64-bit key
+    z = torch.ops.dpfx.standard_normal(1_000_000, "cpu")  # f32[1000000], keyed from torch's
+                                                          # default CPU generator
+    z = philox_normal(n, key)                             # the kernel, explicit 64-bit key
 
 DP-SGD draws one Gaussian per parameter per step. ATen's CPU ``randn`` runs MT19937 on one
 thread, and on the benchmark models it was the largest single cost of a DP step (1.3 ms of a

@@ -23,8 +23,9 @@ through ``dpfx::observe_norms`` (stats.py) before the clip factor. All of it is 
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
 into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
 per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
-(cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies on carries ``meta["dpfx"]``: "per_sample_norms",
-"clip_factor", "clip_coef", "clipped_sum", "noise", "noise_scale", "private_grad" | "clipped_grad".
+(cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies
+on carries ``meta["dpfx"]``: "per_sample_norms", "clip_factor", "clip_coef", "clipped_sum",
+"noise", "noise_scale", "private_grad" | "clipped_grad".
 """
 from __future__ import annotations
 
