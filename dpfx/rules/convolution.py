@@ -153,7 +153,7 @@ def _unfolded(ctx, args: ConvArgs):
     patches = ctx.emit(aten.view.default, patches,
                        [batch, g, c_img, *positions, *args.kernel])
     # Positions last: the copy reads rows of the image, and bmm takes the transposed operand
-    # as strides (2.9 -> 1.8 ms of bmm per step on the benchmark CNN, 1 thread).
+    # as strides (2.2-2.9 -> 1.7-1.8 ms of bmm per step on the benchmark CNN, 1 thread).
     perm = [0, 1, 2, *range(3 + n, 3 + 2 * n), *range(3, 3 + n)]
     patches = ctx.emit(aten.permute.default, patches, perm)
     patches = ctx.emit(aten.reshape.default, patches,
