@@ -9,9 +9,20 @@ Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs 
 compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
 symbol that nothing specializes on, so one forward and one backward graph serve every batch size
 including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
+
+Every input is marked with the same ``shape_id``, so all of them share one symbol: ``(x, mask)``
+is one batch of size u0, not two independent sizes u0 and u1 whose equality torch cannot decide
+(``Eq(u1, u0)`` while tracing SDPA with a mask). dynamo adds a run-time check that the sizes agree.
+
+The marks are attributes on the tensor (``_dynamo_unbacked_indices`` and friends), which dynamo's
+guards read at call time. dpfx sets them just before the call and puts the tensor's attributes back
+afterwards, so a caller's tensor leaves a dpfx call as it came (a later plain ``torch.compile``
+would otherwise see dpfx's marks: tests/test_inputs.py).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import weakref
 
@@ -86,12 +97,10 @@ class DPModule(torch.nn.Module):
         backend = self._dpfx_backend
         if training and backend.problems is None:
             check_modules(self._orig_mod)
-        for t in tensors:
-            torch._dynamo.decorators.mark_unbacked(t, 0)
         backend.forward_ran = False
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
-                    traceable_torch():
+                    traceable_torch(), _batch_marked(tensors):
                 out = self._dpfx_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
@@ -139,6 +148,25 @@ def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
             module.examples += module._pending_examples
             module._pending_examples = 0
     p.grad = None
+
+
+BATCH_SHAPE_ID = "dpfx_batch"
+
+
+@contextlib.contextmanager
+def _batch_marked(tensors: list[torch.Tensor]):
+    """Dim 0 of every tensor is the one unbacked batch symbol while the compiled call runs."""
+    # Shallow copies: mark_unbacked adds to an existing mark set in place.
+    saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()}) for t in tensors]
+    try:
+        for t in tensors:
+            torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
+        yield
+    finally:
+        for t, attrs in saved:
+            for key in [k for k in t.__dict__ if k not in attrs]:
+                delattr(t, key)
+            t.__dict__.update(attrs)
 
 
 def _row_major_empty(t: torch.Tensor) -> torch.Tensor:

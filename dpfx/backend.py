@@ -21,18 +21,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.compile_fx import compile_fx
 
 from .config import DPConfig
 from .errors import CaptureError
+from .lowering import INDUCTOR_PATCHES, lower
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
 from .stats import NormStats
-
-
-# Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
-# unbacked (a stride assertion fails at run time; plain torch.compile fails the same way).
-INDUCTOR_PATCHES = {"layout_optimization": False}
 
 
 class DPBackend:
@@ -183,9 +178,7 @@ class DPBackend:
         return run_backward
 
     def _lower(self, gm, example_inputs, kwargs):
-        if self.config.backend == "eager":
-            return make_boxed_func(gm.forward)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        return lower(gm, example_inputs, kwargs, self.config.backend)
 
     def _dump(self, stage: str, text: str) -> None:
         directory = os.environ.get("DPFX_DUMP_DIR")

@@ -1,0 +1,159 @@
+"""Lowering a rewritten graph with Inductor, under the conditions dpfx needs for it to be exact.
+
+    compiled = lower(gm, example_inputs, kwargs, backend="inductor")
+
+The verifier proves the FX graph; what runs is the code Inductor generates from it. Two things in
+torch 2.13 let that code differ from the graph for an unbacked batch, and this module closes both.
+
+# Note [Inductor must not assume what it cannot check]
+While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
+For an expression on an unbacked symbol that cannot be proven, it becomes a *deferred runtime
+assert*; but runtime asserts are frozen before lowering starts, so the assert is never emitted:
+the generated code silently assumes it. The first such case found (issue: MultiheadAttention)
+is ``View._dynamic_reshape_indexer`` on ``(T, B, 16) -> (T, 2*B, 8)`` (the head split): its
+greedy merge compares ``16*u0`` with 16, cannot decide, takes the merge, and "checks"
+``Eq(16, 16*u0)``, i.e. assumes B == 1. The index math it emits reads the wrong rows for B > 1:
+examples mix. On a cold cache the assumption also narrows u0's range to [1, 2], which becomes a
+dynamo guard that fails on the same frame ("Guard failed on the same frame it was created");
+on a warm FX-graph cache lowering is skipped, no guard is made, and the wrong kernel runs.
+
+dpfx makes such an assumption an error instead: ``ShapeEnv.guard_or_defer_runtime_assert`` raises
+``UncheckedAssumption`` (an ``AssertionError``) for an unprovable expression on an unbacked symbol
+once asserts are frozen. The reshape indexer catches ``AssertionError`` and falls back to going
+through the flat size, which is exact; anywhere else the compile fails with a ``CaptureError``
+that prints the expression. Reproduction: tests/test_inductor_exact.py.
+
+Closing that hole uncovered one more site that had only worked because of the wrong range:
+Inductor's bmm lowering asks whether an operand's layout suits the CPU kernel with a plain Python
+comparison of its strides (``48*u0 >= 48``), a hard guard on the batch. The answer only decides
+whether to copy the operand to contiguous first, so ``bmm_operands_contiguous`` makes that copy
+for operands whose sizes or strides hold an unbacked symbol, and the question is never asked.
+
+# Note [dpfx's own FX-graph cache entries]
+Inductor's FX-graph cache keys on the graph and Inductor's config, not on the hook above, so an
+entry lowered without it (an earlier dpfx, or plain torch.compile of the same forward graph) could
+be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes this file, so its
+entries are its own. AOTAutogradCache is off for dpfx (Note [No caches that skip the inner
+compiler] in backend.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import sympy
+import torch
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.virtualized import V
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from .errors import CaptureError
+
+# Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
+# unbacked (a stride assertion fails at run time; plain torch.compile fails the same way).
+INDUCTOR_PATCHES = {"layout_optimization": False}
+
+
+class UncheckedAssumption(AssertionError):
+    """Inductor wanted to assume a fact about an unbacked size that nothing would check."""
+
+    def __init__(self, expr: sympy.Basic):
+        super().__init__(f"dpfx: Inductor would assume {expr} about the batch size unchecked")
+        self.expr = expr
+
+
+@contextlib.contextmanager
+def no_unchecked_assumptions(shape_env):
+    """Note [Inductor must not assume what it cannot check]."""
+    if shape_env is None:
+        yield
+        return
+    deferring = shape_env.guard_or_defer_runtime_assert
+
+    def strict(expr, msg, fx_node=None):
+        if shape_env.runtime_asserts_frozen and free_unbacked_symbols(expr):
+            known = shape_env._maybe_evaluate_static(expr)
+            if known is None:
+                raise UncheckedAssumption(expr)
+            return bool(known)
+        return deferring(expr, msg, fx_node)
+
+    shape_env.guard_or_defer_runtime_assert = strict
+    try:
+        yield
+    finally:
+        del shape_env.guard_or_defer_runtime_assert
+
+
+@contextlib.contextmanager
+def bmm_operands_contiguous():
+    """Note [Inductor must not assume what it cannot check], second part."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings
+
+    bmm = torch.ops.aten.bmm.default
+    original = lowerings[bmm]
+
+    def lower_bmm(mat1, mat2, *args, **kwargs):
+        operands = V.graph.current_node.args[:2]
+        if any(_has_unbacked(a.meta["val"]) for a in operands if isinstance(a, torch.fx.Node)):
+            mat1 = ir.ExternKernel.require_contiguous(mat1)
+            mat2 = ir.ExternKernel.require_contiguous(mat2)
+        return original(mat1, mat2, *args, **kwargs)
+
+    lowerings[bmm] = lower_bmm
+    try:
+        yield
+    finally:
+        lowerings[bmm] = original
+
+
+def _has_unbacked(t: torch.Tensor) -> bool:
+    return bool(free_unbacked_symbols((*t.shape, *t.stride())))
+
+
+class _CacheKey(CustomGraphPass):
+    """A no-op pass whose uuid gives dpfx's lowerings their own FX-graph cache entries."""
+
+    def __init__(self, user_pass):
+        self.user_pass = user_pass
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.user_pass is not None:
+            self.user_pass(graph)
+
+    def uuid(self) -> bytes:
+        with open(__file__, "rb") as f:
+            mine = hashlib.sha256(f.read()).hexdigest()
+        theirs = self.user_pass.uuid() if self.user_pass is not None else None
+        return f"dpfx-{mine}-{theirs}".encode()
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend: str):
+    """The compiled callable (boxed) for a rewritten forward or backward graph."""
+    if backend == "eager":
+        return make_boxed_func(gm.forward)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    shape_env = fake_mode.shape_env if fake_mode is not None else None
+    key = _CacheKey(torch._inductor.config.post_grad_custom_post_pass)
+    try:
+        with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
+                torch._inductor.config.patch(post_grad_custom_post_pass=key):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, UncheckedAssumption):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise _assumption_error(cause.expr) from e
+
+
+def _assumption_error(expr) -> CaptureError:
+    return CaptureError(
+        f"Inductor could only compile this graph by assuming {expr} about the batch size, which "
+        f"nothing would check at run time; dpfx refuses rather than run code that may mix "
+        f"examples. Compile with backend='eager' (same private graph, not lowered by Inductor) "
+        f"and report the expression above.")
