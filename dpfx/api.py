@@ -178,8 +178,11 @@ def _symbolic_batch_error(e: Exception) -> CaptureError:
     return CaptureError(
         f"torch could not trace this model with a symbolic batch size ({first}). dpfx keeps the "
         f"batch symbolic so that one graph serves every batch size, and some torch kernels branch "
-        f"on sizes; a known case is a hidden layer of width 1 (the stride test in mm's backward). "
-        f"Widen that layer or file an issue with the expression above.")
+        f"on sizes. A known case (Eq(u0, 1)) is a raw matrix product whose first operand has one "
+        f"column and needs a gradient, such as `h @ W` after a layer of width 1: torch's mm "
+        f"backward tests that operand's strides against the batch. nn.Linear is handled; write "
+        f"such a product as the broadcast `h * W`. Otherwise file an issue with the expression "
+        f"above.")
 
 
 def _check_batch(tensors: list[torch.Tensor]) -> int:
@@ -200,7 +203,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
-            track_norms: bool = False) -> DPModule:
+            track_norms: bool = False, self_check: bool = True) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -221,7 +224,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     The default ``noise`` is "graph", or "optimizer" when torch.distributed is initialized with
     more than one rank (the noise is then added once across ranks: Note [Noise once across
     ranks] in optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
-    (not private: see stats.py).
+    (not private: see stats.py). ``self_check``: before a compiled graph first trains, run it on
+    synthetic batches against dpfx's verified graph and check that examples stay independent
+    (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
@@ -236,7 +241,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             and torch.distributed.get_world_size() > 1
         noise = "optimizer" if distributed else "graph"
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
-                      backend, strategy, noise, track_norms)
+                      backend, strategy, noise, track_norms, self_check)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])

@@ -24,8 +24,9 @@ import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
 from .config import DPConfig
-from .errors import CaptureError
+from .errors import CaptureError, PrivacyError
 from .lowering import INDUCTOR_PATCHES, lower
+from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
 from .stats import NormStats
 
@@ -41,6 +42,8 @@ class DPBackend:
         self._forward: dict[Any, ForwardInfo] = {}
         self.forward_ran = False
         self.compiles = 0
+        self._last_graph_task = -1
+        self._checks: dict[Any, GraphCheck] = {}
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
         self.last_backward = None
@@ -88,9 +91,18 @@ class DPBackend:
                                check=not kwargs.get("is_inference", False),
                                problems=self.problems)
         self._forward[kwargs.get("graph_id")] = info
+        reference = Half.of(gm, None) if self._checking() else None
         compiled = self._lower(gm, example_inputs, kwargs)
+        check = None
+        if reference is not None:
+            reference.compiled = compiled
+            check = GraphCheck(reference, info.output_layouts, info.batch_symbols,
+                               set(batch_inputs), _device_of(example_inputs))
+            self._checks[kwargs.get("graph_id")] = check
 
         def run_forward(args):
+            if check is not None and check.ready(args):
+                check.run(args)     # Note [Checking what Inductor generated]
             self.forward_ran = True
             return compiled(args)
 
@@ -142,11 +154,19 @@ class DPBackend:
         # noise is dpfx::standard_normal (cpu_noise.py: Philox + Box-Muller on every core, 0.31
         # ms for 300k), an extern kernel for Inductor; fallback_random keeps any other random op
         # on ATen's kernels.
+        check = self._checks.get(kwargs.get("graph_id"))
+        reference = Half.of(gm, None) if check is not None else None
         with torch._inductor.config.patch(fallback_random=not native_noise):
             compiled = self._lower(gm, example_inputs, kwargs)
+        if check is not None:
+            reference.compiled = compiled
+            check.backward = reference
+            # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
+            check.compare_backward = not native_noise or self.config.noise == "optimizer"
 
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
+                self._one_forward_per_backward()
                 return compiled(args)
 
             run_deferred._boxed_call = True
@@ -161,6 +181,7 @@ class DPBackend:
         generator = _device_generator(device)
 
         def run_backward(args):
+            self._one_forward_per_backward()
             if self._generator is None:
                 step_seed = secrets.randbits(62)
             else:
@@ -176,6 +197,32 @@ class DPBackend:
 
         run_backward._boxed_call = True
         return run_backward
+
+    # Note [One forward per backward]
+    # Each backward graph clips the per-example gradients of its own forward. Two forwards that
+    # reach one backward (dp(a) + dp(b), a siamese net, two augmented views of each example)
+    # would be clipped separately: an example in both contributes up to 2C while the noise is
+    # sized for C, a silently weaker guarantee than accounted. Joint clipping needs both uses in
+    # one graph, so the fix is one forward that takes both inputs. dpfx detects the case exactly:
+    # two of its backward graphs running inside one autograd graph task (one .backward() call).
+    # Each check runs before its graph, so the refused second graph has written nothing.
+    # (tests/test_inputs.py::test_two_forwards_one_backward_refused)
+    def _one_forward_per_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task == self._last_graph_task:
+            raise PrivacyError(
+                "two forwards of one dpfx model reached a single backward (e.g. dp(a) + dp(b), "
+                "a siamese net, two augmented views): each forward would be clipped on its own, "
+                "so an example used in both could contribute up to 2*max_grad_norm while the "
+                "noise is sized for one. Compile one module whose forward takes all the inputs "
+                "(forward(a, b) returning both outputs) so every use of a parameter is clipped "
+                "together, or call backward once per forward (each is then its own DP step). "
+                "Zero the gradients before retrying: the first forward's have been written.")
+        self._last_graph_task = task
+
+    def _checking(self) -> bool:
+        return self.config.self_check and self.config.backend == "inductor" \
+            and self.problems is None
 
     def _lower(self, gm, example_inputs, kwargs):
         return lower(gm, example_inputs, kwargs, self.config.backend)

@@ -30,6 +30,7 @@ class DPConfig:
     strategy: str = "auto"
     noise: str = "graph"
     track_norms: bool = False
+    self_check: bool = True
 
     def __post_init__(self):
         if isinstance(self.max_grad_norm, dict):
@@ -72,6 +73,8 @@ class DPConfig:
             raise ValueError(f"noise must be one of {NOISE_MODES}, got {self.noise!r}")
         if not isinstance(self.track_norms, bool):
             raise ValueError(f"track_norms must be a bool, got {self.track_norms!r}")
+        if not isinstance(self.self_check, bool):
+            raise ValueError(f"self_check must be a bool, got {self.self_check!r}")
 
     @property
     def per_layer(self) -> bool:

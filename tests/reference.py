@@ -71,3 +71,39 @@ def assert_close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def loop_dp_sgd_grads(model, loss_fn, inputs: tuple, targets, *, max_grad_norm,
+                      loss_reduction="mean", kwargs=None):
+    """The DP-SGD gradient with sigma = 0 from a batch-of-one autograd loop: for models with
+    several inputs (each with the batch in dim 0), or layers vmap cannot batch."""
+    kwargs = kwargs or {}
+    params = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    batch = targets.shape[0]
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for i in range(batch):
+        one = tuple(t[i:i + 1] for t in inputs)
+        one_kw = {k: t[i:i + 1] for k, t in kwargs.items()}
+        loss = loss_fn(model(*one, **one_kw), targets[i:i + 1])
+        g = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        g = [torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params.values())]
+        norm = torch.sqrt(sum(gi.pow(2).sum() for gi in g))
+        factor = (max_grad_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+        for k, gi in zip(params, g):
+            total[k] += gi * factor
+    denom = (batch or 1) if loss_reduction == "mean" else 1
+    return {k: v / denom for k, v in total.items()}
+
+
+def run_dpfx_multi(dp_model, model, loss_fn, inputs: tuple, targets, loss_reduction="mean",
+                   kwargs=None):
+    """One step through dpfx with several inputs: {name: p.grad clone}, grads left zeroed."""
+    model.zero_grad(set_to_none=True)
+    out = dp_model(*inputs, **(kwargs or {}))
+    reduce = torch.mean if loss_reduction == "mean" else torch.sum
+    per_example = [loss_fn(out[i:i + 1], targets[i:i + 1]) for i in range(targets.shape[0])]
+    loss = reduce(torch.stack(per_example)) if per_example else out.sum() * 0.0
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads

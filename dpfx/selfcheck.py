@@ -1,0 +1,263 @@
+"""A self-test of the compiled code, run once per graph before it trains on real data.
+
+    check = GraphCheck(forward_graph, layouts, batch_symbols, ...)   # at compile time
+    check.run(real_args)    # first call: raises PrivacyError if the compiled code is wrong
+
+# Note [Checking what Inductor generated]
+The verifier proves the FX graph; Inductor then generates the code that runs, and torch's handling
+of an unbacked batch has had bugs the graph cannot show (Note [Inductor must not assume what it
+cannot check] in lowering.py: a head split that mixed examples). So before a compiled forward and
+backward pair first runs on the user's data, dpfx runs both on synthetic batches of SIZES examples
+(not 1, not the sizes of the first call) built like the user's inputs (floats with the inputs'
+mean and spread, integers within the inputs' range, boolean rows copied from the inputs) and with
+the real parameters, and checks:
+
+1. **Exact**: every output of the compiled forward, and every gradient output of the compiled
+   backward (fed the compiled forward's saved tensors and random output gradients), matches the
+   same graph run by the FX interpreter, to a relative L2 error of 1e-3 (2e-2 for 16-bit floats).
+   The noise draws agree because both read the same seeded generator through the same op (CPU);
+   on GPU, Inductor's own Philox stream differs from eager, so the backward comparison runs only
+   with noise="optimizer" there. A forward with random ops of its own (dropout) is compared only
+   through check 2, since Inductor may schedule its draws in another order.
+2. **Per-example independence**: changing example 0 of every input changes no other example's
+   rows in any forward output (activations saved for the backward included), and no batch-free
+   output at all. The batch layout of each output comes from dpfx's batch analysis.
+
+A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs
+one eager and three compiled runs of each graph at small batches, measured at a few percent of
+the compile time (docs/ARCHITECTURE.md); ``dpfx.compile(..., self_check=False)`` skips it.
+tests/test_selfcheck.py hands it deliberately miscompiled graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .errors import PrivacyError
+from .passes.batch import BatchDim
+
+SIZES = (3, 5)
+
+
+def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph as it is now, kept for running eagerly (lowering rewrites ``gm`` in place)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+@dataclasses.dataclass
+class Half:
+    """One graph (forward or backward): its eager copy, compiled callable and placeholders."""
+    reference: fx.GraphModule
+    compiled: Callable
+    inputs: list[tuple[str, Any]]         # placeholder name, meta value
+    outputs: list[str | None]             # output node names (saved tensors keep them)
+    random: bool                          # has random ops besides dpfx's noise
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, compiled: Callable) -> "Half":
+        out = gm.graph.find_nodes(op="output")[0].args[0]
+        out = out if isinstance(out, (list, tuple)) else [out]
+        return cls(eager_copy(gm), compiled,
+                   [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
+                   [o.name if isinstance(o, fx.Node) else None for o in out],
+                   _has_random_ops(gm))
+
+
+def _has_random_ops(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and torch.Tag.nondeterministic_seeded in n.target.tags
+               and n.meta.get("dpfx") != "noise" and _dropout_p(n) != 0
+               for n in gm.graph.nodes)
+
+
+def _dropout_p(node: fx.Node):
+    """An op's ``dropout_p`` argument (SDPA kernels are tagged random for their dropout)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                return node.kwargs[arg.name]
+            return node.args[i] if i < len(node.args) else arg.default_value
+    return None
+
+
+class GraphCheck:
+    def __init__(self, forward: Half, layouts: list, batch_symbols: set, batch_inputs: set,
+                 device: torch.device):
+        self.forward = forward
+        self.backward: Half | None = None
+        self.compare_backward = True
+        self.layouts = layouts
+        self.batch_symbols = batch_symbols
+        self.batch_inputs = batch_inputs
+        self.device = device
+        self.done = False
+
+    def ready(self, args: list) -> bool:
+        """Runs once, at the first call with a non-empty batch (its rows are sampled)."""
+        if self.done:
+            return False
+        return any(name in self.batch_inputs and isinstance(a, torch.Tensor) and a.shape[0] > 0
+                   for (name, _), a in zip(self.forward.inputs, args))
+
+    def run(self, args: list) -> None:
+        self.done = True
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
+        for b in SIZES:
+            with _isolated_rng(self.device):
+                self._check_at(b, args, sizes, generator)
+
+    def _check_at(self, b: int, args: list, sizes: dict, generator) -> None:
+        sizes = {**sizes, **{s: b for s in self.batch_symbols}}
+        fw_args = [self._synthetic(name, meta, a, sizes, generator)
+                   for (name, meta), a in zip(self.forward.inputs, args)]
+        got = _call(self.forward.compiled, fw_args, self.device)
+        want = _call(self.forward.reference, fw_args, self.device, boxed=False)
+        if not self.forward.random:
+            _compare("forward", b, self.forward.outputs, got, want)
+        self._check_independence(b, fw_args, got, sizes, generator)
+        if self.backward is not None and self.compare_backward and not self.forward.random:
+            saved = dict(zip(self.forward.outputs, got))
+            bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
+                       for name, meta in self.backward.inputs]
+            got_bw = _call(self.backward.compiled, bw_args, self.device)
+            # Each backward gets its own forward's saved tensors: the eager graph may read a
+            # saved view through its base (as_strided over the packed q/k/v projection), and
+            # Inductor's forward lays its outputs out for its own backward.
+            mine = dict(zip(self.forward.outputs, want))
+            ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
+            want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
+            _compare("backward", b, self.backward.outputs, got_bw, want_bw)
+
+    def _synthetic(self, name, meta, real, sizes, generator):
+        if isinstance(meta, torch.SymInt):
+            return _concrete(meta, sizes)
+        if name not in self.batch_inputs or not isinstance(real, torch.Tensor):
+            return real
+        shape = [_concrete(s, sizes) for s in meta.shape]
+        if real.dtype.is_floating_point:
+            x = torch.randn(shape, generator=generator).to(real.dtype)
+            return (x * real.float().std().nan_to_num(1.0) + real.float().mean()).to(real)
+        if real.dtype == torch.bool:
+            rows = torch.randint(real.shape[0], (shape[0],), generator=generator)
+            return real[rows.to(real.device)].contiguous()
+        low, high = int(real.min()), int(real.max())
+        return torch.randint(low, high + 1, shape, generator=generator).to(real)
+
+    def _check_independence(self, b, fw_args, got, sizes, generator) -> None:
+        changed = []
+        for (name, _), a in zip(self.forward.inputs, fw_args):
+            if name in self.batch_inputs and isinstance(a, torch.Tensor):
+                a = a.clone()
+                a[0] = a[1] if a.dtype == torch.bool or not a.dtype.is_floating_point \
+                    else a[0] + torch.randn(a[0].shape, generator=generator).to(a)
+            changed.append(a)
+        again = _call(self.forward.compiled, changed, self.device)
+        for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, again):
+            if not isinstance(x, torch.Tensor) or (layout is not None
+                                                   and not isinstance(layout, BatchDim)):
+                continue
+            if layout is not None:
+                x, y = _other_examples(x, layout, b, sizes), _other_examples(y, layout, b, sizes)
+            if not _close(x, y, 1e-5):
+                raise PrivacyError(
+                    f"dpfx's self-check of the compiled forward: changing example 0 changed "
+                    f"{'other examples of' if layout is not None else 'the batch-free'} output "
+                    f"{name} at batch size {b}. The code Inductor generated mixes examples "
+                    f"(a torch bug); dpfx refuses to train with it. Use backend='eager' and "
+                    f"report this with your torch version.")
+
+
+def _call(fn, args: list, device, boxed: bool = True) -> list:
+    torch.manual_seed(1234) if device.type == "cpu" else torch.get_device_module(
+        device.type).manual_seed(1234)
+    with torch.no_grad():
+        out = fn(list(args)) if boxed else fn(*args)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class _isolated_rng:
+    """The self-check draws from the device generator; the user's stream continues unchanged."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        self.state = torch.random.get_rng_state()
+        if self.device.type != "cpu":
+            self.device_state = torch.get_device_module(self.device.type).get_rng_state()
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.state)
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device.type).set_rng_state(self.device_state)
+
+
+def _compare(which: str, b: int, names: list, got: list, want: list) -> None:
+    for name, x, y in zip(names, got, want):
+        if isinstance(y, torch.Tensor) and y.is_floating_point():
+            tol = 2e-2 if y.element_size() <= 2 else 1e-3
+            if not _close(x, y, tol):
+                raise PrivacyError(
+                    f"dpfx's self-check: the compiled {which} graph disagrees with dpfx's "
+                    f"verified graph on output {name} at batch size {b} (relative error "
+                    f"{_rel_error(x, y):.3g}). The code Inductor generated is not the graph dpfx "
+                    f"proved (a torch bug); dpfx refuses to train with it. Use backend='eager' "
+                    f"and report this with your torch version.")
+        elif isinstance(y, torch.Tensor) and not torch.equal(x, y):
+            raise PrivacyError(f"dpfx's self-check: the compiled {which} graph disagrees with "
+                               f"its verified graph on output {name} at batch size {b}")
+
+
+def _rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    if not torch.equal(torch.isnan(x), torch.isnan(y)):
+        return float("inf")
+    x, y = x.nan_to_num(), y.nan_to_num()
+    return float((x - y).norm() / y.norm().clamp_min(1e-30)) if y.numel() else 0.0
+
+
+def _close(x, y, tol: float) -> bool:
+    if x.shape != y.shape:
+        return False
+    return _rel_error(x, y) <= tol or float((x.double() - y.double()).abs().max()) <= 1e-30
+
+
+def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> torch.Tensor:
+    """Every example but 0, from a tensor whose dim ``layout.dim`` is (outer, B, inner)."""
+    outer, inner = _concrete(layout.outer, sizes), _concrete(layout.inner, sizes)
+    d = layout.dim
+    split = t.reshape(*t.shape[:d], outer, b, inner, *t.shape[d + 1:])
+    return split.narrow(d + 1, 1, b - 1)
+
+
+def _known_sizes(inputs: list, args: list, batch_symbols: set) -> dict:
+    """Values of the graph's non-batch size symbols, read off the real arguments."""
+    sizes = {}
+    for (_, meta), a in zip(inputs, args):
+        if isinstance(meta, torch.SymInt) and isinstance(meta.node.expr, sympy.Symbol):
+            sizes[meta.node.expr] = int(a)
+        elif isinstance(meta, torch.Tensor) and isinstance(a, torch.Tensor):
+            for s, v in zip(meta.shape, a.shape):
+                if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                    sizes.setdefault(s.node.expr, v)
+    return {s: v for s, v in sizes.items() if s not in batch_symbols}
+
+
+def _concrete(size, sizes: dict) -> int:
+    expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.sympify(size)
+    return int(sympy.sympify(expr).subs(sizes))
+
+
+def _random_like(meta, sizes: dict, generator) -> Any:
+    if isinstance(meta, torch.SymInt):
+        return _concrete(meta, sizes)
+    shape = [_concrete(s, sizes) for s in meta.shape]
+    x = torch.randn(shape, generator=generator)
+    return x.to(dtype=meta.dtype, device=meta.device)

@@ -1,0 +1,118 @@
+"""What Inductor runs must be the graph dpfx proved (Note [Inductor must not assume what it cannot
+check] in dpfx/lowering.py). Each model here compiled to code that mixed examples, or failed on
+a guard, before the fix; every test runs through Inductor with a cold and then a warm FX-graph
+cache, at batch sizes equal to the model's other dims (heads, T, d)."""
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import dpfx
+from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
+from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+
+
+class MHAHead(nn.Module):
+    """The issue's reproduction: batch_first MHA, mean over time, a Linear head."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.att = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.fc(self.att(x, x, x, need_weights=False)[0].mean(1))
+
+
+class EmbeddingMHA(nn.Module):
+    """Embedding(20, 8) + MHA(8, 2 heads), sequence-first inside: failed at B=4, T=5."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.att = nn.MultiheadAttention(8, 2)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids).transpose(0, 1)
+        return self.fc(self.att(h, h, h, need_weights=False)[0].mean(0))
+
+
+class HeadSplit(nn.Module):
+    """The smallest reproduction: (B, T, 16) -> (T, B, 16) -> (T, 2B, 8), an Inductor view of
+    a lazy pointwise node."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        y = (x * self.scale).transpose(0, 1)
+        heads = y.reshape(y.shape[0], y.shape[1] * 2, 8).transpose(0, 1)
+        return self.fc(heads.mean(1)).view(x.shape[0], 2, 3).sum(1)
+
+
+CASES = [
+    (MHAHead, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 16, 1]),   # B = heads, T, d
+    (EmbeddingMHA, lambda b: torch.randint(0, 20, (b, 5)), [4, 2, 5, 8, 1]),
+    (HeadSplit, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 8, 1]),
+]
+
+
+@pytest.fixture
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    yield
+
+
+def _step_exact(model, make_input, batches, C=0.05):
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0)
+    for b in batches:
+        x, y = make_input(b), torch.randint(0, 3, (b,))
+        got = run_dpfx(dp, model, F.cross_entropy, x, y)
+        assert_close(got, dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=C),
+                     rtol=1e-4, atol=1e-6)
+        assert b == 1 or clip_fraction(model, F.cross_entropy, x, y, C) > 0
+    assert dp.compile_count == 2
+    return dp
+
+
+def _forward_independent(dp, make_input, b):
+    x = make_input(b)
+    x2 = x.clone()
+    x2[0] = make_input(1)[0]
+    with torch.no_grad():
+        a, c = dp(x), dp(x2)
+    torch.testing.assert_close(a[1:], c[1:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_cls,make_input,batches", CASES,
+                         ids=[c[0].__name__ for c in CASES])
+def test_exact_cold_and_warm_cache(fresh_inductor_cache, model_cls, make_input, batches):
+    torch.manual_seed(0)
+    model = model_cls()
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    dp = _step_exact(model, make_input, batches)
+    _forward_independent(dp, make_input, batches[0])
+    torch._dynamo.reset()                        # same process, same cache dir: warm
+    dp = _step_exact(model, make_input, batches)
+    _forward_independent(dp, make_input, batches[0])
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 2
+
+
+def test_unprovable_batch_assumption_raises():
+    """The mechanism: once runtime asserts are frozen, torch would defer Eq(16, 16*u0) to an
+    assert nobody emits (returns True); under dpfx it raises, so the caller takes its exact path."""
+    env = ShapeEnv()
+    u0 = env.create_unbacked_symint().node.expr
+    env.freeze_runtime_asserts()
+    assumption = sympy.Eq(16, 16 * u0)
+    with no_unchecked_assumptions(env):
+        with pytest.raises(UncheckedAssumption, match="16"):
+            env.guard_or_defer_runtime_assert(assumption, "test")
+        assert env.guard_or_defer_runtime_assert(sympy.Eq(16 * u0, 16 * u0), "test")
+    assert env.guard_or_defer_runtime_assert(assumption, "test")   # torch's own behaviour

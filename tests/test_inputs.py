@@ -1,0 +1,116 @@
+"""What dpfx does with the user's inputs: several tensors share one batch symbol, keyword inputs
+work, the caller's tensors come back untouched, and two forwards into one backward are refused
+(Note [One forward per backward] in dpfx/backend.py)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import dpfx
+from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+
+
+class MaskedAttention(nn.Module):
+    """SDPA with an attention-mask input: (x, mask) both carry the batch."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.fc = nn.Linear(d, 3)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.fc(o.transpose(1, 2).reshape(b, t, d).mean(1))
+
+
+def _mask(b, t=6):
+    mask = torch.rand(b, 1, t, t) > 0.3
+    mask[..., 0] = True      # every query sees at least one key
+    return mask
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.sampled_from([0, 1, 2, 5]), reduction=st.sampled_from(["mean", "sum"]),
+       as_kwarg=st.booleans())
+def test_mask_input_shares_the_batch_symbol(batch, reduction, as_kwarg):
+    torch.manual_seed(batch)
+    model = MaskedAttention()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend="eager",
+                      loss_reduction=reduction, expected_batch_size=4)
+    x, mask, y = torch.randn(batch, 6, 8), _mask(batch), torch.randint(0, 3, (batch,))
+    args, kwargs = ((x,), {"mask": mask}) if as_kwarg else ((x, mask), {})
+    got = run_dpfx_multi(dp, model, F.cross_entropy, args, y, reduction, kwargs)
+    want = loop_dp_sgd_grads(model, F.cross_entropy, args, y, max_grad_norm=0.05,
+                             loss_reduction="sum", kwargs=kwargs)
+    denom = 4 if reduction == "mean" else 1
+    assert_close(got, {k: v / denom for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+
+
+def test_mask_input_through_inductor():
+    model = MaskedAttention()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0)
+    for batch in [4, 2, 1]:
+        x, mask, y = torch.randn(batch, 6, 8), _mask(batch), torch.randint(0, 3, (batch,))
+        got = run_dpfx_multi(dp, model, F.cross_entropy, (x, mask), y)
+        want = loop_dp_sgd_grads(model, F.cross_entropy, (x, mask), y, max_grad_norm=0.05)
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert dp.compile_count == 2
+
+
+def test_inputs_of_different_batch_sizes_refused():
+    dp = dpfx.compile(MaskedAttention(), max_grad_norm=1.0, noise_multiplier=0.0,
+                      backend="eager")
+    with pytest.raises(ValueError, match="same size"):
+        dp(torch.randn(3, 6, 8), _mask(2))
+
+
+def test_caller_tensors_untouched():
+    """The batch marks live on the tensor only during the call; a later plain torch.compile of
+    the same tensor sees none of them."""
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    x.note = "mine"
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    dp(x).sum().backward()
+    assert x.__dict__ == {"note": "mine"}
+    out = torch.compile(lambda t: t * 2, fullgraph=True)(x)
+    torch.testing.assert_close(out, x * 2)
+
+
+class Twice(nn.Module):
+    """Both inputs through one Linear: its weight and bias are used twice per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 2)
+
+    def forward(self, a, b):
+        return self.f(a) + self.f(b)
+
+
+def test_two_forwards_one_backward_refused():
+    model = nn.Linear(4, 2)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(dpfx.PrivacyError, match="two forwards"):
+        (dp(a) + dp(b)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    dp(a).sum().backward()       # one backward per forward: two separate DP steps, allowed
+    dp(b).sum().backward()
+    assert model.weight.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_module_for_both_views_is_exact(backend):
+    """The fix the refusal suggests: one forward taking both views, clipped jointly."""
+    model = Twice()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend=backend)
+    a, b, y = torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 2)
+    mse = lambda out, t: F.mse_loss(out, t, reduction="sum")  # noqa: E731
+    got = run_dpfx_multi(dp, model, mse, (a, b), y)
+    assert_close(got, loop_dp_sgd_grads(model, mse, (a, b), y, max_grad_norm=0.05),
+                 rtol=1e-4, atol=1e-6)

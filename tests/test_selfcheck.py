@@ -1,0 +1,128 @@
+"""The self-check of the compiled code (Note [Checking what Inductor generated] in
+dpfx/selfcheck.py) against deliberately miscompiled graphs, and against the real torch bug that
+motivated it with dpfx's own fix switched off."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpfx
+import dpfx.backend
+import dpfx.lowering
+from torch._dynamo.utils import counters
+from models import MLP, mse
+from reference import assert_close, dp_sgd_grads, run_dpfx
+from test_inductor_exact import MHAHead
+
+
+def _miscompile(monkeypatch, which: str, corrupt):
+    """Wrap dpfx's lowering so that the compiled forward or backward returns corrupt(outputs)."""
+    real_lower = dpfx.backend.lower
+
+    def lower(gm, example_inputs, kwargs, backend):
+        compiled = real_lower(gm, example_inputs, kwargs, backend)
+        if bool(kwargs.get("is_backward")) != (which == "backward"):
+            return compiled
+
+        def wrong(args):
+            return corrupt(list(compiled(args)))
+
+        wrong._boxed_call = True
+        return wrong
+
+    monkeypatch.setattr(dpfx.backend, "lower", lower)
+
+
+def _roll_first_output(outs):
+    """Example i's output becomes example i-1's: the forward mixes examples."""
+    outs[0] = outs[0].roll(1, 0)
+    return outs
+
+
+def _nudge_gradients(outs):
+    return [o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+            for o in outs]
+
+
+@pytest.mark.parametrize("which,corrupt,match", [
+    ("forward", _roll_first_output, "changing example 0|disagrees"),
+    ("backward", _nudge_gradients, "compiled backward graph disagrees"),
+])
+def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, match):
+    _miscompile(monkeypatch, which, corrupt)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(dpfx.PrivacyError, match=match):
+        mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_opt_out(monkeypatch):
+    _miscompile(monkeypatch, "backward", _nudge_gradients)
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check=False)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert model.fc1.weight.grad is not None
+
+
+def test_passes_a_correct_graph_with_noise():
+    """Graph noise on CPU: the compiled and the eager backward draw the same seeded normals."""
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert model.fc1.weight.grad is not None
+
+
+def test_self_check_leaves_the_users_random_stream():
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    torch.manual_seed(7)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    torch.randn(4, 8), torch.randn(4, 4)
+    torch.testing.assert_close(after, torch.rand(3))
+
+
+def test_catches_the_real_torch_miscompile(tmp_path, monkeypatch):
+    """With dpfx's lowering fix switched off, torch 2.13 compiles the MHA head split assuming
+    B == 1: a cold cache fails on a guard, and a warm cache runs code that mixes examples. The
+    self-check must refuse the warm-cache code before it trains."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(dpfx.lowering, "no_unchecked_assumptions",
+                        lambda env: contextlib.nullcontext())
+    monkeypatch.setattr(dpfx.lowering, "bmm_operands_contiguous", contextlib.nullcontext)
+    torch.manual_seed(0)
+    model = MHAHead()
+    x, y = torch.randn(5, 7, 16), torch.randint(0, 3, (5,))
+    # Cold: the forward's lowering narrows B to [1, 2] and the guard fails; the next attempt
+    # finds the forward cached and fails again lowering the backward; the third finds both
+    # cached, no guard is made, and the miscompiled code would run.
+    for attempt in range(2):
+        torch._dynamo.reset()
+        with pytest.raises(AssertionError, match="Guard failed on the same frame"):
+            dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)(x)
+    torch._dynamo.reset()
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(dpfx.PrivacyError, match="self-check"):
+        F.cross_entropy(dp(x), y).backward()
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fixed_lowering_passes_the_self_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    model = MHAHead()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0)
+    x, y = torch.randn(5, 7, 16), torch.randint(0, 3, (5,))
+    assert_close(run_dpfx(dp, model, F.cross_entropy, x, y),
+                 dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.05),
+                 rtol=1e-4, atol=1e-6)
+    assert all(c.done for c in dp._dpfx_backend._checks.values())
+    assert dp._dpfx_backend._checks
