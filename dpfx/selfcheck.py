@@ -14,7 +14,8 @@ the real parameters, and checks:
 
 1. **Exact**: every output of the compiled forward, and every gradient output of the compiled
    backward (fed the compiled forward's saved tensors and random output gradients), matches the
-   same graph run by the FX interpreter, to a relative L2 error of 1e-3 (2e-2 for 16-bit floats).
+   same graph run by the FX interpreter: ||got - want|| <= tol (||want|| + sqrt(n)), tol 1e-3
+   (2e-2 for 16-bit floats).
    The noise draws agree because both read the same seeded generator through the same op (CPU);
    on GPU, Inductor's own Philox stream differs from eager, so the backward comparison runs only
    with noise="optimizer" there. A forward with random ops of its own (dropout) is compared only
@@ -224,9 +225,14 @@ def _rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _close(x, y, tol: float) -> bool:
+    """||x - y|| <= tol * (||y|| + sqrt(n)): relative, with a floor for outputs near zero (the
+    spatial mean after an InstanceNorm is ~1e-8 on both sides, all rounding)."""
     if x.shape != y.shape:
         return False
-    return _rel_error(x, y) <= tol or float((x.double() - y.double()).abs().max()) <= 1e-30
+    if not torch.equal(torch.isnan(x), torch.isnan(y)):
+        return False
+    x, y = x.double().nan_to_num(), y.double().nan_to_num()
+    return float((x - y).norm()) <= tol * (float(y.norm()) + y.numel() ** 0.5)
 
 
 def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> torch.Tensor:
