@@ -104,8 +104,9 @@ def lift_sum(node, ps_args, ctx):
 
 
 def lift_add(node, ps_args, ctx):
+    # One node may be both operands (a bias used twice, after CSE: add(v, v)).
     tensors = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-    if len(ps_args) != 2 or len(tensors) != 2:
+    if len(tensors) != 2 or not set(tensors) <= ps_args.keys():
         raise LiftRefused(
             "adding a data-independent tensor to a per-example gradient has no per-sample meaning")
     rank = _rank(node)
@@ -118,6 +119,8 @@ def lift_scale(node, ps_args, ctx):
     if len(ps_args) != 1:
         raise LiftRefused("a product of two data-dependent tensors is not linear in the examples")
     (src, ps), = ps_args.items()
+    if sum(a is src for a in node.args) != 1:
+        raise LiftRefused("a product of two data-dependent tensors is not linear in the examples")
     if node.target is aten.div.Tensor and node.args[0] is not src:
         raise LiftRefused("dividing by a data-dependent tensor is not linear in the examples")
     ps = _expand_to(ps, _rank(src), _rank(node), ctx)
