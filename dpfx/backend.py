@@ -14,6 +14,7 @@ compile. Inductor's FX graph cache stays on: its key is the rewritten graph itse
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import secrets
@@ -102,7 +103,11 @@ class DPBackend:
 
         def run_forward(args):
             if check is not None and check.ready(args):
-                check.run(args)     # Note [Checking what Inductor generated]
+                # Note [Checking what Inductor generated]; its synthetic norms are not the user's.
+                saved = copy.deepcopy(self.norm_stats.__dict__) if self.norm_stats else None
+                check.run(args)
+                if saved is not None:
+                    self.norm_stats.__dict__.update(saved)
             self.forward_ran = True
             return compiled(args)
 

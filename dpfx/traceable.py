@@ -22,6 +22,15 @@ branch on the batch:
   provable batch layout). The 1-D input + offsets form is left as is and refused.
 - ``Tensor.repeat`` with a symbolic count (MultiheadAttention's add_bias_kv repeats bias_k over the
   batch): reshape -> expand -> reshape, since repeat's backward tests each count against 0.
+- ``F.linear`` with one input feature on an input that needs a gradient (a Linear after a width-1
+  hidden layer, after a one-channel conv with a 1x1 output): the broadcast product
+  ``input * weight.squeeze(1)``, since mm's backward tests the (B, 1) input's strides against
+  the batch.
+
+- ``nn.RNN``/``nn.GRU``/``nn.LSTM``'s ``forward``, ``pack_padded_sequence`` and
+  ``pad_packed_sequence``: the recurrence written out step by step in ``F.linear`` and pointwise
+  gates, packed batches as padded data and lengths (``dpfx/rnn.py``); dynamo's ``allow_rnn`` is
+  set meanwhile, since it refuses to wrap these modules otherwise.
 
 The swap lasts only for the duration of a dpfx forward call (where dynamo traces); cached graphs
 do not depend on it.
@@ -31,7 +40,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import rnn as rnn_utils
+
+from . import rnn
 
 _verify_batch_size = F._verify_batch_size
 _instance_norm = F.instance_norm
@@ -40,6 +53,8 @@ _bilinear = F.bilinear
 _view = torch.Tensor.view
 _embedding_bag = F.embedding_bag
 _reshape = torch.Tensor.reshape
+_linear = F.linear
+_rnn_forwards = {cls: cls.forward for cls in (nn.RNN, nn.GRU, nn.LSTM)}
 
 
 def _verify_batch_size_if_known(size) -> None:
@@ -74,6 +89,26 @@ def _repeat_by_expand(self, *sizes):
     split = [v for s in x.shape for v in (1, s)]
     tiled = [v for r, s in zip(sizes, x.shape) for v in (r, s)]
     return x.reshape(split).expand(tiled).reshape([r * s for r, s in zip(sizes, x.shape)])
+
+
+# Note [A Linear with one input feature]
+# torch's backward of mm(mat1, mat2) (mm_mat1_backward in FunctionsManual.cpp) computes mat1's
+# gradient column-major when ``mat1.stride(0) == 1 and mat1.stride(1) == mat1.size(0)``. A
+# contiguous (B, 1) input has strides (1, 1), so the test is ``1 == B``: Eq(u0, 1), which an
+# unbacked batch cannot answer, and capture fails (plain torch.compile too). Only an input that
+# needs a gradient reaches that test. With one input feature, F.linear is the broadcast product
+# ``input * weight.squeeze(1)`` (+ bias): one product per output, no contraction, so nothing
+# tests the batch. The weight's gradient becomes a sum over the batch of grad * input (the
+# "sum" rule) instead of an mm, exact per example either way. Inputs that need no gradient (a
+# scalar feature fed straight in) keep torch's mm and its ghost form. A raw ``h @ W`` goes
+# through no Python function dpfx could swap and is still refused (api._symbolic_batch_error).
+# (tests/test_linear.py::test_width_one_hidden_layer_matches_reference,
+#  tests/test_rule_convolution.py::test_one_channel_conv_into_linear_matches_reference)
+def _linear_one_feature(input, weight, bias=None):
+    if weight.dim() != 2 or weight.shape[1] != 1 or not input.requires_grad:
+        return _linear(input, weight, bias)
+    out = input * weight.squeeze(1)
+    return out if bias is None else out + bias
 
 
 def _bilinear_written_out(input1, input2, weight, bias=None):
@@ -165,9 +200,20 @@ def traceable_torch():
     F.embedding_bag = _embedding_bag_written_out
     torch.Tensor.view = _view_explicit
     torch.Tensor.reshape = _reshape_explicit
+    F.linear = _linear_one_feature
+    for cls in _rnn_forwards:
+        cls.forward = rnn.rnn_forward
+    rnn_utils.pack_padded_sequence = rnn.pack_padded_sequence
+    rnn_utils.pad_packed_sequence = rnn.pad_packed_sequence
     try:
-        yield
+        with torch._dynamo.config.patch(allow_rnn=True):
+            yield
     finally:
+        for cls, forward in _rnn_forwards.items():
+            cls.forward = forward
+        rnn_utils.pack_padded_sequence = rnn._pack_padded_sequence
+        rnn_utils.pad_packed_sequence = rnn._pad_packed_sequence
+        F.linear = _linear
         F.bilinear = _bilinear
         F.embedding_bag = _embedding_bag
         torch.Tensor.view = _view

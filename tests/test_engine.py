@@ -80,8 +80,9 @@ def test_per_layer_clipping_matches_reference(batch, reduction, strategy, bounds
 def test_per_layer_noise_std_is_sigma_times_total_bound():
     model = MLP(8, 32, 4)
     bounds = {"fc1": 0.3, "fc2": 0.4}          # sqrt(0.09 + 0.16) = 0.5
+    # seed: ~420 normals estimate the std to ~3.4%, so an OS-seeded draw failed 6% now and then.
     dp = dpfx.compile(model, max_grad_norm=bounds, noise_multiplier=2.0, backend="eager",
-                      expected_batch_size=1)
+                      expected_batch_size=1, seed=0)
     assert dp.dp_config.noise_std == pytest.approx(1.0)
     model.zero_grad(set_to_none=True)
     _backward(dp, torch.randn(0, 8), torch.randn(0, 4))

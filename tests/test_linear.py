@@ -126,17 +126,65 @@ def test_frozen_parameters_take_no_part():
     assert model.fc1.weight.grad is None
 
 
-def test_width_one_hidden_layer_is_a_clear_error():
-    """torch's mm backward tests strides of a (1, B) view, which it cannot do for a symbolic
-    batch; dpfx reports it instead of falling back."""
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(d_in=st.integers(1, 4), d_out=st.integers(1, 3),
+       extra=st.lists(st.integers(1, 3), max_size=1), batch=st.integers(0, 6), bias=st.booleans(),
+       reduction=st.sampled_from(["mean", "sum"]),
+       strategy=st.sampled_from(["auto", "materialize", "ghost"]))
+def test_width_one_hidden_layer_matches_reference(d_in, d_out, extra, batch, bias, reduction,
+                                                  strategy):
+    """A Linear fed one feature that needs a gradient used to fail capture on Eq(u0, 1) (issue
+    #11, Note [A Linear with one input feature] in traceable.py): fc2 is written as a broadcast
+    product, so its weight takes the sum rule; fc1, on data that needs no gradient, is untouched."""
+    torch._dynamo.reset()
+    model = MLP(d_in, 1, d_out, bias)
+    x = torch.randn(batch, *extra, d_in) * 3
+    y = torch.randn(batch, *extra, d_out)
+    C = 0.01
+    if batch:
+        assert clip_fraction(model, mse, x, y, C) > 0
+    expected = 4 if batch == 0 and reduction == "mean" else None
+    rules = check(model, mse, x, y, C=C, reduction=reduction, expected=expected,
+                  strategy=strategy)
+    # fc1's gradient is (1, B) @ (B, d_in); Inductor's CPU decompositions make it a sum for d_in 1.
+    assert rules["fc1.weight"] == (["sum"] if d_in == 1 else ["mm"])
+    assert rules["fc2.weight"] == ["sum"]
+
+
+def test_width_one_hidden_layer_through_inductor():
+    """The same through Inductor: one forward and one backward graph for every batch size."""
     model = MLP(3, 1, 2)
+    dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0, expected_batch_size=3)
+    for batch in (4, 0, 1, 3):
+        x, y = torch.randn(batch, 3) * 3, torch.randn(batch, 2)
+        if batch:
+            assert clip_fraction(model, mse, x, y, 0.01) > 0
+        want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.01, expected_batch_size=3)
+        assert_close(run_dpfx(dp, model, mse, x, y), want)
+    assert dp.compile_count == 2
+    assert {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}["fc2.weight"] == ["sum"]
+
+
+class OneColumnProduct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.w = nn.Parameter(torch.randn(1, 2))
+
+    def forward(self, x):
+        return self.fc(x) @ self.w
+
+
+def test_raw_product_of_one_column_is_a_clear_error():
+    """torch's mm backward tests a (B, 1) first operand's strides against the batch; a raw
+    ``h @ W`` is not rewritten (only F.linear is), so dpfx reports it and names the fix."""
+    model = OneColumnProduct()
     before = [p.detach().clone() for p in model.parameters()]
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
-    with pytest.raises(dpfx.CaptureError, match="symbolic batch size"):
+    with pytest.raises(dpfx.CaptureError, match=r"Eq\(u0, 1\).*broadcast `h \* W`"):
         dp(torch.randn(3, 3))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
-
 
 
 class BilinearModel(nn.Module):

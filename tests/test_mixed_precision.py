@@ -1,6 +1,6 @@
 """bf16 and fp16 parameters: every strategy's clipped sum is taken in float32 and the gradient
 comes back in the parameter's dtype. The ghost forms' book-keeping products used to mix a bf16
-operand with the float32 clip-scaled one and fail at run time (Note in rules.in_float32).
+operand with the float32 clip-scaled one and fail at run time (rules.at_least_float32).
 
 Reference: the float32 DP-SGD gradient of the same (bf16-rounded) weights and inputs. Tolerance:
 the bf16 forward and backward carry ~2^-8 relative error per op, so a few percent; clipping

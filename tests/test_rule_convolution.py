@@ -82,9 +82,9 @@ def labels(batch: int) -> torch.Tensor:
 def conv_configs(draw):
     """Conv constructor kwargs and an input shape, for a valid convolution of dim 1, 2 or 3.
     Kernel, stride and dilation differ per spatial dim; padding is an int, a per-dim tuple,
-    "same" (stride 1; asymmetric for even kernels) or "valid". Every output dim has size >= 2:
-    with the batch unbacked, aot_autograd cannot trace Linear's backward on a (B, 1) input
-    (GuardOnDataDependentSymNode on Eq(u0, 1), plain torch.compile too)."""
+    "same" (stride 1; asymmetric for even kernels) or "valid". Every output dim has size >= 2,
+    so the head never sees a single feature (test_one_channel_conv_into_linear_matches_reference
+    covers that case)."""
     dim = draw(st.sampled_from([1, 2, 3]))
 
     def per_dim(values):
@@ -373,3 +373,85 @@ def test_auto_takes_the_ghost_where_it_pays():
     assert [ghost[f"conv{i}.weight"].strategy for i in (1, 2, 3)] == ["ghost"] * 3
     assert ghost["conv1.weight"].form.startswith("|bmm")
     assert ghost["conv2.weight"].form.startswith("<Gram")
+
+
+# -- issue #11: a one-channel conv into a Linear; float64 ------------------------------------------
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(dim=st.sampled_from([1, 2]), in_ch=st.integers(1, 3), size=st.integers(2, 3),
+       batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
+       first_layer=st.booleans())
+def test_one_channel_conv_into_linear_matches_reference(dim, in_ch, size, batch, reduction,
+                                                        first_layer):
+    """A conv with one output channel and one output position flattens to one feature, and the
+    head's Linear(1, n) used to fail capture on Eq(u0, 1) (Note [A Linear with one input
+    feature] in traceable.py); the head's weight now takes the sum rule."""
+    torch._dynamo.reset()
+    x = torch.randn(batch, in_ch, *[size] * dim) * 3
+    y = labels(batch)
+    model = conv_classifier(CONV[dim](in_ch, 1, size), x, scale_input=not first_layer)
+    C = 1e-3
+    if batch:
+        assert clip_fraction(model, xent, x, y, C) > 0
+    expected = 3 if batch == 0 and reduction == "mean" else None
+    rules = check(model, x, y, C=C, reduction=reduction, expected=expected)
+    assert_conv_rule_fired(rules, bias=True)
+    assert rules["head.weight"] == ["sum"]
+
+
+F64 = dict(rtol=1e-9, atol=1e-12)   # float32 norms or clip factors are off by ~1e-6 relative
+
+
+def float64_cnn() -> nn.Module:
+    """Conv2d + GroupNorm + Linear in float64 on (B, 2, 6, 6): conv2 has P = 4 output positions,
+    where "auto" takes its ghost form (the book-keeping path issue #11 failed on)."""
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(2, 4, 3, padding=1), norm=nn.GroupNorm(2, 4), relu=nn.ReLU(),
+        conv2=nn.Conv2d(4, 8, 3, stride=2), flat=nn.Flatten(),
+        head=nn.Linear(8 * 2 * 2, N_CLASSES))).double()
+
+
+def check_float64(dp, model, x, y, *, C, reduction="mean", expected=None):
+    got = run_dpfx(dp, model, xent, x, y, reduction)
+    want = dp_sgd_grads(model, xent, x, y, max_grad_norm=C, loss_reduction=reduction,
+                        expected_batch_size=expected)
+    assert_close(got, want, **F64)   # also checks that every gradient is float64
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(strategy=st.sampled_from(["auto", "materialize", "ghost"]), batch=st.integers(0, 4),
+       reduction=st.sampled_from(["mean", "sum"]))
+def test_float64_cnn_matches_reference(strategy, batch, reduction):
+    """float64 gradients stay float64 from the per-sample norms to the output. The book-keeping
+    products used to cast the clip-scaled operand down to float32, and the verifier refused the
+    cast between clip_apply and clipped_sum (PrivacyError); the materialized norms were float32."""
+    torch._dynamo.reset()
+    model = float64_cnn()
+    x, y = torch.randn(batch, 2, 6, 6, dtype=torch.float64) * 3, labels(batch)
+    C = 1e-3
+    if batch:
+        assert clip_fraction(model, xent, x, y, C) > 0
+    expected = 3 if batch == 0 and reduction == "mean" else None
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=expected, backend="eager", strategy=strategy)
+    check_float64(dp, model, x, y, C=C, reduction=reduction, expected=expected)
+    strategies = {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}
+    if strategy == "auto":
+        assert strategies["conv2.weight"] == "ghost", strategies
+    else:
+        weights = ["conv1.weight", "conv2.weight", "head.weight"]
+        assert [strategies[w] for w in weights] == [strategy] * 3, strategies
+
+
+def test_float64_cnn_through_inductor():
+    """The float64 CNN under the default strategy through Inductor, one graph for B = 3, 0, 1."""
+    torch._dynamo.reset()
+    model = float64_cnn()
+    dp = dpfx.compile(model, max_grad_norm=1e-3, noise_multiplier=0.0, expected_batch_size=3)
+    for batch in (3, 0, 1):
+        x, y = torch.randn(batch, 2, 6, 6, dtype=torch.float64) * 3, labels(batch)
+        if batch:
+            assert clip_fraction(model, xent, x, y, 1e-3) > 0
+        check_float64(dp, model, x, y, C=1e-3, expected=3)
+    assert dp.compile_count == 2
+    strategies = {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}
+    assert strategies["conv2.weight"] == "ghost", strategies

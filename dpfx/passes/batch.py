@@ -158,6 +158,8 @@ class BatchAnalysis:
             if isinstance(parent, tuple) and isinstance(node.args[1], int):
                 return parent[node.args[1]]
             return self.from_shape(val)
+        if node.target is aten.cat.default:
+            return self._through_cat(node, val)
         src = node.args[0] if node.args else None
         src_layout = self.layouts.get(src) if isinstance(src, fx.Node) else None
         if isinstance(src_layout, BatchDim):
@@ -207,6 +209,29 @@ class BatchAnalysis:
             ):
                 return BatchDim(j, outer, inner)
         return Ambiguous(f"view {ins} -> {outs} splits or scrambles the batch dim")
+
+    def _through_cat(self, node: fx.Node, val: torch.Tensor) -> Layout:
+        """``cat`` along the dim that holds the batch (``torch.stack`` of per-step outputs, as
+        Inductor decomposes it): parts of sizes ``o_k * B * inner`` in that dim, all with the same
+        ``inner``, concatenate into ``(sum o_k) * B * inner``, the row-major flattening of
+        (sum o_k, B, inner). Along any other dim the layout is the parts' own."""
+        parts = [p for p in node.args[0] if isinstance(p, fx.Node)]
+        rank = val.dim()
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+        lays = [self.layouts.get(p) for p in parts]
+        if not all(isinstance(lay, BatchDim) and p.meta["val"].dim() == rank
+                   for p, lay in zip(parts, lays)) or len({lay.dim for lay in lays}) != 1:
+            return self._inherit(node, val)
+        if lays[0].dim != dim:
+            return self._inherit(node, val)
+        if len({lay.inner for lay in lays}) != 1:
+            return Ambiguous(f"{node.name} concatenates parts that flatten the batch differently")
+        outer = sympy.simplify(sum((lay.outer for lay in lays), sympy.Integer(0)))
+        expect = outer * self.batch * lays[0].inner
+        if not _equal(expect, self.shape(val)[dim]):
+            return Ambiguous(f"{node.name} concatenates along the batch dim with sizes that do "
+                             f"not add up to (outer, B, inner)")
+        return BatchDim(dim, outer, lays[0].inner)
 
     def _inherit(self, node: fx.Node, val: torch.Tensor) -> Layout:
         """Pointwise and other shape-preserving ops: take the layout of the input dim whose size

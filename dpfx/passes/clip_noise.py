@@ -13,7 +13,9 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
 ``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps.
 
-D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1.
+D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. Norms, clip factors
+and clipped sums are float32 for float32, bf16 and fp16 parameters, float64 where a clipping
+group has a float64 parameter (tests/test_rule_convolution.py::test_float64_cnn_matches_reference).
 
 Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and coefficient per
 group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at
@@ -127,18 +129,22 @@ def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> to
 
 
 def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
-    """f32[B]: the squared norm of each example's gradient of this parameter."""
+    """[B]: the squared norm of each example's gradient of this parameter, in float32 or wider."""
     if pg.strategy == "ghost":
-        sq = pg.ghost.norm_sq
-        if sq.meta["val"].dtype != torch.float32:
-            sq = emit(prims.convert_element_type.default, sq, torch.float32)
-        return sq
-    ps = pg.per_sample
-    if ps.meta["val"].dtype != torch.float32:
-        ps = emit(prims.convert_element_type.default, ps, torch.float32)
+        return _at_least_float32(pg.ghost.norm_sq, emit)
+    ps = _at_least_float32(pg.per_sample, emit)
     rank = ps.meta["val"].dim()
     sq = emit(aten.mul.Tensor, ps, ps)
     return emit(aten.sum.dim_IntList, sq, list(range(1, rank))) if rank > 1 else sq
+
+
+def _at_least_float32(node: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
+    # Norms of bf16/fp16 gradients are taken in float32; a float64 parameter's stay float64, so
+    # its clip factor is exact to float64 (the coefficient then promotes the clipped sums too).
+    dtype = torch.promote_types(node.meta["val"].dtype, torch.float32)
+    if node.meta["val"].dtype == dtype:
+        return node
+    return emit(prims.convert_element_type.default, node, dtype)
 
 
 def _clipped_sum(pg: ParamGrad, coef, batch, emit: Emitter) -> torch.fx.Node:
@@ -148,7 +154,7 @@ def _clipped_sum(pg: ParamGrad, coef, batch, emit: Emitter) -> torch.fx.Node:
         # movement the original graph applied between the frontier and the output.
         out = pg.ghost.clipped_sum(coef)
         for node in pg.chain:
-            if node.target is not prims.convert_element_type.default:   # float32 until output
+            if node.target is not prims.convert_element_type.default:   # wide until output
                 out = emit(node.target, out, *node.args[1:], **node.kwargs)
         return out
     rank = pg.per_sample.meta["val"].dim()

@@ -34,6 +34,7 @@ from ..rules.fallback import FallbackRefused
 from ..rules.lift import LiftRefused
 from .batch import BatchAnalysis
 from .emit import Emitter
+from .verify import module_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -91,7 +92,7 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
         try:
             if _plan_ghost(pg, ctx):
                 continue
-            pg.per_sample = _per_sample(pg.grad, pg, ctx, memo)
+            pg.per_sample = _by_lift_rules_or_chain(pg, ctx, memo)
             if pg.per_sample is None:
                 raise UnsupportedOpError(
                     f"parameter '{pg.name}': its gradient does not depend on the batch, so it "
@@ -106,7 +107,7 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
 # the frontier's ghost norm is the parameter's: data movement only (no add, no scaling), and
 # the dtype cast that low-precision decompositions end with (bf16 embedding backward
 # accumulates in float32, then casts). The book-keeping replay skips the cast: the clipped sum
-# stays float32 until the output (rules.in_float32).
+# stays float32 (or float64) until the output (rules.at_least_float32).
 _NORM_PRESERVING = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
@@ -174,6 +175,65 @@ def _frontier_rule(node: fx.Node, pg: ParamGrad, ctx: RewriteContext) -> rules.R
         f"the batch dim and {'; '.join(reasons)}; vmap-fallback: {why}. {HINT}")
 
 
+class _NoLift(UnsupportedOpError):
+    """A batch-free op on a gradient that no lift rule covers: the chain is then vmapped."""
+
+    def __init__(self, node: fx.Node, why: str):
+        super().__init__(why)
+        self.node, self.why = node, why
+
+
+def _by_lift_rules_or_chain(pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node | None:
+    """The per-sample gradient from the frontier and lift rules, else, where an op between the
+    frontier and the output has no lift rule, from vmap of that whole chain (Note [The vmap lift:
+    data-independent transforms of a weight] in rules/fallback.py)."""
+    try:
+        return _per_sample(pg.grad, pg, ctx, memo)
+    except _NoLift as e:
+        failed = e
+    chain, frontiers = _chain(pg, ctx, failed)
+    per_sample = {f: _per_sample(f, pg, ctx, memo) for f in frontiers}
+    try:
+        out = fallback.lift_chain(pg.grad, chain, per_sample, ctx)
+    except FallbackRefused as e:
+        raise UnsupportedOpError(
+            f"parameter '{pg.name}' is used through {module_of(failed.node)}: the op "
+            f"{_op_name(failed.node)} on its gradient has no lift rule ({failed.why}), and the "
+            f"vmap of the transform's backward does not apply: {e}. {HINT}") from None
+    found = [rules.find(f, ctx)[0] for f in frontiers]
+    pg.rules[:] = [r.name if r else fallback.fallback_rule(f).name
+                   for r, f in zip(found, frontiers)] + ["vmap-lift"]
+    return out
+
+
+def _chain(pg: ParamGrad, ctx: RewriteContext, failed: _NoLift):
+    """The batch-free, data-dependent nodes between the frontiers and ``pg.grad`` (in graph
+    order) and the frontiers themselves."""
+    an = ctx.analysis
+    chain, frontiers, seen, stack = [], [], set(), [pg.grad]
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in an.data_dependent:
+            continue
+        seen.add(node)
+        if any(an.is_batched(a) for a in _producer_inputs(node)):
+            frontiers.append(node)
+        elif node.op == "placeholder":
+            raise UnsupportedOpError(
+                f"parameter '{pg.name}' (used through {module_of(failed.node)}) receives the "
+                f"gradient of a forward output without a batch dim: a tensor computed from the "
+                f"parameter that the forward returns or stores, such as the weight that the "
+                f"deprecated nn.utils.weight_norm hook sets on its module. No example's share of "
+                f"that gradient can be told apart. Use torch.nn.utils.parametrizations."
+                f"weight_norm (or register_parametrization) instead, or do not return the "
+                f"transformed weight. {HINT}")
+        else:
+            chain.append(node)
+            stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(pg.grad.graph.nodes)}
+    return sorted(chain, key=order.__getitem__), sorted(frontiers, key=order.__getitem__)
+
+
 def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node | None:
     if node in memo:
         return memo[node]
@@ -199,9 +259,7 @@ def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.N
     else:
         lift = rules.LIFT.get(node.target)
         if lift is None:
-            raise UnsupportedOpError(
-                f"parameter '{pg.name}': op {node.target} ({node.name}) sits between the "
-                f"weight-gradient op and the gradient output and has no lift rule. {HINT}")
+            raise _NoLift(node, "no lift rule")
         ps_args = {}
         for a in node.all_input_nodes:
             ps = _per_sample(a, pg, ctx, memo)
@@ -210,8 +268,6 @@ def _per_sample(node: fx.Node, pg: ParamGrad, ctx: RewriteContext, memo) -> fx.N
         try:
             out = lift.lift(node, ps_args, ctx)
         except LiftRefused as e:
-            raise UnsupportedOpError(
-                f"parameter '{pg.name}': op {node.target} ({node.name}) on its gradient: {e}. "
-                f"{HINT}") from None
+            raise _NoLift(node, str(e)) from None
     memo[node] = out
     return out

@@ -77,6 +77,8 @@ def _dim_args(node: fx.Node) -> list:
             found.append(node.args[i])
         elif arg.name in node.kwargs:
             found.append(node.kwargs[arg.name])
+        elif arg.has_default_value() and arg.default_value is not None:
+            found.append(arg.default_value)   # unbind's dim=0, not "every dim"
         else:
             found.append("default")
     return found

@@ -29,21 +29,27 @@ import torch.fx as fx
 class Ghost:
     """A per-sample form that never builds (B, *grad.shape): the squared per-sample norms
     (ghost norm: Goodfellow 2015, Li et al. 2022) and a function that, given the clip
-    coefficients c (f32[B]), emits sum_i c_i * grad_i as one ordinary weight-gradient product
-    (book-keeping: Bu et al. 2023). The emitted product is tagged "clipped_sum" and the operand
-    scaled by c "clip_apply", which is what the verifier reads."""
+    coefficients c (f32[B]; f64[B] for float64 parameters), emits sum_i c_i * grad_i as one
+    ordinary weight-gradient product (book-keeping: Bu et al. 2023). The emitted product is
+    tagged "clipped_sum" and the operand scaled by c "clip_apply", which is what the verifier
+    reads."""
     norm_sq: fx.Node
     clipped_sum: Callable[[fx.Node], fx.Node]
 
 
-def in_float32(emit, *nodes: fx.Node) -> list[fx.Node]:
-    """The operands of a book-keeping product, in float32: the clip-scaled operand is float32
-    (c is), and the product stays there so that a bf16 or fp16 layer's clipped sum is exactly
-    as well bounded as a float32 one's: scaling in bf16 would round c_i up by as much as 2^-9
-    and let an example contribute more than C. The output is cast back to the parameter's
-    dtype once, after the noise (clip_noise._as_output)."""
-    return [n if n.meta["val"].dtype == torch.float32
-            else emit(torch.ops.prims.convert_element_type.default, n, torch.float32)
+def at_least_float32(emit, *nodes: fx.Node) -> list[fx.Node]:
+    """The operands of a book-keeping product, cast up to one dtype: the widest of float32 and
+    theirs. The clip-scaled operand already has it (c_i is float32, or float64 for a float64
+    parameter, and the product promotes), so it is never cast. A bf16 or fp16 layer's clipped sum
+    is then exactly as well bounded as a float32 one's: scaling in bf16 would round c_i up by as
+    much as 2^-9 and let an example contribute more than C. A float64 layer stays float64: a cast
+    down would lose precision and hide the clip-scaled operand from the verifier. The output is
+    cast to the parameter's dtype once, after the noise (clip_noise._as_output)."""
+    dtype = torch.float32
+    for n in nodes:
+        dtype = torch.promote_types(dtype, n.meta["val"].dtype)
+    return [n if n.meta["val"].dtype == dtype
+            else emit(torch.ops.prims.convert_element_type.default, n, dtype)
             for n in nodes]
 
 

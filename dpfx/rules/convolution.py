@@ -40,7 +40,7 @@ import operator
 import sympy
 import torch
 
-from . import Ghost, Rule, in_float32, register
+from . import Ghost, Rule, at_least_float32, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -299,7 +299,7 @@ def ghost_convolution(node, ctx) -> Ghost:
         coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
         scaled = emit(aten.mul.Tensor, args.grad_out, coef_b, tag="clip_apply")
         cb_args = list(cb.args)
-        scaled, cb_args[1], cb_args[2] = in_float32(emit, scaled, cb.args[1], cb.args[2])
+        scaled, cb_args[1], cb_args[2] = at_least_float32(emit, scaled, cb.args[1], cb.args[2])
         cb_args[0], cb_args[3], cb_args[10] = scaled, None, [False, True, False]
         weight_grad = emit(aten.convolution_backward.default, *cb_args, tag="clipped_sum")
         return emit(operator.getitem, weight_grad, WEIGHT)

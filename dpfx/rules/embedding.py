@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import Ghost, Rule, in_float32, register
+from . import Ghost, Rule, at_least_float32, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -219,9 +219,9 @@ def ghost_masked_put(node, ctx) -> Ghost:
     def clipped_sum(coef):
         coef_b = emit(aten.view.default, coef, [batch] + [1] * (val.dim() - 1))
         scaled = emit(aten.mul.Tensor, values, coef_b, tag="clip_apply")
-        base32, scaled = in_float32(emit, base, scaled)
-        return emit(aten._unsafe_masked_index_put_accumulate.default, base32, mask, [idx], scaled,
-                    tag="clipped_sum")
+        base_wide, scaled = at_least_float32(emit, base, scaled)
+        return emit(aten._unsafe_masked_index_put_accumulate.default, base_wide, mask, [idx],
+                    scaled, tag="clipped_sum")
 
     return Ghost(norm_sq, clipped_sum)
 

@@ -174,3 +174,83 @@ FALLBACK = Rule("vmap-fallback", (), check_vmap, rewrite_vmap, cost_vmap)
 def fallback_rule(node: fx.Node) -> Rule:
     """The fallback, named after the op it stands in for (what ``dpfx.explain`` shows)."""
     return dataclasses.replace(FALLBACK, name=f"vmap-fallback({node.target})")
+
+
+
+# Note [The vmap lift: data-independent transforms of a weight]
+# A weight used through a transform of the parameters alone (weight standardization
+# ``(w - w.mean()) / w.std()``, weight_norm's ``g * v / ||v||``, an orthogonal or user
+# parametrization) has gradient ``J_T(w)^T grad_w'``: the backward nodes between the frontiers
+# (``grad_w'``, sums over the batch) and the parameter's gradient output are the transform's VJP,
+# f(g_1, ..., g_k; c). Instead of one lift rule per op of every transform, when the lift rules do
+# not cover that chain the whole chain is replayed as ``vmap(f)`` over the frontiers' per-sample
+# forms, with its other inputs c unmapped.
+# - Private: row i of the vmap depends on row i of each frontier's per-sample form and on c only;
+#   ``chain_inputs`` proves every input of the chain other than the frontiers data-independent
+#   (no batch dim, not computed from the data), so row i is a function of example i's data alone.
+#   A batch-free input that does depend on the data (the gradient of a forward output without a
+#   batch dim, such as a weight that a forward pre-hook stores on the module) is refused.
+# - Exact: the rows sum to f(sum_i g_1i, ...) because f is linear in the g's: every backward
+#   formula is linear in the gradient it receives, the chain's other inputs are primal values, and
+#   the forward check proves that no batch-free saved tensor comes from the data. The chain must be
+#   replayed whole: single ops of it need not be linear (matrix_exp's backward concatenates the
+#   gradient with a constant block and exponentiates), only their composition is.
+# tests/test_weight_transforms.py checks the customers against torch.func.
+def chain_inputs(chain: list[fx.Node], frontiers: list[fx.Node], ctx) -> list[fx.Node]:
+    """The chain's inputs other than the frontiers, all proven data-independent tensors; raises
+    FallbackRefused naming the first that is not."""
+    an, inside = ctx.analysis, set(chain) | set(frontiers)
+    leaves = []
+    for n in chain:
+        for a in n.all_input_nodes:
+            if a in inside or a in leaves:
+                continue
+            if not isinstance(a.meta.get("val"), torch.Tensor):
+                raise FallbackRefused(f"an input of its backward, {a.name}, is a size computed "
+                                      f"in the graph")
+            if an.is_batched(a) or a in an.data_dependent:
+                raise FallbackRefused(f"an input of its backward, {a.name}, depends on the data")
+            leaves.append(a)
+    return leaves
+
+
+# Backward ops with neither a batching rule nor a decomposition: vmap would loop over the
+# (symbolic) batch. Written out here in batchable ops.
+def _weight_norm_backward(grad_w, v, g, norms, dim):
+    """w = g * v / ||v|| (the norm over every dim but ``dim``): torch's weight_norm backward."""
+    dims = [d for d in range(v.dim()) if d != dim % v.dim()]
+    grad_g = (grad_w * v).sum(dims, keepdim=True) / norms
+    grad_v = (g / norms) * (grad_w - v * (grad_g / norms))
+    return grad_v, grad_g
+
+
+_COMPOSITE = {aten._weight_norm_interface_backward.default: _weight_norm_backward}
+
+
+def lift_chain(out: fx.Node, chain: list[fx.Node], frontiers: dict[fx.Node, fx.Node], ctx):
+    """``vmap`` of the chain (topologically ordered nodes ending at ``out``) over the frontiers'
+    per-sample forms (example dim 0); its other inputs unmapped."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    decomps = select_decomp_table()
+    leaves = chain_inputs(chain, list(frontiers), ctx)
+    sources = list(frontiers) + leaves
+
+    def replay(*values):
+        env = dict(zip(sources, values))
+        for n in chain:
+            args, kwargs = map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__)
+            op = _COMPOSITE.get(n.target) or decomps.get(n.target)
+            value = NotImplemented if op is None else op(*args, **kwargs)
+            env[n] = n.target(*args, **kwargs) if value is NotImplemented else value
+        return env[out]
+
+    in_dims = (0,) * len(frontiers) + (None,) * len(leaves)
+    inputs = list(frontiers.values()) + leaves
+    try:
+        traced = _trace(torch.func.vmap(replay, in_dims=in_dims), inputs, ctx.emit.fake_mode)
+    except FallbackRefused as e:
+        ops = sorted({str(n.target) for n in chain if isinstance(n.target, torch._ops.OpOverload)})
+        raise FallbackRefused(f"torch cannot batch the transform's backward ({', '.join(ops)}) "
+                              f"over a symbolic batch size ({e})") from None
+    return _splice(traced, inputs, ctx.emit)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Ghost, Rule, in_float32, register
+from . import Ghost, Rule, at_least_float32, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -89,8 +89,8 @@ def ghost_mm(node, ctx) -> Ghost:
                       tag="clip_apply")
         rows = emit(aten.reshape.default, scaled, [emit.size(s) for s in
                                                    ctx.analysis.shape(b.meta["val"])])
-        a32, rows = in_float32(emit, a, rows)
-        return emit(aten.mm.default, a32, rows, tag="clipped_sum")
+        a_wide, rows = at_least_float32(emit, a, rows)
+        return emit(aten.mm.default, a_wide, rows, tag="clipped_sum")
 
     return Ghost(norm_sq, clipped_sum)
 
