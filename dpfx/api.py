@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import weakref
 
 import torch
@@ -99,7 +100,8 @@ class DPModule(torch.nn.Module):
             check_modules(self._orig_mod)
         backend.forward_ran = False
         try:
-            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
+            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
+                                            ignore_logging_functions=_skipped_logging()), \
                     traceable_torch(), _batch_marked(tensors):
                 out = self._dpfx_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -115,10 +117,7 @@ class DPModule(torch.nn.Module):
                 raise _symbolic_batch_error(e) from e
             raise
         except torch._dynamo.exc.Unsupported as e:
-            raise CaptureError(
-                f"the model's forward could not be captured as one graph (a graph break): "
-                f"{str(e).splitlines()[0]}. dpfx never runs part of a model outside its "
-                f"private graph; rewrite the construct named above.") from e
+            raise _graph_break_error(e) from e
         if training and not backend.forward_ran:
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
@@ -148,6 +147,55 @@ def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
             module.examples += module._pending_examples
             module._pending_examples = 0
     p.grad = None
+
+
+# Note [Logging inside the forward]
+# A logging.Logger call cannot be put in a graph, and dynamo breaks the graph on it, which dpfx must
+# refuse. Hugging Face models log from their forward (GPT-2 and BERT with gradient checkpointing
+# warn that use_cache is turned off), so while dpfx captures, dynamo skips the standard Logger
+# methods and transformers' ``warning_once`` / ``info_once``: the message is not printed during
+# the compiled run, and nothing else changes (a logging call returns None and computes nothing
+# the model uses). Plain torch.compile calls outside dpfx keep dynamo's default.
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+                   "warning_once", "info_once", "warning_advice")
+
+
+def _skipped_logging() -> set:
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
+               if hasattr(logging.Logger, name)}
+    return set(torch._dynamo.config.ignore_logging_functions) | methods
+
+
+def _graph_break_error(e: Exception) -> CaptureError:
+    """The graph break as the user needs it: what dynamo could not trace, why (for an exception
+    raised while tracing, the exception itself), and where in the user's code."""
+    lines = str(e).splitlines()
+
+    def field(name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in lines
+                     if line.strip().startswith(name + ":")), "")
+
+    what = lines[0].strip() if lines else type(e).__name__
+    why = field("Developer debug context") if what == "Observed exception" else field("Explanation")
+    where = []
+    if "from user code:" in lines:
+        for line in lines[lines.index("from user code:") + 1:]:
+            if not line.strip():
+                break
+            if not set(line.strip()) <= {"^", "~"}:
+                where.append("    " + line.strip())
+    hint = ""
+    if what.startswith("Attempted to call function marked as skipped") and (
+            "pack_padded_sequence" in why or "pad_packed_sequence" in why):
+        hint = (" Call nn.utils.rnn.pack_padded_sequence / pad_packed_sequence through the module "
+                "(a name imported with `from torch.nn.utils.rnn import ...` is torch's own, which "
+                "dynamo cannot trace; dpfx swaps the module's attribute during capture).")
+    return CaptureError(
+        f"the model's forward could not be captured as one graph (a graph break): {what}"
+        + (f": {why.rstrip('.')}" if why else "") + "."
+        + ("\n  in the model's code:\n" + "\n".join(where) + "\n" if where else " ")
+        + "dpfx never runs part of a model outside its private graph; rewrite that construct."
+        + hint)
 
 
 BATCH_SHAPE_ID = "dpfx_batch"

@@ -93,17 +93,19 @@ def loop_dp_sgd_grads(model, loss_fn, x, y, expected):
     return {k: v / expected for k, v in total.items()}, norms
 
 
-def check(model, loss_fn, x, y, backend="eager", expected=5):
+def check(model, loss_fn, x, y, backend="eager", expected=5, reference=None):
     """dpfx equals the reference for B = len(x), 0 and 1 through one compiled graph. B = 0 needs
     dpfx.traceable's explicit ``view(B, -1)``: traced as is, transformers' mask code leaves a
-    runtime assertion that the batch is not 0 in the graph."""
+    runtime assertion that the batch is not 0 in the graph. ``reference``: a model with the same
+    weights that computes the same function another way (without gradient checkpointing)."""
     model.train()
+    reference = reference or model
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=expected,
                       backend=backend)
     tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
     for batch in (x.shape[0], 0, 1):
         got = run_dpfx(dp, model, loss_fn, x[:batch], y[:batch])
-        want, norms = loop_dp_sgd_grads(model, loss_fn, x[:batch], y[:batch], expected)
+        want, norms = loop_dp_sgd_grads(reference, loss_fn, x[:batch], y[:batch], expected)
         assert all(n > C for n in norms), "clipping must bite on every example"
         if batch == 0:
             assert all(torch.count_nonzero(g) == 0 for g in got.values())
@@ -138,6 +140,40 @@ def test_bert_classifier(attn):
     rules = check(model, xent, x, torch.randint(0, 3, (3,)))
     assert rules["model.bert.embeddings.word_embeddings.weight"] == ["embedding"], rules
     assert rules["model.classifier.weight"] == ["mm"], rules
+
+
+def checkpointed(make):
+    """A model with HF gradient checkpointing on, and one with the same weights without it."""
+    torch.manual_seed(0)
+    model = make()
+    model.model.gradient_checkpointing_enable()
+    torch.manual_seed(0)
+    return model, make()
+
+
+class GPT2LogitsDefaultCache(LMLogits):
+    """use_cache left at its default: with checkpointing in training, GPT-2 logs that it turns the
+    cache off (a logger call inside the forward)."""
+
+    def forward(self, x):
+        return self.model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+
+
+def test_gpt2_gradient_checkpointing():
+    """``gradient_checkpointing_enable()`` (torch.utils.checkpoint around every block, captured as
+    dynamo's checkpoint region): the same DP-SGD gradient as the model without it; the logger
+    warning inside the forward does not break the graph."""
+    model, plain = checkpointed(lambda: GPT2LogitsDefaultCache("sdpa"))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    x = inputs(3, padded=False)
+    rules = check(model, lm_loss, x, torch.randint(0, VOCAB, (3, T)), reference=plain)
+    assert rules["model.transformer.h.1.mlp.c_fc.weight"] == ["mm"], rules
+
+
+def test_bert_gradient_checkpointing():
+    model, plain = checkpointed(lambda: ClassifierLogits("eager"))
+    x = inputs(3, padded=True)
+    check(model, xent, x, torch.randint(0, 3, (3,)), reference=plain)
 
 
 @pytest.mark.slow

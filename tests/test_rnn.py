@@ -283,8 +283,21 @@ def test_pad_packed_sequence_needs_total_length():
     dp = dpfx.compile(NoTotal(), max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     with pytest.raises(dpfx.CaptureError) as e:
         dp(torch.randn(2, 3, 3), torch.tensor([3, 2]))
-    # dynamo reports the stand-in's ValueError as the cause of its graph break
-    assert "pad_packed_sequence needs total_length=3" in str(e.value.__cause__)
+    # the stand-in's ValueError reaches the user in the message, with the line that raised it
+    assert "pad_packed_sequence needs total_length=3" in str(e.value)
+    assert "in forward" in str(e.value) and "pad_packed_sequence(self.rnn" in str(e.value)
+
+
+def test_directly_imported_pack_padded_sequence_is_refused_with_the_fix():
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Imported(PackedLSTM):
+        def forward(self, x, lengths):
+            return self.rnn(pack_padded_sequence(x, lengths, batch_first=True))[1][0][-1]
+
+    dp = dpfx.compile(Imported(), max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(dpfx.CaptureError, match=r"(?s)pack_padded_sequence.*through the module"):
+        dp(torch.randn(2, 3, 3), torch.tensor([3, 2]))
 
 
 def test_dropout_between_layers_trains_privately():
