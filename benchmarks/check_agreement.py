@@ -37,11 +37,14 @@ def main() -> None:
             model, x, y = models.build(name, args.batch)
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
             try:
-                methods.make(meth, model, args.batch, x, y).step(x, y)
+                method = methods.make(meth, model, args.batch, x, y)
+                method.step(x, y)
             except Exception as e:
                 print(f"{name:10s} {meth:16s} fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
                 continue
-            delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+            # Opacus trains a converted copy (nn.LSTM -> DPLSTM), whose state_dict keeps the names
+            after = (method.model or model).state_dict()
+            delta = {k: before[k] - after[k].detach() for k in before}
             if ref is None:
                 ref = delta
                 continue

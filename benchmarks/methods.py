@@ -28,6 +28,7 @@ LR = 0.01
 class Method:
     step: Callable[[torch.Tensor, torch.Tensor], None]
     compiles: Optional[Callable[[], int]] = None   # None: not applicable (eager)
+    model: Optional[nn.Module] = None   # the module it trains, when not the one it was given
 
 
 def unique_graphs() -> int:
@@ -69,8 +70,11 @@ def nonprivate_compile(model: nn.Module, B: int) -> Method:
 
 def _opacus(model: nn.Module, B: int, mode: str, x_example, y_example):
     from opacus import PrivacyEngine
+    from opacus.validators import ModuleValidator
     from torch.utils.data import DataLoader, TensorDataset
 
+    if not ModuleValidator.is_valid(model):
+        model = ModuleValidator.fix(model)   # nn.LSTM -> Opacus's DPLSTM, same weights
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     # A loader over one batch of B examples: sample rate 1, so Opacus's expected batch size is B.
     loader = DataLoader(TensorDataset(x_example, y_example), batch_size=B)
@@ -80,27 +84,27 @@ def _opacus(model: nn.Module, B: int, mode: str, x_example, y_example):
                   loss_reduction="mean")
     if mode == "ghost":
         kwargs["criterion"] = nn.CrossEntropyLoss(reduction="mean")
-        return engine.make_private(**kwargs)[:3]
+        return (*engine.make_private(**kwargs)[:3], model)
     gsm, dp_opt, _ = engine.make_private(**kwargs)
-    return gsm, dp_opt, None
+    return gsm, dp_opt, None, model
 
 
 def opacus_hooks(model: nn.Module, B: int, x, y) -> Method:
-    gsm, opt, _ = _opacus(model, B, "hooks", x, y)
+    gsm, opt, _, trained = _opacus(model, B, "hooks", x, y)
 
     def step(x, y):
         loss_fn(gsm(x), y).backward()
         opt.step()                      # clip per-sample grads, add noise, scale, SGD
         opt.zero_grad(set_to_none=True)  # also clears grad_sample
 
-    return Method(step)
+    return Method(step, model=trained)
 
 
 def opacus_ghost(model: nn.Module, B: int, x, y) -> Method:
     """Ghost clipping: the wrapped criterion's loss.backward() runs two backward passes (per-sample
     norms without per-sample gradients, then the clipped, reweighted sum); the optimizer adds
     noise and scales."""
-    gsm, opt, criterion = _opacus(model, B, "ghost", x, y)
+    gsm, opt, criterion, trained = _opacus(model, B, "ghost", x, y)
 
     def step(x, y):
         out = gsm(x)
@@ -112,7 +116,7 @@ def opacus_ghost(model: nn.Module, B: int, x, y) -> Method:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Method(step)
+    return Method(step, model=trained)
 
 
 # --- torch.func ---------------------------------------------------------------------------------

@@ -96,6 +96,23 @@ class EmbeddingBag(nn.Module):
         return self.fc(self.emb(idx).mean(1))
 
 
+class LSTMClassifier(nn.Module):
+    """Text classifier: Embedding(10000, 64) on (B, 32) token ids, a stock nn.LSTM(64, 128,
+    batch_first), Linear(128, 2) on the last hidden state. Opacus cannot train nn.LSTM: its
+    methods get the model after ``ModuleValidator.fix``, which swaps in Opacus's DPLSTM with the
+    same weights. dpfx and the other methods train the nn.LSTM as it is."""
+
+    def __init__(self, vocab=10000, d=64, hidden=128, n_classes=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, n_classes)
+
+    def forward(self, idx):
+        _, (h, _) = self.lstm(self.emb(idx))
+        return self.fc(h[-1])
+
+
 def _mlp_data(B, g):
     return torch.randn(B, 64, generator=g), torch.randint(0, 10, (B,), generator=g)
 
@@ -117,12 +134,18 @@ def _emb_data(B, g):
     return torch.randint(0, 20000, (B, 32), generator=g), torch.randint(0, 10, (B,), generator=g)
 
 
+def _lstm_data(B, g):
+    return torch.randint(0, 10000, (B, 32), generator=g), torch.randint(0, 2, (B,), generator=g)
+
+
 # name -> (constructor, data(B, generator), full-run batch sizes, short description)
 MODELS = {
     "mlp": (MLP, _mlp_data, (64, 256), "MLP 64-512-512-10, input (B, 64)"),
     "cnn": (CNN, _cnn_data, (32, 64), "3-conv GroupNorm CNN on 3x32x32"),
     "gpt": (GPT, _gpt_data, (16, 32), "2-layer GPT, d=128, T=64, 4 heads, vocab 256"),
     "embedding": (EmbeddingBag, _emb_data, (64, 256), "Embedding(20000, 64) on (B, 32) -> mean -> Linear"),
+    "lstm": (LSTMClassifier, _lstm_data, (32, 64),
+             "LSTM text classifier: Embedding(10000, 64), nn.LSTM(64, 128), T=32, Linear(128, 2)"),
 }
 
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import logging
 import weakref
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -47,13 +49,15 @@ class DPModule(torch.nn.Module):
         backend = DPBackend(model, config)
         object.__setattr__(self, "_dpfx_backend", backend)
         object.__setattr__(self, "_dpfx_compiled",
-                           torch.compile(model, backend=backend, fullgraph=True))
+                           torch.compile(_own_entry(model), backend=backend, fullgraph=True))
         # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
         # (Note [Clipped sums stay out of p.grad]).
         self.clipped_sums: dict[str, torch.Tensor] = {}
         self.examples = 0            # examples in the accumulated backward passes
         self._pending_examples = 0   # examples of forwards whose backward has not run yet
         self._hooks = []
+        self._grad_guards: dict[str, Any] = {}   # Note [Every gradient a parameter receives is dpfx's]
+        weakref.finalize(self, _remove_hooks, self._grad_guards)
         if config.noise == "optimizer":
             for name, p in model.named_parameters():
                 if p.requires_grad:
@@ -124,7 +128,60 @@ class DPModule(torch.nn.Module):
                 "to eager); the gradients would not be private")
         if training:
             self._pending_examples = batch
+            self._guard_gradients()
         return out
+
+    # Note [Every gradient a parameter receives is dpfx's]
+    # The graph proof covers the graph; what reaches p.grad is autograd's sum of every
+    # contribution to the parameter's gradient in that backward. After the first training
+    # forward, every trainable parameter gets a tensor hook, which autograd calls with that total
+    # before accumulating it:
+    # - a parameter the graph does not read (used by the loss or another module outside the
+    #   compiled forward, or by code dynamo ran outside dpfx's graph) must get no gradient at all;
+    # - in a backward that ran dpfx's graph, a parameter the graph reads must get exactly the
+    #   tensor dpfx's backward produced for it (identity: one contribution is passed through
+    #   unchanged; a second one, such as a regularizer on the weight written in the loss, makes
+    #   autograd pass a fresh sum).
+    # Either failure raises a PrivacyError before that gradient is accumulated. A backward that
+    # never ran dpfx's graph (plain autograd on the raw model) is not dpfx's business and is left
+    # alone, and so is a parameter the model does not use.
+    def _guard_gradients(self) -> None:
+        backend = self._dpfx_backend
+        if backend.graph_params is None:
+            return
+        for name, p in self._orig_mod.named_parameters():
+            if p.requires_grad and name not in self._grad_guards:
+                self._grad_guards[name] = p.register_hook(
+                    functools.partial(_check_gradient, weakref.ref(backend), name))
+
+
+def _remove_hooks(handles: dict) -> None:
+    for handle in handles.values():
+        handle.remove()
+
+
+def _check_gradient(backend_ref, name: str, grad: torch.Tensor) -> None:
+    backend = backend_ref()
+    if backend is None:
+        return
+    if name not in backend.graph_params:
+        raise PrivacyError(
+            f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read it: "
+            f"it is used outside the dpfx-compiled module (by the loss or another module), or by "
+            f"code that ran outside dpfx's graph. That gradient would be neither clipped nor "
+            f"noised. Use every trainable parameter inside the compiled module's forward, or "
+            f"freeze it (requires_grad=False). Gradients of this backward may be partly written: "
+            f"zero them before the next step.")
+    if torch._C._current_graph_task_id() != backend.last_graph_task:
+        return
+    if backend.produced.pop(name, None) is not grad:
+        raise PrivacyError(
+            f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
+            f"produced: it is also used outside the dpfx-compiled module in this backward (a "
+            f"regularizer on the weight in the loss, or another module sharing it), and autograd "
+            f"would add that plain gradient to the clipped, noised one. Move that use into the "
+            f"compiled module's forward, or detach it. Gradients of this backward may be partly "
+            f"written: zero them before the next step.")
 
 
 # Note [Clipped sums stay out of p.grad]
@@ -132,6 +189,21 @@ class DPModule(torch.nn.Module):
 # DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
 # dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
 # finds no gradient at all (it skips the parameter) instead of an un-noised one.
+def _remove_hooks(handles: dict) -> None:
+    for handle in handles.values():
+        handle.remove()
+
+
+def _refuse_outside_gradient(name: str, grad: torch.Tensor) -> None:
+    raise PrivacyError(
+        f"parameter '{name}' received a gradient that did not come through dpfx's compiled "
+        f"graph (the model's forward did not read it there: it is used outside the dpfx-compiled "
+        f"module, e.g. by the loss or another module, or by code that ran outside dpfx's graph). "
+        f"That gradient would be neither clipped nor noised. Use every trainable parameter inside "
+        f"the compiled module's forward, or freeze it (requires_grad=False). Gradients of this "
+        f"backward may be partly written: zero them before the next step.")
+
+
 def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
     module = module_ref()
     if module is None or p.grad is None:
@@ -147,6 +219,28 @@ def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
             module.examples += module._pending_examples
             module._pending_examples = 0
     p.grad = None
+
+
+# Note [dpfx's own entry frame]
+# dynamo keeps its compiled code per Python code object and does not tell backends apart when it
+# looks a frame up. Compiled as ``torch.compile(model)``, the first frame dynamo traces is the
+# model class's ``forward``: if a plain torch.compile of another instance of that class ran first
+# (and broke its graph at a layer dpfx makes traceable, nn.LSTM), dynamo served dpfx's call from
+# that entry, ran part of the model in the plain graph (gradients never clipped) and handed dpfx
+# only the frame after the break. dpfx therefore compiles a function whose code object is its own:
+# a copy made for each DPModule, which no other compile has seen, that calls the model. dynamo
+# starts there and, with fullgraph=True, inlines everything below it into dpfx's one graph,
+# consulting no other cache entry (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
+_ENTRIES = itertools.count()
+
+
+def _own_entry(model: torch.nn.Module):
+    def dpfx_forward(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    dpfx_forward.__code__ = dpfx_forward.__code__.replace(
+        co_name=f"dpfx_forward_{next(_ENTRIES)}")
+    return dpfx_forward
 
 
 # Note [Logging inside the forward]

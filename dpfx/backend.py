@@ -43,7 +43,8 @@ class DPBackend:
         self._forward: dict[Any, ForwardInfo] = {}
         self.forward_ran = False
         self.compiles = 0
-        self._last_graph_task = -1
+        self.last_graph_task = -1
+        self.produced: dict[str, torch.Tensor] = {}  # the last backward's gradient per parameter
         self._checks: dict[Any, GraphCheck] = {}
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
@@ -53,10 +54,13 @@ class DPBackend:
         if config.seed is not None:
             self._generator = torch.Generator().manual_seed(config.seed)
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
+        self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         self._input_kinds = [self._kind(x) for x in example_inputs]
+        self.graph_params = {k[len("param:"):] for k in self._input_kinds
+                             if k.startswith("param:")}
         # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
         # at the first forward, not suppressed until (or skipped before) the first backward.
         with torch._functorch.config.patch(enable_autograd_cache=False,
@@ -169,10 +173,19 @@ class DPBackend:
             # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
             check.compare_backward = not native_noise or self.config.noise == "optimizer"
 
+        zero_tangents = self.last_backward.zero_tangents
+        positions = {pg.name: pg.output_index for pg in self.param_grads}
+
+        def produced(outs):
+            # for api._check_gradient: Note [Every gradient a parameter receives is dpfx's]
+            self.produced = {name: outs[i] for name, i in positions.items()}
+            return outs
+
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
                 self._one_forward_per_backward()
-                return compiled(args)
+                _check_zero_tangents(args, zero_tangents)
+                return produced(compiled(args))
 
             run_deferred._boxed_call = True
             return run_deferred
@@ -187,6 +200,7 @@ class DPBackend:
 
         def run_backward(args):
             self._one_forward_per_backward()
+            _check_zero_tangents(args, zero_tangents)
             if self._generator is None:
                 step_seed = secrets.randbits(62)
             else:
@@ -196,7 +210,7 @@ class DPBackend:
             saved = generator.get_state()
             generator.manual_seed(step_seed)
             try:
-                return compiled(args)
+                return produced(compiled(args))
             finally:
                 generator.set_state(saved)
 
@@ -214,7 +228,7 @@ class DPBackend:
     # (tests/test_inputs.py::test_two_forwards_one_backward_refused)
     def _one_forward_per_backward(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task != -1 and task == self._last_graph_task:
+        if task != -1 and task == self.last_graph_task:
             raise PrivacyError(
                 "two forwards of one dpfx model reached a single backward (e.g. dp(a) + dp(b), "
                 "a siamese net, two augmented views): each forward would be clipped on its own, "
@@ -223,7 +237,7 @@ class DPBackend:
                 "(forward(a, b) returning both outputs) so every use of a parameter is clipped "
                 "together, or call backward once per forward (each is then its own DP step). "
                 "Zero the gradients before retrying: the first forward's have been written.")
-        self._last_graph_task = task
+        self.last_graph_task = task
 
     def _checking(self) -> bool:
         return self.config.self_check and self.config.backend == "inductor" \
@@ -240,6 +254,21 @@ class DPBackend:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", stage)
         with open(os.path.join(directory, f"{self.compiles:03d}_{safe}.txt"), "w") as f:
             f.write(text)
+
+
+def _check_zero_tangents(args, positions: list[int]) -> None:
+    """Note [Batch-free forward outputs: gradient zero or refused] in passes/__init__.py."""
+    for i in positions:
+        t = args[i]
+        if isinstance(t, torch.Tensor) and t.numel() and bool(t.ne(0).any()):
+            raise PrivacyError(
+                "a forward output without a batch dim, computed from parameters, received a "
+                "nonzero gradient: a tensor the forward returns or stores on a module (such as "
+                "the weight the deprecated nn.utils.weight_norm hook sets each forward) was used "
+                "by the loss outside the dpfx-compiled module. No example's share of that "
+                "gradient can be told apart, so it cannot be clipped. Compute such terms inside "
+                "the module's forward from the data, or use "
+                "torch.nn.utils.parametrizations.weight_norm. No gradient was written.")
 
 
 def _input_index(node: fx.Node) -> int | None:

@@ -114,3 +114,89 @@ def test_one_module_for_both_views_is_exact(backend):
     got = run_dpfx_multi(dp, model, mse, (a, b), y)
     assert_close(got, loop_dp_sgd_grads(model, mse, (a, b), y, max_grad_norm=0.05),
                  rtol=1e-4, atol=1e-6)
+
+
+class EmbeddingLSTM(nn.Module):
+    """Plain torch.compile breaks its graph at the nn.LSTM (dynamo does not trace RNN modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 4)
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, ids):
+        return self.fc(self.lstm(self.emb(ids))[1][0][-1])
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_plain_compile_of_the_same_class_first(backend):
+    """dynamo caches compiled code per code object, whatever the backend: after a plain
+    torch.compile of another EmbeddingLSTM, dpfx's call was served the plain graph for the
+    embedding (never clipped) and given only the LSTM frame. dpfx's own entry frame (Note [dpfx's
+    own entry frame] in api.py) keeps the whole model in its graph: exact, every parameter with
+    its rule."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 30, (4, 6)), torch.arange(4) % 3
+    plain = torch.compile(EmbeddingLSTM())
+    F.cross_entropy(plain(ids), y).backward()
+    model = EmbeddingLSTM()
+    dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0, backend=backend)
+    for batch in (4, 1):
+        got = run_dpfx_multi(dp, model, F.cross_entropy, (ids[:batch],), y[:batch])
+        want = loop_dp_sgd_grads(model, F.cross_entropy, (ids[:batch],), y[:batch],
+                                 max_grad_norm=0.01)
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+    rules = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+    assert rules["emb.weight"] == ["embedding"], rules
+    assert set(rules) == {n for n, _ in model.named_parameters()}
+    assert dp.compile_count == 2
+
+
+def test_gradient_from_outside_the_graph_refused():
+    """A trainable parameter the compiled forward does not read but the loss does: its gradient
+    would be plain. Refused when autograd computes it (Note [Every gradient a parameter receives
+    is dpfx's] in api.py); an unused parameter trips nothing."""
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare, self.unused = nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model = WithSpare()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    x, y = torch.randn(5, 4), torch.arange(5) % 3
+    F.cross_entropy(dp(x), y).backward()
+    assert model.body.weight.grad is not None and model.unused.weight.grad is None
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(dpfx.PrivacyError, match=r"parameter 'spare\.(weight|bias)' received a gradient, "
+                                                r"but dpfx's compiled graph does not read it"):
+        F.cross_entropy(model.spare(dp(x)), y).backward()
+    assert model.spare.weight.grad is None and model.spare.bias.grad is None
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_second_use_outside_the_graph_refused(backend):
+    """A parameter the graph reads and the loss uses as well: autograd would add the plain
+    gradient of the second use to dpfx's private one. Refused before accumulation; plain autograd
+    on the raw model (a backward that never ran dpfx's graph) is left alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend=backend)
+    x, y = torch.randn(5, 4), torch.arange(5) % 3
+    F.cross_entropy(dp(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(dpfx.PrivacyError, match=r"parameter '2\.weight' received a gradient "
+                                                r"beyond the private one"):
+        (F.cross_entropy(dp(x), y) + (model[2].weight * x.mean()).sum()).backward()
+    assert model[2].weight.grad is None
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()   # non-private by the caller's choice: not dpfx's
+    assert model[2].weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(dp(x), y).backward()      # and dpfx's next step is fine
+    assert all(p.grad is not None for p in model.parameters())

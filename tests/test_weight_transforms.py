@@ -10,6 +10,7 @@ graph. Transforms that cannot be handled are refused with the parameter and the 
 """
 import pytest
 import torch
+from hypothesis import Phase, given, settings, strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize, parametrizations
@@ -133,26 +134,95 @@ def test_weight_norm_inductor():
     check(model, *vectors(), expected=4, backend="inductor")
 
 
-def test_old_weight_norm_hook_is_refused_with_the_fix():
+def old_weight_norm_model():
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     with pytest.warns(FutureWarning):
         nn.utils.weight_norm(model[0])
+    return model
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_old_weight_norm_hook(backend):
+    """The deprecated hook stores g * v / ||v|| on the module each forward; dynamo returns it as a
+    batch-free output whose tangent (zeros: nothing uses the stored weight) is added to the
+    weight's gradient. dpfx drops that add and checks the tangent is zero at run time (Note
+    [Batch-free forward outputs: gradient zero or refused])."""
+    fired = check(old_weight_norm_model(), *vectors(), reduction="sum", backend=backend)
+    assert fired["0.weight_g"] == ["mm", "vmap-lift"]
+    assert fired["0.weight_v"] == ["mm", "vmap-lift"]
+
+
+def test_old_weight_norm_hook_refuses_a_loss_on_the_stored_weight():
+    """A regularizer on the stored weight sends it a nonzero gradient that belongs to no
+    example: the step is refused before any gradient is written."""
+    model = old_weight_norm_model()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     x, y = vectors()
-    with pytest.raises(dpfx.UnsupportedOpError,
-                       match=r"parameter '0\.weight_(g|v)'.*nn\.utils\.weight_norm.*"
-                             r"parametrizations\.weight_norm"):
-        xent(dp(x), y).backward()
+    with pytest.raises(dpfx.PrivacyError, match=r"without a batch dim.*nonzero gradient.*"
+                                                r"nn\.utils\.weight_norm"):
+        (xent(dp(x), y) + model[0].weight.pow(2).sum()).backward()
+    assert all(p.grad is None for p in model.parameters())
+    xent(dp(x), y).backward()     # the same graph still trains without the regularizer
+    assert all(p.grad is not None for p in model.parameters())
 
 
-def test_orthogonal_is_refused_naming_parameter_and_construct():
-    """torch's matrix_exp cannot be batched over a symbolic batch size (its backward
-    exponentiates a block matrix holding the gradient)."""
+def transformed(kind: str, d_in: int, d_out: int) -> nn.Module:
+    """A Linear(d_in, d_out) -> tanh -> Linear(d_out, 3) whose first weight is transformed."""
+    first = nn.Linear(d_in, d_out)
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(d_out, 3))
+    if kind == "standardized":
+        model[0] = StandardizedRows(d_in, d_out)
+    elif kind.startswith("weight_norm"):
+        parametrizations.weight_norm(first, dim=int(kind[-1]))
+    elif kind == "old_hook":
+        with pytest.warns(FutureWarning):
+            nn.utils.weight_norm(first)
+    else:
+        parametrize.register_parametrization(first, "weight", CenteredUnitRows())
+    return model
+
+
+class StandardizedRows(nn.Linear):
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean(1, keepdim=True)) / (w.std(1, keepdim=True) + 1e-5)
+        return F.linear(x, w, self.bias)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          phases=[Phase.explicit, Phase.generate])
+@given(kind=st.sampled_from(["standardized", "weight_norm0", "weight_norm1", "old_hook",
+                             "user"]),
+       d_in=st.integers(2, 5), d_out=st.integers(2, 5), batch=st.integers(2, 5),
+       config=st.sampled_from([("mean", None), ("sum", None), ("mean", 4)]))
+def test_transforms_hypothesis(kind, d_in, d_out, batch, config):
+    """Every transform, shapes and batch sizes that collide with the feature dims (batch 0 and 1
+    too, through the same graph), both reductions, clipping that bites."""
+    torch.manual_seed(0)
+    model = transformed(kind, d_in, d_out)
+    g = torch.Generator().manual_seed(batch)
+    x, y = torch.randn(batch, d_in, generator=g) * 3, torch.arange(batch) % 3
+    fired = check(model, x, y, reduction=config[0], expected=config[1])
+    assert any("vmap-lift" in rules for rules in fired.values()), fired
+
+
+@pytest.mark.parametrize("orthogonal_map, code", [
+    ("matrix_exp", r"torch\.matrix_exp\(A\)"), ("cayley", r"torch\.linalg\.solve\("),
+    ("householder", r"torch\.linalg\.householder_product\(A, tau\)")])
+def test_orthogonal_is_refused_naming_parameter_and_construct(orthogonal_map, code):
+    """torch cannot vmap these backwards over a symbolic batch size: matrix_exp's exponentiates a
+    block matrix holding the gradient, lu_solve's and householder_product's guard on the batch."""
+    torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
-    parametrizations.orthogonal(model[0])
+    parametrizations.orthogonal(model[0], orthogonal_map=orthogonal_map)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     x, y = torch.randn(4, 3), torch.arange(4) % 2
     with pytest.raises(dpfx.UnsupportedOpError,
-                       match=r"parameter '0\.parametrizations\.weight\.original' is used through "
-                             r"code `Q = torch\.matrix_exp\(A\)`"):
+                       match=r"parameter '0\.parametrizations\.weight\.original' \(the original "
+                             r"of the parametrization on '0\.weight'.*\) is used through code "
+                             r"`Q = " + code):
         xent(dp(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -51,6 +51,8 @@ class BackwardResult:
     analysis: BatchAnalysis
     grads: list[ParamGrad]
     private: dict[str, fx.Node]
+    # positions (among the graph's inputs) of batch-free tangents that must be zero at run time
+    zero_tangents: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -102,19 +104,20 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     seeds = dict(fw.layouts)
     for ph, out_idx in tangent_outputs.items():
         seeds[ph] = fw.output_layouts[out_idx] if out_idx < len(fw.output_layouts) else None
+    zero_tangents = _assume_zero_tangents(gm, {ph for ph in tangent_outputs if seeds[ph] is None})
     an = BatchAnalysis(gm.graph, fw.batch_symbols, seeds,
                        data_sources={n for n in gm.graph.find_nodes(op="placeholder")
                                      if n.name in tangent_outputs})
     emit = Emitter(gm.graph, fake_mode, an, before=output)
     grads = [ParamGrad(name, i, outs[i]) for i, name in sorted(param_outputs.items())]
     if not grads:
-        return BackwardResult(gm, an, grads, {})
+        return BackwardResult(gm, an, grads, {}, zero_tangents)
 
     errors = [] if problems is not None else None
     rewrite_per_sample(RewriteContext(an, emit, config.strategy), grads, errors)
     if errors:
         problems.extend(Problem("unsupported", str(e)) for e in errors)
-        return BackwardResult(gm, an, grads, {})
+        return BackwardResult(gm, an, grads, {}, zero_tangents)
     stages.record("backward.per_sample", gm, fw.batch_symbols, names)
     private = insert_clip_and_noise(emit, grads, config, device, norm_sink)
     for pg in grads:
@@ -127,7 +130,46 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
 
     verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
     gm.graph.lint()
-    return BackwardResult(gm, an, grads, private)
+    return BackwardResult(gm, an, grads, private, zero_tangents)
+
+
+# Note [Batch-free forward outputs: gradient zero or refused]
+# A forward output without a batch dim that is computed from parameters (the weight that the
+# deprecated nn.utils.weight_norm hook stores on its module each forward, which dynamo returns so
+# it can set the attribute) gets a tangent in the backward, added to the gradient of that tensor's
+# uses inside the graph. Its value is whatever the loss does with the output outside dpfx; no
+# example's share of it can be told apart, so it cannot be clipped. In a normal step nothing uses
+# the stored weight and autograd feeds zeros. dpfx drops ``add(tangent, x)`` to ``x`` (exact when
+# the tangent is zero) and the backend checks at run time, before the graph runs, that every such
+# tangent is zero, refusing the step with a PrivacyError otherwise (a regularizer on the stored
+# weight, say). A batch-free tangent used any other way stays in the graph and is refused while
+# compiling (per_sample._chain).
+def _assume_zero_tangents(gm: fx.GraphModule, batch_free: set[str]) -> list[int]:
+    """Drop the batch-free tangents that only feed ``add``s of their own shape; returns their
+    positions among the graph's inputs (to be checked zero at run time)."""
+    positions = []
+    for pos, ph in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = ph.meta.get("val")
+        if ph.name not in batch_free or not ph.users or not isinstance(val, torch.Tensor):
+            continue
+        adds = list(ph.users)
+        if not all(a.target == torch.ops.aten.add.Tensor and len(a.args) == 2 and not a.kwargs
+                   and a.args[0] is not a.args[1] and isinstance(a.args[0], fx.Node)
+                   and isinstance(a.args[1], fx.Node)
+                   and a.args[0].meta.get("val") is not None
+                   and a.args[1].meta.get("val") is not None
+                   and a.args[0].meta["val"].shape == a.args[1].meta["val"].shape
+                   and a.args[0].meta["val"].dtype == a.args[1].meta["val"].dtype
+                   for a in adds):
+            continue
+        for a in adds:
+            other = a.args[1] if a.args[0] is ph else a.args[0]
+            a.replace_all_uses_with(other)
+            gm.graph.erase_node(a)
+        positions.append(pos)
+    if positions:
+        gm.recompile()
+    return positions
 
 
 def _drop_dead_convolution_outputs(graph: fx.Graph) -> None:

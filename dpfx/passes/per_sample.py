@@ -197,13 +197,24 @@ def _by_lift_rules_or_chain(pg: ParamGrad, ctx: RewriteContext, memo) -> fx.Node
         out = fallback.lift_chain(pg.grad, chain, per_sample, ctx)
     except FallbackRefused as e:
         raise UnsupportedOpError(
-            f"parameter '{pg.name}' is used through {module_of(failed.node)}: the op "
+            f"parameter '{pg.name}'{_parametrized(pg.name)} is used through "
+            f"{module_of(failed.node)}: the op "
             f"{_op_name(failed.node)} on its gradient has no lift rule ({failed.why}), and the "
             f"vmap of the transform's backward does not apply: {e}. {HINT}") from None
     found = [rules.find(f, ctx)[0] for f in frontiers]
     pg.rules[:] = [r.name if r else fallback.fallback_rule(f).name
                    for r, f in zip(found, frontiers)] + ["vmap-lift"]
     return out
+
+
+def _parametrized(name: str) -> str:
+    """' (of the parametrization on 'm.weight')' for a ``register_parametrization`` original."""
+    owner, sep, rest = name.rpartition(".parametrizations.")
+    if not sep or not rest.split(".")[-1].startswith("original"):
+        return ""
+    tensor = rest.split(".")[0]
+    return (f" (the original of the parametrization on '{owner + '.' if owner else ''}{tensor}', "
+            f"torch.nn.utils.parametrize)")
 
 
 def _chain(pg: ParamGrad, ctx: RewriteContext, failed: _NoLift):
