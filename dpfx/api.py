@@ -56,7 +56,8 @@ class DPModule(torch.nn.Module):
         self.examples = 0            # examples in the accumulated backward passes
         self._pending_examples = 0   # examples of forwards whose backward has not run yet
         self._hooks = []
-        self._grad_guards: dict[str, Any] = {}   # Note [Every gradient a parameter receives is dpfx's]
+        # Note [Every gradient a parameter receives is dpfx's]
+        self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
         if config.noise == "optimizer":
             for name, p in model.named_parameters():
@@ -189,21 +190,6 @@ def _check_gradient(backend_ref, name: str, grad: torch.Tensor) -> None:
 # DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
 # dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
 # finds no gradient at all (it skips the parameter) instead of an un-noised one.
-def _remove_hooks(handles: dict) -> None:
-    for handle in handles.values():
-        handle.remove()
-
-
-def _refuse_outside_gradient(name: str, grad: torch.Tensor) -> None:
-    raise PrivacyError(
-        f"parameter '{name}' received a gradient that did not come through dpfx's compiled "
-        f"graph (the model's forward did not read it there: it is used outside the dpfx-compiled "
-        f"module, e.g. by the loss or another module, or by code that ran outside dpfx's graph). "
-        f"That gradient would be neither clipped nor noised. Use every trainable parameter inside "
-        f"the compiled module's forward, or freeze it (requires_grad=False). Gradients of this "
-        f"backward may be partly written: zero them before the next step.")
-
-
 def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
     module = module_ref()
     if module is None or p.grad is None:
@@ -230,7 +216,8 @@ def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
 # only the frame after the break. dpfx therefore compiles a function whose code object is its own:
 # a copy made for each DPModule, which no other compile has seen, that calls the model. dynamo
 # starts there and, with fullgraph=True, inlines everything below it into dpfx's one graph,
-# consulting no other cache entry (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
+# consulting no other cache entry
+# (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
 _ENTRIES = itertools.count()
 
 

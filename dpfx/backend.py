@@ -268,7 +268,8 @@ def _check_zero_tangents(args, positions: list[int]) -> None:
                 "by the loss outside the dpfx-compiled module. No example's share of that "
                 "gradient can be told apart, so it cannot be clipped. Compute such terms inside "
                 "the module's forward from the data, or use "
-                "torch.nn.utils.parametrizations.weight_norm. No gradient was written.")
+                "torch.nn.utils.parametrizations.weight_norm. dpfx's graph has written no "
+                "gradient.")
 
 
 def _input_index(node: fx.Node) -> int | None:
