@@ -19,21 +19,48 @@ from __future__ import annotations
 
 import collections
 import itertools
+import warnings
 import weakref
 
 import torch
 
 _SINKS: dict[int, "weakref.ref[NormStats]"] = {}
 _NEXT = itertools.count()
+NO_SINK = -1   # a model compiled without track_norms: only non-finite examples are reported
 
 
+class NonFiniteExampleWarning(UserWarning):
+    """Some examples had a non-finite per-sample gradient norm and contributed nothing."""
+
+
+_NON_FINITE = ("dpfx: {n} example(s) in this batch had a non-finite per-sample gradient norm "
+               "(a NaN or inf input feature, or an overflowing fp16 gradient). Each contributed "
+               "zero to the private gradient (clip factor 0), so the release stays finite and "
+               "its sensitivity C, but those examples were not learned from: check the data. "
+               "Reported once{where}.")
+_warned_untracked = False
+
+
+# Note [Non-finite examples are reported, not raised]
+# Raising would make a NaN in one example stop training, a signal an adversary who plants it can
+# observe; the graph already drops the example (Note [Non-finite examples contribute zero] in
+# rules/__init__.py), so dpfx only tells the user, once. With track_norms the count is kept in
+# NormStats.non_finite. Without it the check runs on CPU only (on a GPU it would synchronize
+# every step) and warns once per process.
 @torch.library.custom_op("dpfx::observe_norms", mutates_args=())
 def observe_norms(norms: torch.Tensor, sink: int) -> torch.Tensor:
     """``norms``: f32[G, B], one row per clipping group."""
+    global _warned_untracked
     ref = _SINKS.get(sink)
     stats = ref() if ref is not None else None
     if stats is not None:
         stats._record(norms.detach().clone())
+    elif sink == NO_SINK and not _warned_untracked and norms.device.type == "cpu":
+        bad = int((~torch.isfinite(norms)).any(0).sum())
+        if bad:
+            _warned_untracked = True
+            warnings.warn(_NON_FINITE.format(n=bad, where=" per process"),
+                          NonFiniteExampleWarning, stacklevel=2)
     return norms.clone()
 
 
@@ -58,6 +85,7 @@ class NormStats:
             k: collections.deque(maxlen=window) for k in self._keys}
         self.examples = 0
         self.clipped = 0
+        self.non_finite = 0   # examples dropped for a non-finite norm, over every pass seen
         self.sink = next(_NEXT)
         _SINKS[self.sink] = weakref.ref(self)
 
@@ -70,6 +98,12 @@ class NormStats:
         for key, row in zip(self._keys, norms):
             self._recent[key].append(row)
             clipped |= row > self.bounds[key]
+        bad = int((~torch.isfinite(norms)).any(0).sum())
+        if bad and not self.non_finite:
+            warnings.warn(_NON_FINITE.format(n=bad, where=" per model (count: "
+                                             "norm_stats.non_finite)"),
+                          NonFiniteExampleWarning, stacklevel=3)
+        self.non_finite += bad
         self.examples += clipped.numel()
         self.clipped += int(clipped.sum())
         self._last_clipped = clipped
@@ -94,10 +128,11 @@ class NormStats:
         return self.clipped / self.examples if self.examples else float("nan")
 
     def quantiles(self, qs, group: str | None = None) -> torch.Tensor:
-        """Quantiles of the per-sample norms over the recent window."""
+        """Quantiles of the finite per-sample norms over the recent window."""
         key = self._keys[0] if group is None else group
         seen = [n.float().cpu() for n in self._recent[key]]
         allnorms = torch.cat(seen) if seen else torch.empty(0)
+        allnorms = allnorms[torch.isfinite(allnorms)]   # dropped examples (non_finite) aside
         if allnorms.numel() == 0:
             return torch.full((len(qs),), float("nan"))
         return torch.quantile(allnorms, torch.tensor(list(qs), dtype=torch.float32))
@@ -105,5 +140,5 @@ class NormStats:
     def reset(self) -> None:
         for d in self._recent.values():
             d.clear()
-        self.examples = self.clipped = 0
+        self.examples = self.clipped = self.non_finite = 0
         self._last_clipped = None

@@ -33,6 +33,11 @@ def _insert_before(gm, anchor, op, *args):
     return node
 
 
+def _ratio(factor):
+    """C / (norm + eps) inside where(isfinite(norm), clamp_max(ratio, 1), 0)."""
+    return factor.args[1].args[0]
+
+
 def _route_output(result, name, new_node):
     output = result.gm.graph.find_nodes(op="output")[0]
     old = result.private[name]
@@ -148,9 +153,60 @@ def test_noise_slices_with_symbolic_bounds():
 def test_wrong_clip_bound_is_rejected():
     result = _rewritten()
     factor = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor")
-    ratio = factor.args[0]
+    ratio = _ratio(factor)
     ratio.args = (ratio.args[0], 10 * CONFIG.max_grad_norm)
     with pytest.raises(dpfx.PrivacyError, match="clip factor"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_clip_factor_without_the_finiteness_select_is_rejected():
+    """min(1, C / (norm + eps)) alone is NaN for an example with a NaN gradient."""
+    result = _rewritten()
+    factor = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor")
+    clamp = factor.args[1]
+    factor.replace_all_uses_with(clamp)
+    clamp.meta["dpfx"] = "clip_factor"
+    with pytest.raises(dpfx.PrivacyError, match=r"where\(isfinite\(norm\)"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def _masks_into_clipped_sums(result):
+    masks = []
+    for c in (n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clipped_sum"):
+        for x in c.all_input_nodes:
+            while x.meta.get("dpfx") != "finite_mask" and x.target in (
+                    aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                x = x.args[0]
+            if x.meta.get("dpfx") == "finite_mask":
+                masks.append(x)
+    return masks
+
+
+@pytest.mark.parametrize("strategy,x_shape,which", [
+    ("materialize", (3, 8), "scaled"), ("ghost", (3, 5, 8), "scaled"),
+    ("ghost", (3, 5, 8), "other"), ("ghost", (3, 8), "other")])
+def test_clipped_sum_operand_without_the_finite_mask_is_rejected(strategy, x_shape, which):
+    """Each example's terms must be selected, not only multiplied by its (zero) factor:
+    0 * NaN = NaN. In a book-keeping product that holds for the operand the coefficient does
+    not scale (the activations) as much as for the scaled one."""
+    result = _rewritten(strategy, x_shape)
+    masks = _masks_into_clipped_sums(result)
+    scaled = [m for m in masks if m.args[1].meta.get("dpfx") == "clip_apply"]
+    other = [m for m in masks if m not in scaled]
+    assert scaled and (other or strategy == "materialize")
+    mask = (scaled if which == "scaled" else other)[0]
+    mask.replace_all_uses_with(mask.args[1])
+    with pytest.raises(dpfx.PrivacyError, match="without the select"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_finite_mask_that_keeps_the_example_is_rejected():
+    """where(keep, x, x) selects nothing away."""
+    result = _rewritten("ghost", (3, 8))
+    mask = next(m for m in _masks_into_clipped_sums(result)
+                if m.args[1].meta.get("dpfx") != "clip_apply")
+    mask.args = (mask.args[0], mask.args[1], mask.args[1])
+    with pytest.raises(dpfx.PrivacyError, match="without the select"):
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
@@ -346,7 +402,7 @@ def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
     factors = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_factor"]
     assert len(factors) == 2
     # Give group fc2's clip factor fc1's bound: still a configured C, but not fc2's.
-    ratio = next(f.args[0] for f in factors if f.args[0].args[1] == 0.3)
+    ratio = next(_ratio(f) for f in factors if _ratio(f).args[1] == 0.3)
     ratio.args = (ratio.args[0], 0.1)
     with pytest.raises(dpfx.PrivacyError, match="fc2.* clipped to 0.1, but its group's bound"):
         verify_backward(result.gm, result.analysis, result.private, config)
@@ -363,6 +419,25 @@ def test_per_layer_clipped_sum_outside_its_groups_norm_is_rejected():
                 and a.args[1].args[0] is fc2_coef)
     view.replace_input_with(fc2_coef, fc1_coef)
     with pytest.raises(dpfx.PrivacyError, match="not part of the per-sample norm"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_per_layer_mask_by_another_groups_norm_is_rejected():
+    """fc2's clipped sum selected by fc1's finite-example mask: an fc2-only NaN would pass."""
+    result, config = _rewritten_with(dict(max_grad_norm={"fc1": 0.1, "fc2": 0.1},
+                                          noise_multiplier=1.0))
+    fc1_keep, fc2_keep = [n for n in result.gm.graph.nodes
+                          if n.meta.get("dpfx") == "finite_examples"]
+    masks = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "finite_mask"]
+    moved = 0
+    for m in masks:
+        view = m.args[0]
+        if view.args[0] is fc2_keep and any(u.meta.get("dpfx") == "clipped_sum"
+                                            for u in m.users):
+            view.replace_input_with(fc2_keep, fc1_keep)
+            moved += 1
+    assert moved
+    with pytest.raises(dpfx.PrivacyError, match="without the select"):
         verify_backward(result.gm, result.analysis, result.private, config)
 
 

@@ -36,6 +36,8 @@ import torch
 
 from .. import cpu_noise, stats  # noqa: F401  (register dpfx::standard_normal, ::observe_norms)
 from ..config import CLIP_EPS, DPConfig
+from ..rules import Clip
+from .batch import BatchDim
 from .emit import Emitter
 from .per_sample import ParamGrad
 
@@ -63,26 +65,33 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
             norm_sq = emit(aten.add.Tensor, norm_sq, sq)
         norm = emit(aten.sqrt.default, norm_sq)
         norms[key] = emit(aten.mul.Tensor, norm, batch) if mean else norm
-    if norm_sink is not None:
-        # Stacked so that one opaque call sees every group of one backward pass (stats.py).
-        rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
-        seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
-                    norm_sink)
-        norms = {key: emit(aten.select.int, seen, 0, i) for i, key in enumerate(norms)}
+    # Stacked so that one opaque call sees every group of one backward pass (stats.py): it
+    # records them for norm_stats (track_norms) and reports non-finite examples once.
+    rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
+    seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
+                stats.NO_SINK if norm_sink is None else norm_sink)
+    norms = {key: emit(aten.select.int, seen, 0, i) for i, key in enumerate(norms)}
 
-    coefs = {}
+    clips = {}
     for key, norm in norms.items():
         norm.meta["dpfx"] = "per_sample_norms"
         denom = emit(aten.add.Tensor, norm, CLIP_EPS)
         ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom),
                      config.clip_bounds[key])
-        clip_factor = emit(aten.clamp_max.default, ratio, 1.0, tag="clip_factor")
+        # Note [Non-finite examples contribute zero] (rules/__init__.py): factor 0, and every
+        # term of the example selected away from the clipped sums.
+        keep = emit(aten.isfinite.default, norm, tag="finite_examples")
+        zero = emit(aten.scalar_tensor.default, 0, dtype=norm.meta["val"].dtype,
+                    device=norm.meta["val"].device)
+        clip_factor = emit(aten.where.self, keep, emit(aten.clamp_max.default, ratio, 1.0), zero,
+                           tag="clip_factor")
         # The coefficient that multiplies the per-sample gradients the graph holds: for "mean"
         # they are g_i / B, so the coefficient is clip_factor * B.
-        coefs[key] = (emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean
-                      else clip_factor)
+        coef = (emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean
+                else clip_factor)
+        clips[key] = Clip(coef, keep)
 
-    clipped = {pg.name: _clipped_sum(pg, coefs[config.group_of(pg.name)], batch, emit)
+    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit)
                for pg in grads}
     if config.noise == "optimizer":
         return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
@@ -147,17 +156,15 @@ def _at_least_float32(node: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
     return emit(prims.convert_element_type.default, node, dtype)
 
 
-def _clipped_sum(pg: ParamGrad, coef, batch, emit: Emitter) -> torch.fx.Node:
-    """sum_i coef_i * grad_i, in the parameter's shape."""
+def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter) -> torch.fx.Node:
+    """sum_i coef_i * grad_i over the examples with a finite norm, in the parameter's shape."""
     if pg.strategy == "ghost":
         # Book-keeping: one weight-gradient product with clip-scaled rows, then the same data
         # movement the original graph applied between the frontier and the output.
-        out = pg.ghost.clipped_sum(coef)
+        out = pg.ghost.clipped_sum(clip)
         for node in pg.chain:
             if node.target is not prims.convert_element_type.default:   # wide until output
                 out = emit(node.target, out, *node.args[1:], **node.kwargs)
         return out
-    rank = pg.per_sample.meta["val"].dim()
-    coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
-    weighted = emit(aten.mul.Tensor, pg.per_sample, coef_b, tag="clip_apply")
+    weighted = clip.scale(emit, pg.per_sample, BatchDim(0))
     return emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")

@@ -110,3 +110,18 @@ class Emitter:
             return moved
         merged = [self.analysis.batch, *shape[:d], bd.outer * bd.inner, *shape[d + 1:]]
         return self(aten.reshape.default, moved, [self.size(s) for s in merged])
+
+    def per_example(self, vec: fx.Node, bd: BatchDim, rank: int) -> fx.Node:
+        """``vec`` ([B], one value per example) shaped to broadcast against a rank-``rank`` tensor
+        whose dim ``bd.dim`` is the flattening ``outer*B*inner``: each example's value repeated
+        over its own positions of that dim."""
+        batch = self.analysis.batch
+        if not bd.is_plain:
+            spread = self(aten.view.default, vec, [1, self.batch_size(), 1])
+            spread = self(aten.expand.default, spread,
+                          [self.size(bd.outer), self.batch_size(), self.size(bd.inner)])
+            vec = self(aten.reshape.default, spread, [self.size(bd.outer * batch * bd.inner)])
+            batch = bd.outer * batch * bd.inner
+        shape = [1] * rank
+        shape[bd.dim] = self.size(batch)
+        return self(aten.view.default, vec, shape)

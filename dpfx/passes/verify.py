@@ -13,8 +13,11 @@
    whose input is a slice of a standard normal draw that no other parameter's slice overlaps
    (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
-   factor must be ``min(1, C / (norm + eps))`` with the C of the parameter's clipping group; and, re-running the batch analysis on the rewritten
-   graph, no op other than the clipped sums may combine examples. A violation is a
+   factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` with the C of the
+   parameter's clipping group; every floating-point operand of a clipped sum that depends on
+   the data must be ``where(isfinite(norm), ., 0)`` of its factor's norm (an example with a
+   non-finite gradient adds exactly zero, not 0 * NaN); and, re-running the batch analysis on
+   the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
    ``PrivacyError`` naming the parameter.
 
 See tests/test_verifier.py, which hands the verifier broken graphs.
@@ -168,22 +171,29 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     for factor in factors:
         bound_of[factor] = _check_clip_factor(factor, config, g)
     covered = {f: _norm_sources(f) for f in factors}   # what each factor's norm is taken over
+    dependent = set(sources)
+    for s in sources:
+        dependent |= nx.descendants(g, s)
     factor_of = {}
     for c in clipped:
         apply = _clip_apply_of(c)
         ps, coef = apply.args
-        base = coef.args[0] if coef.target is aten.view.default else coef
+        base = _broadcast_source(coef)
         if base.meta.get("dpfx") == "clip_coef" and base.target is aten.mul.Tensor:
             base = base.args[0]
         if base not in bound_of:
             raise PrivacyError(f"{c.name} is not scaled by the clip factor")
         factor_of[c] = base
-        data = [x for x in c.all_input_nodes + [ps] if x in an.data_dependent or x is ps]
-        for x in data:
-            x = _through_moves(x)
-            if x is not apply and x not in covered[base]:
-                raise PrivacyError(f"{x.name} enters the clipped sum {c.name} but is not part of "
-                                   f"the per-sample norm it is clipped by")
+        if _through_moves(ps) not in covered[base]:
+            raise PrivacyError(f"{ps.name} enters the clipped sum {c.name} but is not part of "
+                               f"the per-sample norm it is clipped by")
+        for x in c.all_input_nodes:
+            if x not in dependent or not _floating(x):
+                continue    # indices and masks cannot be NaN
+            value = _finite_masked(x, base.args[0], c)
+            if value is not apply and value not in covered[base]:
+                raise PrivacyError(f"{value.name} enters the clipped sum {c.name} but is not "
+                                   f"part of the per-sample norm it is clipped by")
 
     deferred = config.noise == "optimizer"
     if deferred and _tagged(graph, "noise"):
@@ -291,9 +301,11 @@ def _through_moves(node: fx.Node) -> fx.Node:
 
 
 def _clip_apply_of(clipped: fx.Node) -> fx.Node:
-    """The clip_apply node a clipped sum reduces: its direct input (materialize) or one reached
-    through data movement (the book-keeping product's reshaped operand)."""
+    """The clip_apply node a clipped sum reduces, under its finiteness select: a direct input
+    (materialize) or one reached through data movement (the book-keeping product's operand)."""
     applies = [_through_moves(x) for x in clipped.all_input_nodes]
+    applies = [_through_moves(x.args[1]) if x.meta.get("dpfx") == "finite_mask" else x
+               for x in applies]    # a missing select is reported by _finite_masked
     applies = [x for x in applies if x.meta.get("dpfx") == "clip_apply"]
     if len(applies) != 1:
         raise PrivacyError(f"clipped sum {clipped.name} does not reduce exactly one clip_apply node")
@@ -301,16 +313,58 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
 
 
 def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> float:
-    """``factor`` is min(1, C / (per-sample norm + eps)) with one of the configured C; returns C."""
+    """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), with ``norm`` the
+    per-sample norms and C one of the configured bounds; returns C."""
     bounds = set(config.clip_bounds.values())
-    ok = (factor.target is aten.clamp_max.default and factor.args[1] == 1.0)
-    ratio = factor.args[0] if ok else None
+    ok = factor.target is aten.where.self and _is_zero(factor.args[2])
+    keep, clamp = factor.args[:2] if ok else (None, None)
+    ok = ok and keep.meta.get("dpfx") == "finite_examples" and \
+        keep.target is aten.isfinite.default
+    norm = keep.args[0] if ok else None
+    ok = ok and norm.meta.get("dpfx") == "per_sample_norms"
+    ok = ok and clamp.target is aten.clamp_max.default and clamp.args[1] == 1.0
+    ratio = clamp.args[0] if ok else None
     ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] in bounds
-    ok = ok and any(a.meta.get("dpfx") == "per_sample_norms" for a in nx.ancestors(g, ratio))
+    ok = ok and norm in nx.ancestors(g, ratio)
     if not ok:
-        raise PrivacyError("the clip factor is not min(1, C / (per-sample norm + eps)) with "
-                           f"C in {sorted(bounds)}")
+        raise PrivacyError("the clip factor is not where(isfinite(norm), min(1, C / (norm + eps)),"
+                           f" 0) of the per-sample norms with C in {sorted(bounds)}")
     return ratio.args[1]
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.is_complex())
+
+
+def _is_zero(x) -> bool:
+    if isinstance(x, fx.Node):
+        return x.target is aten.scalar_tensor.default and x.args[0] == 0
+    return x == 0
+
+
+# The ops that spread a [B] vector over an example's positions (Emitter.per_example).
+_BROADCASTS = {aten.view.default, aten.reshape.default, aten.expand.default,
+               aten.unsqueeze.default}
+
+
+def _broadcast_source(node: fx.Node) -> fx.Node:
+    while node.target in _BROADCASTS and node.meta.get("dpfx") is None:
+        node = node.args[0]
+    return node
+
+
+def _finite_masked(x: fx.Node, keep: fx.Node, clipped: fx.Node) -> fx.Node:
+    """The value that operand ``x`` of ``clipped`` selects: x must be (data movement of)
+    where(keep, value, 0) with ``keep`` the clip factor's finite-example mask, so that an example
+    with a non-finite norm adds exactly zero (Note [Non-finite examples contribute zero])."""
+    mask = _through_moves(x)
+    if mask.meta.get("dpfx") != "finite_mask" or mask.target is not aten.where.self or \
+            _broadcast_source(mask.args[0]) is not keep or not _is_zero(mask.args[2]):
+        raise PrivacyError(f"{x.name} enters the clipped sum {clipped.name} without the select "
+                           f"where(isfinite(norm), ., 0) of its clip factor: an example with a "
+                           f"non-finite gradient would make the release NaN")
+    return _through_moves(mask.args[1])
 
 
 def _norm_sources(factor: fx.Node) -> set[fx.Node]:

@@ -29,12 +29,43 @@ import torch.fx as fx
 class Ghost:
     """A per-sample form that never builds (B, *grad.shape): the squared per-sample norms
     (ghost norm: Goodfellow 2015, Li et al. 2022) and a function that, given the clip
-    coefficients c (f32[B]; f64[B] for float64 parameters), emits sum_i c_i * grad_i as one
-    ordinary weight-gradient product (book-keeping: Bu et al. 2023). The emitted product is
-    tagged "clipped_sum" and the operand scaled by c "clip_apply", which is what the verifier
-    reads."""
+    coefficients (a ``Clip``), emits sum_i c_i * grad_i as one ordinary weight-gradient product
+    (book-keeping: Bu et al. 2023). The emitted product is tagged "clipped_sum"; every
+    floating-point operand of it that carries examples goes through ``Clip.scale`` (the one
+    scaled by c) or ``Clip.mask`` (the others), which is what the verifier reads."""
     norm_sq: fx.Node
-    clipped_sum: Callable[[fx.Node], fx.Node]
+    clipped_sum: Callable[["Clip"], fx.Node]
+
+
+# Note [Non-finite examples contribute zero]
+# An example whose per-sample norm is not finite (a NaN or inf feature, an fp16 per-sample
+# gradient that overflowed) gets clip factor 0. Multiplying is not enough to silence it:
+# 0 * NaN = NaN, and one NaN entry in a clipped sum makes the whole release NaN, a distinguishing
+# event. So each example's terms are *selected*: where(keep_i, c_i * g_i, 0). In a book-keeping
+# product the clip coefficient scales one operand inside a contraction, so the other operand's
+# entries of that example are selected to zero too (where(keep_i, a_i, 0)). keep = isfinite(norm):
+# a NaN or inf in an example's per-sample gradient, or in the operands its ghost norm is taken
+# from, makes its norm non-finite. (tests/test_nonfinite.py; the verifier requires the selects.)
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    """One clipping group's per-example coefficients c (f32[B]; f64[B] for float64 parameters)
+    and its finite-example mask ``keep`` (bool[B], isfinite of the per-sample norm)."""
+    coef: fx.Node
+    keep: fx.Node
+
+    def scale(self, emit, node: fx.Node, bd) -> fx.Node:
+        """where(keep_i, c_i * node_i, 0) for each example i of ``node`` (batch layout ``bd``)."""
+        rank = node.meta["val"].dim()
+        scaled = emit(torch.ops.aten.mul.Tensor, node, emit.per_example(self.coef, bd, rank),
+                      tag="clip_apply")
+        return self.mask(emit, scaled, bd)
+
+    def mask(self, emit, node: fx.Node, bd) -> fx.Node:
+        """where(keep_i, node_i, 0): the examples of ``node`` with a non-finite norm zeroed."""
+        val = node.meta["val"]
+        keep = emit.per_example(self.keep, bd, val.dim())
+        zero = emit(torch.ops.aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
+        return emit(torch.ops.aten.where.self, keep, node, zero, tag="finite_mask")
 
 
 def at_least_float32(emit, *nodes: fx.Node) -> list[fx.Node]:

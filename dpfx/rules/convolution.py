@@ -294,12 +294,11 @@ def ghost_convolution(node, ctx) -> Ghost:
     norm_sq = emit(aten.view.default, per_group, [batch, args.groups])
     norm_sq = emit(aten.sum.dim_IntList, norm_sq, [1])
 
-    def clipped_sum(coef):
-        rank = args.grad_out.meta["val"].dim()
-        coef_b = emit(aten.view.default, coef, [batch] + [1] * (rank - 1))
-        scaled = emit(aten.mul.Tensor, args.grad_out, coef_b, tag="clip_apply")
+    def clipped_sum(clip):
+        scaled = clip.scale(emit, args.grad_out, ctx.layout(args.grad_out))
         cb_args = list(cb.args)
-        scaled, cb_args[1], cb_args[2] = at_least_float32(emit, scaled, cb.args[1], cb.args[2])
+        scaled, image, cb_args[2] = at_least_float32(emit, scaled, cb.args[1], cb.args[2])
+        cb_args[1] = clip.mask(emit, image, ctx.layout(cb.args[1]))
         cb_args[0], cb_args[3], cb_args[10] = scaled, None, [False, True, False]
         weight_grad = emit(aten.convolution_backward.default, *cb_args, tag="clipped_sum")
         return emit(operator.getitem, weight_grad, WEIGHT)

@@ -216,9 +216,8 @@ def ghost_masked_put(node, ctx) -> Ghost:
                 emit(aten.unsqueeze.default, flat_idx, 1))
     norm_sq = emit(aten.sum.dim_IntList, emit(aten.where.self, same, gram, zero), [1, 2])
 
-    def clipped_sum(coef):
-        coef_b = emit(aten.view.default, coef, [batch] + [1] * (val.dim() - 1))
-        scaled = emit(aten.mul.Tensor, values, coef_b, tag="clip_apply")
+    def clipped_sum(clip):
+        scaled = clip.scale(emit, values, ctx.layout(values))
         base_wide, scaled = at_least_float32(emit, base, scaled)
         return emit(aten._unsafe_masked_index_put_accumulate.default, base_wide, mask, [idx],
                     scaled, tag="clipped_sum")

@@ -84,13 +84,13 @@ def ghost_mm(node, ctx) -> Ghost:
         gram_b = emit(aten.bmm.default, b3, emit(aten.permute.default, b3, [0, 2, 1]))
         norm_sq = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_a, gram_b), [1, 2])
 
-    def clipped_sum(coef):
-        scaled = emit(aten.mul.Tensor, b3, emit(aten.view.default, coef, [emit.batch_size(), 1, 1]),
-                      tag="clip_apply")
+    def clipped_sum(clip):
+        scaled = clip.scale(emit, b3, BatchDim(0))
         rows = emit(aten.reshape.default, scaled, [emit.size(s) for s in
                                                    ctx.analysis.shape(b.meta["val"])])
         a_wide, rows = at_least_float32(emit, a, rows)
-        return emit(aten.mm.default, a_wide, rows, tag="clipped_sum")
+        return emit(aten.mm.default, clip.mask(emit, a_wide, ctx.layout(a)), rows,
+                    tag="clipped_sum")
 
     return Ghost(norm_sq, clipped_sum)
 
