@@ -80,7 +80,10 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                      config.clip_bounds[key])
         # Note [Non-finite examples contribute zero] (rules/__init__.py): factor 0, and every
         # term of the example selected away from the clipped sums.
-        keep = emit(aten.isfinite.default, norm, tag="finite_examples")
+        # isfinite(norm), written as Inductor's decomposition writes it (abs(x) < inf; the C++
+        # backend compiles with -fno-finite-math-only, so the comparison survives).
+        keep = emit(aten.lt.Scalar, emit(aten.abs.default, norm), float("inf"),
+                    tag="finite_examples")
         zero = emit(aten.scalar_tensor.default, 0, dtype=norm.meta["val"].dtype,
                     device=norm.meta["val"].device)
         clip_factor = emit(aten.where.self, keep, emit(aten.clamp_max.default, ratio, 1.0), zero,

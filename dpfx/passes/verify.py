@@ -314,13 +314,14 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
 
 def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> float:
     """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), with ``norm`` the
-    per-sample norms and C one of the configured bounds; returns C."""
+    per-sample norms, isfinite written abs(norm) < inf, and C one of the configured bounds;
+    returns C."""
     bounds = set(config.clip_bounds.values())
     ok = factor.target is aten.where.self and _is_zero(factor.args[2])
     keep, clamp = factor.args[:2] if ok else (None, None)
-    ok = ok and keep.meta.get("dpfx") == "finite_examples" and \
-        keep.target is aten.isfinite.default
-    norm = keep.args[0] if ok else None
+    ok = ok and keep.meta.get("dpfx") == "finite_examples" and keep.target is aten.lt.Scalar \
+        and keep.args[1] == float("inf") and keep.args[0].target is aten.abs.default
+    norm = keep.args[0].args[0] if ok else None
     ok = ok and norm.meta.get("dpfx") == "per_sample_norms"
     ok = ok and clamp.target is aten.clamp_max.default and clamp.args[1] == 1.0
     ratio = clamp.args[0] if ok else None
@@ -364,7 +365,16 @@ def _finite_masked(x: fx.Node, keep: fx.Node, clipped: fx.Node) -> fx.Node:
         raise PrivacyError(f"{x.name} enters the clipped sum {clipped.name} without the select "
                            f"where(isfinite(norm), ., 0) of its clip factor: an example with a "
                            f"non-finite gradient would make the release NaN")
-    return _through_moves(mask.args[1])
+    value = _through_moves(mask.args[1])
+    while value.target is torch.ops.prims.convert_element_type.default and \
+            _widens(value.args[0], value):   # a book-keeping operand cast up (exact)
+        value = _through_moves(value.args[0])
+    return value
+
+
+def _widens(src: fx.Node, dst: fx.Node) -> bool:
+    a, b = src.meta["val"].dtype, dst.meta["val"].dtype
+    return torch.promote_types(a, b) == b
 
 
 def _norm_sources(factor: fx.Node) -> set[fx.Node]:
