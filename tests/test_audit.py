@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import dpfx.audit as audit
+from dpfx.audit.__main__ import builtin_setup
 
 
 def _audit(control=None, trials=800, **kwargs):
-    model, batch, canary = audit.builtin_setup("linear", 8)
+    model, batch, canary = builtin_setup("linear", 8)
     settings = dict(max_grad_norm=1.0, noise_multiplier=1.0, trials=trials, seed=0, threads=1,
                     backend="eager")
     settings.update(kwargs)
@@ -40,7 +41,7 @@ def test_clopper_pearson_and_the_bound():
 
 
 def test_bad_arguments():
-    model, batch, canary = audit.builtin_setup("linear", 2)
+    model, batch, canary = builtin_setup("linear", 2)
     with pytest.raises(ValueError, match="control"):
         audit.run(model, batch, canary, max_grad_norm=1.0, noise_multiplier=1.0, control="x")
     with pytest.raises(ValueError, match="noise='graph'"):
@@ -53,7 +54,7 @@ def test_bad_arguments():
 def test_long_audit_through_inductor(control):
     """The issue's setting: 16000 trials a side through the default backend, an MLP, a batch of
     8 beside the canary; sigma/4 is a weaker breakage than the default test's sigma/10."""
-    model, batch, canary = audit.builtin_setup("mlp", 8)
+    model, batch, canary = builtin_setup("mlp", 8)
     result = audit.run(model, batch, canary, max_grad_norm=1.0, noise_multiplier=1.0,
                        trials=16000, seed=1, threads=1, control=control)
     print(result)

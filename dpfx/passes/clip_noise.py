@@ -5,13 +5,17 @@ sigma = noise_multiplier, and ``scale`` = B for loss_reduction="mean" (the backw
 g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
 
     per_sample_norms = scale * sqrt(sum_p sum(ps[p]**2, dims 1..))       # f32[B]
-    clip_factor      = min(1, C / (per_sample_norms + 1e-6))              # f32[B]
-    clipped[p]       = sum_i (clip_factor * scale)_i * ps[p]_i            # p.shape
+    keep             = isfinite(per_sample_norms)                          # bool[B]
+    clip_factor      = where(keep, min(1, C / (per_sample_norms + 1e-6)), 0)
+    clipped[p]       = sum_i where(keep_i, (clip_factor * scale)_i * ps[p]_i, 0)   # p.shape
     noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
 
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
-``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps.
+``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps;
+there every operand of the product is selected by ``keep``, not only the clip-scaled one. An
+example with a non-finite norm thus adds exactly zero, not 0 * NaN (Note [Non-finite examples
+contribute zero] in rules/__init__.py).
 
 D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. Norms, clip factors
 and clipped sums are float32 for float32, bf16 and fp16 parameters, float64 where a clipping
@@ -20,14 +24,16 @@ group has a float64 parameter (tests/test_rule_convolution.py::test_float64_cnn_
 Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and coefficient per
 group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at
 ``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
-logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
-through ``dpfx::observe_norms`` (stats.py) before the clip factor. All of it is ordinary ATen,
+logical step (virtual batches, secure noise, distributed). The norms pass through
+``dpfx::observe_norms`` (stats.py) before the clip factor: it records them for ``track_norms``
+and reports non-finite examples once. All of it is ordinary ATen,
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
 into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
 per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
 (cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies
-on carries ``meta["dpfx"]``: "per_sample_norms", "clip_factor", "clip_coef", "clipped_sum",
-"noise", "noise_scale", "private_grad" | "clipped_grad".
+on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor", "clip_coef",
+"clip_apply", "finite_mask", "clipped_sum", "noise", "noise_scale", "private_grad" |
+"clipped_grad".
 """
 from __future__ import annotations
 
