@@ -122,6 +122,7 @@ def draw(text: str, path: str) -> str:
     pos = {n: (x, -y) for n, (x, y) in pos.items()}
     colours = {"noise": "#e07070", "noise_scale": "#e07070", "clip_factor": "#70a0e0",
                "per_sample_norms": "#70a0e0", "clip_coef": "#70a0e0", "clip_apply": "#70c070",
+               "finite_examples": "#70a0e0", "finite_mask": "#70c070",
                "clipped_sum": "#70c070", "private_grad": "#f0c040"}
     size = max(6, min(40, len(g) ** 0.5 * 2.5))
     fig, ax = plt.subplots(figsize=(size, size))

@@ -6,7 +6,7 @@ Example::
       input  %view: f32[6*B, 8]
       input  %tangents_1: f32[B, 6, 4]
       %bmm: f32[B, 4, 6] = aten.bmm(%permute_9, %view_12)
-      %clip_factor: f32[B] = aten.clamp_max(%mul_3, 1.0)          # dpfx: clip_factor
+      %clip_factor: f32[B] = aten.where.self(%keep, %clamp_max, %zero)  # dpfx: clip_factor
       return grad[l2.weight]=%mul_7, grad[l2.bias]=%mul_9
 
 The batch symbol prints as ``B`` whatever shape-env name it had (``u0``, ``s0``), so goldens read

@@ -323,7 +323,9 @@ def test_conv_ghost_bookkeeping_is_one_weight_gradient():
     clipped = [n for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"
                and n.target is torch.ops.aten.convolution_backward.default]
     assert len(clipped) == 1 and list(clipped[0].args[10]) == [False, True, False]
-    assert clipped[0].args[0].meta.get("dpfx") == "clip_apply"
+    scaled = clipped[0].args[0]            # where(keep, c * grad_out, 0)
+    assert scaled.meta.get("dpfx") == "finite_mask"
+    assert scaled.args[1].meta.get("dpfx") == "clip_apply"
     weight_shaped = [n for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
                      and [str(s) for s in n.meta["val"].shape[1:]] == ["8", "8", "3", "3"]]
     assert not weight_shaped, weight_shaped
