@@ -24,9 +24,9 @@ group has a float64 parameter (tests/test_rule_convolution.py::test_float64_cnn_
 Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and coefficient per
 group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at
 ``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
-logical step (virtual batches, secure noise, distributed). The norms pass through
-``dpfx::observe_norms`` (stats.py) before the clip factor: it records them for ``track_norms``
-and reports non-finite examples once. All of it is ordinary ATen,
+logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
+through ``dpfx::observe_norms`` (stats.py) before the clip factor: it records them and reports
+non-finite examples once. All of it is ordinary ATen,
 so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
 into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
 per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
@@ -71,12 +71,13 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
             norm_sq = emit(aten.add.Tensor, norm_sq, sq)
         norm = emit(aten.sqrt.default, norm_sq)
         norms[key] = emit(aten.mul.Tensor, norm, batch) if mean else norm
-    # Stacked so that one opaque call sees every group of one backward pass (stats.py): it
-    # records them for norm_stats (track_norms) and reports non-finite examples once.
-    rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
-    seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
-                stats.NO_SINK if norm_sink is None else norm_sink)
-    norms = {key: emit(aten.select.int, seen, 0, i) for i, key in enumerate(norms)}
+    if norm_sink is not None:
+        # Stacked so that one opaque call sees every group of one backward pass (stats.py): it
+        # records them for norm_stats and reports non-finite examples once.
+        rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
+        seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
+                    norm_sink)
+        norms = {key: emit(aten.select.int, seen, 0, i) for i, key in enumerate(norms)}
 
     clips = {}
     for key, norm in norms.items():
