@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -54,14 +53,15 @@ def _snapshot(private) -> dict:
         else private.loader
     graph_noise = private.model._dpfx_backend._generator
     optimizer_noise = private.optimizer._generator
-    return {"model": private.model._orig_mod.state_dict(),
-            "optimizer": private.optimizer.original_optimizer.state_dict(),
-            "steps": private.optimizer.steps,
-            "ledger": private.accountant.state_dict(),
-            "epsilon": private.accountant.get_epsilon(1e-5),
+    # In the order of comparison: a lost generator is named before the weights it made differ.
+    return {"sampler": loader.batch_sampler.generator.get_state(),
             "graph_noise": None if graph_noise is None else graph_noise.get_state(),
             "optimizer_noise": None if optimizer_noise is None else optimizer_noise.get_state(),
-            "sampler": loader.batch_sampler.generator.get_state()}
+            "ledger": private.accountant.state_dict(),
+            "steps": private.optimizer.steps,
+            "epsilon": private.accountant.get_epsilon(1e-5),
+            "optimizer": private.optimizer.original_optimizer.state_dict(),
+            "model": private.model._orig_mod.state_dict()}
 
 
 def _main(mode: str, out_dir: str) -> None:

@@ -1,6 +1,7 @@
 """The optimizer side of DP-SGD: per-layer clipping, noise at the optimizer, virtual batches,
-secure noise, norm tracking, make_private and checkpoints. Every gradient is compared with the
-independent torch.func reference (tests/reference.py), extended here to per-layer clipping."""
+secure noise, norm tracking and make_private (checkpoints: test_checkpoint_restore.py). Every
+gradient is compared with the independent torch.func reference (tests/reference.py), extended
+here to per-layer clipping."""
 import math
 
 import pytest
@@ -419,34 +420,3 @@ def test_lr_scheduler_drives_the_inner_optimizer():
     _train(private)
     sched.step()
     assert private.optimizer.original_optimizer.param_groups[0]["lr"] == 0.5
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
-
-def _run(tmp_path, restart: bool):
-    torch.manual_seed(0)
-    model = MLP()
-
-    def make(m):
-        return dpfx.make_private(m, torch.optim.Adam(m.parameters(), lr=0.01), _dataset(),
-                                 batch_size=40, max_grad_norm=1.0, noise_multiplier=0.8,
-                                 backend="eager", seed=11,
-                                 generator=torch.Generator().manual_seed(3))
-
-    private = make(model)
-    _train(private)
-    if restart:
-        dpfx.save_checkpoint(tmp_path / "ckpt.pt", private, epoch=1)
-        torch._dynamo.reset()
-        model = MLP()
-        private = make(model)
-        assert dpfx.load_checkpoint(tmp_path / "ckpt.pt", private) == {"epoch": 1}
-    _train(private)
-    return private.accountant.get_epsilon(1e-5), private.accountant.steps
-
-
-def test_epsilon_after_restart_equals_uninterrupted(tmp_path):
-    eps_a, steps_a = _run(tmp_path, restart=False)
-    eps_b, steps_b = _run(tmp_path, restart=True)
-    assert steps_a == steps_b == 10
-    assert eps_b == pytest.approx(eps_a, rel=1e-9)
