@@ -37,7 +37,8 @@ def assert_gaussian_scale(draws: torch.Tensor, std: float, what: str) -> None:
     assert n > 0, what
     mean, rms = x.mean().item(), x.pow(2).mean().sqrt().item()
     se = std / math.sqrt(n)
-    assert abs(mean) < Z * se, f"{what}: mean {mean:.4g} is over {Z} standard errors ({se:.3g}) from 0"
+    assert abs(mean) < Z * se, \
+        f"{what}: mean {mean:.4g} is over {Z} standard errors ({se:.3g}) from 0"
     err = abs(rms / std - 1)
     assert err < Z * rms_standard_error(n), \
         f"{what}: std {rms:.4g} vs {std:.4g} ({err:.2%} off; {Z} standard errors = " \
