@@ -79,6 +79,7 @@ def _train(strategy, reduction, sigma, steps, empty=False):
 
 
 def _graph_noise_refusal() -> str:
+    torch.manual_seed(0)
     model = MLP(8, 16, 4)
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=D,
                       noise="graph", backend="eager")
