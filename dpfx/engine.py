@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import privacy
 from .api import DPModule, compile as dp_compile
-from .data import expected_batch_size, poisson_loader
+from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from .optim import DPOptimizer, VirtualBatches, _rank, _world
 
 
@@ -142,28 +142,62 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
                         **kwargs)
 
 
+# Note [What a checkpoint restores]
+# The model's parameters and buffers, the optimizer (the inner optimizer's state, the accountant's
+# ledger, the step count and, with a seed, the generator of noise="optimizer"), the generator of
+# the graph's noise when the model was compiled with ``seed``, and the generator of the Poisson
+# sampler when one was given. A run saved between epochs and restored in a fresh process then
+# continues bit for bit as if uninterrupted (tests/test_checkpoint_restore.py). Without the noise
+# generator's state a seeded run would restart its noise stream from the seed and add, after the
+# restart, the very noise it added before it: noise an observer of both phases can subtract.
+# Unseeded noise comes from the OS's CSPRNG and secure_mode's from os.urandom: those runs
+# cannot be replayed, by design, and continue with fresh noise (so does a sampler without a
+# generator).
+
 def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
-                    **extra) -> None:
-    """Save model parameters, optimizer state and the accountant's ledger together, so that
-    epsilon keeps counting after a restart (``load_checkpoint``)."""
-    model = private.model if private is not None else model
-    optimizer = private.optimizer if private is not None else optimizer
+                    loader=None, **extra) -> None:
+    """Save model parameters, optimizer state, the accountant's ledger and the seeded generators
+    together, so that epsilon keeps counting after a restart (``load_checkpoint``)."""
+    model, optimizer, loader = _parts(private, model, optimizer, loader)
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError("save_checkpoint needs the DPOptimizer, whose state holds the accountant")
     base = model._orig_mod if isinstance(model, DPModule) else model
+    generators = {name: g.get_state() for name, g in _generators(model, loader).items()}
     torch.save({"format": "dpfx-checkpoint-1", "model": base.state_dict(),
-                "optimizer": optimizer.state_dict(), "extra": extra}, path)
+                "optimizer": optimizer.state_dict(), "generators": generators,
+                "extra": extra}, path)
 
 
 def load_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
-                    optimizer=None) -> dict:
+                    optimizer=None, loader=None) -> dict:
     """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``."""
-    model = private.model if private is not None else model
-    optimizer = private.optimizer if private is not None else optimizer
+    model, optimizer, loader = _parts(private, model, optimizer, loader)
     state = torch.load(path, weights_only=True)
     if not isinstance(state, dict) or state.get("format") != "dpfx-checkpoint-1":
         raise ValueError(f"{path} is not a dpfx checkpoint")
     base = model._orig_mod if isinstance(model, DPModule) else model
     base.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    saved = state.get("generators", {})
+    for name, generator in _generators(model, loader).items():
+        if name in saved:
+            generator.set_state(saved[name])
     return state["extra"]
+
+
+def _parts(private, model, optimizer, loader):
+    if private is not None:
+        return private.model, private.optimizer, private.loader
+    return model, optimizer, loader
+
+
+def _generators(model, loader) -> dict[str, torch.Generator]:
+    """The seeded generators a bit-exact restart needs (Note [What a checkpoint restores])."""
+    found = {}
+    if isinstance(model, DPModule) and model._dpfx_backend._generator is not None:
+        found["graph_noise"] = model._dpfx_backend._generator
+    loader = loader.loader if isinstance(loader, VirtualBatches) else loader
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, PoissonBatchSampler) and sampler.generator is not None:
+        found["sampler"] = sampler.generator
+    return found
