@@ -57,7 +57,6 @@ class DPModule(torch.nn.Module):
         self.clipped_sums: dict[str, torch.Tensor] = {}
         self.examples = 0            # examples in the accumulated backward passes
         self._pending_examples = 0   # examples of forwards whose backward has not run yet
-        self._hooks = []
         # Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
@@ -68,8 +67,9 @@ class DPModule(torch.nn.Module):
         self._ledger = GradientLedger()
         for name, p in model.named_parameters():
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    functools.partial(_after_accumulate, weakref.ref(self), name)))
+                self._grad_guards["after_accumulate", name] = \
+                    p.register_post_accumulate_grad_hook(
+                        functools.partial(_after_accumulate, weakref.ref(self), name))
 
     @property
     def norm_stats(self):

@@ -240,6 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, p in self._named:
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+            model._ledger.after_accumulate(name, p)     # private: a later backward may add to it
             offset += n
         model.reset_clipped_sums()
 
