@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -139,6 +140,11 @@ class DPModule(torch.nn.Module):
             raise
         except torch._dynamo.exc.Unsupported as e:
             raise _graph_break_error(e) from e
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            refusal = _refusal_while_capturing(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         if training and not backend.forward_ran:
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
@@ -332,6 +338,35 @@ def _graph_break_error(e: Exception) -> CaptureError:
         + ("\n  in the model's code:\n" + "\n".join(where) + "\n" if where else " ")
         + "dpfx never runs part of a model outside its private graph; rewrite that construct."
         + hint)
+
+
+# Note [Refusals raised while capturing]
+# A stand-in of traceable.py that finds an op mixing examples (torch.roll over the batch) raises a
+# PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
+# PrivacyError is in its exception chain). The PrivacyError is raised again, with the model's
+# lines that led to it.
+# (tests/test_loop_privacy.py::test_batch_mixing_norms_and_roll)
+def _refusal_while_capturing(e: Exception) -> DPFXError | None:
+    todo, seen = [e], set()
+    while todo:
+        cause = todo.pop()
+        if cause is None or id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, DPFXError):
+            text = str(e)
+            where = text.split("from user code:", 1)[1].split("\n\n", 1)[0] \
+                if "from user code:" in text else ""
+            lines, own = [], False
+            for line in where.splitlines():
+                if line.strip().startswith("File "):
+                    own = f"{os.sep}dpfx{os.sep}" in line      # dpfx's own frames are noise
+                if line.strip() and not set(line.strip()) <= {"^", "~"} and not own:
+                    lines.append("    " + line.strip())
+            return type(cause)(str(cause) + ("\n  in the model's code:\n" + "\n".join(lines)
+                                             if lines else ""))
+        todo += [cause.__cause__, cause.__context__]
+    return None
 
 
 BATCH_SHAPE_ID = "dpfx_batch"

@@ -317,3 +317,74 @@ def test_loop_refusals_through_inductor():
         opt.step()
     # 1 + the partly written release refused at accumulation, counted at zero_grad + 3
     assert acc.steps == 5 and dp.compile_count == 2
+
+
+# -- normalization with frozen statistics, roll -----------------------------------------------------
+
+class FrozenStatsNet(nn.Module):
+    """Eval-mode BatchNorm and InstanceNorm with running statistics (each example normalized
+    alone, written out by traceable.py), and a roll over a non-batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, 3)
+        self.bn = nn.BatchNorm1d(4)
+        self.inorm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+        self.fc = nn.Linear(24, 3)
+
+    def forward(self, x):
+        h = self.inorm(self.bn(self.conv(x)))
+        return self.fc(torch.roll(h, 2, dims=2).flatten(1))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_frozen_stats_norms_and_roll_match_reference(backend):
+    torch.manual_seed(0)
+    model = FrozenStatsNet()
+    model(torch.randn(16, 2, 8) * 2 + 1)          # running statistics that are not 0 / 1
+    model.eval()
+    with torch.no_grad():
+        model.bn.weight.uniform_(0.5, 2)
+        model.inorm.bias.uniform_(-1, 1)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend=backend,
+                      loss_reduction="sum")
+    x, y = torch.randn(6, 2, 8) * 3, torch.arange(6) % 3
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    for batch in (0, 1, 6):
+        model.zero_grad(set_to_none=True)
+        _sum_xent(dp(x[:batch]), y[:batch]).backward()
+        want = dp_sgd_grads(model, _sum_xent, x[:batch], y[:batch], max_grad_norm=C,
+                            loss_reduction="sum")
+        assert_close({n: p.grad for n, p in model.named_parameters()}, want, rtol=1e-4,
+                     atol=1e-6)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+
+
+class RollBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.roll(self.fc(x), 1, 0)            # example i gets example i-1's output
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: RollBatch(), r"torch.roll over the batch dim.*\n  in the model's code:\n.*"
+                          r"test_loop_privacy.py.*\n.*torch.roll\(self.fc\(x\), 1, 0\)"),
+    (lambda: nn.Sequential(nn.Linear(4, 4),
+                           nn.BatchNorm1d(4, track_running_stats=False).eval()),
+     r"module '1' \(BatchNorm1d\) has no running statistics .*replace_batchnorm"),
+    (lambda: nn.Sequential(nn.Unflatten(1, (1, 4)), nn.Conv1d(1, 2, 1),
+                           nn.InstanceNorm1d(2, track_running_stats=True)),
+     r"module '2' \(InstanceNorm1d\) is in training mode with track_running_stats=True: .*"
+     r"running buffers.*track_running_stats=False"),
+])
+def test_batch_mixing_norms_and_roll_refused(make, match):
+    torch.manual_seed(0)
+    model = make()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(dpfx.PrivacyError, match=match):
+        dp(torch.randn(5, 4))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
