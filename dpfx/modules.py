@@ -51,6 +51,16 @@ def check_modules(model: nn.Module) -> None:
         raise PrivacyError(problems[0])
 
 
+def without_batch_mixing(model: nn.Module) -> nn.Module:
+    """A model ``dpfx.validate`` can inspect after reporting ``module_problems``: BatchNorm
+    swapped for GroupNorm, InstanceNorm's statistics tracking off, in place."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+            module.track_running_stats = False
+            module.running_mean = module.running_var = None
+    return replace_batchnorm(model)
+
+
 def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     """Swap every BatchNorm{1,2,3}d for a GroupNorm over the same channels, in place.
 
@@ -66,4 +76,4 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     return model
 
 
-__all__ = ["check_modules", "module_problems", "replace_batchnorm"]
+__all__ = ["check_modules", "module_problems", "replace_batchnorm", "without_batch_mixing"]
