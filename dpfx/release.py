@@ -14,7 +14,9 @@ noise="graph", adds fresh noise. Running it twice for one forward (``backward(re
 twice, ``torch.autograd.grad`` then ``backward``) releases every example twice, 2C in all, while
 one release is accounted. ``track_release`` finds the autograd node of dpfx's compiled function
 among the outputs' grad_fns and registers a pre-hook on it, which runs before that node's
-backward: the second run is refused before the graph writes anything.
+backward: the second run is refused before the graph writes anything. The backward graph's
+runner refuses to run unless that hook has run just before it (``DPBackend.release_checked``), so
+a forward whose outputs hid the node from the search fails closed.
 
 # Note [One release per accounted step]
 Without a ``DPOptimizer``, every backward of dpfx's graph is its own DP-SGD release (with
@@ -67,10 +69,11 @@ def track_release(module, outputs, inputs) -> None:
         todo.extend(next_node for next_node, _ in node.next_functions)
     state = {"released": False}
     for node in nodes:
-        node.register_prehook(_before_release(weakref.ref(module), state))
+        node.register_prehook(_before_release(weakref.ref(module),
+                                              weakref.ref(module._dpfx_backend), state))
 
 
-def _before_release(module_ref, state):
+def _before_release(module_ref, backend_ref, state):
     def hook(grad_outputs):
         if state["released"]:
             raise PrivacyError(
@@ -86,6 +89,9 @@ def _before_release(module_ref, state):
                 optimizer._open_release()
             module.releases += 1
         state["released"] = True
+        backend = backend_ref()
+        if backend is not None:
+            backend.release_checked = True      # read by the backward graph's runner
     return hook
 
 
