@@ -66,6 +66,7 @@ class DPModule(torch.nn.Module):
         self.releases = 0
         self._dpfx_optimizer = None      # a weakref to the DPOptimizer stepping this model
         self._ledger = GradientLedger()
+        self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
@@ -196,9 +197,8 @@ def _check_loop_inputs(module: DPModule, tensors: list[torch.Tensor]) -> None:
                     f"dpfx.compile of a module whose forward runs both), or detach the input; if "
                     f"you need input gradients and accept that they are not private, pass "
                     f"dpfx.compile(..., allow_input_grads=True).")
-    compiled = module._dpfx_backend.param_names
-    for name, p in module._orig_mod.named_parameters():
-        if p.requires_grad != (id(p) in compiled):
+    for name, p, trainable in module._trainable_at_compile:
+        if p.requires_grad != trainable:
             change = "unfrozen (requires_grad=True)" if p.requires_grad else \
                 "frozen (requires_grad=False)"
             raise PrivacyError(
