@@ -39,7 +39,7 @@ from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .modules import check_modules
-from .release import GradientLedger, track_release
+from .release import GradientLedger, check_loop_inputs, track_release
 from .traceable import traceable_torch
 
 
@@ -120,7 +120,7 @@ class DPModule(torch.nn.Module):
         backend = self._dpfx_backend
         if training and backend.problems is None:
             check_modules(self._orig_mod)
-            _check_loop_inputs(self, tensors)
+            check_loop_inputs(self, tensors)
         backend.forward_ran = False
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
@@ -181,30 +181,6 @@ class DPModule(torch.nn.Module):
 
 
 _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config"}
-
-
-def _check_loop_inputs(module: DPModule, tensors: list[torch.Tensor]) -> None:
-    """Refusals of a training forward that the graph cannot see: an input that requires grad
-    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile."""
-    config = module.dp_config
-    if not config.allow_input_grads:
-        for i, t in enumerate(tensors):
-            if t.requires_grad:
-                raise PrivacyError(
-                    f"input {i} of the dpfx-compiled module requires grad: the gradient flowing "
-                    f"back into it (and into whatever computed it, such as a trainable encoder "
-                    f"upstream) is neither clipped nor noised. Compile the upstream module in (one "
-                    f"dpfx.compile of a module whose forward runs both), or detach the input; if "
-                    f"you need input gradients and accept that they are not private, pass "
-                    f"dpfx.compile(..., allow_input_grads=True).")
-    for name, p, trainable in module._trainable_at_compile:
-        if p.requires_grad != trainable:
-            change = "unfrozen (requires_grad=True)" if p.requires_grad else \
-                "frozen (requires_grad=False)"
-            raise PrivacyError(
-                f"parameter '{name}' was {change} after dpfx.compile: the compiled graphs, the "
-                f"clipping groups and the DPOptimizer fix the set of trainable parameters. Call "
-                f"dpfx.compile again after changing requires_grad (and build a new DPOptimizer).")
 
 
 def _remove_hooks(handles: dict) -> None:

@@ -1,7 +1,9 @@
 """The loop around the graph: one release per forward, one per optimizer step, and only dpfx's
 gradients in a private step.
 
-    out = dp_model(x)                 # track_release(dp_model, out, inputs): a hook on the backward
+    out = dp_model(x)                 # check_loop_inputs: no input requiring grad, no parameter
+                                      # frozen or unfrozen since compile; track_release: a hook
+                                      # on the backward
     loss.backward()                   # the release; a second backward of this forward is refused
     opt.step()                        # DPOptimizer: p.grad must be what dpfx's backward left
 
@@ -50,6 +52,30 @@ import torch
 from .errors import PrivacyError
 
 _COMPILED_NODE = "CompiledFunctionBackward"
+
+
+def check_loop_inputs(module, tensors: list[torch.Tensor]) -> None:
+    """Refusals of a training forward that the graph cannot see: an input that requires grad
+    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile."""
+    config = module.dp_config
+    if not config.allow_input_grads:
+        for i, t in enumerate(tensors):
+            if t.requires_grad:
+                raise PrivacyError(
+                    f"input {i} of the dpfx-compiled module requires grad: the gradient flowing "
+                    f"back into it (and into whatever computed it, such as a trainable encoder "
+                    f"upstream) is neither clipped nor noised. Compile the upstream module in (one "
+                    f"dpfx.compile of a module whose forward runs both), or detach the input; if "
+                    f"you need input gradients and accept that they are not private, pass "
+                    f"dpfx.compile(..., allow_input_grads=True).")
+    for name, p, trainable in module._trainable_at_compile:
+        if p.requires_grad != trainable:
+            change = "unfrozen (requires_grad=True)" if p.requires_grad else \
+                "frozen (requires_grad=False)"
+            raise PrivacyError(
+                f"parameter '{name}' was {change} after dpfx.compile: the compiled graphs, the "
+                f"clipping groups and the DPOptimizer fix the set of trainable parameters. Call "
+                f"dpfx.compile again after changing requires_grad (and build a new DPOptimizer).")
 
 
 def track_release(module, outputs, inputs) -> None:

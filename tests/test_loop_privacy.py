@@ -279,7 +279,7 @@ def test_freezing_or_unfreezing_after_compile_refused(frozen_at_compile):
         dp(x)
 
 
-# -- the same loop through Inductor -----------------------------------------------------------------
+# -- the same loop through Inductor ----------------------------------------------------------------
 
 def test_loop_refusals_through_inductor():
     """Cases 2-6 once through the default backend: one compile, every refusal, then a clean
@@ -319,7 +319,7 @@ def test_loop_refusals_through_inductor():
     assert acc.steps == 5 and dp.compile_count == 2
 
 
-# -- normalization with frozen statistics, roll -----------------------------------------------------
+# -- normalization with frozen statistics, roll ----------------------------------------------------
 
 class FrozenStatsNet(nn.Module):
     """Eval-mode BatchNorm and InstanceNorm with running statistics (each example normalized
