@@ -7,6 +7,7 @@
 """
 from . import data, privacy, stats
 from .api import DPModule, compile
+from .config import FixedSeedWarning
 from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                      save_checkpoint)
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
@@ -21,5 +22,6 @@ __all__ = [
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "data", "privacy", "stats",
+    "FixedSeedWarning",
 ]
 __version__ = "0.1.0"

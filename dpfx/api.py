@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -34,9 +36,10 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .backend import DPBackend
-from .config import DPConfig
+from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .modules import check_modules
+from .release import GradientLedger, check_loop_inputs, track_release
 from .traceable import traceable_torch
 
 
@@ -55,15 +58,20 @@ class DPModule(torch.nn.Module):
         self.clipped_sums: dict[str, torch.Tensor] = {}
         self.examples = 0            # examples in the accumulated backward passes
         self._pending_examples = 0   # examples of forwards whose backward has not run yet
-        self._hooks = []
         # Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
-        if config.noise == "optimizer":
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        functools.partial(_take_clipped_sum, weakref.ref(self), name)))
+        # Note [One release per accounted step] and Note [Only dpfx's gradients reach a private
+        # step] in release.py
+        self.releases = 0
+        self._dpfx_optimizer = None      # a weakref to the DPOptimizer stepping this model
+        self._ledger = GradientLedger()
+        self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self._grad_guards["after_accumulate", name] = \
+                    p.register_post_accumulate_grad_hook(
+                        functools.partial(_after_accumulate, weakref.ref(self), name))
 
     @property
     def norm_stats(self):
@@ -82,6 +90,15 @@ class DPModule(torch.nn.Module):
     def compile_count(self) -> int:
         """Graphs handed to the inner compiler (a forward and a backward count two)."""
         return self._dpfx_backend.compiles
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _PRIVATE_SETTINGS:
+            raise PrivacyError(
+                f"'{name}' is a private setting, fixed when dpfx.compile built the graphs (which "
+                f"clip and noise with it) and read by the optimizer and the accountant: setting "
+                f"it afterwards would leave them disagreeing. Call dpfx.compile(model, "
+                f"{name}=...) again (and build a new DPOptimizer).")
+        super().__setattr__(name, value)
 
     def forward(self, *args, **kwargs):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -103,6 +120,7 @@ class DPModule(torch.nn.Module):
         backend = self._dpfx_backend
         if training and backend.problems is None:
             check_modules(self._orig_mod)
+            check_loop_inputs(self, tensors)
         backend.forward_ran = False
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
@@ -123,6 +141,11 @@ class DPModule(torch.nn.Module):
             raise
         except torch._dynamo.exc.Unsupported as e:
             raise _graph_break_error(e) from e
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            refusal = _refusal_while_capturing(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         if training and not backend.forward_ran:
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
@@ -130,6 +153,7 @@ class DPModule(torch.nn.Module):
         if training:
             self._pending_examples = batch
             self._guard_gradients()
+            track_release(self, pytree.tree_leaves(out), tensors)
         return out
 
     # Note [Every gradient a parameter receives is dpfx's]
@@ -152,8 +176,11 @@ class DPModule(torch.nn.Module):
             return
         for name, p in self._orig_mod.named_parameters():
             if p.requires_grad and name not in self._grad_guards:
-                self._grad_guards[name] = p.register_hook(
-                    functools.partial(_check_gradient, weakref.ref(backend), name))
+                self._grad_guards[name] = p.register_hook(functools.partial(
+                    _check_gradient, weakref.ref(backend), name, weakref.ref(self), weakref.ref(p)))
+
+
+_PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config"}
 
 
 def _remove_hooks(handles: dict) -> None:
@@ -161,7 +188,7 @@ def _remove_hooks(handles: dict) -> None:
         handle.remove()
 
 
-def _check_gradient(backend_ref, name: str, grad: torch.Tensor) -> None:
+def _check_gradient(backend_ref, name: str, module_ref, param_ref, grad: torch.Tensor) -> None:
     backend = backend_ref()
     if backend is None:
         return
@@ -183,16 +210,26 @@ def _check_gradient(backend_ref, name: str, grad: torch.Tensor) -> None:
             f"would add that plain gradient to the clipped, noised one. Move that use into the "
             f"compiled module's forward, or detach it. Gradients of this backward may be partly "
             f"written: zero them before the next step.")
+    module, p = module_ref(), param_ref()
+    if module is not None and p is not None:
+        module._ledger.before_accumulate(name, p)
 
 
 # Note [Clipped sums stay out of p.grad]
 # With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until
 # DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
 # dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
-# finds no gradient at all (it skips the parameter) instead of an un-noised one.
-def _take_clipped_sum(module_ref, name: str, p: torch.Tensor) -> None:
+# finds no gradient at all (it skips the parameter) instead of an un-noised one. Only a backward
+# that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, where
+# DPOptimizer.step() refuses it. With noise="graph" the hook records dpfx's gradient in the
+# ledger (Note [Only dpfx's gradients reach a private step] in release.py).
+def _after_accumulate(module_ref, name: str, p: torch.Tensor) -> None:
     module = module_ref()
-    if module is None or p.grad is None:
+    if module is None or p.grad is None or torch._C._current_graph_task_id() \
+            != module._dpfx_backend.last_graph_task:
+        return
+    if module.dp_config.noise == "graph":
+        module._ledger.after_accumulate(name, p)
         return
     acc = module.clipped_sums.get(name)
     if acc is None:
@@ -279,6 +316,35 @@ def _graph_break_error(e: Exception) -> CaptureError:
         + hint)
 
 
+# Note [Refusals raised while capturing]
+# A stand-in of traceable.py that finds an op mixing examples (torch.roll over the batch) raises a
+# PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
+# PrivacyError is in its exception chain). The PrivacyError is raised again, with the model's
+# lines that led to it.
+# (tests/test_loop_privacy.py::test_batch_mixing_norms_and_roll)
+def _refusal_while_capturing(e: Exception) -> DPFXError | None:
+    todo, seen = [e], set()
+    while todo:
+        cause = todo.pop()
+        if cause is None or id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, DPFXError):
+            text = str(e)
+            where = text.split("from user code:", 1)[1].split("\n\n", 1)[0] \
+                if "from user code:" in text else ""
+            lines, own = [], False
+            for line in where.splitlines():
+                if line.strip().startswith("File "):
+                    own = f"{os.sep}dpfx{os.sep}" in line      # dpfx's own frames are noise
+                if line.strip() and not set(line.strip()) <= {"^", "~"} and not own:
+                    lines.append("    " + line.strip())
+            return type(cause)(str(cause) + ("\n  in the model's code:\n" + "\n".join(lines)
+                                             if lines else ""))
+        todo += [cause.__cause__, cause.__context__]
+    return None
+
+
 BATCH_SHAPE_ID = "dpfx_batch"
 
 
@@ -332,7 +398,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
-            track_norms: bool = False, self_check: bool = True) -> DPModule:
+            track_norms: bool = False, self_check: bool = True,
+            allow_input_grads: bool = False) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -356,6 +423,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     (not private: see stats.py). ``self_check``: before a compiled graph first trains, run it on
     synthetic batches against dpfx's verified graph and check that examples stay independent
     (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor.
+    ``allow_input_grads``: accept inputs that require grad; their gradients are not private
+    (refused by default). ``seed`` is for tests: it warns (``dpfx.FixedSeedWarning``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
@@ -370,7 +439,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             and torch.distributed.get_world_size() > 1
         noise = "optimizer" if distributed else "graph"
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
-                      backend, strategy, noise, track_norms, self_check)
+                      backend, strategy, noise, track_norms, self_check,
+                      allow_input_grads=allow_input_grads)
+    warn_fixed_seed(seed)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])

@@ -44,6 +44,7 @@ class DPBackend:
         self.forward_ran = False
         self.compiles = 0
         self.last_graph_task = -1
+        self.release_checked = False   # set by release.track_release's hook, consumed per backward
         self.produced: dict[str, torch.Tensor] = {}  # the last backward's gradient per parameter
         self._checks: dict[Any, GraphCheck] = {}
         self.stages = Stages(on_stage=self._dump)
@@ -227,6 +228,13 @@ class DPBackend:
     # Each check runs before its graph, so the refused second graph has written nothing.
     # (tests/test_inputs.py::test_two_forwards_one_backward_refused)
     def _one_forward_per_backward(self) -> None:
+        if not self.release_checked:
+            raise PrivacyError(
+                "dpfx's backward graph ran without its release check (Note [One release per "
+                "forward] in release.py): dpfx could not find its compiled function among the "
+                "autograd nodes of the forward's outputs. Return the model's outputs as tensors "
+                "(or tuples, lists, dicts of them). This backward has written nothing.")
+        self.release_checked = False
         task = torch._C._current_graph_task_id()
         if task != -1 and task == self.last_graph_task:
             raise PrivacyError(

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+
+from .errors import PrivacyError
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
@@ -31,6 +34,7 @@ class DPConfig:
     noise: str = "graph"
     track_norms: bool = False
     self_check: bool = True
+    allow_input_grads: bool = False
 
     def __post_init__(self):
         if isinstance(self.max_grad_norm, dict):
@@ -75,6 +79,8 @@ class DPConfig:
             raise ValueError(f"track_norms must be a bool, got {self.track_norms!r}")
         if not isinstance(self.self_check, bool):
             raise ValueError(f"self_check must be a bool, got {self.self_check!r}")
+        if not isinstance(self.allow_input_grads, bool):
+            raise ValueError(f"allow_input_grads must be a bool, got {self.allow_input_grads!r}")
 
     @property
     def per_layer(self) -> bool:
@@ -124,3 +130,29 @@ def _check_bound(c, name: str) -> None:
         raise ValueError(f"{name} must be a positive number, got {c!r}")
     if not (math.isfinite(c) and c > 0):
         raise ValueError(f"{name} must be finite and > 0 (it is the clipping bound C), got {c!r}")
+
+
+def _refuse_change(self, name: str, value) -> None:
+    raise PrivacyError(
+        f"DPConfig.{name} cannot change after dpfx.compile: the compiled graphs clip and noise "
+        f"with the values they were built with, and the optimizer and the accountant read them "
+        f"too. Call dpfx.compile(model, {name}=...) again (and build a new DPOptimizer).")
+
+
+# The frozen dataclass's own refusal (FrozenInstanceError: "cannot assign to field") does not
+# say why or what to do instead.
+DPConfig.__setattr__ = _refuse_change
+DPConfig.__delattr__ = lambda self, name: _refuse_change(self, name, None)
+
+
+class FixedSeedWarning(UserWarning):
+    """A fixed ``seed=``: every run (and every model compiled with it) draws the same noise."""
+
+
+def warn_fixed_seed(seed: int | None) -> None:
+    if seed is not None:
+        warnings.warn(FixedSeedWarning(
+            f"seed={seed} fixes the noise: every run, and every model compiled with the same "
+            f"seed, draws the same noise, so two releases made with it can be subtracted from "
+            f"each other. Use it for tests and reproductions only; leave seed=None for training "
+            f"(noise seeded from the OS's CSPRNG)."), stacklevel=3)

@@ -47,16 +47,27 @@ one each ``iter()`` seeds a fresh generator from torch's global RNG, like ``Rand
 With ``world_size > 1`` and no ``generator``, each rank seeds from the OS's CSPRNG instead, so that
 ranks (which share torch's default seed) do not draw the same masks.
 torch's Mersenne Twister is not a cryptographic RNG: DP's guarantee assumes the sampling is
-secret and truly random, which is an accepted gap in DP-SGD libraries (Opacus included).
+secret and truly random, and batches drawn from torch's generator repeat under
+``torch.manual_seed``. ``secure_mode=True`` closes that gap (Note [Secure sampling]).
+
+# Note [Secure sampling]
+With ``secure_mode=True`` every inclusion decision is a 64-bit integer from the OS's CSPRNG
+(``os.urandom``) compared with floor(q * 2^64): each example joins with probability q rounded
+down by less than 2^-64, independently of torch's generators, of ``torch.manual_seed`` and of
+other runs and ranks. Nothing is seeded, so nothing can be replayed; a ``generator`` is refused.
+(tests/test_loop_privacy.py::test_secure_sampling_ignores_torch_seed)
 """
 from __future__ import annotations
 
 import collections.abc
+import fractions
 import math
 import numbers
+import os
 import secrets
 from typing import Callable, Iterator, Sized
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
@@ -93,7 +104,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int | Sized, sample_rate: float, steps: int | None = None,
-                 generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1):
+                 generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
+                 secure_mode: bool = False):
         if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
             num_samples = len(num_samples)
         self.num_samples = _check_count(num_samples, "num_samples", 0)
@@ -102,7 +114,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
             else _check_count(steps, "steps", 0)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
+        if secure_mode and generator is not None:
+            raise ValueError("secure_mode samples from the OS's CSPRNG; a generator would make the "
+                             "batches replayable (Note [Secure sampling])")
         self.generator = generator
+        self.secure_mode = bool(secure_mode)
         self.world_size = _check_count(world_size, "world_size", 1)
         self.rank = _check_count(rank, "rank", 0)
         if self.rank >= self.world_size:
@@ -114,6 +130,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.secure_mode:
+            for _ in range(self.steps):
+                yield self.indices[_secure_mask(len(self.indices), self.sample_rate)].tolist()
+            return
         g = self.generator
         if g is None and self.world_size > 1:
             # Ranks share torch's default seed; correlated draws across shards would break the
@@ -125,6 +145,15 @@ class PoissonBatchSampler(Sampler[list[int]]):
         for _ in range(self.steps):
             mask = torch.rand(len(self.indices), generator=g) < self.sample_rate
             yield self.indices[mask].tolist()
+
+
+def _secure_mask(n: int, q: float) -> torch.Tensor:
+    """bool[n], each True with probability floor(q * 2^64) / 2^64, from os.urandom."""
+    if q >= 1:
+        return torch.ones(n, dtype=torch.bool)
+    threshold = np.uint64(int(fractions.Fraction(q) * 2**64))
+    draws = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    return torch.from_numpy(draws < threshold)
 
 
 def _empty_like_batch(batch):
@@ -169,10 +198,11 @@ _OWN_ARGS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = None,
                    generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
-                   **dataloader_kwargs) -> DataLoader:
+                   secure_mode: bool = False, **dataloader_kwargs) -> DataLoader:
     """A DataLoader over ``dataset`` with Poisson batches (``PoissonBatchSampler``).
 
-    ``generator`` drives the sampling only. ``collate_fn`` (default ``default_collate``) is
+    ``generator`` drives the sampling only; ``secure_mode`` samples from the OS's CSPRNG
+    instead (Note [Secure sampling]). ``collate_fn`` (default ``default_collate``) is
     wrapped in ``EmptyBatchCollate``; other keyword arguments (``num_workers``, ``pin_memory``,
     ...) go to ``DataLoader``, except those that choose batches, which would defeat the sampling.
     """
@@ -187,6 +217,6 @@ def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = 
         raise ValueError("dataset is empty: nothing to sample")
     collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator,
-                                  rank=rank, world_size=world_size)
+                                  rank=rank, world_size=world_size, secure_mode=secure_mode)
     return DataLoader(dataset, batch_sampler=sampler,
                       collate_fn=EmptyBatchCollate(dataset[0], collate_fn), **dataloader_kwargs)

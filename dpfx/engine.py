@@ -74,6 +74,9 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
     ``epochs``), and one of ``batch_size`` (expected) or ``sample_rate``.
     """
+    if secure_mode and generator is not None:
+        raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
+                         "make them replayable (Note [Secure sampling] in data.py)")
     if isinstance(data, DataLoader):
         loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
                             and k not in ("prefetch_factor",)}, **loader_kwargs}
@@ -124,7 +127,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                secure_mode=secure_mode, process_group=process_group)
     loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
                             rank=_rank(process_group) if world > 1 else 0, world_size=world,
-                            **loader_kwargs)
+                            secure_mode=secure_mode, **loader_kwargs)
     if max_physical_batch_size is not None:
         loader = VirtualBatches(loader, max_physical_batch_size, dp_optimizer)
     return PrivateTraining(dp_model, dp_optimizer, loader, acc, noise_multiplier, q,

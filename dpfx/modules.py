@@ -16,20 +16,49 @@ from .errors import PrivacyError
 
 
 def module_problems(model: nn.Module) -> list[str]:
-    return [
-        f"module '{name or '<root>'}' ({type(module).__name__}) is in training mode: BatchNorm "
-        f"averages over the batch, so each example's output depends on the others. Replace it "
-        f"with GroupNorm (dpfx.replace_batchnorm(model)), or put it in eval mode with frozen "
-        f"statistics."
-        for name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training
-    ]
+    return [f"module '{name or '<root>'}' ({type(module).__name__}) {why}"
+            for name, module in model.named_modules()
+            for why in [_mixing(module)] if why]
+
+
+def _mixing(module: nn.Module) -> str | None:
+    """Why a normalization layer mixes the batch, and the fix; None when it does not. Eval-mode
+    BatchNorm and InstanceNorm with frozen running statistics normalize each example alone
+    (traceable.py writes them out)."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if module.training:
+            return ("is in training mode: BatchNorm averages over the batch, so each example's "
+                    "output depends on the others. Replace it with GroupNorm "
+                    "(dpfx.replace_batchnorm(model)), or put it in eval mode (module.eval()) "
+                    "with frozen statistics.")
+        if module.running_mean is None:
+            return ("has no running statistics (track_running_stats=False), so it normalizes "
+                    "with the batch's statistics even in eval mode: each example's output "
+                    "depends on the others. Replace it with GroupNorm "
+                    "(dpfx.replace_batchnorm(model)).")
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.training \
+            and module.track_running_stats:
+        return ("is in training mode with track_running_stats=True: each step averages the "
+                "examples' statistics into its running buffers, which the model then releases "
+                "unclipped and un-noised. Use track_running_stats=False (normalization per "
+                "example is unchanged), or put it in eval mode with frozen statistics.")
+    return None
 
 
 def check_modules(model: nn.Module) -> None:
     problems = module_problems(model)
     if problems:
         raise PrivacyError(problems[0])
+
+
+def without_batch_mixing(model: nn.Module) -> nn.Module:
+    """A model ``dpfx.validate`` can inspect after reporting ``module_problems``: BatchNorm
+    swapped for GroupNorm, InstanceNorm's statistics tracking off, in place."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+            module.track_running_stats = False
+            module.running_mean = module.running_var = None
+    return replace_batchnorm(model)
 
 
 def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
@@ -47,4 +76,4 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     return model
 
 
-__all__ = ["check_modules", "module_problems", "replace_batchnorm"]
+__all__ = ["check_modules", "module_problems", "replace_batchnorm", "without_batch_mixing"]

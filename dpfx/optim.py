@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import math
 import secrets
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ import torch.distributed as dist
 from .errors import PrivacyError
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
+from .release import second_backward_error
+
+# Set once at construction: changing them later would make the noise, the divisor or the
+# accountant disagree with the compiled model (Opacus users set optimizer.noise_multiplier).
+_FIXED_SETTINGS = {"noise_multiplier", "max_grad_norm", "expected_batch_size", "loss_reduction",
+                   "sample_rate", "secure_mode"}
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -93,6 +100,10 @@ class DPOptimizer(torch.optim.Optimizer):
                                      "parameter of dp_model; its gradient would not be private")
         if self.world > 1:
             _check_same_model(dp_model._orig_mod, process_group)
+        if dp_model.clipped_sums:
+            raise ValueError("dp_model holds clipped sums of backward passes run before this "
+                             "DPOptimizer existed; call dp_model.reset_clipped_sums() first, or "
+                             "they would be stepped as part of its first step")
         self.original_optimizer = optimizer
         self.dp_model = dp_model
         self.accountant = accountant
@@ -102,6 +113,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
+        self._released = False      # a backward ran since the last step() (Note [One release
+        #                             per accounted step] in release.py)
         self._named = [(n, p) for n, p in dp_model._orig_mod.named_parameters()
                        if p.requires_grad]
         self._generator = None
@@ -110,6 +123,21 @@ class DPOptimizer(torch.optim.Optimizer):
             self._generator = torch.Generator().manual_seed(seed)
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
+        dp_model._dpfx_optimizer = weakref.ref(self)
+
+    def __setattr__(self, name, value):
+        if name in _FIXED_SETTINGS and "_released" in self.__dict__:
+            raise PrivacyError(
+                f"'{name}' cannot change after the DPOptimizer is built: the compiled model's "
+                f"noise and clipping and the accountant's record must agree. Compile the model "
+                f"again with the new setting and build a new DPOptimizer.")
+        super().__setattr__(name, value)
+
+    def _open_release(self) -> None:
+        """Called before a backward of dp_model's graph runs."""
+        if self._released:
+            raise second_backward_error(self.dp_model.dp_config.noise)
+        self._released = True
 
     # The inner optimizer's state, seen through this one (LR schedulers read param_groups).
     @property
@@ -150,6 +178,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._open:
             return          # inside a logical batch: keep the clipped sums accumulating
+        if self._released and self.dp_model.dp_config.noise == "graph":
+            self._account()     # a noisy release discarded unstepped still happened
+        self._released = False
         self.original_optimizer.zero_grad(set_to_none)
         self.dp_model.reset_clipped_sums()
 
@@ -161,16 +192,23 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._skip_next:
             self._skip_next = False
             self._open = True
+            self._released = False
             return loss
         if self.dp_model.dp_config.noise == "optimizer":
             self._write_private_grads()
+        else:
+            self.dp_model._ledger.check(self._named)
+        self._released = False
         self.original_optimizer.step()
         self._open = False
         self.steps += 1
+        self._account()
+        return loss
+
+    def _account(self) -> None:
         if self.accountant is not None:
             self.accountant.step(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
                                  sample_rate=self.sample_rate)
-        return loss
 
     def _write_private_grads(self) -> None:
         model, config = self.dp_model, self.dp_model.dp_config
@@ -179,7 +217,10 @@ class DPOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 raise PrivacyError(
                     f"parameter '{name}' has a gradient that did not come from dpfx's clipped "
-                    f"sums (p.grad is set before DPOptimizer.step()); it would not be private")
+                    f"sums (p.grad is set before DPOptimizer.step(): a backward outside dpfx's "
+                    f"graph, such as the raw model's or a module sharing the parameter, wrote "
+                    f"it); it would not be private. zero_grad(), then forward through the "
+                    f"dpfx-compiled module and backward once.")
         if not self._named:
             return
         device = self._named[0][1].device
@@ -199,6 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, p in self._named:
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+            model._ledger.after_accumulate(name, p)     # private: a later backward may add to it
             offset += n
         model.reset_clipped_sums()
 

@@ -10,6 +10,14 @@ branch on the batch:
   zeros where eager torch would raise.
 - ``F.instance_norm`` without running statistics: written out as var_mean over the spatial dims
   (torch's own runs batch_norm on a (1, B*C, ...) view, whose kernel tests numel() == 0).
+- ``F.batch_norm`` in eval mode and ``F.instance_norm`` with running statistics (eval mode,
+  ``track_running_stats=True``): ``(x - running_mean) / sqrt(running_var + eps)`` and the affine,
+  per example, since the frozen statistics mix nothing (torch's kernel tests numel() == 0).
+  Modes that mix the batch are refused before capture (``modules.py``).
+- ``torch.roll``/``Tensor.roll`` over dims without the batch: the two slices concatenated (torch's
+  tests numel() == 0). A roll over the batch dim moves one example's values into another's
+  output: refused with a ``PrivacyError`` naming the model's line (Note [Refusals raised while
+  capturing] in api.py).
 - ``F.bilinear`` (``nn.Bilinear``): written as one matmul and a broadcast product (torch's meta
   function for ``_trilinear`` fails with a symbolic batch); the weight's gradient is then an
   ``mm`` and the bias's a sum, both with rules.
@@ -42,9 +50,11 @@ import contextlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.utils import rnn as rnn_utils
 
 from . import rnn
+from .errors import PrivacyError
 
 _verify_batch_size = F._verify_batch_size
 _instance_norm = F.instance_norm
@@ -54,6 +64,9 @@ _view = torch.Tensor.view
 _embedding_bag = F.embedding_bag
 _reshape = torch.Tensor.reshape
 _linear = F.linear
+_batch_norm = F.batch_norm
+_roll = torch.roll
+_tensor_roll = torch.Tensor.roll
 _rnn_forwards = {cls: cls.forward for cls in (nn.RNN, nn.GRU, nn.LSTM)}
 
 
@@ -65,6 +78,8 @@ def _verify_batch_size_if_known(size) -> None:
 
 def _instance_norm_written_out(input, running_mean=None, running_var=None, weight=None,
                                bias=None, use_input_stats=True, momentum=0.1, eps=1e-5):
+    if not use_input_stats and running_mean is not None and running_var is not None:
+        return _with_running_stats(input, running_mean, running_var, weight, bias, eps)
     if not use_input_stats or running_mean is not None or running_var is not None:
         return _instance_norm(input, running_mean, running_var, weight, bias, use_input_stats,
                               momentum, eps)
@@ -78,6 +93,52 @@ def _instance_norm_written_out(input, running_mean=None, running_var=None, weigh
     if bias is not None:
         out = out + bias.view(channel)
     return out
+
+
+def _with_running_stats(input, running_mean, running_var, weight, bias, eps):
+    channel = (1, -1) + (1,) * (input.dim() - 2)
+    out = (input - running_mean.view(channel)) * torch.rsqrt(running_var.view(channel) + eps)
+    if weight is not None:
+        out = out * weight.view(channel)
+    return out if bias is None else out + bias.view(channel)
+
+
+def _batch_norm_frozen_stats(input, running_mean, running_var, weight=None, bias=None,
+                             training=False, momentum=0.1, eps=1e-5):
+    if training or running_mean is None or running_var is None:
+        return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                           eps)
+    return _with_running_stats(input, running_mean, running_var, weight, bias, eps)
+
+
+def _roll_checked(input, shifts, dims=None):
+    batched = [i for i, s in enumerate(input.shape)
+               if isinstance(s, torch.SymInt) and free_unbacked_symbols(s)]
+    if not batched:
+        return _roll(input, shifts, dims)
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims, shifts = (), ()
+    shifts = tuple(shifts) if isinstance(shifts, (list, tuple)) else (shifts,)
+    dims = tuple(dims) if isinstance(dims, (list, tuple)) else (dims,)
+    if not dims or any(d % input.dim() in batched for d in dims):
+        raise PrivacyError(
+            "torch.roll over the batch dim (or over the flattened tensor) moves one example's "
+            "values into another example's output, so each example's gradient depends on the "
+            "others and clipping bounds nothing. Roll over the other dims (dims=1, ...), or do "
+            "the shift per example in the data pipeline.")
+    out = input
+    for shift, dim in zip(shifts, dims):
+        n = out.shape[dim]
+        k = shift % n if n else 0
+        if k:
+            out = torch.cat([out.narrow(dim, n - k, k), out.narrow(dim, 0, n - k)], dim)
+    return out
+
+
+def _roll_as_method(input, shifts, dims=None):
+    # dynamo inlines a Python function found as torch.roll, where sizes are not SymInts yet; a
+    # Tensor method runs where they are.
+    return input.roll(shifts, dims)
 
 
 def _repeat_by_expand(self, *sizes):
@@ -201,6 +262,9 @@ def traceable_torch():
     torch.Tensor.view = _view_explicit
     torch.Tensor.reshape = _reshape_explicit
     F.linear = _linear_one_feature
+    F.batch_norm = _batch_norm_frozen_stats
+    torch.roll = _roll_as_method
+    torch.Tensor.roll = _roll_checked
     for cls in _rnn_forwards:
         cls.forward = rnn.rnn_forward
     rnn_utils.pack_padded_sequence = rnn.pack_padded_sequence
@@ -214,6 +278,9 @@ def traceable_torch():
         rnn_utils.pack_padded_sequence = rnn._pack_padded_sequence
         rnn_utils.pad_packed_sequence = rnn._pad_packed_sequence
         F.linear = _linear
+        F.batch_norm = _batch_norm
+        torch.roll = _roll
+        torch.Tensor.roll = _tensor_roll
         F.bilinear = _bilinear
         F.embedding_bag = _embedding_bag
         torch.Tensor.view = _view

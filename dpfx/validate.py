@@ -16,7 +16,7 @@ import torch
 
 from .api import compile as dp_compile
 from .errors import CaptureError, DPFXError
-from .modules import module_problems, replace_batchnorm
+from .modules import module_problems, without_batch_mixing
 from .passes import Problem
 
 
@@ -25,7 +25,7 @@ def validate(model: torch.nn.Module, *example_inputs, **kwargs) -> list[Problem]
     if problems:
         # torch cannot trace BatchNorm with a symbolic batch at all; inspect the rest of the
         # model on a copy with the (already reported) BatchNorms swapped for GroupNorm.
-        model = replace_batchnorm(copy.deepcopy(model))
+        model = without_batch_mixing(copy.deepcopy(model))
     dp = dp_compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
     dp._dpfx_backend.problems = problems
     inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
