@@ -237,7 +237,7 @@ def test_char_lstm_opacus_tutorial():
     assert fired["lstm.weight_ih_l0"] == ["mm"]
     # one mm per step, stacked over time into one product (passes/stack_time.py)
     assert fired["lstm.weight_hh_l0"] == ["mm"]
-    assert fired["lstm.bias_hh_l0"] == ["sum"] * 7
+    assert fired["lstm.bias_hh_l0"] == ["sum"]   # its 7 per-step sums, stacked likewise
     assert fired["embedding.weight"][0] == "embedding"
 
 
@@ -261,13 +261,15 @@ def test_recurrent_layers(kind, layers, bidirectional, batch_first, bias, init, 
 def test_per_step_products_stacked_over_time(strategy, reduction):
     """The hidden weight's per-step products are one product over time (passes/stack_time.py),
     in either per-sample form: one bmm over time, or Gram matrices over time with book-keeping.
-    Planted bugs caught: h_t paired with another step's g_t; the pass not firing."""
+    The bias's per-step sums are one sum over time. Planted bugs caught: h_t paired with another
+    step's g_t; the pass not firing."""
     torch.manual_seed(0)
     model = scale_weights(Seq("lstm", hidden=6))
     x, y = data(steps=5)
     fired = check(model, (x,), y, reduction=reduction, strategy=strategy, batches=[0, 1, 4],
                   expected=4)
     assert fired["rnn.weight_hh_l0"] == ["mm"]
+    assert fired["rnn.bias_hh_l0"] == ["sum"]
     rows = dpfx.explain(model, x, max_grad_norm=C, noise_multiplier=0.0, strategy=strategy).rows
     row = next(r for r in rows if r.name == "rnn.weight_hh_l0")
     assert row.strategy == strategy

@@ -5,12 +5,14 @@
     captured:  grad[w_hh] = add(add(mm(permute(g_1), h_1), mm(permute(g_2), h_2)), mm(permute(g_3), h_3))
     stacked:   grad[w_hh] = mm(permute(view(cat([g_1, g_2, g_3], 1), [B*3, 4H])),
                                view(cat([h_1, h_2, h_3], 1), [B*3, H]))
+    likewise   grad[b_hh] = sum(g_1, [0]) + sum(g_2, [0]) + ...  ->  sum(view(cat(g_t, 1), [B*3, 4H]), [0])
 
 with every g_t (B, 4H) and h_t (B, H) batched in dim 0. The two are equal: sum_t g_t^T h_t = G^T H
 for G, H the per-step operands stacked along the contracted dim, in any order that pairs g_t
 with h_t. Stacking them as (B, T) rows, the batch outer and time inner, gives the layout of a
 Linear on a (B, T, d) sequence: one frontier, whose per-sample form is one ``bmm`` over time
-instead of T outer products summed per example, and whose ghost form (two (B, T, T) Gram
+instead of T outer products summed per example (for the bias, one reduction over time instead
+of T per-example terms and T - 1 adds), and whose ghost form (two (B, T, T) Gram
 matrices, book-keeping for the clipped sum) applies, so ``strategy="auto"`` can avoid the
 (B, 4H, H) per-sample gradient altogether.
 
@@ -42,51 +44,65 @@ def _add_leaves(node: fx.Node, root: fx.Node) -> list[fx.Node]:
     return [node]
 
 
-def _per_step_operands(mm: fx.Node, an: BatchAnalysis) -> tuple[fx.Node, fx.Node] | None:
-    """(g, h) for ``mm(permute(g, [1, 0]) or t(g), h)`` with g, h batched in dim 0 alone (a
-    contraction over the examples of one step), else None."""
-    if mm.target is not aten.mm.default or len(mm.users) != 1:
-        return None
-    a, h = mm.args[:2]
-    if not (isinstance(a, fx.Node) and isinstance(h, fx.Node)):
-        return None
-    if not (a.target is aten.t.default
-            or (a.target is aten.permute.default and list(a.args[1]) == [1, 0])):
-        return None
-    g = a.args[0]
+def _step_term(leaf: fx.Node, an: BatchAnalysis) -> tuple[tuple, list[fx.Node]] | None:
+    """(form, operands) of one step's term, its operands batched in dim 0 alone (a reduction
+    over the examples of one step), else None. Forms:
+
+        ("mm",)                  mm(permute(g, [1, 0]) or t(g), h)      a weight
+        ("sum", keepdim, shape)  view(sum(g, [0], keepdim), shape)      its bias (view optional)
+    """
     plain = BatchDim(0)
-    if an.layout(g) != plain or an.layout(h) != plain:
+    if leaf.target is aten.mm.default and len(leaf.users) == 1:
+        a, h = leaf.args[:2]
+        transposed = isinstance(a, fx.Node) and (
+            a.target is aten.t.default
+            or (a.target is aten.permute.default and list(a.args[1]) == [1, 0]))
+        if transposed and an.layout(a.args[0]) == plain and an.layout(h) == plain:
+            return ("mm",), [a.args[0], h]
         return None
-    return g, h
+    shape, node = None, leaf
+    if leaf.target is aten.view.default and len(leaf.users) == 1:
+        shape, node = tuple(leaf.args[1]), leaf.args[0]
+    if node.target is aten.sum.dim_IntList and len(node.users) == 1 \
+            and list(node.args[1]) == [0] and not node.kwargs.get("dtype") \
+            and an.layout(node.args[0]) == plain:
+        keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
+        return ("sum", keepdim, shape), [node.args[0]]
+    return None
 
 
-def _stackable(root: fx.Node, an: BatchAnalysis) -> list[tuple[fx.Node, fx.Node]] | None:
+def _stackable(root: fx.Node, an: BatchAnalysis) -> tuple[tuple, list[list[fx.Node]]] | None:
+    """The terms' common form and, per operand position, that operand of every step."""
     leaves = _add_leaves(root, root)
     if len(leaves) < 2:
         return None
-    pairs = [_per_step_operands(leaf, an) for leaf in leaves]
-    if any(p is None for p in pairs):
+    terms = [_step_term(leaf, an) for leaf in leaves]
+    if any(t is None for t in terms) or len({form for form, _ in terms}) != 1:
         return None
-    (g0, h0) = pairs[0]
-    same = lambda x, y: x.meta["val"].shape == y.meta["val"].shape \
-        and x.meta["val"].dtype == y.meta["val"].dtype
-    if not all(same(g, g0) and same(h, h0) for g, h in pairs):
-        return None
-    return pairs
+    columns = [list(c) for c in zip(*(ops for _, ops in terms))]
+    for column in columns:
+        vals = [x.meta["val"] for x in column]
+        if vals[0].dim() != 2 or any(v.shape != vals[0].shape or v.dtype != vals[0].dtype
+                                     for v in vals):
+            return None
+    return terms[0][0], columns
 
 
-def _stacked(pairs, emit: Emitter, an: BatchAnalysis) -> fx.Node:
-    steps = len(pairs)
-    rows = emit.size(an.batch * steps)
+def _stacked(form: tuple, columns: list[list[fx.Node]], emit: Emitter,
+             an: BatchAnalysis) -> fx.Node:
+    rows = emit.size(an.batch * len(columns[0]))
 
     def stack(parts):
         width = an.shape(parts[0].meta["val"])[1]
-        return emit(aten.view.default, emit(aten.cat.default, list(parts), 1),
+        return emit(aten.view.default, emit(aten.cat.default, parts, 1),
                     [rows, emit.size(width)])   # (B, T*d) -> (B*T, d): row b*T + t is step t
 
-    g = stack([g for g, _ in pairs])
-    h = stack([h for _, h in pairs])
-    return emit(aten.mm.default, emit(aten.permute.default, g, [1, 0]), h)
+    stacked = [stack(column) for column in columns]
+    if form[0] == "mm":
+        return emit(aten.mm.default, emit(aten.permute.default, stacked[0], [1, 0]), stacked[1])
+    _, keepdim, shape = form
+    total = emit(aten.sum.dim_IntList, stacked[0], [0], keepdim)
+    return total if shape is None else emit(aten.view.default, total, list(shape))
 
 
 def stack_over_time(graph: fx.Graph, an: BatchAnalysis, fake_mode,
@@ -96,10 +112,10 @@ def stack_over_time(graph: fx.Graph, an: BatchAnalysis, fake_mode,
     batch analysis when it is not empty."""
     replaced = {}
     for root in dict.fromkeys(grads):
-        pairs = _stackable(root, an)
-        if pairs is None:
+        found = _stackable(root, an)
+        if found is None:
             continue
-        new = _stacked(pairs, Emitter(graph, fake_mode, an, before=root), an)
+        new = _stacked(*found, Emitter(graph, fake_mode, an, before=root), an)
         root.replace_all_uses_with(new)
         replaced[root] = new
     if replaced:
