@@ -1,6 +1,6 @@
 """dpfx's benchmark suite: one DP-SGD training step, dpfx against its peers.
 
-    python benchmarks/run.py                 # full run (~30 min on 2 cores)
+    python benchmarks/run.py                 # full run (30-40 min on 2 cores, estimated)
     python benchmarks/run.py --quick         # one batch size per model, few steps, 5 methods
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
 
