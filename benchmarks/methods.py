@@ -16,8 +16,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_leaves, tree_map
 
-from models import loss_fn
+import models
+from models import forward, loss_fn
 
 C = 1.0        # max_grad_norm
 SIGMA = 1.0    # noise_multiplier
@@ -46,7 +48,7 @@ def nonprivate_eager(model: nn.Module, B: int) -> Method:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step(x, y):
-        loss_fn(model(x), y).backward()
+        loss_fn(forward(model, x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -59,7 +61,27 @@ def nonprivate_compile(model: nn.Module, B: int) -> Method:
     cmodel = torch.compile(model)
 
     def step(x, y):
-        loss_fn(cmodel(x), y).backward()
+        loss_fn(forward(cmodel, x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step, compiles)
+
+
+def nonprivate_compile_unrolled(model: nn.Module, B: int) -> Method:
+    """torch.compile with dpfx's capture-time rewrites in place (``traceable_torch``: nn.LSTM's
+    recurrence written out one time step at a time), no DP: the graph dpfx makes private,
+    compiled as it is (Note [The LSTM's baseline] in models.py)."""
+    from dpfx.traceable import traceable_torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    compiles = _dynamo_compiles()
+    cmodel = torch.compile(model)
+
+    def step(x, y):
+        with traceable_torch():   # every call: dynamo guards on the swapped functions
+            out = forward(cmodel, x)
+        loss_fn(out, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -77,7 +99,7 @@ def _opacus(model: nn.Module, B: int, mode: str, x_example, y_example):
         model = ModuleValidator.fix(model)   # nn.LSTM -> Opacus's DPLSTM, same weights
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     # A loader over one batch of B examples: sample rate 1, so Opacus's expected batch size is B.
-    loader = DataLoader(TensorDataset(x_example, y_example), batch_size=B)
+    loader = DataLoader(TensorDataset(tree_leaves(x_example)[0], y_example), batch_size=B)
     engine = PrivacyEngine()
     kwargs = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
                   max_grad_norm=C, poisson_sampling=False, grad_sample_mode=mode,
@@ -93,7 +115,7 @@ def opacus_hooks(model: nn.Module, B: int, x, y) -> Method:
     gsm, opt, _, trained = _opacus(model, B, "hooks", x, y)
 
     def step(x, y):
-        loss_fn(gsm(x), y).backward()
+        loss_fn(forward(gsm, x), y).backward()
         opt.step()                      # clip per-sample grads, add noise, scale, SGD
         opt.zero_grad(set_to_none=True)  # also clears grad_sample
 
@@ -107,7 +129,7 @@ def opacus_ghost(model: nn.Module, B: int, x, y) -> Method:
     gsm, opt, criterion, trained = _opacus(model, B, "ghost", x, y)
 
     def step(x, y):
-        out = gsm(x)
+        out = forward(gsm, x)
         if out.dim() == 3:   # (B, T, V) logits: per-sequence loss, mean over its T tokens
             loss = criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1), shape=out.shape)
         else:
@@ -125,7 +147,8 @@ def _func_dp_grads(model: nn.Module):
     buffers = dict(model.named_buffers())
 
     def one(params, x, y):
-        out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
+        call = lambda *a, **k: functional_call(model, (params, buffers), a, k)
+        out = forward(call, tree_map(lambda t: t.unsqueeze(0), x))
         return loss_fn(out, y.unsqueeze(0))
 
     def dp_grads(params, x, y, denom: int):
@@ -168,6 +191,32 @@ def func_compile(model, B):
     return _func_method(model, B, compiled=True)
 
 
+def loop_eager(model: nn.Module, B: int) -> Method:
+    """Each example's gradient by plain autograd on a batch of one, then the same flat clipping
+    and noise: the reference of check_agreement.py for models vmap cannot map over (the Hugging
+    Face attention paths branch on tensor values). Not timed."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+    def step(x, y):
+        sums = {k: torch.zeros_like(p) for k, p in named.items()}
+        for i in range(y.shape[0]):
+            one = tree_map(lambda t: t[i:i + 1], x)
+            g = torch.autograd.grad(loss_fn(forward(model, one), y[i:i + 1]), list(named.values()),
+                                    allow_unused=True)
+            g = [torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, named.values())]
+            norm = torch.sqrt(sum(gi.pow(2).sum() for gi in g))
+            factor = (C / (norm + 1e-6)).clamp(max=1.0)
+            for k, gi in zip(named, g):
+                sums[k] += gi * factor
+        for k, p in named.items():
+            p.grad = (sums[k] + SIGMA * C * torch.randn_like(sums[k])) / B
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step)
+
+
 # --- dpfx ---------------------------------------------------------------------------------------
 
 def _dpfx(model: nn.Module, B: int, strategy: str) -> Method:
@@ -179,7 +228,7 @@ def _dpfx(model: nn.Module, B: int, strategy: str) -> Method:
                       backend="inductor", **kwargs)
 
     def step(x, y):
-        loss_fn(dp(x), y).backward()     # p.grad: clipped, noised, / B
+        loss_fn(forward(dp, x), y).backward()     # p.grad: clipped, noised, / B
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -203,13 +252,21 @@ def dpfx_materialize(model, B):
 METHODS = {
     "eager": ("non-private eager", nonprivate_eager, False),
     "compile": ("non-private torch.compile", nonprivate_compile, False),
+    "compile_unrolled": ("non-private torch.compile, recurrence unrolled as dpfx captures it",
+                         nonprivate_compile_unrolled, False),
     "opacus_hooks": ("Opacus hooks", opacus_hooks, True),
     "opacus_ghost": ("Opacus ghost clipping", opacus_ghost, True),
     "func_eager": ("torch.func vmap(grad), eager", func_eager, False),
     "func_compile": ("torch.func vmap(grad), torch.compile", func_compile, False),
     "dpfx": ("dpfx (inductor)", dpfx_inductor, False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
+    "loop_eager": ("batch-of-one loop, eager", loop_eager, False),
 }
+
+
+def applies(name: str, model_name: str) -> bool:
+    """compile_unrolled differs from compile only where a model names it as its baseline."""
+    return name != "compile_unrolled" or models.BASELINE.get(model_name) == name
 
 
 def make(name: str, model: nn.Module, B: int, x, y) -> Method:

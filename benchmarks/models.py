@@ -3,6 +3,10 @@
 Every model returns logits; the loss is cross-entropy, the mean over the batch of per-example
 losses (for the GPT model, each example's loss is the mean over its T positions, so the mean over
 all B*T tokens is the mean over the batch of per-example losses, the contract of dpfx and Opacus).
+
+The Hugging Face language models (``hf_gpt2``, ``hf_llama``) are called as users call them:
+``model(input_ids=ids, attention_mask=mask).logits``. Their input ``x`` is that dict of keyword
+arguments; ``forward(model, x)`` is the one place that knows the difference.
 """
 from __future__ import annotations
 
@@ -113,6 +117,50 @@ class LSTMClassifier(nn.Module):
         return self.fc(h[-1])
 
 
+HF_T = 32   # sequence length of the Hugging Face models
+
+
+def _hf_gpt2():
+    """GPT2LMHeadModel from a config: d=64, 2 layers, 4 heads, vocab 256, LM head tied to the
+    token embedding, dropout 0 (so that every method computes the same function)."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256,
+                                     n_positions=HF_T, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _hf_llama():
+    """LlamaForCausalLM from a config of the same size: d=64, 2 layers, 4 heads, SwiGLU 176,
+    RMSNorm, rotary positions, vocab 256, untied head."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4,
+                                      vocab_size=256, max_position_embeddings=HF_T,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_data(B, g):
+    """Token ids, an attention mask with each example's last 0-15 positions padded, and the
+    next-token labels (every position counts, so each example's loss is its own mean)."""
+    ids = torch.randint(0, 256, (B, HF_T + 1), generator=g)
+    lengths = HF_T - torch.randint(0, HF_T // 2, (B,), generator=g)
+    mask = (torch.arange(HF_T) < lengths[:, None]).long()
+    x = torch.empty(B, HF_T, dtype=ids.dtype).copy_(ids[:, :-1])
+    y = torch.empty(B, HF_T, dtype=ids.dtype).copy_(ids[:, 1:])
+    return {"input_ids": x, "attention_mask": mask}, y
+
+
+def forward(model, x):
+    """The model's logits, called as its users call it."""
+    if isinstance(x, dict):
+        return model(**x).logits
+    return model(x)
+
+
 def _mlp_data(B, g):
     return torch.randn(B, 64, generator=g), torch.randint(0, 10, (B,), generator=g)
 
@@ -146,7 +194,21 @@ MODELS = {
     "embedding": (EmbeddingBag, _emb_data, (64, 256), "Embedding(20000, 64) on (B, 32) -> mean -> Linear"),
     "lstm": (LSTMClassifier, _lstm_data, (32, 64),
              "LSTM text classifier: Embedding(10000, 64), nn.LSTM(64, 128), T=32, Linear(128, 2)"),
+    "hf_gpt2": (_hf_gpt2, _hf_data, (8, 32),
+                "Hugging Face GPT2LMHeadModel, d=64, 2 layers, vocab 256 (tied head), T=32, "
+                "attention mask"),
+    "hf_llama": (_hf_llama, _hf_data, (8, 32),
+                 "Hugging Face LlamaForCausalLM, d=64, 2 layers, vocab 256, T=32, attention mask"),
 }
+
+# The non-private step each model's DP step is measured against (Note [The LSTM's baseline]).
+BASELINE = {"lstm": "compile_unrolled"}
+
+# Note [The LSTM's baseline]
+# torch.compile does not trace nn.LSTM: its "non-private torch.compile" step is ATen's fused LSTM
+# kernel. dpfx trains the same layer through its written-out recurrence (one step per time step,
+# dpfx/rnn.py), so the fair baseline for dpfx's DP cost is that unrolled graph compiled without
+# DP (methods.nonprivate_compile_unrolled); both are reported.
 
 
 def loss_fn(out, y):

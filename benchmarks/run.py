@@ -1,7 +1,7 @@
 """dpfx's benchmark suite: one DP-SGD training step, dpfx against its peers.
 
-    python benchmarks/run.py                 # full run (~30 min on 2 cores)
-    python benchmarks/run.py --quick         # smoke run: one batch size per model, few steps
+    python benchmarks/run.py                 # full run (30-40 min on 2 cores, estimated)
+    python benchmarks/run.py --quick         # one batch size per model, few steps, 5 methods
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
@@ -17,6 +17,9 @@ Measurements, per (model, batch, method):
   cache hits from an earlier method or run). The worker warms Inductor's compile workers and C++
   toolchain probe once on a throwaway function before the first method. Dynamo is reset once
   per worker, not between methods (their compiled code must stay alive for the round-robin).
+- first step, warm cache (full run, or --warm-cache): a second worker process runs the first
+  step of every compiling method again with the cache directory the first worker filled: what a
+  user's second run of the same script pays (dynamo traces again; Inductor's caches hit).
 - compiles: graphs compiled during the method (dpfx: ``compile_count``; torch.compile methods:
   the delta of ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``).
 - median step: median wall time of N timed steps after the warm-up steps. The methods take turns
@@ -24,7 +27,11 @@ Measurements, per (model, batch, method):
   caches that method evicted) and then up to --block timed steps. results.json also has min,
   quartiles and max, and the number of dynamo graphs compiled during the timed steps (0: no
   recompiles).
-- x compiled: median step / non-private torch.compile's median step for the same model and batch.
+- x compiled: median step / the model's non-private baseline's median step for the same batch:
+  torch.compile, except for the LSTM, whose baseline is the same recurrence unrolled as dpfx
+  captures it, compiled without DP (Note [The LSTM's baseline] in models.py). first x and mem x:
+  first step and step memory over the same baseline's. The summary at the top of results.md
+  sets dpfx's ratios beside issue 18's targets.
 - step memory: peak bytes of tensor memory live during one steady-state step above what was
   live when the step began, from the CPU allocator's own accounting (torch.profiler with
   profile_memory=True records every allocation and free of the c10 CPU allocator, Inductor's
@@ -37,6 +44,7 @@ Measurements, per (model, batch, method):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,15 +54,21 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-METHOD_ORDER = ["eager", "compile", "opacus_hooks", "opacus_ghost", "func_eager",
-                "func_compile", "dpfx", "dpfx_materialize"]
-QUICK_METHODS = [m for m in METHOD_ORDER if m != "dpfx_materialize"]
+from report import add_ratios, label, plot, write_markdown  # noqa: E402
+
+METHOD_ORDER = ["eager", "compile", "compile_unrolled", "opacus_hooks", "opacus_ghost",
+                "func_eager", "func_compile", "dpfx", "dpfx_materialize"]
+# --quick keeps the baselines, the fastest peer (Opacus ghost clipping) and dpfx: compiling is
+# most of a quick run, and torch.func compiled costs as much compile time as dpfx.
+QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
+COMPILING = ("compile", "compile_unrolled", "func_compile", "dpfx", "dpfx_materialize")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,6 +95,27 @@ def step_peak_bytes(step, x, y) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+@contextlib.contextmanager
+def method_cache(root: str, method: str):
+    """Inductor's caches in root/method: empty when the cold worker compiles, filled for the
+    warm-cache worker. In-memory caches are cleared on the way in and out."""
+    from torch._inductor.utils import clear_caches
+
+    path = os.path.join(root, method)
+    os.makedirs(path, exist_ok=True)
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    clear_caches()
+    try:
+        yield
+    finally:
+        clear_caches()
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def warm_inductor():
@@ -124,10 +159,7 @@ def worker(args) -> None:
     timed steps, round-robin over the methods (a block of steps of each in turn), so that
     load from other processes on a shared machine falls on every method alike. Phase 3, per
     method: one profiled step for memory; dpfx's variable-batch check."""
-    import tempfile
-
     import torch
-    from torch._inductor.utils import fresh_cache
 
     import methods
     import models
@@ -137,7 +169,8 @@ def worker(args) -> None:
     name, B = args.models[0], args.batch
     warm_inductor()
     torch._dynamo.reset()
-    cache_root = tempfile.mkdtemp(prefix="dpfx-bench-")
+    if args.warm_cache_worker:
+        return first_steps_with_warm_cache(args, progress)
     live, results = {}, {}
     for method in args.methods:
         res = results[method] = {"model": name, "batch": B, "method": method,
@@ -145,7 +178,7 @@ def worker(args) -> None:
         progress.mark(method, "setup")
         try:
             # a fresh, empty Inductor cache per method: no FX-graph or kernel cache hits
-            with fresh_cache(dir=cache_root, delete=False):
+            with method_cache(args.cache_dir, method):
                 model, x, y = models.build(name, B)
                 m = methods.make(method, model, B, x, y)
                 t0 = time.perf_counter()
@@ -209,7 +242,27 @@ def worker(args) -> None:
     with open(args.jsonl, "w") as f:
         for method in args.methods:
             f.write(json.dumps(results[method]) + "\n")
-    shutil.rmtree(cache_root, ignore_errors=True)
+
+
+def first_steps_with_warm_cache(args, progress) -> None:
+    """The second process: each method's first step again, on the caches the first filled."""
+    import methods
+    import models
+
+    with open(args.jsonl, "w") as f:
+        for method in args.methods:
+            progress.mark(method, "warm-cache first step")
+            res = {"method": method}
+            try:
+                with method_cache(args.cache_dir, method):
+                    model, x, y = models.build(args.models[0], args.batch)
+                    m = methods.make(method, model, args.batch, x, y)
+                    t0 = time.perf_counter()
+                    m.step(x, y)
+                    res["first_step_warm_s"] = time.perf_counter() - t0
+            except Exception as e:
+                fail(res, e, "warm-cache first step")
+            f.write(json.dumps(res) + "\n")
 
 
 def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
@@ -289,34 +342,27 @@ def machine_info(threads: int) -> dict:
 
 def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
     """Run one worker for (model, B). If it dies, the method it was in (from its progress file)
-    is recorded as failing and the worker is run again without it."""
+    is recorded as failing and the worker is run again without it (with fresh caches). Then,
+    with --warm-cache, a second worker takes the compiling methods' first steps again on the
+    caches the first one filled."""
     todo = list(method_list)
     crashed: list[dict] = []
     base = os.path.join(args.out, "logs", f"worker-{model}-{B}")
     os.makedirs(os.path.dirname(base), exist_ok=True)
     while todo:
-        jsonl, progress = base + ".jsonl", base + ".progress"
-        for path in (jsonl, progress):
-            if os.path.exists(path):
-                os.remove(path)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
-               "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--block", str(args.block), "--threads", str(args.threads), "--jsonl", jsonl,
-               "--progress", progress]
-        try:
-            with open(base + ".log", "a") as err:   # warnings and profiler chatter
-                rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        if rc == 0 and os.path.exists(jsonl):
-            with open(jsonl) as f:
-                got = {r["method"]: r for r in map(json.loads, f) if r}
-            os.remove(jsonl)
+        cache_dir = tempfile.mkdtemp(prefix="dpfx-bench-")
+        rc, got = _run_worker(model, B, todo, args, base, cache_dir)
+        if rc == 0:
             got.update({c["method"]: c for c in crashed})
-            return [got[m] for m in method_list if m in got]
+            rows = [got[m] for m in method_list if m in got]
+            if args.warm_cache:
+                _add_warm_cache_first_steps(model, B, rows, args, base, cache_dir)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            return rows
+        shutil.rmtree(cache_dir, ignore_errors=True)
         last = None
-        if os.path.exists(progress):
-            with open(progress) as f:
+        if os.path.exists(base + ".progress"):
+            with open(base + ".progress") as f:
                 lines = f.read().split()
             last = (lines[-2], lines[-1]) if len(lines) >= 2 else None
         why = f"worker timed out after {args.timeout}s" if rc == "timeout" \
@@ -326,138 +372,62 @@ def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
         print(f"  {model} B={B} {victim}: {why} during {phase}; rerunning without it "
               f"(see {base}.log)", flush=True)
         crashed.append({"model": model, "batch": B, "method": victim,
-                        "label": METHOD_LABELS[victim], "status": "fails",
+                        "label": label(victim), "status": "fails",
                         "error": f"{why} during {phase}"})
         todo.remove(victim)
     return crashed
 
 
-def fmt(v, spec):
-    return "" if v is None else format(v, spec)
+def _run_worker(model, B, todo, args, base, cache_dir, *extra) -> tuple:
+    """One worker process; returns its exit code (or "timeout") and its rows by method."""
+    jsonl, progress = base + ".jsonl", base + ".progress"
+    for path in (jsonl, progress):
+        if os.path.exists(path):
+            os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
+           "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--block", str(args.block),
+           "--threads", str(args.threads), "--jsonl", jsonl, "--progress", progress,
+           "--cache-dir", cache_dir, *extra]
+    try:
+        with open(base + ".log", "a") as err:   # warnings and profiler chatter
+            rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    got = {}
+    if rc == 0 and os.path.exists(jsonl):
+        with open(jsonl) as f:
+            got = {r["method"]: r for r in map(json.loads, f) if r}
+        os.remove(jsonl)
+    elif rc == 0:
+        rc = "no results"
+    return rc, got
 
 
-def write_markdown(results: list[dict], meta: dict, path: str) -> str:
-    import models
-
-    lines = ["# dpfx benchmark results", "",
-             f"Command: `{meta['command']}`  ",
-             f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
-             f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
-             f"opacus {meta['machine']['opacus']}, Python {meta['machine']['python']}  ",
-             f"dpfx: commit {meta['machine'].get('dpfx_commit', '?')}"
-             + (f" with uncommitted changes to {', '.join(meta['machine']['dpfx_uncommitted'])}"
-                if meta['machine'].get('dpfx_uncommitted') else "") + "  ",
-             f"Steps: {meta['steps']} timed (round-robin over the methods in blocks of "
-             f"{meta.get('block', '?')}) after {meta['warmup']} "
-             f"warm-up steps; C = 1, sigma = 1, SGD lr 0.01. Total run time "
-             f"{meta['total_s'] / 60:.1f} min; load average at start "
-             f"{' '.join(meta['machine'].get('loadavg_at_start', []))}"
-             f"{', at end ' + meta['loadavg_at_end'] if 'loadavg_at_end' in meta else ''}.", "",
-             "first step: compilation included (cold caches). compiles: graphs compiled "
-             "(dpfx: forward + backward = 2; torch.compile: dynamo graphs, whose backward is compiled "
-             "with them). x compiled, x eager: median step / the non-private torch.compile, eager "
-             "median step (min step: the fastest timed step, least disturbed by other load). "
-             "step mem: peak tensor memory allocated during one step (CPU allocator, via "
-             "torch.profiler).", ""]
-    by_model: dict[str, list[dict]] = {}
-    for r in results:
-        by_model.setdefault(r["model"], []).append(r)
-    for name, rows in by_model.items():
-        loads = ", ".join(f"B={b}: {l}" for b, l in dict((r["batch"], r.get("loadavg_before", "?"))
-                                                          for r in rows).items())
-        lines += [f"## {name}: {models.MODELS[name][3]}", "",
-                  f"Load average (1, 5, 15 min) when each batch size started: {loads}.", "",
-                  "| B | method | first step (s) | compiles | median step (ms) | min step (ms) "
-                  "| x compiled | x eager | step mem (MB) |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            if r["status"] != "ok":
-                err = r["error"].replace("|", "\\|")
-                lines.append(f"| {r['batch']} | {r['label']} | fails: {err} | | | | | | |")
-                continue
-            lines.append(
-                f"| {r['batch']} | {r['label']} | {r['first_step_s']:.2f} | "
-                f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
-                f"{fmt(r.get('ratio_to_compile'), '.2f')} | {fmt(r.get('ratio_to_eager'), '.2f')} | "
-                f"{r['step_peak_mb']:.1f} |")
-        vb = [r for r in rows if r.get("varbatch")]
-        for r in vb:
-            v = r["varbatch"]
-            verdict = "ok" if v.get("ok") else "FAILED"
-            err = f", error: {v['error']}" if v.get("error") else ""
-            lines.append("")
-            lines.append(f"dpfx variable batch (B={r['batch']}): sizes {v['sizes']}, compiles "
-                         f"{v['compiles_before']} -> {v.get('compiles_after')}, "
-                         f"{verdict}{err}.")
-        lines.append("")
-    text = "\n".join(lines)
-    with open(path, "w") as f:
-        f.write(text)
-    return text
-
-
-def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = []
-    for r in results:
-        key = (r["model"], r["batch"])
-        if key not in groups:
-            groups.append(key)
-    methods = [m for m in METHOD_ORDER
-               if m != "compile" and any(r["method"] == m for r in results)]
-    width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
-    for j, m in enumerate(methods):
-        xs, ys, fails = [], [], []
-        for i, key in enumerate(groups):
-            r = next((r for r in results if (r["model"], r["batch"]) == key
-                      and r["method"] == m), None)
-            if r is None:
-                continue
-            x = i + (j - (len(methods) - 1) / 2) * width
-            if r["status"] == "ok" and r.get("ratio_to_compile"):
-                xs.append(x)
-                ys.append(r["ratio_to_compile"])
-            else:
-                fails.append(x)
-        bars = ax.bar(xs, ys, width, label=METHOD_LABELS[m])
-        if fails:
-            ax.plot(fails, [1.0] * len(fails), "x", color=bars.patches[0].get_facecolor()
-                    if bars.patches else "k", markersize=8)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\nB={b}" for m, b in groups])
-    ax.set_ylabel("median step / non-private torch.compile (log)")
-    ax.set_title("DP-SGD step time relative to non-private torch.compile (x at 1 = method fails)")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-METHOD_LABELS = {
-    "eager": "non-private eager",
-    "compile": "non-private torch.compile",
-    "opacus_hooks": "Opacus hooks",
-    "opacus_ghost": "Opacus ghost clipping",
-    "func_eager": "torch.func vmap(grad), eager",
-    "func_compile": "torch.func vmap(grad), torch.compile",
-    "dpfx": "dpfx (inductor)",
-    "dpfx_materialize": "dpfx (inductor, strategy=materialize)",
-}
+def _add_warm_cache_first_steps(model, B, rows, args, base, cache_dir) -> None:
+    compiled = [r["method"] for r in rows if r["method"] in COMPILING and r["status"] == "ok"]
+    if not compiled:
+        return
+    rc, got = _run_worker(model, B, compiled, args, base + "-warm", cache_dir,
+                          "--warm-cache-worker")
+    for r in rows:
+        warm = got.get(r["method"], {})
+        if "first_step_warm_s" in warm:
+            r["first_step_warm_s"] = warm["first_step_warm_s"]
+        elif r["method"] in compiled:
+            r["first_step_warm_error"] = warm.get("error", f"warm-cache worker: {rc}")
 
 
 def driver(args) -> None:
+    import methods
     import models
 
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "machine": machine_info(args.threads), "steps": args.steps,
-            "warmup": args.warmup, "block": args.block, "quick": args.quick}
+            "warmup": args.warmup, "block": args.block, "quick": args.quick,
+            "warm_cache": args.warm_cache}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
     results = []
@@ -469,21 +439,18 @@ def driver(args) -> None:
             batches = batches[:1]
         for B in batches:
             load = _loadavg()
-            rows = run_config(name, B, args.methods, args)
+            rows = run_config(name, B, [m for m in args.methods if methods.applies(m, name)],
+                              args)
             for r in rows:
                 r["loadavg_before"] = load
-            for key, ref in (("ratio_to_compile", "compile"), ("ratio_to_eager", "eager")):
-                base = next((r for r in rows if r["method"] == ref and r["status"] == "ok"), None)
-                for r in rows:
-                    if base and r["status"] == "ok":
-                        r[key] = r["median_ms"] / base["median_ms"]
+            add_ratios(name, rows)
             results += rows
             meta["total_s"] = time.perf_counter() - t_start
             _write(results, meta, args.out)   # partial results survive an interrupted run
     meta["total_s"] = time.perf_counter() - t_start
     meta["loadavg_at_end"] = _loadavg()
     text = _write(results, meta, args.out)
-    plot(results, os.path.join(args.out, "ratio.png"))
+    plot(results, os.path.join(args.out, "ratio.png"), METHOD_ORDER)
     print(text)
     print(f"total run time {meta['total_s'] / 60:.1f} min; wrote {args.out}/results.md, "
           f"results.json, ratio.png")
@@ -503,7 +470,8 @@ def main() -> None:
                     help="smoke run: first batch size per model, 5 steps after 1 warm-up")
     ap.add_argument("--models", nargs="+", default=list(models.MODELS), choices=list(models.MODELS))
     ap.add_argument("--methods", nargs="+", default=None, choices=METHOD_ORDER,
-                    help="default: all (--quick: all but dpfx_materialize)")
+                    help="default: all (--quick: eager, compile, compile_unrolled, opacus_ghost, "
+                         "dpfx)")
     ap.add_argument("--batches", nargs="+", type=int, default=None,
                     help="override the batch sizes (default: each model's two, one with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 5)")
@@ -513,11 +481,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
+    ap.add_argument("--warm-cache", action=argparse.BooleanOptionalAction, default=None,
+                    help="time the compiling methods' first step again in a second process on "
+                         "the caches the first filled (default: on, off with --quick)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--jsonl", help=argparse.SUPPRESS)
     ap.add_argument("--progress", help=argparse.SUPPRESS)
+    ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-cache-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.warm_cache is None:
+        args.warm_cache = not args.quick
     if args.steps is None:
         args.steps = 5 if args.quick else 20
     if args.warmup is None:

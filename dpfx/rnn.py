@@ -8,8 +8,8 @@ dynamo refuses to trace ("Attempted to wrap RNN, GRU, or LSTM") and whose gradie
 per-sample rule. ``rnn_forward`` computes the same recurrence with ``F.linear`` and pointwise gates,
 one Python step per time step (T is static), so the weights' gradients are ordinary ``mm``s: the
 input weight's one ``mm`` over T*B (the input projection of the whole sequence at once), the hidden
-weight's a sum over time of T ``mm``s over B, which the ``add`` lift rule sums per example as it
-does for tied weights. torch's semantics, number for number (tests/test_rnn.py checks the outputs
+weight's a sum over time of T ``mm``s over B, which ``passes/stack_time.py`` stacks into one
+``mm`` over B*T before the per-sample rewrite. torch's semantics, number for number (tests/test_rnn.py checks the outputs
 against the stock module, train and eval):
 
 - LSTM gates in the order i, f, g, o; ``c' = f*c + i*g``, ``h' = o*tanh(c')``, then ``W_hr`` when

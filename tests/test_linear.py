@@ -75,13 +75,14 @@ def test_params_without_batch_dim(batch, T, reduction, C, strategy):
 
 @pytest.mark.parametrize("batch", [0, 1, 5])
 def test_tied_weights_sum_their_uses(batch):
-    """Two uses are summed before the norm, so a single ghost norm does not apply: the tied
-    weight materializes even when ghost is asked for (check() asserts that)."""
+    """Two uses are summed before the norm. On (B, d) inputs both uses' products are stacked
+    into one (passes/stack_time.py), whose ghost norm is the norm of the sum: the tied weight
+    takes the ghost form when asked (check() asserts that and the numbers)."""
     model = TiedMLP()
     x = torch.randn(batch, 8)
     y = torch.randint(0, 3, (batch,))
     rules = check(model, xent, x, y, C=0.1, reduction="mean", expected=4, strategy="ghost")
-    assert rules["shared.weight"] == ["mm", "mm"]
+    assert rules["shared.weight"] == ["mm"] and rules["shared.bias"] == ["sum"]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -68,14 +68,14 @@ def run(dp, model, inputs, targets, reduction):
 
 
 def check(model, inputs, targets, *, reduction="mean", expected=None, backend="eager",
-          batches=None):
+          batches=None, strategy="auto"):
     """dpfx equals the reference for every batch size (0 where D is known); clipping bites.
     Returns {parameter: rules fired}."""
     torch._dynamo.reset()
     _, clipped = reference(model, inputs, targets, reduction, expected)
     assert clipped > 0, "C must clip some examples for the test to mean anything"
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend=backend)
+                      expected_batch_size=expected, backend=backend, strategy=strategy)
     tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5,
                                                                        "atol": 1e-6}
     first = 0 if reduction == "sum" or expected else 1
@@ -235,8 +235,9 @@ def test_char_lstm_opacus_tutorial():
     y = torch.arange(5) % 4
     fired = check(model, (x,), y)
     assert fired["lstm.weight_ih_l0"] == ["mm"]
-    assert fired["lstm.weight_hh_l0"] == ["mm"] * 7   # one mm per step
-    assert fired["lstm.bias_hh_l0"] == ["sum"] * 7
+    # one mm per step, stacked over time into one product (passes/stack_time.py)
+    assert fired["lstm.weight_hh_l0"] == ["mm"]
+    assert fired["lstm.bias_hh_l0"] == ["sum"]   # its 7 per-step sums, stacked likewise
     assert fired["embedding.weight"][0] == "embedding"
 
 
@@ -251,9 +252,28 @@ def test_recurrent_layers(kind, layers, bidirectional, batch_first, bias, init, 
     x, y = data(steps=3)
     inputs = (x,) if init != "input" else (x, torch.randn(4, layers * (1 + bidirectional), 4))
     fired = check(model, inputs, y, reduction=config[0], expected=config[1])
-    assert fired["rnn.weight_hh_l0"] == ["mm"] * 3
+    assert fired["rnn.weight_hh_l0"] == ["mm"]   # 3 steps stacked over time
     if init == "learned":
         assert fired["h0"] and set(fired["h0"]) == {"sum"}
+
+
+@pytest.mark.parametrize("strategy,reduction", [("materialize", "mean"), ("ghost", "sum")])
+def test_per_step_products_stacked_over_time(strategy, reduction):
+    """The hidden weight's per-step products are one product over time (passes/stack_time.py),
+    in either per-sample form: one bmm over time, or Gram matrices over time with book-keeping.
+    The bias's per-step sums are one sum over time. Planted bugs caught: h_t paired with another
+    step's g_t; the pass not firing."""
+    torch.manual_seed(0)
+    model = scale_weights(Seq("lstm", hidden=6))
+    x, y = data(steps=5)
+    fired = check(model, (x,), y, reduction=reduction, strategy=strategy, batches=[0, 1, 4],
+                  expected=4)
+    assert fired["rnn.weight_hh_l0"] == ["mm"]
+    assert fired["rnn.bias_hh_l0"] == ["sum"]
+    rows = dpfx.explain(model, x, max_grad_norm=C, noise_multiplier=0.0, strategy=strategy).rows
+    row = next(r for r in rows if r.name == "rnn.weight_hh_l0")
+    assert row.strategy == strategy
+    assert ("Gram [B, 5, 5]" if strategy == "ghost" else "bmm([B, 24, 5], [B, 5, 6])") in row.form
 
 
 def test_lstm_proj_size():
@@ -261,7 +281,7 @@ def test_lstm_proj_size():
     model = scale_weights(Seq("lstm", layers=2, bidirectional=True, proj_size=2))
     x, y = data()
     fired = check(model, (x,), y, reduction="sum")
-    assert fired["rnn.weight_hr_l1_reverse"] == ["mm"] * 4
+    assert fired["rnn.weight_hr_l1_reverse"] == ["mm"]   # 4 steps stacked over time
 
 
 @pytest.mark.parametrize("kind,bidirectional,enforce_sorted",
@@ -348,4 +368,4 @@ def test_unbind_over_time_is_not_mixing():
     torch.manual_seed(0)
     x, y = data(steps=3)
     fired = check(scale_weights(Loop(), 2.0), (x,), y)
-    assert fired["cell.weight"] == ["mm"] * 3
+    assert fired["cell.weight"] == ["mm"]   # 3 steps stacked over time

@@ -4,7 +4,8 @@ Inductor's ``compile_fx`` captures the model with aot_autograd (its own decompos
 partitioner) and calls dpfx's inner compiler once for the forward and once for the backward graph.
 
     forward:   find batch dims -> check no op mixes examples -> lower
-    backward:  find batch dims -> per-sample rewrite -> clip and noise -> verify -> lower
+    backward:  find batch dims -> stack per-step products over time -> per-sample rewrite
+               -> clip and noise -> verify -> lower
 
 Every step is a named function of this package; ``Stages`` records the graph text after each one
 for ``dpfx.explain`` and ``DPFX_DUMP_DIR``.
@@ -23,6 +24,7 @@ from .batch import BatchAnalysis, BatchDim, Layout
 from .clip_noise import insert_clip_and_noise
 from .emit import Emitter
 from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
+from .stack_time import stack_over_time
 from .verify import check_forward, forward_problems, verify_backward
 
 
@@ -108,6 +110,9 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     an = BatchAnalysis(gm.graph, fw.batch_symbols, seeds,
                        data_sources={n for n in gm.graph.find_nodes(op="placeholder")
                                      if n.name in tangent_outputs})
+    if stack_over_time(gm.graph, an, fake_mode, [outs[i] for i in param_outputs]):
+        outs = list(output.args[0])
+        an = an.rerun(gm.graph)
     emit = Emitter(gm.graph, fake_mode, an, before=output)
     grads = [ParamGrad(name, i, outs[i]) for i, name in sorted(param_outputs.items())]
     if not grads:

@@ -1,0 +1,184 @@
+"""The report of a benchmark run: results.md (a summary of dpfx against issue 18's targets, then
+one table per model), the ratios every row carries, and ratio.png. Used by run.py's driver.
+
+    add_ratios("lstm", rows)                     # x base, x compiled, x eager, first x, mem x
+    write_markdown(results, meta, "out/results.md")
+"""
+from __future__ import annotations
+
+# issue 18's targets for dpfx: steady step / the model's baseline, first step, step memory
+STEP_TARGET = {"mlp": 1.10, "gpt": 1.10, "hf_gpt2": 1.10, "hf_llama": 1.10, "cnn": 1.25,
+               "embedding": 1.25, "lstm": 1.5}
+FIRST_STEP_TARGET, MEMORY_TARGET = 1.3, 1.2
+
+
+def label(method: str) -> str:
+    import methods
+
+    return methods.METHODS[method][0]
+
+
+def fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def write_markdown(results: list[dict], meta: dict, path: str) -> str:
+    import models
+
+    m = meta["machine"]
+    lines = ["# dpfx benchmark results", "",
+             f"Command: `{meta['command']}`  ",
+             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
+             f"({m['torch_threads']} threads), opacus {m['opacus']}, Python {m['python']}  ",
+             f"dpfx: commit {m.get('dpfx_commit', '?')}"
+             + (f" with uncommitted changes to {', '.join(m['dpfx_uncommitted'])}"
+                if m.get('dpfx_uncommitted') else "") + "  ",
+             f"Steps: {meta['steps']} timed (round-robin over the methods in blocks of "
+             f"{meta.get('block', '?')}) after {meta['warmup']} "
+             f"warm-up steps; C = 1, sigma = 1, SGD lr 0.01. Total run time "
+             f"{meta['total_s'] / 60:.1f} min; load average at start "
+             f"{' '.join(m.get('loadavg_at_start', []))}"
+             f"{', at end ' + meta['loadavg_at_end'] if 'loadavg_at_end' in meta else ''}.", "",
+             "first step: compilation included (cold caches); warm: the same in a second "
+             "process on the caches the first filled. compiles: graphs compiled (dpfx: forward + "
+             "backward = 2; torch.compile: dynamo graphs, whose backward is compiled with them). "
+             "x base, x eager: median step / the model's non-private baseline's (torch.compile; "
+             "the LSTM's: its recurrence unrolled as dpfx captures it, compiled), eager's median "
+             "step (min step: the fastest timed step, least disturbed by other load). step mem: "
+             "peak tensor memory allocated during one step (CPU allocator, via torch.profiler). "
+             "first x, mem x: first step and step memory over the baseline's.", ""]
+    lines += summary(results)
+    by_model: dict[str, list[dict]] = {}
+    for r in results:
+        by_model.setdefault(r["model"], []).append(r)
+    for name, rows in by_model.items():
+        loads = ", ".join(f"B={b}: {l}" for b, l in dict((r["batch"], r.get("loadavg_before", "?"))
+                                                          for r in rows).items())
+        lines += [f"## {name}: {models.MODELS[name][3]}", "",
+                  f"Load average (1, 5, 15 min) when each batch size started: {loads}.", "",
+                  "| B | method | first step (s) | warm (s) | compiles | median step (ms) "
+                  "| min step (ms) | x base | x eager | step mem (MB) | first x | mem x |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if r["status"] != "ok":
+                err = r["error"].replace("|", "\\|")
+                lines.append(f"| {r['batch']} | {r['label']} | fails: {err} |" + " |" * 9)
+                continue
+            lines.append(
+                f"| {r['batch']} | {r['label']} | {r['first_step_s']:.2f} | "
+                f"{fmt(r.get('first_step_warm_s'), '.2f')} | "
+                f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | "
+                f"{r['min_ms']:.2f} | {fmt(r.get('ratio_to_baseline'), '.2f')} | "
+                f"{fmt(r.get('ratio_to_eager'), '.2f')} | {r['step_peak_mb']:.1f} | "
+                f"{fmt(r.get('first_step_ratio'), '.2f')} | {fmt(r.get('memory_ratio'), '.2f')} |")
+        for r in rows:
+            if r.get("varbatch"):
+                v = r["varbatch"]
+                verdict = "ok" if v.get("ok") else "FAILED"
+                err = f", error: {v['error']}" if v.get("error") else ""
+                lines += ["", f"dpfx variable batch (B={r['batch']}): sizes {v['sizes']}, compiles "
+                              f"{v['compiles_before']} -> {v.get('compiles_after')}, "
+                              f"{verdict}{err}."]
+        lines.append("")
+    text = "\n".join(lines)
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+def summary(results: list[dict]) -> list[str]:
+    """dpfx's ratios to the baseline beside issue 18's targets, and the fastest private peer."""
+    lines = ["## Summary: dpfx against its targets", "",
+             "| model | B | step x base (target) | fastest peer, x base | first step x "
+             f"(target {FIRST_STEP_TARGET}) | warm first step, dpfx / base (s) | step mem x "
+             f"(target {MEMORY_TARGET}) | LSTM: x ATen's fused kernel |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    mark = lambda v, t: "" if v is None else f"{v:.2f} {'met' if v <= t else 'NOT met'}"
+    for r in results:
+        if r["method"] != "dpfx":
+            continue
+        same = [o for o in results if (o["model"], o["batch"]) == (r["model"], r["batch"])]
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['batch']} | dpfx fails |" + " |" * 5)
+            continue
+        base = next((o for o in same if o["method"] == baseline_of(r["model"])), {})
+        peers = [o for o in same if o["status"] == "ok" and o.get("ratio_to_baseline")
+                 and o["method"] not in ("eager", "compile", "compile_unrolled", "dpfx",
+                                         "dpfx_materialize")]
+        peer = min(peers, key=lambda o: o["ratio_to_baseline"], default=None)
+        target = STEP_TARGET.get(r["model"])
+        lines.append(
+            f"| {r['model']} | {r['batch']} | "
+            f"{mark(r.get('ratio_to_baseline'), target or float('inf'))} ({target}) | "
+            + (f"{peer['label']} {peer['ratio_to_baseline']:.2f}" if peer else "")
+            + f" | {mark(r.get('first_step_ratio'), FIRST_STEP_TARGET)} | "
+            f"{fmt(r.get('first_step_warm_s'), '.1f')} / {fmt(base.get('first_step_warm_s'), '.1f')}"
+            f" | {mark(r.get('memory_ratio'), MEMORY_TARGET)} | "
+            + (f"{r['ratio_to_compile']:.2f}" if baseline_of(r["model"]) != "compile"
+               and r.get("ratio_to_compile") else "") + " |")
+    return lines + [""]
+
+
+def baseline_of(model: str) -> str:
+    import models
+
+    return models.BASELINE.get(model, "compile")
+
+
+def plot(results: list[dict], path: str, method_order: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = []
+    for r in results:
+        key = (r["model"], r["batch"])
+        if key not in groups:
+            groups.append(key)
+    methods = [m for m in method_order if m not in ("compile", "compile_unrolled")
+               and any(r["method"] == m for r in results)]
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
+    for j, m in enumerate(methods):
+        xs, ys, fails = [], [], []
+        for i, key in enumerate(groups):
+            r = next((r for r in results if (r["model"], r["batch"]) == key
+                      and r["method"] == m), None)
+            if r is None:
+                continue
+            x = i + (j - (len(methods) - 1) / 2) * width
+            if r["status"] == "ok" and r.get("ratio_to_baseline"):
+                xs.append(x)
+                ys.append(r["ratio_to_baseline"])
+            else:
+                fails.append(x)
+        bars = ax.bar(xs, ys, width, label=label(m))
+        if fails:
+            ax.plot(fails, [1.0] * len(fails), "x", color=bars.patches[0].get_facecolor()
+                    if bars.patches else "k", markersize=8)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m}\nB={b}" for m, b in groups])
+    ax.set_ylabel("median step / non-private baseline (log)")
+    ax.set_title("DP-SGD step time relative to non-private torch.compile (LSTM: unrolled); "
+                 "x at 1 = method fails", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_ratios(name: str, rows: list[dict]) -> None:
+    """Each row's median over the baselines' (see the module doc); first step and step memory
+    over the model's baseline's."""
+    ok = {r["method"]: r for r in rows if r["status"] == "ok"}
+    baseline = ok.get(baseline_of(name))
+    for key, ref in (("ratio_to_baseline", baseline), ("ratio_to_compile", ok.get("compile")),
+                     ("ratio_to_eager", ok.get("eager"))):
+        for r in ok.values():
+            if ref:
+                r[key] = r["median_ms"] / ref["median_ms"]
+    for r in ok.values():
+        if baseline:
+            r["first_step_ratio"] = r["first_step_s"] / baseline["first_step_s"]
+            r["memory_ratio"] = r["step_peak_mb"] / max(baseline["step_peak_mb"], 1e-9)
