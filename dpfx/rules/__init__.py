@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -35,6 +36,16 @@ class Ghost:
     reads."""
     norm_sq: fx.Node
     clipped_sum: Callable[[fx.Node], fx.Node]
+
+
+# Sizes at which strategy="auto" compares the rules' symbolic costs (per_sample._plan_ghost).
+NOMINAL_SIZE = 128
+
+
+def at_nominal(expr) -> float:
+    """``expr`` with every size symbol at the nominal size "auto" compares costs at."""
+    expr = sympy.sympify(expr)
+    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
 
 
 def at_least_float32(emit, *nodes: fx.Node) -> list[fx.Node]:
