@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig
 from .errors import CaptureError, DPFXError, PrivacyError
@@ -48,8 +50,9 @@ class DPModule(torch.nn.Module):
         self._orig_mod = model
         backend = DPBackend(model, config)
         object.__setattr__(self, "_dpfx_backend", backend)
-        object.__setattr__(self, "_dpfx_compiled",
-                           torch.compile(_own_entry(model), backend=backend, fullgraph=True))
+        # Note [Deciding a branch on the batch size] (batch_branches.py): one compiled entry per
+        # set of decisions; a model that never branches on the batch has one.
+        object.__setattr__(self, "_dpfx_entries", [])
         # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
         # (Note [Clipped sums stay out of p.grad]).
         self.clipped_sums: dict[str, torch.Tensor] = {}
@@ -104,11 +107,14 @@ class DPModule(torch.nn.Module):
         if training and backend.problems is None:
             check_modules(self._orig_mod)
         backend.forward_ran = False
+        entry = self._entry_for(batch)
+        backend.decisions = entry.decisions
         try:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
                                             ignore_logging_functions=_skipped_logging()), \
-                    traceable_torch(), _batch_marked(tensors):
-                out = self._dpfx_compiled(*args, **kwargs)
+                    traceable_torch(), _batch_marked(tensors), \
+                    batch_branches.deciding(batch, entry.decisions):
+                out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
@@ -132,6 +138,24 @@ class DPModule(torch.nn.Module):
             self._guard_gradients()
         return out
 
+    def _entry_for(self, batch: int) -> "_Entry":
+        """The compiled entry whose batch-size decisions hold at ``batch``, else a new one."""
+        entries = self._dpfx_entries
+        for entry in entries:
+            if batch_branches.holds(entry.decisions, batch):
+                return entry
+        if len(entries) >= _MAX_ENTRIES:
+            decided = "\n".join(f"    {d}" for e in entries for d in e.decisions)
+            raise CaptureError(
+                f"the model's code branches on the batch size in more ways than dpfx compiles "
+                f"graphs for ({_MAX_ENTRIES}); batch size {batch} needs another. Decisions so "
+                f"far:\n{decided}\nCompute those conditions from something other than the "
+                f"batch size.")
+        entry = _Entry([], torch.compile(_own_entry(self._orig_mod),
+                                         backend=self._dpfx_backend, fullgraph=True))
+        entries.append(entry)
+        return entry
+
     # Note [Every gradient a parameter receives is dpfx's]
     # The graph proof covers the graph; what reaches p.grad is autograd's sum of every
     # contribution to the parameter's gradient in that backward. After the first training
@@ -154,6 +178,15 @@ class DPModule(torch.nn.Module):
             if p.requires_grad and name not in self._grad_guards:
                 self._grad_guards[name] = p.register_hook(
                     functools.partial(_check_gradient, weakref.ref(backend), name))
+
+
+@dataclasses.dataclass
+class _Entry:
+    decisions: list          # batch_branches.Decision: the batch sizes this entry serves
+    compiled: Any            # torch.compile of dpfx's own entry function
+
+
+_MAX_ENTRIES = 8
 
 
 def _remove_hooks(handles: dict) -> None:

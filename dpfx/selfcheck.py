@@ -38,6 +38,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from . import batch_branches
 from .errors import PrivacyError
 from .passes.batch import BatchDim
 
@@ -89,7 +90,7 @@ def _dropout_p(node: fx.Node):
 
 class GraphCheck:
     def __init__(self, forward: Half, layouts: list, batch_symbols: set, batch_inputs: set,
-                 device: torch.device):
+                 device: torch.device, decisions: list = ()):
         self.forward = forward
         self.backward: Half | None = None
         self.compare_backward = True
@@ -97,6 +98,7 @@ class GraphCheck:
         self.batch_symbols = batch_symbols
         self.batch_inputs = batch_inputs
         self.device = device
+        self.decisions = decisions    # the batch sizes this graph serves (batch_branches.py)
         self.done = False
 
     def ready(self, args: list) -> bool:
@@ -110,7 +112,7 @@ class GraphCheck:
         self.done = True
         generator = torch.Generator(device="cpu").manual_seed(0)
         sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
-        for b in SIZES:
+        for b in _sizes_served(self.decisions):
             with _isolated_rng(self.device):
                 self._check_at(b, args, sizes, generator)
 
@@ -122,7 +124,8 @@ class GraphCheck:
         want = _call(self.forward.reference, fw_args, self.device, boxed=False)
         if not self.forward.random:
             _compare("forward", b, self.forward.outputs, got, want)
-        self._check_independence(b, fw_args, got, sizes, generator)
+        if b > 1:
+            self._check_independence(b, fw_args, got, sizes, generator)
         if self.backward is not None and self.compare_backward and not self.forward.random:
             saved = dict(zip(self.forward.outputs, got))
             bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
@@ -173,6 +176,14 @@ class GraphCheck:
                     f"{name} at batch size {b}. The code Inductor generated mixes examples "
                     f"(a torch bug); dpfx refuses to train with it. Use backend='eager' and "
                     f"report this with your torch version.")
+
+
+def _sizes_served(decisions: list) -> list[int]:
+    """SIZES, or for a graph captured for the batch sizes where the model's branches on the
+    batch come out one way (Note [Deciding a branch on the batch size]), the first two sizes it
+    serves (B = 1 alone for a graph of B = 1: exactness only)."""
+    served = [b for b in (*SIZES, *range(1, 66)) if batch_branches.holds(decisions, b)]
+    return list(dict.fromkeys(served))[:2]
 
 
 def _call(fn, args: list, device, boxed: bool = True) -> list:
