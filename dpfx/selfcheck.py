@@ -59,6 +59,7 @@ class Half:
     compiled: Callable
     inputs: list[tuple[str, Any]]         # placeholder name, meta value
     outputs: list[str | None]             # output node names (saved tensors keep them)
+    output_vals: list[Any]                # their meta values
     random: bool                          # has random ops besides dpfx's noise
 
     @classmethod
@@ -68,6 +69,7 @@ class Half:
         return cls(eager_copy(gm), compiled,
                    [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
                    [o.name if isinstance(o, fx.Node) else None for o in out],
+                   [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out],
                    _has_random_ops(gm))
 
 
@@ -127,14 +129,17 @@ class GraphCheck:
         if b > 1:
             self._check_independence(b, fw_args, got, sizes, generator)
         if self.backward is not None and self.compare_backward and not self.forward.random:
-            saved = dict(zip(self.forward.outputs, got))
+            # The tangents' sizes may name symbols only the forward's outputs bind (HF gradient
+            # checkpointing: a size symbol of the recomputed region).
+            sizes = {**_bind(self.forward.output_vals, got), **sizes}
+            saved = _saved_by_backward_name(self.forward, got)
             bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
                        for name, meta in self.backward.inputs]
             got_bw = _call(self.backward.compiled, bw_args, self.device)
             # Each backward gets its own forward's saved tensors: the eager graph may read a
             # saved view through its base (as_strided over the packed q/k/v projection), and
             # Inductor's forward lays its outputs out for its own backward.
-            mine = dict(zip(self.forward.outputs, want))
+            mine = _saved_by_backward_name(self.forward, want)
             ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
             want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
             _compare("backward", b, self.backward.outputs, got_bw, want_bw)
@@ -176,6 +181,17 @@ class GraphCheck:
                     f"{name} at batch size {b}. The code Inductor generated mixes examples "
                     f"(a torch bug); dpfx refuses to train with it. Use backend='eager' and "
                     f"report this with your torch version.")
+
+
+def _saved_by_backward_name(forward: Half, outs: list) -> dict:
+    """The forward's outputs by the names the backward's placeholders give them: saved tensors
+    keep their forward names; the RNG states saved for recomputing a checkpointed region
+    (``run_and_save_rng_state``, the u8 outputs, in order) are ``rng_state_output_<k>``."""
+    saved = dict(zip(forward.outputs, outs))
+    states = [x for x, meta in zip(outs, forward.output_vals)
+              if isinstance(meta, torch.Tensor) and meta.dtype == torch.uint8]
+    saved.update({f"rng_state_output_{k}": x for k, x in enumerate(states)})
+    return saved
 
 
 def _sizes_served(decisions: list) -> list[int]:
@@ -256,15 +272,21 @@ def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> t
 
 def _known_sizes(inputs: list, args: list, batch_symbols: set) -> dict:
     """Values of the graph's non-batch size symbols, read off the real arguments."""
+    sizes = _bind([meta for _, meta in inputs], args)
+    return {s: v for s, v in sizes.items() if s not in batch_symbols}
+
+
+def _bind(metas: list, values: list) -> dict:
+    """{symbol: value} for every size (or SymInt) in ``metas`` that is a plain symbol."""
     sizes = {}
-    for (_, meta), a in zip(inputs, args):
+    for meta, a in zip(metas, values):
         if isinstance(meta, torch.SymInt) and isinstance(meta.node.expr, sympy.Symbol):
-            sizes[meta.node.expr] = int(a)
+            sizes.setdefault(meta.node.expr, int(a))
         elif isinstance(meta, torch.Tensor) and isinstance(a, torch.Tensor):
             for s, v in zip(meta.shape, a.shape):
                 if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
                     sizes.setdefault(s.node.expr, v)
-    return {s: v for s, v in sizes.items() if s not in batch_symbols}
+    return sizes
 
 
 def _concrete(size, sizes: dict) -> int:
