@@ -30,6 +30,7 @@ import logging
 import weakref
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -336,15 +337,54 @@ def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
 
 
 def _symbolic_batch_error(e: Exception) -> CaptureError:
-    first = str(e).splitlines()[0]
-    return CaptureError(
-        f"torch could not trace this model with a symbolic batch size ({first}). dpfx keeps the "
-        f"batch symbolic so that one graph serves every batch size, and some torch kernels branch "
-        f"on sizes. A known case (Eq(u0, 1)) is a raw matrix product whose first operand has one "
-        f"column and needs a gradient, such as `h @ W` after a layer of width 1: torch's mm "
-        f"backward tests that operand's strides against the batch. nn.Linear is handled; write "
-        f"such a product as the broadcast `h * W`. Otherwise file an issue with the expression "
-        f"above.")
+    """What torch could not decide about the symbolic batch, where in the model's code, and the
+    fix that applies (Note [Deciding a branch on the batch size] in batch_branches.py says
+    which comparisons dpfx decides itself)."""
+    chain, seen = [], e
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
+    guard = next((x for x in chain if hasattr(x, "dpfx_expr")), None)
+    expr = str(guard.dpfx_expr) if guard is not None else \
+        next((str(x).splitlines()[0] for x in chain
+              if isinstance(x, GuardOnDataDependentSymNode)), str(e).splitlines()[0])
+    stack = guard.dpfx_model_stack if guard is not None else []
+    if not stack:
+        stack = next((frames for x in chain if (frames := _user_code(str(x)))), [])
+    if "Could not extract specialized integer" in expr or (
+            guard is not None and not _is_condition(guard.dpfx_expr)):
+        why = (f"the model's code needs the batch size as a Python number ({expr}): a loop over "
+               f"the examples, a list with one entry per example, int(x.shape[0]). dpfx keeps "
+               f"the batch symbolic so that one graph serves every batch size. Compute over the "
+               f"whole batch with tensor ops instead.")
+    else:
+        why = (f"torch could not decide {expr} for a symbolic batch size. dpfx decides a "
+               f"comparison of the batch size alone, at each call's size; this one also involves "
+               f"a value computed from the data or another dynamic size. Make the condition "
+               f"independent of the batch size, or file an issue with the expression and line.")
+    where = "\n  in the model's code:\n" + "\n".join(f"    {f}" for f in stack) if stack else ""
+    return CaptureError(f"the model cannot be captured with a symbolic batch size: {why}{where}")
+
+
+def _is_condition(expr) -> bool:
+    return bool(expr.is_Relational) or isinstance(expr, sympy.logic.boolalg.BooleanFunction)
+
+
+def _user_code(message: str) -> list[str]:
+    """The "from user code:" frames of a dynamo error message, one line each."""
+    lines = message.splitlines()
+    if "from user code:" not in lines:
+        return []
+    frames = []
+    for line in lines[lines.index("from user code:") + 1:]:
+        if not line.strip():
+            break
+        if line.strip().startswith("File ") and "/dpfx/" not in line:
+            frames.append(line.strip())
+        elif frames and not set(line.strip()) <= {"^", "~"} and not line.strip().startswith(
+                "File "):
+            frames[-1] += ": " + line.strip()
+    return frames
 
 
 def _check_batch(tensors: list[torch.Tensor]) -> int:

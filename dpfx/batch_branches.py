@@ -84,10 +84,11 @@ def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious
     try:
         return _evaluate_expr(self, orig_expr, hint, fx_node, size_oblivious, fallback_value,
                               forcing_spec=forcing_spec)
-    except GuardOnDataDependentSymNode:
+    except GuardOnDataDependentSymNode as e:
         active = getattr(_state, "active", None)
         symbol = _batch_symbol(self, orig_expr)
         if active is None or symbol is None:
+            e.dpfx_expr, e.dpfx_model_stack = orig_expr, _model_stack()   # for api.py's error
             raise
         if not _in_model_code():
             generic = self._maybe_evaluate_static(orig_expr, size_oblivious=True)
@@ -96,6 +97,7 @@ def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious
         batch, decisions = active
         value = orig_expr.xreplace({symbol: batch})
         if value not in (sympy.true, sympy.false):
+            e.dpfx_expr, e.dpfx_model_stack = orig_expr, _model_stack()
             raise
         decisions.append(Decision(orig_expr, symbol, bool(value), _model_line()))
         return value
@@ -104,7 +106,8 @@ def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious
 def _batch_symbol(shape_env: ShapeEnv, expr) -> sympy.Symbol | None:
     """The one free symbol of a boolean ``expr`` if it is an input's unbacked dim (dpfx marks
     only the batch dim of inputs unbacked); ``None`` for anything else."""
-    if not isinstance(expr, sympy.logic.boolalg.Boolean) or len(expr.free_symbols) != 1:
+    if not (expr.is_Relational or isinstance(expr, sympy.logic.boolalg.BooleanFunction)) \
+            or len(expr.free_symbols) != 1:
         return None
     (symbol,) = expr.free_symbols
     return symbol if symbol in shape_env.unbacked_inputs else None
@@ -129,6 +132,12 @@ def _in_model_code() -> bool:
     return False
 
 
+def _model_stack() -> list[str]:
+    """The model's frames dynamo was tracing, outermost first (dpfx's entry left out)."""
+    return [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+            for f in _traced_frames() if "/dpfx/" not in f.filename]
+
+
 def _traced_frames() -> list:
     from torch._guards import TracingContext
 
@@ -140,13 +149,7 @@ def _traced_frames() -> list:
 
 def _model_line() -> str:
     """The innermost frame dynamo was tracing in the user's code, as ``file:line in fn``."""
-    try:
-        from torch._guards import TracingContext
-
-        frames = TracingContext.extract_stack()
-    except Exception:     # outside dynamo (aot_autograd / Inductor asking): the Python stack
-        frames = traceback.extract_stack()
-    for frame in reversed(frames):
+    for frame in reversed(_traced_frames()):
         if "/torch/" not in frame.filename and "/dpfx/" not in frame.filename:
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return "inside torch"
