@@ -1,36 +1,40 @@
-"""Branches of the model's code on the batch size: decided per call, asserted, routed.
+"""Comparisons of the batch size during capture: decided at the call's size, recorded, routed.
 
     decisions = []
     with deciding(3, decisions):      # while dynamo captures the call
-        compiled(x)                   # `if B != 1:` is decided True at B = 3, and asserted
+        compiled(x)                   # the model's `if B != 1:` is decided True at B = 3
     holds(decisions, 1)               # False: B = 1 needs its own graph
 
 # Note [Deciding a branch on the batch size]
 dpfx keeps the batch an unbacked symbol u0 (Note [Why the batch dim is marked unbacked] in
-api.py), so code that compares it with a number cannot be traced: ``if batch_size !=
+api.py), so code that compares it with a number cannot be traced as is: ``if batch_size !=
 position_ids.shape[0]`` in transformers' masking code (``Ne(u0, 1)``), ``self.keys.numel() == 0``
-in its cache (``Eq(160*u0, 0)``), a size check in a torch kernel. torch's own answers do not fit:
-``guard_or_false`` and size-oblivious reasoning pick one branch for every size (right only when
-that branch happens to compute the same thing at B = 0 and 1), and backed sizes specialize 0 and
-1 and every equality with another dim.
+in its cache (``Eq(128*u0, 0)``), a stride test in a torch kernel. Answering every such question
+one way for all sizes (torch's ``guard_or_false``, size-oblivious reasoning) is right only where
+both branches compute the same thing; backed sizes would specialize 0, 1 and every equality with
+another dim. dpfx answers by who asks:
 
-dpfx decides each such comparison as the current call's batch size would, exactly what eager
-PyTorch does for that call, and keeps the batch symbolic otherwise:
+1. The model's code (dynamo interpreting a line outside torch): as the call's real batch size
+   would, exactly what eager PyTorch does for that call. The answer is recorded as a
+   ``Decision`` with the model's source line. A graph serves every later batch size at which all
+   its decisions come out the same (``holds``); for a size that flips one, ``DPModule`` captures
+   another graph in its own dynamo entry, deciding as that size would. GPT-2 without a mask gets
+   one graph for B != 1 and one for B = 1; a model without such branches keeps one graph.
+2. torch itself (kernels, meta functions, decompositions, autograd formulas, torch functions
+   dynamo inlines): torch's own size-oblivious answer, the batch as if >= 2, where it has one.
+   These are layout and broadcasting fast paths whose branches agree (mm's backward stride test
+   on a (B, 1) operand, ``sum_to_size`` over a broadcast dim); the family tests check B = 0 and 1
+   against eager. Without such an answer, the question is decided as in 1.
 
-1. While capturing, a comparison whose only unknown is the batch symbol is evaluated at the real
-   batch size. The answer becomes a runtime assertion in the graph (it raises rather than compute
-   another branch's result) and a recorded decision, with the model's source line.
-2. The graph serves every later batch size for which all its decisions come out the same
-   (``holds``). For a batch size that flips one, dpfx captures another graph (its own dynamo
-   entry), deciding as that size would. GPT-2 without a mask gets one graph for B != 1 and
-   one for B = 1; a model without such branches keeps one graph for all sizes.
-
-Sound for every batch size: each graph computes what the model computes at every size it serves
-(the decisions are the model's own answers there), and the privacy proof of each graph is
-independent of the decisions (it holds for every value of the symbol). Only comparisons in the
-batch alone are decided: one that also involves a data-dependent value or another dynamic size
-is still refused (api.py's CaptureError, naming the model's line).
-(tests/test_model_families.py::test_causal_lm_without_mask, test_batch_branch_routing)
+No runtime assertion is added: asserting ``Eq(u0, 1)`` would teach the shape environment that the
+batch is 1, and the B = 1 graph would lose its batch dims in broadcasts (nothing for a per-sample
+rule to follow). Routing is what keeps a graph to the sizes it was decided for, and the self-check
+runs each graph only at sizes it serves. The privacy proof of every graph holds for every value of
+the symbol, whatever was decided. A comparison that also involves a value computed from the data
+or another dynamic size, or the batch needed as a Python number (``range(x.shape[0])``), is not
+decided: api.py's CaptureError names the expression and the model's frames.
+(tests/test_model_families.py::test_batch_branch_routing, test_causal_lm_without_mask;
+tests/test_linear.py::test_raw_product_of_one_column_matches_reference)
 """
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ bookkeeping has no provable batch layout: the forward check refuses it with a Pr
 
 Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
-any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and an index
-whose batch layout is not proven or differs from the values' (Note [The index's batch layout]).
+any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and an
+index whose batch layout is not proven or differs from the values' (Note [The index's batch
+layout]).
 
 Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The ghost form of the
 masked index_put rule (``ghost_masked_put``, chosen by "auto" when B*T*(T+d) < B*V*d) never builds
