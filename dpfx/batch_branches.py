@@ -74,13 +74,15 @@ def holds(decisions: list[Decision], batch: int) -> bool:
 def deciding(batch: int, decisions: list[Decision]):
     """Comparisons in the batch alone are decided at ``batch`` while this is active, and
     appended to ``decisions``."""
+    outer = getattr(_state, "active", None)
     _state.active = (batch, decisions)
     ShapeEnv._evaluate_expr = _evaluate_or_decide
     try:
         yield
     finally:
-        ShapeEnv._evaluate_expr = _evaluate_expr
-        _state.active = None
+        _state.active = outer
+        if outer is None:
+            ShapeEnv._evaluate_expr = _evaluate_expr
 
 
 def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious=False,
