@@ -269,21 +269,15 @@ def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> t
 
 def _known_sizes(inputs: list, args: list, batch_symbols: set) -> dict:
     """Values of the graph's non-batch size symbols, read off the real arguments."""
-    sizes = _bind([meta for _, meta in inputs], args)
-    return {s: v for s, v in sizes.items() if s not in batch_symbols}
-
-
-def _bind(metas: list, values: list) -> dict:
-    """{symbol: value} for every size (or SymInt) in ``metas`` that is a plain symbol."""
     sizes = {}
-    for meta, a in zip(metas, values):
+    for (_, meta), a in zip(inputs, args):
         if isinstance(meta, torch.SymInt) and isinstance(meta.node.expr, sympy.Symbol):
-            sizes.setdefault(meta.node.expr, int(a))
+            sizes[meta.node.expr] = int(a)
         elif isinstance(meta, torch.Tensor) and isinstance(a, torch.Tensor):
             for s, v in zip(meta.shape, a.shape):
                 if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
                     sizes.setdefault(s.node.expr, v)
-    return sizes
+    return {s: v for s, v in sizes.items() if s not in batch_symbols}
 
 
 def _concrete(size, sizes: dict) -> int:
