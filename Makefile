@@ -1,26 +1,33 @@
 # The two commands of the README: `make example` (DP training on the digits) and `make test`.
-# Both install what they need first: torch pinned to the CPU wheel (an open range could pull a
-# multi-GB CUDA build), then dpfx in editable mode with its test, example and Hugging Face extras.
+# Both work from a fresh clone with nothing but python3 (3.10+): the first run makes a virtual
+# environment in .venv and installs into it torch pinned to the CPU wheel (an open range could
+# pull a multi-GB CUDA build), then dpfx in editable mode with its test, example and Hugging Face
+# extras. `make PY=python3.12` picks the interpreter; `make VENV=/path` another environment.
 PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
 
 .PHONY: install example test test-all bench
 
-install: .stamp-install
+install: $(VENV)/.stamp-install
 
-.stamp-install: pyproject.toml Makefile
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,examples,hf]"
+$(VENV)/.stamp-install: pyproject.toml Makefile
+	@test -x $(PYTHON) || { echo "creating $(VENV) with $(PY)"; $(PY) -m venv $(VENV); }
+	@echo "installing torch 2.13.0 (CPU) and dpfx into $(VENV) (first time: a few minutes)"
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet "torch==2.13.0"
+	$(PYTHON) -m pip install --quiet -e ".[test,examples,hf]"
 	touch $@
 
 example: install
-	$(PY) examples/train_digits.py
+	$(PYTHON) examples/train_digits.py
 
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow"
 
 test-all: install
-	$(PY) -m pytest -q
+	$(PYTHON) -m pytest -q
 
 bench: install
-	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/run.py
+	$(PYTHON) -m pip install --quiet -e ".[bench]"
+	$(PYTHON) benchmarks/run.py

@@ -31,10 +31,12 @@ import os
 import weakref
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
@@ -51,8 +53,9 @@ class DPModule(torch.nn.Module):
         self._orig_mod = model
         backend = DPBackend(model, config)
         object.__setattr__(self, "_dpfx_backend", backend)
-        object.__setattr__(self, "_dpfx_compiled",
-                           torch.compile(_own_entry(model), backend=backend, fullgraph=True))
+        # Note [Deciding a branch on the batch size] (batch_branches.py): one compiled entry per
+        # set of decisions; a model that never branches on the batch has one.
+        object.__setattr__(self, "_dpfx_entries", [])
         # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
         # (Note [Clipped sums stay out of p.grad]).
         self.clipped_sums: dict[str, torch.Tensor] = {}
@@ -122,9 +125,12 @@ class DPModule(torch.nn.Module):
             check_modules(self._orig_mod)
             check_loop_inputs(self, tensors)
         backend.forward_ran = False
+        entry = self._entry_for(batch)
+        backend.decisions = entry.decisions
         try:
-            with _dynamo_settings(), traceable_torch(), _batch_marked(tensors):
-                out = self._dpfx_compiled(*args, **kwargs)
+            with _dynamo_settings(), traceable_torch(), _batch_marked(tensors), \
+                    batch_branches.deciding(batch, entry.decisions):
+                out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
@@ -154,6 +160,24 @@ class DPModule(torch.nn.Module):
             track_release(self, pytree.tree_leaves(out), tensors)
         return out
 
+    def _entry_for(self, batch: int) -> "_Entry":
+        """The compiled entry whose batch-size decisions hold at ``batch``, else a new one."""
+        entries = self._dpfx_entries
+        for entry in entries:
+            if batch_branches.holds(entry.decisions, batch):
+                return entry
+        if len(entries) >= _MAX_ENTRIES:
+            decided = "\n".join(f"    {d}" for e in entries for d in e.decisions)
+            raise CaptureError(
+                f"the model's code branches on the batch size in more ways than dpfx compiles "
+                f"graphs for ({_MAX_ENTRIES}); batch size {batch} needs another. Decisions so "
+                f"far:\n{decided}\nCompute those conditions from something other than the "
+                f"batch size.")
+        entry = _Entry([], torch.compile(_own_entry(self._orig_mod),
+                                         backend=self._dpfx_backend, fullgraph=True))
+        entries.append(entry)
+        return entry
+
     # Note [Every gradient a parameter receives is dpfx's]
     # The graph proof covers the graph; what reaches p.grad is autograd's sum of every
     # contribution to the parameter's gradient in that backward. After the first training
@@ -179,6 +203,15 @@ class DPModule(torch.nn.Module):
 
 
 _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config"}
+
+
+@dataclasses.dataclass
+class _Entry:
+    decisions: list          # batch_branches.Decision: the batch sizes this entry serves
+    compiled: Any            # torch.compile of dpfx's own entry function
+
+
+_MAX_ENTRIES = 8
 
 
 def _remove_hooks(handles: dict) -> None:
@@ -387,15 +420,54 @@ def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
 
 
 def _symbolic_batch_error(e: Exception) -> CaptureError:
-    first = str(e).splitlines()[0]
-    return CaptureError(
-        f"torch could not trace this model with a symbolic batch size ({first}). dpfx keeps the "
-        f"batch symbolic so that one graph serves every batch size, and some torch kernels branch "
-        f"on sizes. A known case (Eq(u0, 1)) is a raw matrix product whose first operand has one "
-        f"column and needs a gradient, such as `h @ W` after a layer of width 1: torch's mm "
-        f"backward tests that operand's strides against the batch. nn.Linear is handled; write "
-        f"such a product as the broadcast `h * W`. Otherwise file an issue with the expression "
-        f"above.")
+    """What torch could not decide about the symbolic batch, where in the model's code, and the
+    fix that applies (Note [Deciding a branch on the batch size] in batch_branches.py says
+    which comparisons dpfx decides itself)."""
+    chain, seen = [], e
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
+    guard = next((x for x in chain if hasattr(x, "dpfx_expr")), None)
+    expr = str(guard.dpfx_expr) if guard is not None else \
+        next((str(x).splitlines()[0] for x in chain
+              if isinstance(x, GuardOnDataDependentSymNode)), str(e).splitlines()[0])
+    stack = guard.dpfx_model_stack if guard is not None else []
+    if not stack:
+        stack = next((frames for x in chain if (frames := _user_code(str(x)))), [])
+    if "Could not extract specialized integer" in expr or (
+            guard is not None and not _is_condition(guard.dpfx_expr)):
+        why = (f"the model's code needs the batch size as a Python number ({expr}): a loop over "
+               f"the examples, a list with one entry per example, int(x.shape[0]). dpfx keeps "
+               f"the batch symbolic so that one graph serves every batch size. Compute over the "
+               f"whole batch with tensor ops instead.")
+    else:
+        why = (f"torch could not decide {expr} for a symbolic batch size. dpfx decides a "
+               f"comparison of the batch size alone, at each call's size; this one also involves "
+               f"a value computed from the data or another dynamic size. Make the condition "
+               f"independent of the batch size, or file an issue with the expression and line.")
+    where = "\n  in the model's code:\n" + "\n".join(f"    {f}" for f in stack) if stack else ""
+    return CaptureError(f"the model cannot be captured with a symbolic batch size: {why}{where}")
+
+
+def _is_condition(expr) -> bool:
+    return bool(expr.is_Relational) or isinstance(expr, sympy.logic.boolalg.BooleanFunction)
+
+
+def _user_code(message: str) -> list[str]:
+    """The "from user code:" frames of a dynamo error message, one line each."""
+    lines = message.splitlines()
+    if "from user code:" not in lines:
+        return []
+    frames = []
+    for line in lines[lines.index("from user code:") + 1:]:
+        if not line.strip():
+            break
+        if line.strip().startswith("File ") and "/dpfx/" not in line:
+            frames.append(line.strip())
+        elif frames and not set(line.strip()) <= {"^", "~"} and not line.strip().startswith(
+                "File "):
+            frames[-1] += ": " + line.strip()
+    return frames
 
 
 def _check_batch(tensors: list[torch.Tensor]) -> int:

@@ -56,6 +56,7 @@ class DPBackend:
             self._generator = torch.Generator().manual_seed(config.seed)
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
+        self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -103,7 +104,7 @@ class DPBackend:
         if reference is not None:
             reference.compiled = compiled
             check = GraphCheck(reference, info.output_layouts, info.batch_symbols,
-                               set(batch_inputs), _device_of(example_inputs))
+                               set(batch_inputs), _device_of(example_inputs), self.decisions)
             self._checks[kwargs.get("graph_id")] = check
 
         def run_forward(args):

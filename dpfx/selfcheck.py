@@ -38,6 +38,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from . import batch_branches
 from .errors import PrivacyError
 from .passes.batch import BatchDim
 
@@ -58,6 +59,7 @@ class Half:
     compiled: Callable
     inputs: list[tuple[str, Any]]         # placeholder name, meta value
     outputs: list[str | None]             # output node names (saved tensors keep them)
+    output_vals: list[Any]                # their meta values
     random: bool                          # has random ops besides dpfx's noise
 
     @classmethod
@@ -67,6 +69,7 @@ class Half:
         return cls(eager_copy(gm), compiled,
                    [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
                    [o.name if isinstance(o, fx.Node) else None for o in out],
+                   [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out],
                    _has_random_ops(gm))
 
 
@@ -89,7 +92,7 @@ def _dropout_p(node: fx.Node):
 
 class GraphCheck:
     def __init__(self, forward: Half, layouts: list, batch_symbols: set, batch_inputs: set,
-                 device: torch.device):
+                 device: torch.device, decisions: list = ()):
         self.forward = forward
         self.backward: Half | None = None
         self.compare_backward = True
@@ -97,6 +100,7 @@ class GraphCheck:
         self.batch_symbols = batch_symbols
         self.batch_inputs = batch_inputs
         self.device = device
+        self.decisions = decisions    # the batch sizes this graph serves (batch_branches.py)
         self.done = False
 
     def ready(self, args: list) -> bool:
@@ -110,7 +114,7 @@ class GraphCheck:
         self.done = True
         generator = torch.Generator(device="cpu").manual_seed(0)
         sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
-        for b in SIZES:
+        for b in _sizes_served(self.decisions):
             with _isolated_rng(self.device):
                 self._check_at(b, args, sizes, generator)
 
@@ -122,16 +126,17 @@ class GraphCheck:
         want = _call(self.forward.reference, fw_args, self.device, boxed=False)
         if not self.forward.random:
             _compare("forward", b, self.forward.outputs, got, want)
-        self._check_independence(b, fw_args, got, sizes, generator)
+        if b > 1:
+            self._check_independence(b, fw_args, got, sizes, generator)
         if self.backward is not None and self.compare_backward and not self.forward.random:
-            saved = dict(zip(self.forward.outputs, got))
+            saved = _saved_by_backward_name(self.forward, got)
             bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
                        for name, meta in self.backward.inputs]
             got_bw = _call(self.backward.compiled, bw_args, self.device)
             # Each backward gets its own forward's saved tensors: the eager graph may read a
             # saved view through its base (as_strided over the packed q/k/v projection), and
             # Inductor's forward lays its outputs out for its own backward.
-            mine = dict(zip(self.forward.outputs, want))
+            mine = _saved_by_backward_name(self.forward, want)
             ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
             want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
             _compare("backward", b, self.backward.outputs, got_bw, want_bw)
@@ -173,6 +178,25 @@ class GraphCheck:
                     f"{name} at batch size {b}. The code Inductor generated mixes examples "
                     f"(a torch bug); dpfx refuses to train with it. Use backend='eager' and "
                     f"report this with your torch version.")
+
+
+def _saved_by_backward_name(forward: Half, outs: list) -> dict:
+    """The forward's outputs by the names the backward's placeholders give them: saved tensors
+    keep their forward names; the RNG states saved for recomputing a checkpointed region
+    (``run_and_save_rng_state``, the u8 outputs, in order) are ``rng_state_output_<k>``."""
+    saved = dict(zip(forward.outputs, outs))
+    states = [x for x, meta in zip(outs, forward.output_vals)
+              if isinstance(meta, torch.Tensor) and meta.dtype == torch.uint8]
+    saved.update({f"rng_state_output_{k}": x for k, x in enumerate(states)})
+    return saved
+
+
+def _sizes_served(decisions: list) -> list[int]:
+    """SIZES, or for a graph captured for the batch sizes where the model's branches on the
+    batch come out one way (Note [Deciding a branch on the batch size]), the first two sizes it
+    serves (B = 1 alone for a graph of B = 1: exactness only)."""
+    served = [b for b in (*SIZES, *range(1, 66)) if batch_branches.holds(decisions, b)]
+    return list(dict.fromkeys(served))[:2]
 
 
 def _call(fn, args: list, device, boxed: bool = True) -> list:

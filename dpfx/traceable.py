@@ -162,7 +162,8 @@ def _repeat_by_expand(self, *sizes):
 # tests the batch. The weight's gradient becomes a sum over the batch of grad * input (the
 # "sum" rule) instead of an mm, exact per example either way. Inputs that need no gradient (a
 # scalar feature fed straight in) keep torch's mm and its ghost form. A raw ``h @ W`` goes
-# through no Python function dpfx could swap and is still refused (api._symbolic_batch_error).
+# through no Python function dpfx could swap; torch's size-oblivious answer decides its test
+# (batch_branches.py).
 # (tests/test_linear.py::test_width_one_hidden_layer_matches_reference,
 #  tests/test_rule_convolution.py::test_one_channel_conv_into_linear_matches_reference)
 def _linear_one_feature(input, weight, bias=None):

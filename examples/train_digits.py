@@ -15,7 +15,6 @@ data, the clipped sums are all-reduced over gloo, and rank 0 adds the noise once
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import time
 
@@ -79,7 +78,6 @@ def main() -> None:
     ap.add_argument("--secure-mode", action="store_true",
                     help="draw the noise from the OS CSPRNG (dpfx.noise)")
     args = ap.parse_args()
-    logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence notes
 
     distributed = "RANK" in os.environ and not args.non_private    # launched by torchrun
     if distributed:
@@ -120,22 +118,30 @@ def main() -> None:
               f"sigma={sigma:.3f}, C={args.max_grad_norm}, model={args.model}"
               + (f", {dist.get_world_size()} ranks" if distributed else ""))
 
+    if main_rank:
+        print("first step: compiling the private forward and backward ...", flush=True)
     start = time.perf_counter()
-    bar = tqdm(total=steps, unit="step", disable=not main_rank)
+    bar = None        # started after the first step, so that its rate and ETA leave the compile out
     for epoch in range(args.epochs):
         for x, y in loader:
-            if args.non_private and x.shape[0] == 0:
+            if not (args.non_private and x.shape[0] == 0):
+                opt.zero_grad(set_to_none=True)
+                out = step_model(x)
+                loss = F.cross_entropy(out, y) if x.shape[0] else out.sum() * 0.0
+                loss.backward()
+                opt.step()
+                if not args.non_private and opt._open:   # no logical step yet (virtual batches)
+                    continue
+            if bar is None:
+                if main_rank:
+                    print(f"first step done in {time.perf_counter() - start:.1f}s "
+                          f"(compile and self-check included)", flush=True)
+                bar = tqdm(total=steps, initial=1, unit="step", disable=not main_rank)
+            else:
                 bar.update()
-                continue
-            opt.zero_grad(set_to_none=True)
-            out = step_model(x)
-            loss = F.cross_entropy(out, y) if x.shape[0] else out.sum() * 0.0
-            loss.backward()
-            opt.step()
-            if args.non_private or not opt._open:   # a logical step was taken
-                bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}",
-                        test_acc=f"{accuracy(model, x_test, y_test):.3f}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss.item():.3f}",
+                            test_acc=f"{accuracy(model, x_test, y_test):.3f}")
     bar.close()
     elapsed = time.perf_counter() - start
 

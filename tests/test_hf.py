@@ -5,10 +5,9 @@ positions) and BERT (``BertForSequenceClassification``: token type and position 
 LayerNorms, pooler), with dropout 0 so that the reference runs the same function. Each model sits
 in a small wrapper whose forward takes one tensor with the batch in dim 0 and returns logits:
 token ids and the attention mask travel stacked as (B, 2, T), because the reference maps one input
-over the batch. Passing the mask also keeps transformers' mask preprocessing off a branch that
-compares the batch size with a constant (``masking_utils._preprocess_mask_arguments`` tests
-``batch_size != position_ids.shape[0]`` when no mask is given, which torch cannot decide for an
-unbacked batch). sigma = 0 and C small enough that every example is clipped.
+over the batch. (Without a mask, transformers' mask preprocessing compares the batch size with
+a constant, which dpfx decides per batch size: tests/test_model_families.py.) sigma = 0 and C
+small enough that every example is clipped.
 
 The reference is a batch-of-one loop with plain autograd, not tests/reference.py's vmap: the sdpa
 path and BERT's mask preparation branch on tensor values (``mask.all()``), which vmap rejects.

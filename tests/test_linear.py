@@ -6,6 +6,7 @@ runs a smaller set end to end through Inductor.
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
@@ -176,16 +177,21 @@ class OneColumnProduct(nn.Module):
         return self.fc(x) @ self.w
 
 
-def test_raw_product_of_one_column_is_a_clear_error():
-    """torch's mm backward tests a (B, 1) first operand's strides against the batch; a raw
-    ``h @ W`` is not rewritten (only F.linear is), so dpfx reports it and names the fix."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_raw_product_of_one_column_matches_reference(reduction):
+    """torch's mm backward tests a (B, 1) first operand's strides against the batch (Eq(u0, 1)),
+    inside torch: dpfx takes torch's size-oblivious answer (Note [Deciding a branch on the batch
+    size]), a layout choice, exact at every size including 1."""
     model = OneColumnProduct()
-    before = [p.detach().clone() for p in model.parameters()]
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
-    with pytest.raises(dpfx.CaptureError, match=r"Eq\(u0, 1\).*broadcast `h \* W`"):
-        dp(torch.randn(3, 3))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert all(p.grad is None for p in model.parameters())
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager",
+                      loss_reduction=reduction, expected_batch_size=4)
+    for b in (3, 1, 0, 5):
+        x, y = torch.randn(b, 3), torch.randint(0, 2, (b,))
+        got = run_dpfx(dp, model, F.cross_entropy, x, y, reduction)
+        want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.1,
+                            loss_reduction=reduction, expected_batch_size=4)
+        assert_close(got, want)
+    assert dp.compile_count == 2
 
 
 class BilinearModel(nn.Module):

@@ -256,3 +256,16 @@ def test_extreme_noise_is_fast(accountant, sigma, q, steps, check):
                   accountant=accountant)
     assert time.perf_counter() - start < 10
     assert check(eps), eps
+
+
+def test_calibration_is_quiet(caplog):
+    """Note [RDP orders that do not converge]: the calibration of `make example` (q = 0.178)
+    logs no convergence warning, while another absl warning still gets through."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=256 / 1437,
+                         steps=60, accountant="rdp")
+        logging.getLogger("absl").warning("a real problem")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["a real problem"], messages

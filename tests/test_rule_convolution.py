@@ -208,7 +208,7 @@ def assert_ghost_fired(grads, norm_form: str | None = None):
 
 def assert_auto_followed_cost(grads):
     """"auto" took the ghost form only where its memory is lower at the nominal size."""
-    from dpfx.passes.per_sample import _nominal
+    from dpfx.rules import at_nominal as _nominal
 
     pg = grads["conv.weight"]
     cost = pg.costs[0]

@@ -125,6 +125,39 @@ def test_embedding_matches_reference(vocab, dim, seq, batch, pad, repeat, reduct
     assert rules["emb.weight"] == ["embedding"]
 
 
+class TimeFirstEmbedding(nn.Module):
+    """The ids reach the table time-first: (T, B) (Opacus's batch_first=False models), or that
+    flattened to (T*B,); the examples sit in dim 1 or in the middle of dim 0."""
+
+    def __init__(self, flat, vocab=10, dim=4, padding_idx=None, n_classes=3):
+        super().__init__()
+        self.flat = flat
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.head = nn.Linear(dim, n_classes)
+
+    def forward(self, x):
+        ids = x.t()                                        # (T, B)
+        if self.flat:
+            h = self.emb(ids.reshape(-1)).view(ids.shape[0], -1, self.emb.embedding_dim)
+        else:
+            h = self.emb(ids)
+        return self.head(torch.tanh(h).mean(0))
+
+
+@SETTINGS
+@given(flat=st.booleans(), seq=st.integers(1, 5), batch=st.integers(0, 4),
+       pad=st.one_of(st.none(), st.integers(0, 9)), repeat=st.booleans(),
+       reduction=st.sampled_from(REDUCTIONS), strategy=st.sampled_from(["auto", "materialize"]))
+def test_time_first_ids_match_reference(flat, seq, batch, pad, repeat, reduction, strategy):
+    """Note [The index's batch layout]: the per-example rows follow the index's batch dim."""
+    model = TimeFirstEmbedding(flat, padding_idx=pad)
+    x = token_ids(batch, seq, 10, repeat, seed=seq * 7 + batch)
+    y = torch.randint(0, 3, (batch,))
+    assert_clipping_bites(model, x, y, 0.05)
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy)
+    assert rules["emb.weight"] == ["embedding"]
+
+
 @pytest.mark.parametrize("strategy", ["materialize", "ghost"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_padding_row_is_zero_and_repeats_accumulate(reduction, strategy):
@@ -200,9 +233,12 @@ def without_embedding_decomposition(monkeypatch):
     monkeypatch.setattr(compile_fx, "select_decomp_table", lambda: table)
 
 
+@pytest.mark.parametrize("time_first", [False, True])
 @pytest.mark.parametrize("pad", [None, 2])
-def test_embedding_dense_backward_matches_reference(without_embedding_decomposition, pad):
-    model = EmbeddingClassifier(vocab=7, dim=3, padding_idx=pad)
+def test_embedding_dense_backward_matches_reference(without_embedding_decomposition, pad,
+                                                    time_first):
+    model = TimeFirstEmbedding(False, vocab=7, dim=3, padding_idx=pad) if time_first \
+        else EmbeddingClassifier(vocab=7, dim=3, padding_idx=pad)
     x = torch.tensor([[2, 2, 5, 1], [0, 6, 6, 2], [3, 3, 3, 3]])
     y = torch.tensor([1, 0, 2])
     assert_clipping_bites(model, x, y, 0.05)

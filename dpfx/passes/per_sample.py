@@ -23,7 +23,6 @@ import operator
 import warnings
 from typing import Any
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -114,8 +113,6 @@ _NORM_PRESERVING = {
     aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.alias.default,
     prims.convert_element_type.default,
 }
-# Sizes at which "auto" compares the rules' symbolic memory costs.
-NOMINAL_SIZE = 128
 
 
 def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
@@ -140,7 +137,8 @@ def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     if rule.ghost_check is not None and rule.ghost_check(node, ctx) is not None:
         return False
     cost = rule.cost(node, ctx)
-    if ctx.strategy == "auto" and not _nominal(cost["ghost_memory"]) < _nominal(cost["memory"]):
+    if ctx.strategy == "auto" and not (rules.at_nominal(cost["ghost_memory"])
+                                       < rules.at_nominal(cost["memory"])):
         return False
     pg.ghost = rule.ghost(node, ctx)
     pg.strategy = "ghost"
@@ -148,11 +146,6 @@ def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     pg.rules.append(rule.name)
     pg.costs.append(cost)
     return True
-
-
-def _nominal(expr) -> float:
-    expr = sympy.sympify(expr)
-    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
 
 
 def _frontier_rule(node: fx.Node, pg: ParamGrad, ctx: RewriteContext) -> rules.Rule:

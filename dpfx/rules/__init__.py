@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -66,6 +67,16 @@ class Clip:
         keep = emit.per_example(self.keep, bd, val.dim())
         zero = emit(torch.ops.aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
         return emit(torch.ops.aten.where.self, keep, node, zero, tag="finite_mask")
+
+
+# Sizes at which strategy="auto" compares the rules' symbolic costs (per_sample._plan_ghost).
+NOMINAL_SIZE = 128
+
+
+def at_nominal(expr) -> float:
+    """``expr`` with every size symbol at the nominal size "auto" compares costs at."""
+    expr = sympy.sympify(expr)
+    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
 
 
 def at_least_float32(emit, *nodes: fx.Node) -> list[fx.Node]:

@@ -37,10 +37,9 @@ import dataclasses
 import math
 import operator
 
-import sympy
 import torch
 
-from . import Ghost, Rule, at_least_float32, register
+from . import Ghost, Rule, at_least_float32, at_nominal, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -190,14 +189,6 @@ def _positions(ctx, node):
     return math.prod(ctx.analysis.shape(node.meta["val"])[2:])
 
 
-def _at_nominal(expr) -> float:
-    """``expr`` with every size symbol at the nominal size "auto" compares costs at."""
-    from ..passes.per_sample import NOMINAL_SIZE
-
-    expr = sympy.sympify(expr)
-    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
-
-
 def _gram_terms(ctx, args: ConvArgs):
     """Per example: (P, the weight's size C_resp * C_img/g * K)."""
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
@@ -208,7 +199,7 @@ def _gram_is_smaller(ctx, args: ConvArgs) -> bool:
     """The ghost norm's form: the two (P, P) Gram matrices of every group hold fewer values than
     the per-sample gradient it would otherwise build."""
     p, weight = _gram_terms(ctx, args)
-    return _at_nominal(2 * args.groups * p * p) < weight
+    return at_nominal(2 * args.groups * p * p) < weight
 
 
 def _gram_pays_off(ctx, args: ConvArgs) -> bool:
@@ -218,7 +209,7 @@ def _gram_pays_off(ctx, args: ConvArgs) -> bool:
     p, weight = _gram_terms(ctx, args)
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
     gram = args.groups * p * p * (c_img * math.prod(args.kernel) + c_resp // args.groups)
-    return _at_nominal(gram - weight * p) <= 0
+    return at_nominal(gram - weight * p) <= 0
 
 
 def cost_convolution(node, ctx) -> dict:

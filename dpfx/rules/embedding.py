@@ -25,7 +25,9 @@ bookkeeping has no provable batch layout: the forward check refuses it with a Pr
 
 Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
-any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and index layouts other than a plain batch dim 0.
+any batch-reducing op upstream of the values is refused for that reason), ``sparse=True``, and an
+index whose batch layout is not proven or differs from the values' (Note [The index's batch
+layout]).
 
 Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The ghost form of the
 masked index_put rule (``ghost_masked_put``, chosen by "auto" when B*T*(T+d) < B*V*d) never builds
@@ -95,16 +97,32 @@ def _check_scatter(base, idx, values, mask, ctx) -> str | None:
         return f"the accumulated-into tensor {getattr(base, 'name', base)} is not a zero table"
     if not isinstance(idx, fx.Node) or idx.meta["val"].dtype not in (torch.int64, torch.int32):
         return "the index is not an integer tensor"
-    if not _plain_at_front(idx, ctx):
-        return f"the index has batch layout {ctx.layout(idx)}; it must be a plain batch at dim 0"
-    if not _plain_at_front(values, ctx):
-        return f"the values have batch layout {ctx.layout(values)}; need a plain batch at dim 0"
+    reason = _index_layout_reason(idx, values, ctx)
+    if reason is not None:
+        return reason
     if values.meta["val"].dim() != idx.meta["val"].dim() + base.meta["val"].dim() - 1:
         return "the values are not one row of the table per index"
     if mask is not None and ctx.layout(mask) is not None and not (
-            _plain_at_front(mask, ctx) and mask.meta["val"].dim() == values.meta["val"].dim()):
-        return f"the mask has batch layout {ctx.layout(mask)}; need a plain batch at dim 0"
+            ctx.layout(mask) == ctx.layout(idx)
+            and mask.meta["val"].dim() == values.meta["val"].dim()):
+        return f"the mask has batch layout {ctx.layout(mask)}; need the index's {ctx.layout(idx)}"
     return _mixing_reason([idx, values, mask], ctx)
+
+
+# Note [The index's batch layout]
+# The examples may sit in any dim of the index: (B, T) ids, (T, B) ids of a time-first model
+# (``emb(x.t())``), or a flattened (T*B,) view. The per-sample scatter only needs, for every
+# index element, the example it belongs to (``_example_rows``), so any proven BatchDim of the
+# index works, provided the values (one row per index element) carry the batch in the same dim
+# with the same layout. (tests/test_rule_embedding.py::test_time_first_ids_match_reference)
+def _index_layout_reason(idx, values, ctx) -> str | None:
+    lay = ctx.layout(idx)
+    if not isinstance(lay, BatchDim):
+        return f"the index has batch layout {lay}; it must carry the batch in one proven dim"
+    if ctx.layout(values) != lay:
+        return (f"the values have batch layout {ctx.layout(values)}; need the index's layout "
+                f"{lay} (one row of values per index element)")
+    return None
 
 
 # -- emitting the per-sample scatter ---------------------------------------------------------------
@@ -113,12 +131,17 @@ def _sizes(node, ctx) -> list:
 
 
 def _example_rows(idx, ctx) -> fx.Node:
-    """arange(B) broadcast to ``idx``'s shape: the example each index belongs to."""
+    """The example each element of ``idx`` belongs to: arange(B) placed at the index's batch dim
+    (split into its (outer, B, inner) flattening), broadcast to the index's shape."""
     batch = ctx.emit.batch_size()
-    val = idx.meta["val"]
+    val, lay = idx.meta["val"], ctx.layout(idx)
+    shape = ctx.analysis.shape(val)
+    d = lay.dim
+    split = [*shape[:d], lay.outer, ctx.analysis.batch, lay.inner, *shape[d + 1:]]
     rows = _iota(batch, val.dtype, val.device, ctx)
-    rows = ctx.emit(aten.view.default, rows, [batch] + [1] * (val.dim() - 1))
-    return ctx.emit(aten.expand.default, rows, _sizes(idx, ctx))
+    rows = ctx.emit(aten.view.default, rows, [1] * (d + 1) + [batch] + [1] * (len(split) - d - 2))
+    rows = ctx.emit(aten.expand.default, rows, [ctx.emit.size(s) for s in split])
+    return ctx.emit(aten.reshape.default, rows, _sizes(idx, ctx))
 
 
 def _iota(length, dtype, device, ctx) -> fx.Node:
@@ -258,11 +281,7 @@ def check_dense_backward(node, ctx) -> str | None:
     if scale_grad_by_freq:
         return ("scale_grad_by_freq=True divides by index counts over the whole batch, so one "
                 "example's gradient would depend on the others' data")
-    if not _plain_at_front(idx, ctx):
-        return f"the indices have batch layout {ctx.layout(idx)}; need a plain batch at dim 0"
-    if not _plain_at_front(grad_output, ctx):
-        return f"the output gradient has batch layout {ctx.layout(grad_output)}"
-    return _mixing_reason([idx, grad_output], ctx)
+    return _index_layout_reason(idx, grad_output, ctx) or _mixing_reason([idx, grad_output], ctx)
 
 
 def _valid_token_mask(idx, num_weights: int, padding_idx: int, rank: int, ctx) -> fx.Node:
@@ -294,9 +313,15 @@ def cost_dense_backward(node, ctx) -> dict:
                          ctx)
 
 
+def ghost_check_masked_put(node, ctx) -> str | None:
+    """The ghost form reads each example's tokens as rows [B, tokens, width]."""
+    _, _, (idx,), _ = _masked_args(node)
+    return None if _plain_at_front(idx, ctx) else "the ghost form needs the batch at dim 0"
+
+
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
                            check_masked_put, rewrite_masked_put, cost_masked_put,
-                           ghost=ghost_masked_put))
+                           ghost=ghost_masked_put, ghost_check=ghost_check_masked_put))
 INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_index_put.default),
                           check_index_put, rewrite_index_put, cost_index_put))
 DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),
