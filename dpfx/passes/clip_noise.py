@@ -26,9 +26,8 @@ group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`
 ``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
 logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
 through ``dpfx::observe_norms`` (stats.py) before the clip factor: it records them and reports
-non-finite examples once. All of it is ordinary ATen,
-so Inductor fuses the norms into the kernels that produce the per-sample gradients and the noise
-into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
+non-finite examples once. All of it is ordinary ATen, so Inductor fuses the norms into the
+kernels that produce the per-sample gradients and the noise into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
 per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
 (cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies
 on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor", "clip_coef",
