@@ -46,15 +46,18 @@ def _nudge_gradients(outs):
             for o in outs]
 
 
-@pytest.mark.parametrize("which,corrupt,match", [
-    ("forward", _roll_first_output, "changing example 0|disagrees"),
-    ("backward", _nudge_gradients, "compiled backward graph disagrees"),
-])
-def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, match):
+@pytest.mark.parametrize("which,corrupt,match,expected", [
+    ("forward", _roll_first_output, "changing example 0|disagrees", None),
+    ("backward", _nudge_gradients, "compiled backward graph disagrees", None),
+    # DP gradients at a realistic scale: entries of order C/D, far below 1.
+    ("backward", _nudge_gradients, "compiled backward graph disagrees", 256),
+], ids=["forward", "backward", "backward-dp-scale"])
+def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, match, expected):
     _miscompile(monkeypatch, which, corrupt)
     model = MLP()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                      expected_batch_size=expected)
     with pytest.raises(dpfx.PrivacyError, match=match):
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
