@@ -5,7 +5,7 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()          # every trainable p.grad holds the DP-SGD gradient
 """
-from . import data, privacy, stats
+from . import audit, data, privacy, stats
 from .api import DPModule, compile
 from .config import FixedSeedWarning
 from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
@@ -21,7 +21,7 @@ __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
-    "PrivateTraining", "save_checkpoint", "load_checkpoint", "data", "privacy", "stats",
+    "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "privacy", "stats",
     "FixedSeedWarning",
 ]
 __version__ = "0.1.0"
