@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .backend import DPBackend
 from .config import DPConfig
 from .errors import CaptureError, DPFXError, PrivacyError
+from .loss_track import track
 from .modules import check_modules
 from .traceable import traceable_torch
 
@@ -130,6 +131,8 @@ class DPModule(torch.nn.Module):
         if training:
             self._pending_examples = batch
             self._guard_gradients()
+            # Note [The loss inside the proof] in loss_track.py
+            out = track(out, backend, batch, {id(p) for p in self._orig_mod.parameters()})
         return out
 
     # Note [Every gradient a parameter receives is dpfx's]
