@@ -160,7 +160,7 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
         if t in _SUMS or t in _MEANS:
             src = node.args[0]
             if t in _MEANS:
-                scale = scale * _prod(an.shape(src.meta["val"])) / _prod(an.shape(node.meta["val"]))
+                scale = scale * _prod(an.shape(node.meta["val"])) / _prod(an.shape(src.meta["val"]))
             if an.is_batched(src):
                 terms.append((scale, norms, node))
                 return

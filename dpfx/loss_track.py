@@ -91,6 +91,8 @@ class TrackedTensor(torch.Tensor):
                 f"change the gradient that reaches the model after the loss was checked. Put "
                 f"that computation in the loss itself.")
         with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__repr__:
+                return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
             result = func(*args, **kwargs)
         if func is torch.Tensor.__torch_function__:
             return result
