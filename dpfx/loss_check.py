@@ -41,12 +41,13 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from .passes.batch import BatchAnalysis, BatchDim
+from .passes.batch import BatchAnalysis, BatchDim, sym_expr
 from .passes.verify import mixing_ops
 
 aten = torch.ops.aten
@@ -95,47 +96,113 @@ class Verdict:
 
 @dataclasses.dataclass(frozen=True)
 class Placeholder:
-    shape: tuple            # dim 0 replaced by None when ``batched``
+    shape: tuple            # an output's dim 0 is None (the batch)
     dtype: torch.dtype
     device: torch.device
-    batched: bool
     is_output: bool
 
 
-def replay(records: list, placeholders: list[Placeholder], loss_ref: tuple, run: Callable
-           ) -> tuple[fx.GraphModule, dict]:
-    """make_fx of the recorded calls on fake inputs with one batch symbol. ``run(records,
-    inputs, loss_ref, on_record)`` executes them. Returns the graph and node -> record index."""
+def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch: int
+           ) -> tuple[fx.GraphModule, dict, list]:
+    """make_fx of the recorded calls on fake inputs with one batch symbol. Returns the graph,
+    node -> call index, and for each placeholder the multiple of the batch its dim 0 holds
+    (None: no batch).
+
+    Note [Which inputs of the loss carry the batch]
+    The model's outputs carry it in dim 0. Another tensor the loss reads (labels, a mask) carries
+    it when, in the first call that uses it, a tracked argument's dim 0 is ``k * B`` and the
+    tensor's dim 0 is k times the step's batch size: ``F.cross_entropy(logits.view(-1, V),
+    y.view(-1))`` pairs y's B*T rows with the logits' rows. Such a dim is taken as the batch
+    flattened with each example's k rows together (``y.view(-1)`` of (B, T)). A first pass on
+    fake tensors finds these sizes; the second is traced."""
     from torch._inductor.decomposition import select_decomp_table
 
     env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
-    batch = env.create_symintnode(
-        env.create_symbol(_BATCH_HINT, ConstantSource("dpfx_loss_batch"), DimDynamic.DYNAMIC),
-        hint=_BATCH_HINT)
+    mode = FakeTensorMode(shape_env=env)
+    symbol = env.create_symbol(_BATCH_HINT, ConstantSource("dpfx_loss_batch"), DimDynamic.DYNAMIC)
+    sym_batch = env.create_symintnode(symbol, hint=_BATCH_HINT)
+    factors: list = [1 if ph.is_output else None for ph in placeholders]
     record_of: dict[str, int] = {}
-
-    def on_record(index: int) -> None:
-        for node in get_proxy_mode().tracer.graph.nodes:
-            record_of.setdefault(node.name, index)
-
     with mode:
-        inputs = [torch.empty(((batch,) + ph.shape[1:]) if ph.batched else ph.shape,
-                              dtype=ph.dtype, device=ph.device) for ph in placeholders]
-        gm = make_fx(lambda *xs: run(records, xs, loss_ref, on_record),
-                     decomposition_table=select_decomp_table(), tracing_mode="real")(*inputs)
-    return gm, {n: record_of.get(n.name) for n in gm.graph.nodes}
+        fakes: dict[int, torch.Tensor] = {
+            i: torch.empty((sym_batch, *ph.shape[1:]), dtype=ph.dtype, device=ph.device)
+            for i, ph in enumerate(placeholders) if ph.is_output}
+
+        def first_use(j: int, call_values: list) -> torch.Tensor:
+            if j not in fakes:
+                ph = placeholders[j]
+                for v in call_values:
+                    if not (isinstance(v, torch.Tensor) and v.dim() and ph.shape):
+                        continue
+                    size = sympy.sympify(sym_expr(v.shape[0]))
+                    k = sympy.simplify(size / symbol)
+                    if symbol in size.free_symbols and k.is_Integer and int(k) * batch == \
+                            ph.shape[0]:
+                        factors[j] = int(k)
+                        fakes[j] = torch.empty((v.shape[0], *ph.shape[1:]), dtype=ph.dtype,
+                                               device=ph.device)
+                        break
+                else:
+                    fakes[j] = torch.empty(ph.shape, dtype=ph.dtype, device=ph.device)
+            return fakes[j]
+
+        run_calls(calls, first_use, lambda i: None)
+        inputs = [fakes[i] for i in range(len(placeholders))]
+
+        def on_record(index: int) -> None:
+            for node in get_proxy_mode().tracer.graph.nodes:
+                record_of.setdefault(node.name, index)
+
+        def traced(*xs):
+            return run_calls(calls, lambda j, _: xs[j], on_record)[loss_ref[0]][loss_ref[1]]
+
+        gm = make_fx(traced, decomposition_table=select_decomp_table(),
+                     tracing_mode="real")(*inputs)
+    gm.graph.eliminate_dead_code()    # nll_loss's total_weight of a sum: computed, never used
+    return gm, {n: record_of.get(n.name) for n in gm.graph.nodes}, factors
 
 
-def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict) -> Verdict:
+def run_calls(calls: list, placeholder: Callable, on_record: Callable) -> list:
+    """Execute recorded calls: ("in", j) is placeholder j; (func, spec, leaves) a call whose
+    leaves are ("p", j) placeholders, ("r", call, leaf) earlier results, ("c", value)."""
+    values: list = []
+    for i, call in enumerate(calls):
+        if call[0] == "in":
+            values.append([placeholder(call[1], [])])
+            continue
+        func, spec, descr = call
+        results = [values[d[1]][d[2]] for d in descr if d[0] == "r"]
+        leaves = [placeholder(d[1], results) if d[0] == "p" else values[d[1]][d[2]]
+                  if d[0] == "r" else d[1] for d in descr]
+        a, kw = unflatten(leaves, spec)
+        values.append(pytree.tree_leaves(func(*a, **kw)))
+        on_record(i)
+    return values
+
+
+def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """pytree's flatten, with a cheaper form for the common call without containers."""
+    if not any(isinstance(a, (list, tuple, dict)) for a in args) and not any(
+            isinstance(v, (list, tuple, dict)) for v in kwargs.values()):
+        return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+    return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten(leaves: list, spec) -> tuple[tuple, dict]:
+    if isinstance(spec, tuple):
+        n = spec[1]
+        return tuple(leaves[:n]), dict(zip(spec[2], leaves[n:]))
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict,
+            factors: list) -> Verdict:
     phs = list(gm.graph.find_nodes(op="placeholder"))
-    batch_ph = [ph for ph, p in zip(phs, placeholders) if p.batched]
     outputs = {ph for ph, p in zip(phs, placeholders) if p.is_output}
-    symbols = {batch_ph[0].meta["val"].shape[0].node.expr} if batch_ph else set()
+    symbols = {next(iter(outputs)).meta["val"].shape[0].node.expr}
     loss = gm.graph.find_nodes(op="output")[0].args[0]
-    if not symbols:
-        return Verdict([], None, "sum")
-    an = BatchAnalysis(gm.graph, symbols, {ph.name: BatchDim(0) for ph in batch_ph})
+    an = BatchAnalysis(gm.graph, symbols, {ph.name: BatchDim(0, inner=sympy.Integer(k))
+                                           for ph, k in zip(phs, factors) if k is not None})
     batch = an.batch
     on_outputs = _descendants(gm.graph, outputs)
 
@@ -211,9 +278,12 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
     except LossRefused as e:
         structure = e
     # A mixing op is the more useful report: it is where the examples meet.
-    exempt = _only_feeding(gm.graph, linear, on_outputs)
+    exempt = _only_feeding(gm.graph, linear, on_outputs) | {
+        n for n in gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+        if _whole_slice(n)}
     for node, reason in mixing_ops(gm, an, skip=set()):
-        if node not in exempt:
+        # a sum over the batch that the loss then uses non-linearly: the structure says why
+        if node not in exempt and not (structure and node.target in _SUMS | _MEANS):
             refuse(node, reason)
     for node in gm.graph.nodes:
         if node.target in _INDEXING and node not in exempt:
@@ -224,10 +294,10 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
                              "another example's row)")
     if structure is not None:
         raise structure
-    return _verdict(gm, terms, batch, placeholders)
+    return _verdict(gm, terms, batch)
 
 
-def _verdict(gm, terms, batch, placeholders) -> Verdict:
+def _verdict(gm, terms, batch) -> Verdict:
     norm_nodes: list[fx.Node] = []
     out_terms, declared = [], set()
     for scale, norms, node in terms:
@@ -256,8 +326,18 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
         if node.op == "placeholder" or node in needed:
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in nodes))
-    module = fx.GraphModule(gm, graph)
-    return module
+    for node in graph.find_nodes(op="call_function", target=prims.convert_element_type.default):
+        # the same cast through aten: prims' Python wrapper costs ~15 us a call
+        node.target, node.args = aten._to_copy.default, (node.args[0],)
+        node.kwargs = {"dtype": node.meta["val"].dtype}
+    return fx.GraphModule(gm, graph)
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """``x[:, 0]`` slices every dim before the one it selects: start 0, step 1, no end."""
+    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
+    return start in (None, 0) and step in (None, 1) and (end is None or (
+        isinstance(end, int) and end >= 2**62))
 
 
 def _prod(sizes) -> sympy.Expr:

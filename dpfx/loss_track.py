@@ -122,7 +122,7 @@ def _record(func, args, kwargs, result):
         out_leaves, out_spec = pytree.tree_flatten(result)
     else:
         return result
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = loss_check.flatten(args, kwargs)
     traces = {id(a._dpfx[0]): a._dpfx[0] for a in leaves if isinstance(a, TrackedTensor)}
     if not traces:
         return result
@@ -210,7 +210,7 @@ def _verify(loss: TrackedTensor) -> float:
     program, key, inputs = _program(trace, index, leaf)
     verdict = _VERDICTS.get(key)
     if verdict is None:
-        verdict = _VERDICTS[key] = _analyze(program, key)
+        verdict = _VERDICTS[key] = _analyze(program, trace.batch)
     if isinstance(verdict, loss_check.LossRefused):
         raise _refusal(verdict, program)
     reduction = trace.backend.config.loss_reduction
@@ -244,7 +244,7 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
         func, spec, leaves, line = trace.records[k]
         if func is None:
             shape, dtype, device = leaves
-            placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True, True))
+            placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True))
             inputs.append(None)
             calls.append(("in", len(placeholders) - 1))
             keys.append(("out", tuple(shape), dtype, device))
@@ -258,13 +258,12 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
             elif d[0] == "e":
                 if d[1] not in ext_pos:
                     t = trace.externals[d[1]]
-                    batched = t.dim() > 0 and t.shape[0] == trace.batch
-                    shape = (None, *t.shape[1:]) if batched else tuple(t.shape)
                     placeholders.append(loss_check.Placeholder(
-                        shape, t.dtype, t.device, batched, False))
+                        tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[d[1]] = len(placeholders) - 1
-                    keys.append(("ext", shape, t.dtype, t.device, t.requires_grad))
+                    keys.append(("ext", _dim0_key(t, trace.batch), tuple(t.shape[1:]), t.dtype,
+                                 t.device, t.requires_grad))
                 descr.append(("p", ext_pos[d[1]]))
                 key.append(descr[-1])
             else:
@@ -278,26 +277,11 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
     return program, (tuple(keys), position[index], leaf), inputs
 
 
-def _run(calls, xs, loss_ref, on_record):
-    values: list = []
-    for i, call in enumerate(calls):
-        if call[0] == "in":
-            values.append([xs[call[1]]])
-            continue
-        func, spec, descr = call
-        leaves = [xs[d[1]] if d[0] == "p" else values[d[1]][d[2]] if d[0] == "r" else d[1]
-                  for d in descr]
-        a, kw = pytree.tree_unflatten(leaves, spec)
-        values.append(pytree.tree_leaves(func(*a, **kw)))
-        on_record(i)
-    return values[loss_ref[0]][loss_ref[1]]
-
-
-def _analyze(program: dict, key):
+def _analyze(program: dict, batch: int):
     try:
-        gm, record_of = loss_check.replay(program["calls"], program["placeholders"],
-                                          program["loss"], _run)
-        return loss_check.analyze(gm, program["placeholders"], record_of)
+        gm, record_of, factors = loss_check.replay(program["calls"], program["placeholders"],
+                                                   program["loss"], batch)
+        return loss_check.analyze(gm, program["placeholders"], record_of, factors)
     except loss_check.LossRefused as e:
         return e
     except Exception as e:  # a shape error, an op fake tensors cannot run
@@ -370,6 +354,15 @@ def _line(loc) -> str:
         return "in the loss"
     text = linecache.getline(loc[0], loc[1]).strip()
     return f"{os.path.basename(loc[0])}:{loc[1]}" + (f" `{text}`" if text else "")
+
+
+def _dim0_key(t: torch.Tensor, batch: int):
+    """dim 0 as a multiple of the batch where it is one (Note [Which inputs of the loss carry
+    the batch] in loss_check.py), so that one verdict serves every batch size."""
+    if t.dim() == 0:
+        return ()
+    n = t.shape[0]
+    return ("kB", n // batch) if batch and n % batch == 0 else ("n", n) if batch else ("B=0", n)
 
 
 def _const_key(v):
