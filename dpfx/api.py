@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .backend import DPBackend
 from .config import DPConfig
 from .errors import CaptureError, DPFXError, PrivacyError
-from .loss_track import track
+from .loss_track import hf_labels_loss, track
 from .modules import check_modules
 from .traceable import traceable_torch
 
@@ -85,6 +85,9 @@ class DPModule(torch.nn.Module):
         return self._dpfx_backend.compiles
 
     def forward(self, *args, **kwargs):
+        hf_loss = hf_labels_loss(self._orig_mod, kwargs)
+        if hf_loss is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         batch = _check_batch(tensors)
         if batch == 0:
@@ -133,6 +136,8 @@ class DPModule(torch.nn.Module):
             self._guard_gradients()
             # Note [The loss inside the proof] in loss_track.py
             out = track(out, backend, batch, {id(p) for p in self._orig_mod.parameters()})
+        if hf_loss is not None:
+            out["loss"] = hf_loss[1](out.logits)
         return out
 
     # Note [Every gradient a parameter receives is dpfx's]
