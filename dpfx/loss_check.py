@@ -69,7 +69,8 @@ _PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
 _PRODUCTS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _SUMS_OF_TWO = {aten.add.Tensor, aten.sub.Tensor}
 # Ops that pick rows by data: along the batch dim they give example i another example's row.
-_INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor}
+_INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default,
+             aten.index_put_.default, aten._unsafe_index_put.default}
 
 
 class LossRefused(Exception):

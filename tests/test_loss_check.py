@@ -157,6 +157,9 @@ COUPLING = {   # name: (loss of the (B, 4) output and labels, the op the refusal
     "logsumexp_batch": (lambda o, y: torch.logsumexp(o, 0).sum(), "amax"),
     "sort_batch": (lambda o, y: o.sort(0).values[0].sum(), "sort"),
     "shuffle": (lambda o, y: ((o[torch.tensor([1, 2, 3, 4, 0])] - o) ** 2).mean(), "index"),
+    "scatter_rows": (lambda o, y: (torch.zeros_like(o).index_put((torch.tensor([1, 2, 3, 4, 0]),),
+                                                                 o) * o).sum(), "index_put"),
+    "batch_sum_reused": (lambda o, y: o.sum() + (o * o.sum()).mean(), "sum"),
     "square_of_mean": (lambda o, y: F.cross_entropy(o, y) ** 2, "pow"),
     "slice_loop": (lambda o, y: torch.stack([F.cross_entropy(o[i:i + 1], y[i:i + 1])
                                              for i in range(5)]).mean(), "slice"),
