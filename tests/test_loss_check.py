@@ -149,6 +149,11 @@ def _fc():
     return model, torch.randn(5, 6), torch.arange(5) % 4
 
 
+def _plus_scaled_by(total, o):
+    """The batch's sum both as a term of the loss and as a per-example scale (one node)."""
+    return total + (o * total).mean()
+
+
 COUPLING = {   # name: (loss of the (B, 4) output and labels, the op the refusal names)
     "center": (lambda o, y: ((o - o.mean(0)) ** 2).mean(), "mean.dim"),
     "batch_std": (lambda o, y: F.cross_entropy(o / o.std(0), y), "var"),
@@ -159,7 +164,7 @@ COUPLING = {   # name: (loss of the (B, 4) output and labels, the op the refusal
     "shuffle": (lambda o, y: ((o[torch.tensor([1, 2, 3, 4, 0])] - o) ** 2).mean(), "index"),
     "scatter_rows": (lambda o, y: (torch.zeros_like(o).index_put((torch.tensor([1, 2, 3, 4, 0]),),
                                                                  o) * o).sum(), "index_put"),
-    "batch_sum_reused": (lambda o, y: o.sum() + (o * o.sum()).mean(), "sum"),
+    "batch_sum_reused": (lambda o, y: _plus_scaled_by(o.sum(), o), "sum"),
     "square_of_mean": (lambda o, y: F.cross_entropy(o, y) ** 2, "pow"),
     "slice_loop": (lambda o, y: torch.stack([F.cross_entropy(o[i:i + 1], y[i:i + 1])
                                              for i in range(5)]).mean(), "slice"),
