@@ -151,7 +151,7 @@ def _fc():
 
 def _plus_scaled_by(total, o):
     """The batch's sum both as a term of the loss and as a per-example scale (one node)."""
-    return total + (o * total).mean()
+    return total + (o * total).sum()
 
 
 COUPLING = {   # name: (loss of the (B, 4) output and labels, the op the refusal names)
