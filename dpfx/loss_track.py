@@ -172,7 +172,9 @@ def _record(func, args, kwargs, result):
                     f"dpfx does not follow ({_where()}): the loss could use it unchecked. Write "
                     f"it out of place (`y = y + out`, not `y += out`).")
             if not isinstance(r, TrackedTensor):
-                r = r.as_subclass(TrackedTensor)
+                # a fresh result (not an argument): retyped in place; as_subclass would add an
+                # alias node to the backward for every recorded call
+                r.__class__ = TrackedTensor
             r._dpfx = (trace, index, i)
         wrapped.append(r)
     return wrapped[0] if out_spec is None else pytree.tree_unflatten(wrapped, out_spec)
@@ -197,22 +199,17 @@ def _release(func, args, kwargs):
                 grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
                             if grads[i] is None else grads[i] * factor)
             backends.append(loss._dpfx[0].backend)
-    params[loss_name] = _plain(losses[0]) if single else [_plain(t) for t in losses]
-    if any(g is not None for g in grads):
-        params[grad_name] = _plain(grads[0]) if single else [_plain(g) for g in grads]
     saved = [b.loss_released for b in backends]
     try:
         for b in backends:
             b.loss_released = True
+        if any(g is not None for g in grads):
+            params[grad_name] = grads[0] if single else grads
         with torch._C.DisableTorchFunctionSubclass():
             return func(*bound.args, **bound.kwargs)
     finally:
         for b, s in zip(backends, saved):
             b.loss_released = s
-
-
-def _plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, TrackedTensor) else t
 
 
 _SIGNATURES = {f: inspect.signature(f) for f in _ENTRIES}
