@@ -12,6 +12,7 @@ from .engine import (PrivateTraining, load_checkpoint, make_private, make_privat
                      save_checkpoint)
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
+from .loss_track import LossScaleWarning
 from .modules import replace_batchnorm
 from .optim import DPOptimizer, VirtualBatches, split_batch
 from .passes import Problem
@@ -22,6 +23,6 @@ __all__ = [
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "privacy", "stats",
-    "FixedSeedWarning",
+    "FixedSeedWarning", "LossScaleWarning",
 ]
 __version__ = "0.1.0"

@@ -40,6 +40,7 @@ from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
+from .loss_track import hf_labels_loss, track
 from .modules import check_modules
 from .release import GradientLedger, check_loop_inputs, track_release
 from .traceable import traceable_torch
@@ -104,6 +105,9 @@ class DPModule(torch.nn.Module):
         super().__setattr__(name, value)
 
     def forward(self, *args, **kwargs):
+        hf_loss = hf_labels_loss(self._orig_mod, kwargs)
+        if hf_loss is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         batch = _check_batch(tensors)
         if batch == 0:
@@ -158,6 +162,10 @@ class DPModule(torch.nn.Module):
             self._pending_examples = batch
             self._guard_gradients()
             track_release(self, pytree.tree_leaves(out), tensors)
+            # Note [The loss inside the proof] in loss_track.py
+            out = track(out, backend, batch, {id(p) for p in self._orig_mod.parameters()})
+        if hf_loss is not None:
+            out["loss"] = hf_loss[1](out.logits)
         return out
 
     def _entry_for(self, batch: int) -> "_Entry":

@@ -57,6 +57,7 @@ class DPBackend:
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
+        self.loss_released = False  # set while a checked loss runs its backward (loss_track.py)
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -185,6 +186,7 @@ class DPBackend:
 
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
+                self._check_loss_released()
                 self._one_forward_per_backward()
                 _check_zero_tangents(args, zero_tangents)
                 return produced(compiled(args))
@@ -201,6 +203,7 @@ class DPBackend:
         generator = _device_generator(device)
 
         def run_backward(args):
+            self._check_loss_released()
             self._one_forward_per_backward()
             _check_zero_tangents(args, zero_tangents)
             if self._generator is None:
@@ -247,6 +250,15 @@ class DPBackend:
                 "together, or call backward once per forward (each is then its own DP step). "
                 "Zero the gradients before retrying: the first forward's have been written.")
         self.last_graph_task = task
+
+    def _check_loss_released(self) -> None:
+        if not self.loss_released:
+            raise PrivacyError(
+                "the backward reached dpfx's graph from a loss dpfx did not check: the model's "
+                "output left dpfx's tracking (a custom autograd.Function, .data, a NumPy round "
+                "trip, a tensor rebuilt from its values), so dpfx cannot prove that the loss "
+                "keeps examples apart. Compute the loss with torch ops on the output dpfx "
+                "returned. dpfx's graph has written no gradient.")
 
     def _checking(self) -> bool:
         return self.config.self_check and self.config.backend == "inductor" \

@@ -1,0 +1,391 @@
+"""Following dpfx's outputs into the loss, and releasing gradients only for a verified loss.
+
+    out = dp_model(x)          # a TrackedTensor in training mode (api.DPModule.forward)
+    loss = F.cross_entropy(out, y)
+    loss.backward()            # the loss is checked (loss_check.py), then the backward runs
+
+# Note [The loss inside the proof]
+In training mode DPModule.forward returns its tensor outputs as ``TrackedTensor`` (made with
+``as_subclass``, which keeps autograd). Its ``__torch_function__`` runs every torch call as usual
+and records it when a tracked tensor is among the arguments: the function, its other arguments
+(tensors the loss reads, such as labels and masks, by reference; Python values as constants) and
+the user's source line. Results are tracked in turn. ``Tensor.backward``, ``torch.autograd.backward``
+and ``torch.autograd.grad`` on a tracked tensor first check the loss:
+
+1. its autograd graph, from the loss down to dpfx's outputs, holds no custom autograd.Function
+   (its backward could do anything), no torch.compile'd function, and no tensor requiring a
+   gradient other than the model's own parameters (which invariant 4 in api.py watches);
+2. the recorded calls, replayed with a symbolic batch, are a per-example sum
+   (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
+   shapes with the batch written as a symbol), so a steady-state step only rebuilds that key;
+3. the batch-dependent part of the loss's scale is evaluated on the step's inputs and divided out
+   of the backward's starting gradient (Note [Batch-dependent scales are removed, constant weights
+   kept] in loss_check.py).
+
+Only then does the backward run, with each involved backend's ``loss_released`` set: the backward
+graph refuses to run without it (backend.py), so a loss that escaped the tracker (through a custom
+autograd.Function's output, ``.data``, a NumPy round trip) releases nothing.
+
+Not seen: computations on the labels outside the loss's calls on tracked tensors (a tensor or a
+Python number computed from the batch's labels is taken as a constant), and numbers taken out of
+tracked tensors (``.item()``, ``.tolist()``) and fed back.
+"""
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import loss_check
+from .errors import PrivacyError
+
+
+class LossScaleWarning(UserWarning):
+    """dpfx changed the scale of the loss's gradient (loss_check.py)."""
+
+
+_ENTRIES = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+_HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_VERDICTS: dict[Any, Any] = {}
+
+
+class Trace:
+    """The calls recorded on one forward's outputs."""
+
+    def __init__(self, backend, batch: int, param_ids: set[int]):
+        self.backend = backend
+        self.batch = batch
+        self.param_ids = param_ids
+        self.records: list[tuple] = []    # (func, spec, leaves, line); func None for an output
+        self.externals: list[torch.Tensor] = []
+        self._external_ids: dict[int, int] = {}
+        self.stop_nodes: list = []        # autograd nodes of the tracked outputs
+        self.poison: str | None = None
+
+    def external(self, t: torch.Tensor) -> int:
+        i = self._external_ids.get(id(t))
+        if i is None:
+            i = self._external_ids[id(t)] = len(self.externals)
+            self.externals.append(t)
+        return i
+
+
+class TrackedTensor(torch.Tensor):
+    """A tensor computed from dpfx's outputs; ``_dpfx`` is (trace, record, leaf)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ENTRIES:
+            return _release(func, args, kwargs)
+        if func in _HOOKS:
+            raise PrivacyError(
+                f"a gradient hook on a tensor computed from dpfx's outputs ({_where()}) could "
+                f"change the gradient that reaches the model after the loss was checked. Put "
+                f"that computation in the loss itself.")
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__repr__:
+                return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
+            result = func(*args, **kwargs)
+        if func is torch.Tensor.__torch_function__:
+            return result
+        return _record(func, args, kwargs, result)
+
+
+def track(out: Any, backend, batch: int, param_ids: set[int]) -> Any:
+    """``out`` with its tensors tracked, as one trace."""
+    trace = Trace(backend, batch, param_ids)
+
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        trace.records.append((None, None, (tuple(t.shape[1:]), t.dtype, t.device), None))
+        tracked = t.as_subclass(TrackedTensor)
+        tracked._dpfx = (trace, len(trace.records) - 1, 0)
+        with torch._C.DisableTorchFunctionSubclass():
+            if tracked.grad_fn is not None:
+                trace.stop_nodes.append(tracked.grad_fn)
+        return tracked
+
+    return pytree.tree_map_only(torch.Tensor, wrap, out)
+
+
+def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
+    """For a Hugging Face causal LM called with ``labels=``: the labels, taken out of the call,
+    and the model's own loss function on the logits. dpfx runs the model without them and
+    computes the loss outside its graph, on the tracked logits, where it is checked like any
+    loss (a token mean: Note [Batch-dependent scales are removed, constant weights kept]).
+    None when there are no labels."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or not hasattr(model, "loss_function"):
+        return None
+    name = type(model).__name__
+    if not name.endswith(("ForCausalLM", "LMHeadModel")):
+        raise PrivacyError(
+            f"{name} computes its loss from labels= inside its forward, which would mix the "
+            f"batch's examples in dpfx's graph; dpfx computes it outside for causal language "
+            f"models only. Call the model without labels= and compute the loss on out.logits.")
+    vocab = model.config.vocab_size
+    return labels, lambda logits: model.loss_function(logits, labels, vocab_size=vocab)
+
+
+def _record(func, args, kwargs, result):
+    if isinstance(result, torch.Tensor):
+        out_leaves, out_spec = [result], None
+    elif isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result):
+        out_leaves, out_spec = pytree.tree_flatten(result)
+    else:
+        return result
+    leaves, spec = loss_check.flatten(args, kwargs)
+    traces = {id(a._dpfx[0]): a._dpfx[0] for a in leaves if isinstance(a, TrackedTensor)}
+    if not traces:
+        return result
+    trace = next(iter(traces.values()))
+    if len(traces) > 1 or trace.poison:
+        trace = Trace(trace.backend, trace.batch, trace.param_ids)
+        trace.poison = (
+            "two forwards of one dpfx model reached a single loss (e.g. dp(a) + dp(b), a siamese "
+            "net, two augmented views): each forward would be clipped on its own, so an example "
+            "used in both could contribute up to 2*max_grad_norm while the noise is sized for "
+            "one. Compile one module whose forward takes all the inputs (forward(a, b) returning "
+            "both outputs), or call backward once per forward.")
+        index, descr = 0, None
+    else:
+        descr = tuple(("t", a._dpfx[1], a._dpfx[2]) if isinstance(a, TrackedTensor)
+                      else ("e", trace.external(a)) if isinstance(a, torch.Tensor)
+                      else ("c", a) for a in leaves)
+        index = len(trace.records)
+        trace.records.append((func, spec, descr, _caller()))
+    arg_ids = {id(a) for a in leaves if isinstance(a, torch.Tensor)
+               and not isinstance(a, TrackedTensor)}
+    wrapped = []
+    for i, r in enumerate(out_leaves):
+        if isinstance(r, torch.Tensor):
+            if id(r) in arg_ids:
+                raise PrivacyError(
+                    f"an in-place op writes a value computed from dpfx's outputs into a tensor "
+                    f"dpfx does not follow ({_where()}): the loss could use it unchecked. Write "
+                    f"it out of place (`y = y + out`, not `y += out`).")
+            if not isinstance(r, TrackedTensor):
+                # a fresh result (not an argument): retyped in place; as_subclass would add an
+                # alias node to the backward for every recorded call
+                r.__class__ = TrackedTensor
+            r._dpfx = (trace, index, i)
+        wrapped.append(r)
+    return wrapped[0] if out_spec is None else pytree.tree_unflatten(wrapped, out_spec)
+
+
+# -- the check at backward --------------------------------------------------------------------------
+def _release(func, args, kwargs):
+    bound = _SIGNATURES[func].bind(*args, **kwargs)
+    params = bound.arguments
+    loss_name, grad_name = _ARGS[func]
+    losses = params[loss_name]
+    single = isinstance(losses, torch.Tensor)
+    losses = [losses] if single else list(losses)
+    grads = params.get(grad_name)
+    grads = [None] * len(losses) if grads is None else [grads] if isinstance(
+        grads, torch.Tensor) else list(grads)
+    backends = []
+    for i, loss in enumerate(losses):
+        if isinstance(loss, TrackedTensor):
+            factor = _verify(loss)
+            if factor != 1.0:
+                grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
+                            if grads[i] is None else grads[i] * factor)
+            backends.append(loss._dpfx[0].backend)
+    saved = [b.loss_released for b in backends]
+    try:
+        for b in backends:
+            b.loss_released = True
+        if any(g is not None for g in grads):
+            params[grad_name] = grads[0] if single else grads
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*bound.args, **bound.kwargs)
+    finally:
+        for b, s in zip(backends, saved):
+            b.loss_released = s
+
+
+_SIGNATURES = {f: inspect.signature(f) for f in _ENTRIES}
+_ARGS = {torch.Tensor.backward: ("self", "gradient"),
+         torch.autograd.backward: ("tensors", "grad_tensors"),
+         torch.autograd.grad: ("outputs", "grad_outputs")}
+
+
+def _verify(loss: TrackedTensor) -> float:
+    trace, index, leaf = loss._dpfx
+    if trace.poison:
+        raise PrivacyError(trace.poison)
+    _check_autograd(loss, trace)
+    program, key, inputs = _program(trace, index, leaf)
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        verdict = _VERDICTS[key] = _analyze(program, trace.batch)
+    if isinstance(verdict, loss_check.LossRefused):
+        raise _refusal(verdict, program)
+    reduction = trace.backend.config.loss_reduction
+    scale = loss_check.eval_scale(verdict, trace.batch, inputs, reduction)
+    if isinstance(scale, str):
+        raise PrivacyError(f"the loss ({_line(program['lines'][-1])}) cannot be made a sum of "
+                           f"per-example terms: {scale}. Compute one per-example loss and take "
+                           f"its mean or sum over dim 0.")
+    factor, changed = scale
+    if changed and not getattr(verdict, "warned", False):
+        verdict.warned = True
+        warnings.warn(_scale_message(verdict, reduction, program), LossScaleWarning, stacklevel=4)
+    return factor
+
+
+def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
+    """The recorded calls the loss depends on, renumbered; a hashable key of their structure;
+    the real tensors its placeholders stand for (outputs as None)."""
+    needed, stack = set(), [index]
+    while stack:
+        k = stack.pop()
+        if k not in needed:
+            needed.add(k)
+            func, _, leaves, _ = trace.records[k]
+            if func is not None:
+                stack.extend(d[1] for d in leaves if d[0] == "t")
+    order = sorted(needed)
+    position = {k: i for i, k in enumerate(order)}
+    placeholders, inputs, calls, keys, lines, ext_pos = [], [], [], [], [], {}
+    for k in order:
+        func, spec, leaves, line = trace.records[k]
+        if func is None:
+            shape, dtype, device = leaves
+            placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True))
+            inputs.append(None)
+            calls.append(("in", len(placeholders) - 1))
+            keys.append(("out", tuple(shape), dtype, device))
+            lines.append(None)
+            continue
+        descr, key = [], []
+        for d in leaves:
+            if d[0] == "t":
+                descr.append(("r", position[d[1]], d[2]))
+                key.append(descr[-1])
+            elif d[0] == "e":
+                if d[1] not in ext_pos:
+                    t = trace.externals[d[1]]
+                    placeholders.append(loss_check.Placeholder(
+                        tuple(t.shape), t.dtype, t.device, False))
+                    inputs.append(t)
+                    ext_pos[d[1]] = len(placeholders) - 1
+                    keys.append(("ext", _dim0_key(t, trace.batch), tuple(t.shape[1:]), t.dtype,
+                                 t.device, t.requires_grad))
+                descr.append(("p", ext_pos[d[1]]))
+                key.append(descr[-1])
+            else:
+                descr.append(d)
+                key.append(("c", _const_key(d[1])))
+        calls.append((func, spec, tuple(descr)))
+        keys.append((func, spec, tuple(key)))
+        lines.append(line)
+    program = {"calls": calls, "placeholders": placeholders, "loss": (len(order) - 1, leaf),
+               "lines": lines}
+    return program, (tuple(keys), position[index], leaf), inputs
+
+
+def _analyze(program: dict, batch: int):
+    try:
+        gm, record_of, factors = loss_check.replay(program["calls"], program["placeholders"],
+                                                   program["loss"], batch)
+        return loss_check.analyze(gm, program["placeholders"], record_of, factors)
+    except loss_check.LossRefused as e:
+        return e
+    except Exception as e:  # a shape error, an op fake tensors cannot run
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return loss_check.LossRefused(None, type(e).__name__, (
+            f"dpfx could not replay it with a symbolic batch size ({first}); a common cause is "
+            f"the batch size written as a Python number (x.shape[0], a loop over examples): "
+            f"write such losses with tensor ops over dim 0 (reduction='none', then .mean() or "
+            f".sum())"))
+
+
+def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
+    stops = set(trace.stop_nodes)
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise PrivacyError(
+                f"the loss ({_where()}) goes through a custom autograd.Function or a "
+                f"torch.compile'd function ({type(node).__name__}): dpfx cannot check what its "
+                f"backward does to each example's gradient. Write the loss with torch ops "
+                f"outside torch.compile.")
+        if type(node).__name__ == "AccumulateGrad":
+            if id(node.variable) not in trace.param_ids:
+                raise PrivacyError(
+                    f"the loss ({_where()}) uses a tensor that requires grad and is not a "
+                    f"parameter of the dpfx-compiled model: its gradient would be neither "
+                    f"clipped nor noised. Detach it, or make it a parameter of the model.")
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+
+
+def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:
+    line = program["lines"][e.record] if e.record is not None else program["lines"][-1]
+    return PrivacyError(
+        f"the loss couples examples: op {e.op} ({_line(line)}) {e.reason}. dpfx clips each "
+        f"example's gradient of its own loss; a loss that mixes examples lets one example move "
+        f"every other example's gradient. Compute one loss per example (reduction='none', "
+        f"nothing that compares examples) and take its mean or sum over dim 0.")
+
+
+def _scale_message(verdict, reduction: str, program: dict) -> str:
+    where = _line(program["lines"][-1])
+    if any(t.normalizers for t in verdict.terms):
+        return (f"the loss ({where}) divides by a number computed from the whole batch (the "
+                f"count of non-ignored tokens or mask entries): one example would change every "
+                f"example's gradient. dpfx takes each example's gradient of its own sum over "
+                f"its tokens instead (the loss value is unchanged)")
+    return (f"the loss ({where}) is a {verdict.declared} over the batch, but dpfx was compiled "
+            f"with loss_reduction={reduction!r}; dpfx takes each example's gradient of its own "
+            f"loss, as with a {reduction} (pass loss_reduction={verdict.declared!r} to silence)")
+
+
+def _caller():
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP_DIRS):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+
+
+def _where() -> str:
+    return _line(_caller())
+
+
+def _line(loc) -> str:
+    if loc is None:
+        return "in the loss"
+    text = linecache.getline(loc[0], loc[1]).strip()
+    return f"{os.path.basename(loc[0])}:{loc[1]}" + (f" `{text}`" if text else "")
+
+
+def _dim0_key(t: torch.Tensor, batch: int):
+    """dim 0 as a multiple of the batch where it is one (Note [Which inputs of the loss carry
+    the batch] in loss_check.py), so that one verdict serves every batch size."""
+    if t.dim() == 0:
+        return ()
+    n = t.shape[0]
+    return ("kB", n // batch) if batch and n % batch == 0 else ("n", n) if batch else ("B=0", n)
+
+
+def _const_key(v):
+    if isinstance(v, slice):
+        return ("slice", v.start, v.stop, v.step)
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return ("id", id(v))

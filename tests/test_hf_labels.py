@@ -1,0 +1,81 @@
+"""Hugging Face causal LMs called with ``labels=``: dpfx runs the model without them and computes
+the model's own loss on the tracked logits, where the loss check sees it (a token mean over the
+batch's non-ignored tokens, whose count dpfx divides out: each example's gradient is that of its
+own token sum). The loss value equals the non-private one; the gradient equals a batch-of-one
+reference.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpfx
+from reference import CLIP_EPS, assert_close
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, T = 53, 6
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _batch(batch):
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, VOCAB, (batch, T), generator=g)
+    mask = torch.ones(batch, T, dtype=torch.long)
+    labels = ids.clone()
+    labels[: batch // 2, T // 2:] = -100            # half the examples padded
+    return ids, mask, labels
+
+
+def _reference(model, ids, mask, labels, bound):
+    """sum_i clip(grad of example i's token sum) / B, one example at a time."""
+    params = dict(model.named_parameters())
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    for i in range(ids.shape[0]):
+        logits = model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[i:i + 1, 1:].reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        g = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        g = [torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params.values())]
+        factor = min(1.0, bound / (float(torch.sqrt(sum(gi.pow(2).sum() for gi in g))) + CLIP_EPS))
+        for k, gi in zip(params, g):
+            total[k] += gi * factor
+    return {k: v / ids.shape[0] for k, v in total.items()}
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_gpt2_labels_loss_value_and_gradient(backend):
+    model = _gpt2()
+    dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend=backend)
+    for batch in (4, 1):
+        ids, mask, labels = _batch(batch)
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        model.zero_grad(set_to_none=True)
+        out = dp(input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain)
+        # the token mean's count is divided out (warned once per loss structure)
+        with pytest.warns(dpfx.LossScaleWarning) if batch == 4 else contextlib.nullcontext():
+            out.loss.backward()
+        got = {k: p.grad for k, p in model.named_parameters()}
+        assert_close(got, _reference(model, ids, mask, labels, 0.5), rtol=1e-4, atol=1e-6)
+
+
+def test_other_hf_models_with_labels_refused():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=3)
+    model = transformers.BertForSequenceClassification(config)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    ids = torch.randint(1, VOCAB, (3, T))
+    with pytest.raises(dpfx.PrivacyError, match="without labels= and compute the loss on "
+                                                "out.logits"):
+        dp(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 1, 2]))

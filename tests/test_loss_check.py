@@ -1,0 +1,293 @@
+"""The loss inside the proof (dpfx/loss_track.py, dpfx/loss_check.py).
+
+Accepted losses are checked against the torch.func reference (each example's gradient of its own
+loss, clipped, summed, divided); losses that couple examples are refused with the op and the
+line; a loss that escapes the tracking releases nothing; a token mean over the batch is audited
+on neighbouring batches at sigma 0.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import dpfx
+from dpfx import loss_check
+from reference import assert_close, dp_sgd_grads, per_example_grads
+
+C = 0.05
+V, T = 5, 4
+
+
+class Tokens(nn.Module):
+    """(B, T) ids -> (B, T, V) logits, and a second head (B, 2) for two-output losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, V)
+        self.aux = nn.Linear(6, 2)
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        return self.head(h), self.aux(h.mean(1))
+
+
+def _ce_tokens(logits, y, **kw):
+    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), **kw)
+
+
+# (name, loss on the batch, the same per-example loss on a batch of one as the reference sees it)
+# Note [Batch-dependent scales are removed, constant weights kept]: a token mean becomes each
+# example's token sum; a mean or sum over examples keeps each example's own term.
+LOSSES = {
+    "cross_entropy": (lambda o, a, y, w: _ce_tokens(o, y),
+                      lambda o, a, y, w: _ce_tokens(o, y, reduction="sum")),
+    "ignore_index": (lambda o, a, y, w: _ce_tokens(o, y.masked_fill(y == 0, -100)),
+                     lambda o, a, y, w: _ce_tokens(o, y.masked_fill(y == 0, -100),
+                                                   reduction="sum")),
+    "label_smoothing": (lambda o, a, y, w: _ce_tokens(o, y.masked_fill(y == 0, -100),
+                                                      label_smoothing=0.1),
+                        lambda o, a, y, w: _ce_tokens(o, y.masked_fill(y == 0, -100),
+                                                      label_smoothing=0.1, reduction="sum")),
+    "mask_mean": (lambda o, a, y, w: (_ce_tokens(o, y, reduction="none") * (y > 0).flatten()
+                                      ).sum() / (y > 0).sum(),
+                  lambda o, a, y, w: (_ce_tokens(o, y, reduction="none") * (y > 0).flatten()
+                                      ).sum()),
+    "example_weights": (lambda o, a, y, w: (_ce_tokens(o, y, reduction="none").view(-1, T)
+                                            .mean(1) * w).mean(),
+                        lambda o, a, y, w: (_ce_tokens(o, y, reduction="none").view(-1, T)
+                                            .mean(1) * w).mean()),
+    "two_outputs_mse_nll": (lambda o, a, y, w: F.mse_loss(a, w[:, None].expand(-1, 2))
+                            + 0.5 * F.nll_loss(F.log_softmax(o[:, 0], -1), y[:, 0]),
+                            lambda o, a, y, w: F.mse_loss(a, w[:, None].expand(-1, 2))
+                            + 0.5 * F.nll_loss(F.log_softmax(o[:, 0], -1), y[:, 0])),
+    "bce_sum": (lambda o, a, y, w: F.binary_cross_entropy_with_logits(
+                    a, (w[:, None] > 1).float().expand(-1, 2), reduction="sum"),
+                lambda o, a, y, w: F.binary_cross_entropy_with_logits(
+                    a, (w[:, None] > 1).float().expand(-1, 2), reduction="sum")),
+}
+
+
+def _data(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (batch, T), generator=g)
+    y = torch.randint(0, V, (batch, T), generator=g)
+    w = torch.rand(batch, generator=g) * 2
+    return ids, y, w
+
+
+def _step(dp, model, loss, ids, y, w):
+    model.zero_grad(set_to_none=True)
+    logits, aux = dp(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpfx.LossScaleWarning)
+        loss(logits, aux, y, w).backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _one(per_example):
+    def one(out, target):     # labels and weights travel as one target
+        logits, aux = out
+        return per_example(logits, aux, target[:, :T].long(), target[:, T])
+    return one
+
+
+def _reference(model, per_example, ids, y, w, reduction, bound=C):
+    return dp_sgd_grads(model, _one(per_example), ids, torch.cat([y, w[:, None]], 1),
+                        max_grad_norm=bound, loss_reduction=reduction)
+
+
+def _median_norm(model, per_example, ids, y, w):
+    """A clipping bound that clips about half the examples: a wrong per-example scale then
+    changes the result (all clipped would hide it)."""
+    g = per_example_grads(model, _one(per_example), ids, torch.cat([y, w[:, None]], 1))
+    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+    return float(norms.median()) * (1.0 if len(norms) > 1 else 0.5)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(LOSSES)), batch=st.sampled_from([0, 1, 2, 5]),
+       reduction=st.sampled_from(["mean", "sum"]))
+def test_accepted_losses_match_reference(name, batch, reduction):
+    """Every accepted loss gives the DP-SGD gradient of its per-example loss (eager)."""
+    torch.manual_seed(0)
+    model = Tokens()
+    ids, y, w = _data(batch)
+    loss, per_example = LOSSES[name]
+    bound = _median_norm(model, per_example, ids, y, w) if batch else C
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=4 if batch == 0 else None, backend="eager")
+    if batch == 0:
+        got = _step(dp, model, lambda o, a, y, w: (o.sum() + a.sum()) * 0.0, ids, y, w)
+        assert all(float(g.abs().max()) == 0 for g in got.values())
+        return
+    got = _step(dp, model, loss, ids, y, w)
+    assert_close(got, _reference(model, per_example, ids, y, w, reduction, bound), rtol=1e-4,
+                 atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ignore_index", "two_outputs_mse_nll"])
+def test_accepted_losses_through_inductor(name):
+    torch.manual_seed(0)
+    model = Tokens()
+    loss, per_example = LOSSES[name]
+    ids, y, w = _data(3, seed=3)
+    bound = _median_norm(model, per_example, ids, y, w)
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0)
+    for batch in (3, 1):
+        got = _step(dp, model, loss, ids[:batch], y[:batch], w[:batch])
+        assert_close(got, _reference(model, per_example, ids[:batch], y[:batch], w[:batch],
+                                     "mean", bound), rtol=1e-4, atol=1e-6)
+
+
+def _fc():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    return model, torch.randn(5, 6), torch.arange(5) % 4
+
+
+def _plus_scaled_by(total, o):
+    """The batch's sum both as a term of the loss and as a per-example scale (one node)."""
+    return total + (o * total).sum()
+
+
+COUPLING = {   # name: (loss of the (B, 4) output and labels, the op the refusal names)
+    "center": (lambda o, y: ((o - o.mean(0)) ** 2).mean(), "mean.dim"),
+    "batch_std": (lambda o, y: F.cross_entropy(o / o.std(0), y), "var"),
+    "contrastive": (lambda o, y: F.cross_entropy(o @ o.T, torch.arange(o.shape[0])), "mm"),
+    "max": (lambda o, y: o.max(), "max"),
+    "logsumexp_batch": (lambda o, y: torch.logsumexp(o, 0).sum(), "amax"),
+    "sort_batch": (lambda o, y: o.sort(0).values[0].sum(), "sort"),
+    "shuffle": (lambda o, y: ((o[torch.tensor([1, 2, 3, 4, 0])] - o) ** 2).mean(), "index"),
+    "scatter_rows": (lambda o, y: (torch.zeros_like(o).index_put((torch.tensor([1, 2, 3, 4, 0]),),
+                                                                 o) * o).sum(), "index_put"),
+    "batch_sum_reused": (lambda o, y: _plus_scaled_by(o.sum(), o), "sum"),
+    "square_of_mean": (lambda o, y: F.cross_entropy(o, y) ** 2, "pow"),
+    "slice_loop": (lambda o, y: torch.stack([F.cross_entropy(o[i:i + 1], y[i:i + 1])
+                                             for i in range(5)]).mean(), "slice"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COUPLING))
+def test_coupling_losses_refused(name):
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    loss, op = COUPLING[name]
+    with pytest.raises(dpfx.PrivacyError, match="the loss couples examples") as info:
+        loss(dp(x), y).backward()
+    assert f"op {op}" in str(info.value) and "test_loss_check.py:" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_refusal_through_inductor_names_the_line():
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    out = dp(x)
+    with pytest.raises(dpfx.PrivacyError, match=r"op mean\.dim \(test_loss_check\.py:\d+ "
+                                                r"`centered = out - out\.mean\(0\)`\)"):
+        centered = out - out.mean(0)
+        (centered ** 2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+class Escape(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_escaped_outputs_release_nothing():
+    """A custom autograd.Function on the output, and an output rebuilt outside the tracking:
+    refused before dpfx's backward graph writes anything."""
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(dpfx.PrivacyError, match="custom autograd.Function"):
+        F.cross_entropy(Escape.apply(dp(x)), y).backward()
+    out = dp(x)
+    with torch._C.DisableTorchFunctionSubclass():
+        hidden = out * 1.0                              # computed outside the tracking
+    with pytest.raises(dpfx.PrivacyError, match="from a loss dpfx did not check"):
+        F.cross_entropy(hidden, y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    temperature = torch.ones((), requires_grad=True)
+    with pytest.raises(dpfx.PrivacyError, match="not a parameter of the dpfx-compiled model"):
+        F.cross_entropy(dp(x) / temperature, y).backward()
+    with pytest.raises(dpfx.PrivacyError, match="gradient hook"):
+        dp(x).register_hook(lambda g: g)
+
+
+def test_normal_use_keeps_working():
+    """Accuracy, .item(), eval mode and no_grad (plain tensors), torch.autograd.grad, tuples."""
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    out = dp(x)
+    acc = (out.argmax(1) == y).float().mean().item()
+    assert 0.0 <= acc <= 1.0 and "TrackedTensor" not in repr(out)
+    grads = torch.autograd.grad(F.cross_entropy(out, y), list(model.parameters()))
+    assert len(grads) == 4
+    with torch.no_grad():
+        assert type(dp(x)) is torch.Tensor
+
+
+def test_steady_state_does_no_tracing(monkeypatch):
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    F.cross_entropy(dp(x), y).backward()
+    calls = []
+    real = loss_check.replay
+    monkeypatch.setattr(loss_check, "replay", lambda *a: calls.append(1) or real(*a))
+    for batch in (5, 3, 1, 4):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(dp(x[:batch]), y[:batch]).backward()
+    assert calls == []
+
+
+def test_reduction_mismatch_warns_and_takes_each_examples_own_loss():
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager")
+    with pytest.warns(dpfx.LossScaleWarning, match="is a sum over the batch"):
+        F.cross_entropy(dp(x), y, reduction="sum").backward()
+    got = {k: p.grad for k, p in model.named_parameters()}
+    assert_close(got, dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=C),
+                 rtol=1e-4, atol=1e-6)
+
+
+def test_token_mean_neighbours_move_at_most_C():
+    """The auditor's test of a token mean with ignore_index (sigma 0, loss_reduction="sum"):
+    adding one canary example with many tokens changes the batch's token count. Kept as a
+    normalizer, it would rescale every other example's gradient (the unclipped ones move the
+    release by more than C, computed below with the reference); removed, the release moves by
+    at most C."""
+    torch.manual_seed(0)
+    model = Tokens()
+    ids, y, w = _data(9, seed=3)
+    ids[:8], y[:8] = ids[0], y[0]                      # 8 equal examples with one token each
+    y[:8, 1:] = -100
+    own = per_example_grads(model, lambda o, t: _ce_tokens(o[0], t, reduction="sum"), ids, y)
+    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in own.values()))
+    bound = float(norms[0]) / 7                        # g_i / N_tot (N_tot = 8) is not clipped
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, loss_reduction="sum",
+                      backend="eager")
+    loss = LOSSES["cross_entropy"][0]
+    base = _step(dp, model, loss, ids[:8], y[:8], w[:8])
+    added = _step(dp, model, loss, ids, y, w)          # + the canary: T tokens
+    moved = torch.sqrt(sum((added[k] - base[k]).pow(2).sum() for k in base))
+    assert moved <= bound * (1 + 1e-4)
+
+    def coupled(n):    # what a kept normalizer releases: sum_i clip(g_i / N_tot)
+        g = per_example_grads(model, lambda o, t: _ce_tokens(o[0], t, reduction="sum"),
+                              ids[:n], y[:n])
+        g = {k: v / int((y[:n] != -100).sum()) for k, v in g.items()}
+        norm = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+        factor = (bound / (norm + 1e-6)).clamp(max=1.0)
+        return {k: (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0) for k, v in g.items()}
+
+    before, after = coupled(8), coupled(9)
+    assert torch.sqrt(sum((after[k] - before[k]).pow(2).sum() for k in before)) > bound
