@@ -18,7 +18,7 @@ import torch.nn as nn
 import dpfx
 from dpfx import stats
 from models import MLP, mse
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from reference import assert_close, batch_loss, loop_dp_sgd_grads, run_dpfx_multi
 from test_engine import per_layer_reference
 
 C = 0.05
@@ -171,7 +171,7 @@ def test_optimizer_noise_clipped_sums_stay_finite():
     def read(dp, model, loss_fn, inputs, y, reduction):
         opt.zero_grad()
         out = dp(*inputs)
-        torch.stack([loss_fn(out[i:i + 1], y[i:i + 1]) for i in range(len(y))]).mean().backward()
+        batch_loss(loss_fn, out, y).backward()
         sums = {k: v.clone() for k, v in dp.clipped_sums.items()}
         opt.zero_grad()
         return {k: v / y.shape[0] for k, v in sums.items()}
