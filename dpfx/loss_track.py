@@ -309,14 +309,38 @@ def _analyze(program: dict, batch: int):
             f".sum())"))
 
 
+def _compiled_nodes(stops: list) -> set:
+    """The autograd nodes of dpfx's compiled functions below the tracked outputs."""
+    todo, seen, found = list(stops), set(), set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.add(node)
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
 def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     stops = set(trace.stop_nodes)
+    own = _compiled_nodes(trace.stop_nodes)
     stack, seen = [loss.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen or node in stops:
             continue
         seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and node in own:
+            raise PrivacyError(
+                f"the loss ({_where()}) reads a tensor that dpfx's compiled forward produced "
+                f"but did not return (a module attribute set during the forward, such as the "
+                f"weight the deprecated nn.utils.weight_norm hook stores on its module): its "
+                f"gradient enters dpfx's backward outside the checked outputs and may belong to "
+                f"no example or to all of them. Compute the loss from the compiled module's "
+                f"outputs only.")
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             raise PrivacyError(
                 f"the loss ({_where()}) goes through a custom autograd.Function or a "
