@@ -21,7 +21,6 @@ would otherwise see dpfx's marks: tests/test_inputs.py).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -41,7 +40,7 @@ from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .loss_track import hf_labels_loss, track
-from .modules import check_modules
+from .modules import check_modules, norm_layers
 from .release import GradientLedger, check_loop_inputs, track_release
 from .traceable import traceable_torch
 
@@ -71,6 +70,13 @@ class DPModule(torch.nn.Module):
         self._dpfx_optimizer = None      # a weakref to the DPOptimizer stepping this model
         self._ledger = GradientLedger()
         self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+        # Note [The steady-state call]
+        self._params = [p for _, p, _ in self._trainable_at_compile]
+        self._param_ids = {id(p) for p in self._params}
+        self._norm_layers = norm_layers(model)
+        self._all_guarded = False
+        self._compiles_seen = 0
+        object.__setattr__(self, "_entry_by_batch", {})
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
@@ -104,21 +110,32 @@ class DPModule(torch.nn.Module):
                 f"{name}=...) again (and build a new DPOptimizer).")
         super().__setattr__(name, value)
 
+    # Note [The steady-state call]
+    # Every training step pays for this method, and on a small model its Python is as long as
+    # the compiled forward (0.5 ms against 0.4 ms on the 2-core machine for the MLP, session 6).
+    # What does not change between steps is read once: the parameters, their ids for the loss
+    # check, the normalization layers the mixing check looks at, which batch size routes to
+    # which compiled entry, whether every trainable parameter has its gradient guard. Those
+    # caches are read again after any capture (``_after_capture``: a module or parameter added
+    # after compile makes dynamo capture again, and the graph's own verifier sees the new
+    # module first). The per-call settings are plain classes with direct assignments, not
+    # generator context managers or config.patch. Everything that can differ per call (inputs
+    # requiring grad, frozen parameters, a normalization layer switched to training, the
+    # release hook, the output tracking) is still checked on every call.
     def forward(self, *args, **kwargs):
         hf_loss = hf_labels_loss(self._orig_mod, kwargs)
         if hf_loss is not None:
             kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensor_leaves(args, kwargs)
         batch = _check_batch(tensors)
         if batch == 0:
             # An empty slice such as x[:, :-1].contiguous() keeps its parent's strides (an empty
             # tensor counts as contiguous), which would fail dynamo's stride guard and recompile.
             # Empty inputs carry no data: hand dynamo fresh row-major ones.
             args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major_empty, (args, kwargs))
-            tensors = [t for t in pytree.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)]
+            tensors = _tensor_leaves(args, kwargs)
         config = self.dp_config
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self._params)
         if training and batch == 0 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None and config.noise == "graph":
             raise ValueError(
@@ -126,13 +143,13 @@ class DPModule(torch.nn.Module):
                 "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
         backend = self._dpfx_backend
         if training and backend.problems is None:
-            check_modules(self._orig_mod)
+            check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
         backend.forward_ran = False
         entry = self._entry_for(batch)
         backend.decisions = entry.decisions
         try:
-            with _dynamo_settings(), traceable_torch(), _batch_marked(tensors), \
+            with _DynamoSettings(), traceable_torch(), _BatchMarked(tensors), \
                     batch_branches.deciding(batch, entry.decisions):
                 out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -158,21 +175,38 @@ class DPModule(torch.nn.Module):
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
                 "to eager); the gradients would not be private")
+        if backend.compiles != self._compiles_seen:
+            self._after_capture()
         if training:
             self._pending_examples = batch
-            self._guard_gradients()
-            track_release(self, pytree.tree_leaves(out), tensors)
+            if not self._all_guarded:
+                self._guard_gradients()
+            outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
+            track_release(self, outputs, tensors)
             # Note [The loss inside the proof] in loss_track.py
-            out = track(out, backend, batch, {id(p) for p in self._orig_mod.parameters()})
+            out = track(out, backend, batch, self._param_ids)
         if hf_loss is not None:
             out["loss"] = hf_loss[1](out.logits)
         return out
 
+    def _after_capture(self) -> None:
+        """Note [The steady-state call]: what the steady state reads from caches is read again
+        after every capture (a parameter or module added since compile makes dynamo capture)."""
+        self._compiles_seen = self._dpfx_backend.compiles
+        self._param_ids = {id(p) for p in self._orig_mod.parameters()}
+        self._norm_layers = norm_layers(self._orig_mod)
+        self._all_guarded = False
+
     def _entry_for(self, batch: int) -> "_Entry":
         """The compiled entry whose batch-size decisions hold at ``batch``, else a new one."""
+        memo = self._entry_by_batch.get(batch)
+        if memo is not None and len(memo[0].decisions) == memo[1]:
+            return memo[0]
         entries = self._dpfx_entries
         for entry in entries:
             if batch_branches.holds(entry.decisions, batch):
+                # Valid while the entry's decisions stay as they are (a capture appends to them).
+                self._entry_by_batch[batch] = (entry, len(entry.decisions))
                 return entry
         if len(entries) >= _MAX_ENTRIES:
             decided = "\n".join(f"    {d}" for e in entries for d in e.decisions)
@@ -208,6 +242,10 @@ class DPModule(torch.nn.Module):
             if p.requires_grad and name not in self._grad_guards:
                 self._grad_guards[name] = p.register_hook(functools.partial(
                     _check_gradient, weakref.ref(backend), name, weakref.ref(self), weakref.ref(p)))
+        # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
+        # any later change of requires_grad, and a parameter added later makes dynamo capture
+        # again (then the walk runs again: _after_capture).
+        self._all_guarded = True
 
 
 _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config"}
@@ -319,28 +357,37 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 
 # Note [Dynamo settings for every call]
 # dynamo reads these only when it compiles a frame, but any call may recompile, so they hold
-# for every call. They are set and restored directly: config.patch() builds a class and a
-# ContextVar per call (76 us for these three against 45-50 us set directly on the 2-core
-# machine, min of 5 x 2000 calls), a cost every step paid.
-@contextlib.contextmanager
-def _dynamo_settings():
-    config = torch._dynamo.config
-    new = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True,
-           "ignore_logging_functions": _skipped_logging()}
-    old = {key: getattr(config, key) for key in new}
-    try:
-        for key, value in new.items():
-            setattr(config, key, value)
-        yield
-    finally:
-        for key, value in old.items():
-            setattr(config, key, value)
+# for every call. They are set and restored directly, in a plain class: config.patch() builds a
+# class and a ContextVar per call (76 us for these three against 45-50 us set directly on the
+# 2-core machine, min of 5 x 2000 calls), and a generator-based context manager costs a few
+# microseconds more, a cost every step paid (Note [The steady-state call]).
+class _DynamoSettings:
+    __slots__ = ("_old",)
+
+    def __enter__(self):
+        config = torch._dynamo.config
+        self._old = (config.recompile_limit, config.fail_on_recompile_limit_hit,
+                     config.ignore_logging_functions)
+        config.recompile_limit = 64
+        config.fail_on_recompile_limit_hit = True
+        config.ignore_logging_functions = _skipped_logging(config.ignore_logging_functions)
+        return self
+
+    def __exit__(self, *exc):
+        config = torch._dynamo.config
+        (config.recompile_limit, config.fail_on_recompile_limit_hit,
+         config.ignore_logging_functions) = self._old
+        return False
 
 
-def _skipped_logging() -> set:
-    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
-               if hasattr(logging.Logger, name)}
-    return set(torch._dynamo.config.ignore_logging_functions) | methods
+@functools.lru_cache(maxsize=4)
+def _logging_methods() -> frozenset:
+    return frozenset(getattr(logging.Logger, name) for name in _LOGGER_METHODS
+                     if hasattr(logging.Logger, name))
+
+
+def _skipped_logging(current: set) -> set:
+    return set(current) | _logging_methods()
 
 
 def _graph_break_error(e: Exception) -> CaptureError:
@@ -407,20 +454,34 @@ def _refusal_while_capturing(e: Exception) -> DPFXError | None:
 BATCH_SHAPE_ID = "dpfx_batch"
 
 
-@contextlib.contextmanager
-def _batch_marked(tensors: list[torch.Tensor]):
+class _BatchMarked:
     """Dim 0 of every tensor is the one unbacked batch symbol while the compiled call runs."""
-    # Shallow copies: mark_unbacked adds to an existing mark set in place.
-    saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()}) for t in tensors]
-    try:
-        for t in tensors:
+
+    __slots__ = ("_tensors", "_saved")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._tensors = tensors
+
+    def __enter__(self):
+        # Shallow copies: mark_unbacked adds to an existing mark set in place.
+        self._saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()})
+                       for t in self._tensors]
+        for t in self._tensors:
             torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
-        yield
-    finally:
-        for t, attrs in saved:
+        return self
+
+    def __exit__(self, *exc):
+        for t, attrs in self._saved:
             for key in [k for k in t.__dict__ if k not in attrs]:
                 delattr(t, key)
             t.__dict__.update(attrs)
+        return False
+
+
+def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return list(args)
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _row_major_empty(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ tests/test_linear.py::test_raw_product_of_one_column_matches_reference)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import traceback
@@ -70,19 +69,26 @@ def holds(decisions: list[Decision], batch: int) -> bool:
     return all(d.holds(batch) for d in decisions)
 
 
-@contextlib.contextmanager
-def deciding(batch: int, decisions: list[Decision]):
+class deciding:
     """Comparisons in the batch alone are decided at ``batch`` while this is active, and
-    appended to ``decisions``."""
-    outer = getattr(_state, "active", None)
-    _state.active = (batch, decisions)
-    ShapeEnv._evaluate_expr = _evaluate_or_decide
-    try:
-        yield
-    finally:
-        _state.active = outer
-        if outer is None:
+    appended to ``decisions``. A plain class: it is entered on every call."""
+
+    __slots__ = ("_active", "_outer")
+
+    def __init__(self, batch: int, decisions: list[Decision]):
+        self._active = (batch, decisions)
+
+    def __enter__(self):
+        self._outer = getattr(_state, "active", None)
+        _state.active = self._active
+        ShapeEnv._evaluate_expr = _evaluate_or_decide
+        return self
+
+    def __exit__(self, *exc):
+        _state.active = self._outer
+        if self._outer is None:
             ShapeEnv._evaluate_expr = _evaluate_expr
+        return False
 
 
 def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious=False,

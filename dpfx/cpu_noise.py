@@ -42,6 +42,8 @@ import warnings
 
 import torch
 
+from . import noise_ahead
+
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "philox_normal.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
@@ -106,14 +108,16 @@ def available() -> bool:
     return _library() is not None
 
 
-def philox_normal(n: int, key: int) -> torch.Tensor:
-    """f32[n] of N(0, 1) from the C kernel under the 64-bit ``key`` (see csrc/philox_normal.c)."""
+def philox_normal(n: int, key: int, threads: int | None = None) -> torch.Tensor:
+    """f32[n] of N(0, 1) from the C kernel under the 64-bit ``key`` (see csrc/philox_normal.c),
+    on ``threads`` threads (default: torch's); the output does not depend on the count."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the fast CPU noise kernel is unavailable")
     out = torch.empty(n, dtype=torch.float32)
     if n:
-        lib.dpfx_philox_normal(out.data_ptr(), n, key & (2**64 - 1), torch.get_num_threads())
+        lib.dpfx_philox_normal(out.data_ptr(), n, key & (2**64 - 1),
+                               threads or torch.get_num_threads())
     return out
 
 
@@ -143,7 +147,10 @@ def gaussian(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
 @torch.library.custom_op("dpfx::standard_normal", mutates_args=(), device_types="cpu",
                          tags=(torch.Tag.nondeterministic_seeded,))
 def standard_normal(n: int, device: torch.device) -> torch.Tensor:
-    """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU."""
+    """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU
+    (or drawn ahead: Note [Drawing the noise ahead] in noise_ahead.py)."""
+    if noise_ahead.active():
+        return noise_ahead.take(n)
     return gaussian(n)
 
 

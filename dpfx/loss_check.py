@@ -331,7 +331,8 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
         # the same cast through aten: prims' Python wrapper costs ~15 us a call
         node.target, node.args = aten._to_copy.default, (node.args[0],)
         node.kwargs = {"dtype": node.meta["val"].dtype}
-    return fx.GraphModule(gm, graph)
+    # its forward, called directly: Module.__call__'s hooks machinery costs more than the ops
+    return fx.GraphModule(gm, graph).forward
 
 
 def _whole_slice(node: fx.Node) -> bool:

@@ -45,10 +45,23 @@ def _mixing(module: nn.Module) -> str | None:
     return None
 
 
-def check_modules(model: nn.Module) -> None:
+def check_modules(model: nn.Module, norm_layers: list[nn.Module] | None = None) -> None:
+    """Refuse a module that mixes the batch. ``norm_layers`` (from ``norm_layers``): look only
+    at those first, and walk the model for the message only when one of them mixes; every
+    training call runs this."""
+    if norm_layers is not None and not any(_mixing(m) for m in norm_layers):
+        return
     problems = module_problems(model)
     if problems:
         raise PrivacyError(problems[0])
+
+
+_NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def norm_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules ``_mixing`` can object to."""
+    return [m for m in model.modules() if isinstance(m, _NORM_LAYERS)]
 
 
 def without_batch_mixing(model: nn.Module) -> nn.Module:
@@ -76,4 +89,4 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     return model
 
 
-__all__ = ["check_modules", "module_problems", "replace_batchnorm", "without_batch_mixing"]
+__all__ = ["check_modules", "module_problems", "norm_layers", "replace_batchnorm", "without_batch_mixing"]

@@ -45,8 +45,6 @@ do not depend on it.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -253,39 +251,44 @@ def _reshape_explicit(self, *sizes):
     return _reshape(self, _explicit_sizes(self, sizes))
 
 
-@contextlib.contextmanager
-def traceable_torch():
-    F._verify_batch_size = _verify_batch_size_if_known
-    F.instance_norm = _instance_norm_written_out
-    torch.Tensor.repeat = _repeat_by_expand
-    F.bilinear = _bilinear_written_out
-    F.embedding_bag = _embedding_bag_written_out
-    torch.Tensor.view = _view_explicit
-    torch.Tensor.reshape = _reshape_explicit
-    F.linear = _linear_one_feature
-    F.batch_norm = _batch_norm_frozen_stats
-    torch.roll = _roll_as_method
-    torch.Tensor.roll = _roll_checked
-    for cls in _rnn_forwards:
-        cls.forward = rnn.rnn_forward
-    rnn_utils.pack_padded_sequence = rnn.pack_padded_sequence
-    rnn_utils.pad_packed_sequence = rnn.pad_packed_sequence
-    try:
-        with torch._dynamo.config.patch(allow_rnn=True):
-            yield
-    finally:
-        for cls, forward in _rnn_forwards.items():
-            cls.forward = forward
-        rnn_utils.pack_padded_sequence = rnn._pack_padded_sequence
-        rnn_utils.pad_packed_sequence = rnn._pad_packed_sequence
-        F.linear = _linear
-        F.batch_norm = _batch_norm
-        torch.roll = _roll
-        torch.Tensor.roll = _tensor_roll
-        F.bilinear = _bilinear
-        F.embedding_bag = _embedding_bag
-        torch.Tensor.view = _view
-        torch.Tensor.reshape = _reshape
-        F._verify_batch_size = _verify_batch_size
-        F.instance_norm = _instance_norm
-        torch.Tensor.repeat = _repeat
+# (object, attribute, dpfx's stand-in) for every swap; the originals are read when the module loads.
+_SWAPS = [
+    (F, "_verify_batch_size", _verify_batch_size_if_known),
+    (F, "instance_norm", _instance_norm_written_out),
+    (torch.Tensor, "repeat", _repeat_by_expand),
+    (F, "bilinear", _bilinear_written_out),
+    (F, "embedding_bag", _embedding_bag_written_out),
+    (torch.Tensor, "view", _view_explicit),
+    (torch.Tensor, "reshape", _reshape_explicit),
+    (F, "linear", _linear_one_feature),
+    (F, "batch_norm", _batch_norm_frozen_stats),
+    (torch, "roll", _roll_as_method),
+    (torch.Tensor, "roll", _roll_checked),
+    *[(cls, "forward", rnn.rnn_forward) for cls in _rnn_forwards],
+    (rnn_utils, "pack_padded_sequence", rnn.pack_padded_sequence),
+    (rnn_utils, "pad_packed_sequence", rnn.pad_packed_sequence),
+]
+_ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
+
+
+class traceable_torch:
+    """The swaps, for the duration of a dpfx forward call (every call: dynamo's guards check the
+    identity of the functions it inlined). A plain class with direct assignments: this runs on
+    every training step, where ``contextlib`` and ``config.patch`` cost several microseconds
+    each (Note [Dynamo settings for every call] in api.py)."""
+
+    __slots__ = ("_allow_rnn",)
+
+    def __enter__(self):
+        for obj, name, new in _SWAPS:
+            setattr(obj, name, new)
+        config = torch._dynamo.config
+        self._allow_rnn = config.allow_rnn
+        config.allow_rnn = True
+        return self
+
+    def __exit__(self, *exc):
+        torch._dynamo.config.allow_rnn = self._allow_rnn
+        for obj, name, old in _ORIGINALS:
+            setattr(obj, name, old)
+        return False
