@@ -103,8 +103,8 @@ def summary(results: list[dict]) -> list[str]:
             continue
         base = next((o for o in same if o["method"] == baseline_of(r["model"])), {})
         peers = [o for o in same if o["status"] == "ok" and o.get("ratio_to_baseline")
-                 and o["method"] not in ("eager", "compile", "compile_unrolled", "dpfx",
-                                         "dpfx_materialize")]
+                 and not o["method"].startswith("dpfx")
+                 and o["method"] not in ("eager", "compile", "compile_unrolled")]
         peer = min(peers, key=lambda o: o["ratio_to_baseline"], default=None)
         target = STEP_TARGET.get(r["model"])
         lines.append(

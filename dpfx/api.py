@@ -370,7 +370,7 @@ class _DynamoSettings:
                      config.ignore_logging_functions)
         config.recompile_limit = 64
         config.fail_on_recompile_limit_hit = True
-        config.ignore_logging_functions = _skipped_logging(config.ignore_logging_functions)
+        config.ignore_logging_functions = _skipped_logging(self._old[2])
         return self
 
     def __exit__(self, *exc):
@@ -380,14 +380,21 @@ class _DynamoSettings:
         return False
 
 
-@functools.lru_cache(maxsize=4)
-def _logging_methods() -> frozenset:
-    return frozenset(getattr(logging.Logger, name) for name in _LOGGER_METHODS
-                     if hasattr(logging.Logger, name))
-
-
 def _skipped_logging(current: set) -> set:
-    return set(current) | _logging_methods()
+    """dynamo's skipped logging functions with the Logger methods added; the same set object
+    while dynamo's own stays the same (one union per process, not per call)."""
+    cached = _SKIPPED_LOGGING.get(id(current))
+    if cached is not None and cached[0] is current and cached[1] == current:
+        return cached[2]
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
+               if hasattr(logging.Logger, name)}
+    merged = set(current) | methods
+    _SKIPPED_LOGGING.clear()
+    _SKIPPED_LOGGING[id(current)] = (current, frozenset(current), merged)
+    return merged
+
+
+_SKIPPED_LOGGING: dict[int, tuple] = {}
 
 
 def _graph_break_error(e: Exception) -> CaptureError:

@@ -45,7 +45,7 @@ import torch
 from . import noise_ahead
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "philox_normal.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 
 
 def _compiler() -> str | None:
@@ -94,6 +94,10 @@ def _library() -> ctypes.CDLL | None:
     lib.dpfx_philox_normal.restype = None
     lib.dpfx_philox4x32_10.argtypes = [ctypes.c_void_p] * 3
     lib.dpfx_philox4x32_10.restype = None
+    lib.dpfx_noise_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+    lib.dpfx_noise_submit.restype = ctypes.c_int64
+    lib.dpfx_noise_wait.argtypes = [ctypes.c_int64]
+    lib.dpfx_noise_wait.restype = None
     return lib
 
 
@@ -121,6 +125,17 @@ def philox_normal(n: int, key: int, threads: int | None = None) -> torch.Tensor:
     return out
 
 
+def submit(out: torch.Tensor, key: int) -> int:
+    """Queue a draw into ``out`` (f32, contiguous, kept alive by the caller until ``wait``) on
+    the kernel's background thread; its ticket, or -1 when it could not be queued."""
+    return _library().dpfx_noise_submit(out.data_ptr(), out.numel(), key & (2**64 - 1))
+
+
+def wait(ticket: int) -> None:
+    """Block (without the GIL) until the draw with this ticket is done."""
+    _library().dpfx_noise_wait(ticket)
+
+
 def philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, ...]:
     """One raw Philox4x32-10 block, for the known-answer tests."""
     lib = _library()
@@ -144,8 +159,16 @@ def gaussian(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     return philox_normal(n, draw_key(generator))
 
 
-@torch.library.custom_op("dpfx::standard_normal", mutates_args=(), device_types="cpu",
-                         tags=(torch.Tag.nondeterministic_seeded,))
+# Note [The noise op is a plain library op]
+# The op is defined with torch.library.Library and one CompositeExplicitAutograd kernel rather
+# than @custom_op: a custom_op runs Python autograd, backend-select and redispatch layers before
+# the kernel, about 10 us a call against 3 us (the graph calls it once a step). It takes no
+# tensor, so one kernel serves every dispatch key; register_fake gives its shape to fake tensors.
+_LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
+_LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
+                tags=(torch.Tag.nondeterministic_seeded,))
+
+
 def standard_normal(n: int, device: torch.device) -> torch.Tensor:
     """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU
     (or drawn ahead: Note [Drawing the noise ahead] in noise_ahead.py)."""
@@ -154,6 +177,9 @@ def standard_normal(n: int, device: torch.device) -> torch.Tensor:
     return gaussian(n)
 
 
-@standard_normal.register_fake
+_LIBRARY.impl("standard_normal", standard_normal, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpfx::standard_normal", lib=_LIBRARY)
 def _(n, device):
     return torch.empty(n, dtype=torch.float32, device=device)

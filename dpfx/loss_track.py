@@ -112,6 +112,8 @@ def track(out: Any, backend, batch: int, param_ids: set[int]) -> Any:
                 trace.stop_nodes.append(tracked.grad_fn)
         return tracked
 
+    if isinstance(out, torch.Tensor):
+        return wrap(out)
     return pytree.tree_map_only(torch.Tensor, wrap, out)
 
 

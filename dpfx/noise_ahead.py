@@ -7,11 +7,12 @@
 A DP step needs one Gaussian per trainable parameter, and nothing about it depends on the data:
 on a small model the draw is a tenth of the step (0.2-0.3 ms for 301k numbers on the 2-core
 machine, the step's mm's are about as long), and it sits on the critical path in the middle of
-the backward graph. dpfx draws it ahead instead: when a backward graph takes its noise, the
-buffer for the next step of that size is started on one background thread (the C kernel
-releases the GIL), which runs while the optimizer step, the data loading and the next forward's
-Python leave a core idle. The next backward takes it (waiting if it is not finished) and starts
-the one after.
+the backward graph. dpfx draws it ahead instead: when a backward graph has taken its noise, the
+buffer for the next step of that size is queued to a worker thread of the C kernel
+(csrc/philox_normal.c), which never touches Python (a Python thread pool cost 0.1 ms a step in
+wake-ups and GIL hand-offs) and runs on one core while the optimizer step, the data loading and
+the next forward's Python leave one idle. The next backward takes the buffer, waiting without
+the GIL if it is not finished, and queues the one after.
 
 What it changes, and what it does not:
 - Each buffer is drawn under its own 64-bit Philox key from the OS's CSPRNG (``secrets``) and is
@@ -29,7 +30,7 @@ What it changes, and what it does not:
 """
 from __future__ import annotations
 
-import concurrent.futures
+import atexit
 import os
 import secrets
 import threading
@@ -38,10 +39,10 @@ import torch
 
 from . import cpu_noise
 
+ENABLED = True        # for benchmarks' A/B only: False draws every buffer in place
 _state = threading.local()
 _lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_ahead: dict[int, concurrent.futures.Future] = {}      # noise size -> the buffer being drawn
+_ahead: dict[int, tuple[torch.Tensor, int]] = {}     # noise size -> (buffer, ticket)
 
 
 class serving:
@@ -62,17 +63,19 @@ class serving:
 
 
 def active() -> bool:
-    return getattr(_state, "sizes", None) is not None and cpu_noise.available()
+    return ENABLED and getattr(_state, "sizes", None) is not None and cpu_noise.available()
 
 
 def take(n: int) -> torch.Tensor:
     """f32[n] of N(0, 1): the buffer drawn ahead for this size, else one drawn now."""
     with _lock:
-        future = _ahead.pop(n, None)
+        ahead = _ahead.pop(n, None)
     _state.sizes.append(n)
-    if future is not None:
-        return future.result()
-    return cpu_noise.philox_normal(n, secrets.randbits(64))
+    if ahead is None:
+        return cpu_noise.philox_normal(n, secrets.randbits(64))
+    buffer, ticket = ahead
+    cpu_noise.wait(ticket)
+    return buffer
 
 
 def pending() -> list[int]:
@@ -81,21 +84,29 @@ def pending() -> list[int]:
         return list(_ahead)
 
 
+def _start(n: int) -> None:
+    with _lock:
+        if n in _ahead or n == 0:
+            return
+        buffer = torch.empty(n, dtype=torch.float32)
+        ticket = cpu_noise.submit(buffer, secrets.randbits(64))
+        if ticket >= 0:
+            _ahead[n] = (buffer, ticket)
+
+
+def _finish() -> None:
+    # At exit, let the worker finish writing into buffers Python is about to free.
+    with _lock:
+        tickets = [ticket for _, ticket in _ahead.values()]
+        _ahead.clear()
+    if tickets:
+        cpu_noise.wait(max(tickets))
+
+
 def _forget_after_fork() -> None:
-    # A forked child has no worker thread: a fresh pool and no buffers (never the parent's).
-    global _pool
-    _pool = None
+    # A forked child has no worker thread (the kernel resets its queue): no buffers either.
     _ahead.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _start(n: int) -> None:
-    global _pool
-    with _lock:
-        if n in _ahead:
-            return
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpfx-noise")
-        _ahead[n] = _pool.submit(cpu_noise.philox_normal, n, secrets.randbits(64), 1)
+atexit.register(_finish)

@@ -124,3 +124,86 @@ void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int thread
         }
     }
 }
+
+/* Background draws (Note [Drawing the noise ahead] in noise_ahead.py): one worker thread that
+ * never touches Python, so a draw costs the caller a lock and a signal, and runs without the
+ * GIL. Jobs run in submission order; job t is done once `done` >= t. A forked child starts
+ * with no worker and no jobs (the parent's thread does not exist there). */
+#include <pthread.h>
+
+#define QUEUE 64
+static struct { float *out; int64_t n; uint64_t key; } queue_jobs[QUEUE];
+static int64_t submitted = 0, done = 0;
+static int worker_running = 0;
+static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t job_ready = PTHREAD_COND_INITIALIZER, job_done = PTHREAD_COND_INITIALIZER;
+
+static void *noise_worker(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&queue_lock);
+    for (;;) {
+        while (done == submitted) pthread_cond_wait(&job_ready, &queue_lock);
+        const int64_t slot = done % QUEUE;
+        float *out = queue_jobs[slot].out;
+        const int64_t n = queue_jobs[slot].n;
+        const uint64_t key = queue_jobs[slot].key;
+        pthread_mutex_unlock(&queue_lock);
+        dpfx_philox_normal(out, n, key, 1);
+        pthread_mutex_lock(&queue_lock);
+        done += 1;
+        pthread_cond_broadcast(&job_done);
+    }
+    return NULL;
+}
+
+static void forget_in_child(void) {
+    pthread_mutex_init(&queue_lock, NULL);
+    pthread_cond_init(&job_ready, NULL);
+    pthread_cond_init(&job_done, NULL);
+    submitted = done = 0;
+    worker_running = 0;
+}
+
+/* Queue a draw of n samples under `key` into out; returns its ticket, or -1 when the queue is
+ * full or no thread could be started (the caller then draws in place). */
+int64_t dpfx_noise_submit(float *out, int64_t n, uint64_t key) {
+    pthread_mutex_lock(&queue_lock);
+    if (!worker_running) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, noise_worker, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed) {
+            pthread_mutex_unlock(&queue_lock);
+            return -1;
+        }
+        static int registered = 0;
+        if (!registered) {
+            pthread_atfork(NULL, NULL, forget_in_child);
+            registered = 1;
+        }
+        worker_running = 1;
+    }
+    if (submitted - done >= QUEUE) {
+        pthread_mutex_unlock(&queue_lock);
+        return -1;
+    }
+    const int64_t slot = submitted % QUEUE;
+    queue_jobs[slot].out = out;
+    queue_jobs[slot].n = n;
+    queue_jobs[slot].key = key;
+    submitted += 1;
+    const int64_t ticket = submitted;
+    pthread_cond_signal(&job_ready);
+    pthread_mutex_unlock(&queue_lock);
+    return ticket;
+}
+
+/* Block until the job with this ticket (and every earlier one) is done. */
+void dpfx_noise_wait(int64_t ticket) {
+    pthread_mutex_lock(&queue_lock);
+    while (done < ticket) pthread_cond_wait(&job_done, &queue_lock);
+    pthread_mutex_unlock(&queue_lock);
+}
