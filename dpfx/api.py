@@ -178,7 +178,7 @@ class DPModule(torch.nn.Module):
         if backend.compiles != self._compiles_seen:
             self._after_capture()
         if training:
-            self._pending_examples = batch
+            self.__dict__["_pending_examples"] = batch   # a plain int: skip Module.__setattr__
             if not self._all_guarded:
                 self._guard_gradients()
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
