@@ -44,7 +44,7 @@ def test_noise_drawn_ahead_is_fresh_and_gaussian(backend, steps, monkeypatch):
     draws = _draws(backend, steps)
     assert len(taken) == steps and all(z.numel() == SIZE for z in taken)
     assert len({id(z) for z in taken}) == steps          # a fresh buffer every step
-    assert SIZE in noise_ahead.pending()                 # the next one is under way
+    assert SIZE in noise_ahead._wanted                   # the next forward will queue one
     assert_noise_per_parameter(draws, SIGMA * C / D)
     noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
     assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
@@ -60,14 +60,20 @@ def test_seeded_runs_draw_in_place(monkeypatch):
         torch.testing.assert_close(a[k], b[k])
 
 
-def test_buffers_start_only_after_the_graph_returns(monkeypatch):
-    """The next buffer is started when the backward graph has returned (never during its peak),
-    and a different noise size gets its own buffer."""
+def test_buffers_are_queued_by_the_next_forward(monkeypatch):
+    """A backward records the sizes it took; the next training forward queues them (never the
+    backward itself: a buffer held from then on would sit beside the step's gradients), and a
+    different noise size gets its own buffer. The backward after takes what was queued."""
     started = []
+    monkeypatch.setattr(noise_ahead, "_wanted", set())
     monkeypatch.setattr(noise_ahead, "_start", lambda n: started.append(n))
     with noise_ahead.serving():
         z1 = noise_ahead.take(5)
         z2 = noise_ahead.take(7)
-        assert started == []
-    assert sorted(started) == [5, 7] and z1.shape == (5,) and z2.shape == (7,)
+    assert started == [] and z1.shape == (5,) and z2.shape == (7,)
     assert not noise_ahead.active()
+    model = MLP(8, 32, 3)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=D,
+                      backend="eager")
+    dp(torch.randn(4, 8))
+    assert sorted(started) == [5, 7]
