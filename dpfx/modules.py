@@ -89,4 +89,5 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     return model
 
 
-__all__ = ["check_modules", "module_problems", "norm_layers", "replace_batchnorm", "without_batch_mixing"]
+__all__ = ["check_modules", "module_problems", "norm_layers", "replace_batchnorm",
+           "without_batch_mixing"]
