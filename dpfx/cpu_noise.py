@@ -17,11 +17,11 @@ count. Measured on the 2-core benchmark machine: 0.31 ms for 300k samples (ATen 
 ``dpfx::standard_normal`` draws its 64-bit Philox key from torch's default CPU generator, one
 ``random_`` per call. The backend reseeds that generator from the OS's CSPRNG before every step
 (Note [Where the graph's noise seed comes from]) and restores it afterwards, so the noise is as
-unpredictable as before and a user's ``seed`` still makes it reproducible. An unseeded real
-step takes a buffer drawn ahead instead, keyed straight from the CSPRNG (Note [Drawing the noise
-ahead] in noise_ahead.py). ``DPOptimizer`` draws its keys from its own generator. Philox, like MT19937, is a statistical generator, not a
-cryptographic one: ``secure_mode`` (noise.py) remains the answer to an adversary who can see the
-generator.
+unpredictable as before and a user's ``seed`` still makes it reproducible. An unseeded real step
+takes a buffer drawn ahead instead, keyed straight from the CSPRNG (Note [Drawing the noise ahead]
+in noise_ahead.py). ``DPOptimizer`` draws its keys from its own generator. Philox, like MT19937, is
+a statistical generator, not a cryptographic one: ``secure_mode`` (noise.py) remains the answer to
+an adversary who can see the generator.
 
 The kernel is compiled once per machine with the C compiler Inductor's CPU backend already
 needs (``DPFX_CC``, else ``CC``, else ``gcc``) and cached under ``DPFX_CACHE_DIR`` (default
