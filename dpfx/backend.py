@@ -18,6 +18,7 @@ import copy
 import os
 import re
 import secrets
+import weakref
 from typing import Any
 
 import torch
@@ -38,9 +39,9 @@ class DPBackend:
 
     def __init__(self, model: torch.nn.Module, config: DPConfig):
         self.config = config
+        self._model = weakref.ref(model)
         self.param_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        self.buffer_ids = {id(b) for b in model.buffers()} | {
-            id(p) for p in model.parameters() if not p.requires_grad}
+        self.buffer_ids = self._constants(model)
         self._forward: dict[Any, ForwardInfo] = {}
         self.forward_ran = False
         self.compiles = 0
@@ -62,6 +63,7 @@ class DPBackend:
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        self._check_same_parameters()
         self._input_kinds = [self._kind(x) for x in example_inputs]
         self.graph_params = {k[len("param:"):] for k in self._input_kinds
                              if k.startswith("param:")}
@@ -71,6 +73,30 @@ class DPBackend:
                                            force_non_lazy_backward_lowering=True):
             return compile_fx(gm, example_inputs, inner_compile=self._inner,
                               config_patches=INDUCTOR_PATCHES)
+
+    @staticmethod
+    def _constants(model: torch.nn.Module) -> set[int]:
+        return {id(b) for b in model.buffers()} | {
+            id(p) for p in model.parameters() if not p.requires_grad}
+
+    def _check_same_parameters(self) -> None:
+        """A capture after compile (dynamo captures again when the model changed) sees the
+        parameters dpfx.compile saw: the clipping groups, the gradient guards and the optimizer
+        were set up for those. Buffers may come and go (constants to the graph)."""
+        model = self._model()
+        if model is None:
+            return
+        now = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        if now != self.param_names:
+            added = sorted(set(now.values()) - set(self.param_names.values()))
+            removed = sorted(set(self.param_names.values()) - set(now.values()))
+            raise PrivacyError(
+                f"the model's trainable parameters changed after dpfx.compile (added: "
+                f"{added or 'none'}; removed or replaced: {removed or 'none'}): the clipping "
+                f"groups, gradient guards and the optimizer were set up for the parameters at "
+                f"compile time. Call dpfx.compile again after changing the model (and build a "
+                f"new DPOptimizer).")
+        self.buffer_ids = self._constants(model)
 
     def _kind(self, x: Any) -> str:
         if not isinstance(x, torch.Tensor):

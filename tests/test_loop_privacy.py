@@ -388,3 +388,37 @@ def test_batch_mixing_norms_and_roll_refused(make, match):
     with pytest.raises(dpfx.PrivacyError, match=match):
         dp(torch.randn(5, 4))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_steady_state_caches_follow_the_model():
+    """Note [The steady-state call]: what DPModule caches between calls cannot hide a change.
+    A BatchNorm switched to training mode after some steps is refused by name; a module added
+    after compile makes dynamo capture again, where the graph's verifier refuses its batch
+    statistics; a parameter added or replaced after compile is refused at that capture, before
+    anything runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6).eval(), nn.ReLU(), nn.Linear(6, 3))
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager",
+                      loss_reduction="sum")
+    x, y = torch.randn(5, 4), torch.arange(5) % 3
+    for _ in range(2):
+        _sum_xent(dp(x), y).backward()
+        model.zero_grad(set_to_none=True)
+    model[1].train()
+    with pytest.raises(dpfx.PrivacyError, match=r"module '1' \(BatchNorm1d\) is in training"):
+        dp(x)
+    model[1].eval()
+    model.append(nn.BatchNorm1d(3, affine=False))     # training mode, added after compile
+    with pytest.raises(dpfx.PrivacyError, match="BatchNorm"):
+        dp(x)
+    del model[4]
+    model.append(nn.Linear(3, 3))                     # a new trainable parameter
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpfx.PrivacyError, match=r"parameters changed.*added: \['4.bias', "
+                                                 r"'4.weight'\]"):
+        dp(x)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    del model[4]                                      # back to the compiled model: trains
+    _sum_xent(dp(x), y).backward()
+    want = dp_sgd_grads(model, _sum_xent, x, y, max_grad_norm=C, loss_reduction="sum")
+    assert_close({n: p.grad for n, p in model.named_parameters()}, want, rtol=1e-4, atol=1e-6)
