@@ -116,9 +116,9 @@ class DPModule(torch.nn.Module):
     # What does not change between steps is read once: the parameters, their ids for the loss
     # check, the normalization layers the mixing check looks at, which batch size routes to
     # which compiled entry, whether every trainable parameter has its gradient guard. Those
-    # caches are read again after any capture (``_after_capture``: a module or parameter added
-    # after compile makes dynamo capture again, and the graph's own verifier sees the new
-    # module first). The per-call settings are plain classes with direct assignments, not
+    # caches are read again after any capture (``_after_capture``: a module added after compile
+    # makes dynamo capture again, where the graph's own verifier sees it first, and a trainable
+    # parameter added or replaced is refused there, backend.py). The per-call settings are plain classes with direct assignments, not
     # generator context managers or config.patch. Everything that can differ per call (inputs
     # requiring grad, frozen parameters, a normalization layer switched to training, the
     # release hook, the output tracking) is still checked on every call.
