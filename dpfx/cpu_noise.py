@@ -10,7 +10,7 @@ thread, and on the benchmark models it was the largest single cost of a DP step 
 is slower still (Note [Noise from ATen's generator on CPU] in backend.py). The kernel in
 ``csrc/philox_normal.c`` is counter-based, so its blocks are independent: it vectorizes (16 lanes
 on AVX-512, 8 on AVX2) and splits across threads, and its output for a key does not depend on
-the thread count or the instruction set (the Philox words are the same integers on every path).
+the thread count (and the Philox words are the same integers on every instruction-set path).
 Measured on the 2-core benchmark machine: 0.31 ms for 300k samples (ATen 1.22 ms) and 1.25 ms
 for 1.28M (ATen 5.1 ms) with AVX2 Philox; the AVX-512 Philox path takes 301k samples from
 0.20 to 0.15 ms on 2 threads (0.38 to 0.27 ms on 1), bit-identical output.
