@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.config import DPConfig
+from dpfx.passes import verify
 from dpfx.passes.verify import verify_backward
 from models import MLP, mse
 from reference import assert_close, dp_sgd_grads, run_dpfx
@@ -82,11 +83,14 @@ def test_batch_wide_value_inside_a_per_sample_gradient_is_rejected():
     the batch analysis on the rewritten graph."""
     result = _rewritten()
     ps = next(p for p in result.grads if p.name == "fc2.bias").per_sample
+    # The bias's per-sample form and its norm both read the output gradient's rows (Note [One
+    # squared norm per tensor]): scale them where both see it.
+    rows = verify._through_moves(ps)
     tangent = next(n for n in result.gm.graph.nodes if n.name.startswith("tangents"))
-    anchor = ps.next
+    anchor = rows.next
     batch_total = _insert_before(result.gm, anchor, aten.sum.dim_IntList, tangent, [0])
-    scaled = _insert_before(result.gm, anchor, aten.mul.Tensor, ps, batch_total)
-    ps.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    scaled = _insert_before(result.gm, anchor, aten.mul.Tensor, rows, batch_total)
+    rows.replace_all_uses_with(scaled, delete_user_cb=lambda user: user.meta.get("dpfx_emitted"))
     with pytest.raises(dpfx.PrivacyError, match="combines examples outside the clipped sums"):
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
