@@ -1,4 +1,5 @@
 """The verifier rejects graphs that leak, and every refused model leaves the user's model intact."""
+import operator
 import types
 
 import pytest
@@ -410,6 +411,20 @@ def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
     ratio.args = (ratio.args[0], 0.1)
     with pytest.raises(dpfx.PrivacyError, match="fc2.* clipped to 0.1, but its group's bound"):
         verify_backward(result.gm, result.analysis, result.private, config)
+
+
+@pytest.mark.parametrize("multiplier", [2.0, "2B"])
+def test_clip_coefficient_other_than_the_batch_size_is_rejected(multiplier):
+    """The coefficient clip_factor * B undoes a mean loss's 1/B; a rule that scaled by anything
+    else (a constant, 2B) would let each example contribute more than C."""
+    result = _rewritten()
+    coef = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_coef")
+    factor, batch = coef.args
+    if multiplier == "2B":
+        multiplier = _insert_before(result.gm, coef, operator.mul, batch, 2)
+    coef.args = (factor, multiplier)
+    with pytest.raises(dpfx.PrivacyError, match="not the clip factor times the batch size"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
 def test_per_layer_clipped_sum_outside_its_groups_norm_is_rejected():
