@@ -59,6 +59,48 @@ def test_mlp_matches_reference(d_in, hidden, d_out, extra, batch, bias, reductio
         assert rules["fc1.bias"] == ["sum"] and rules["fc2.bias"] == ["sum"]
 
 
+def _squared_norm_sources(gm) -> list:
+    """The tensors whose per-example sums of squares the backward graph takes: the input of
+    every emitted ``sum(mul(x, x), dims 1..)`` (through batch_to_front's views)."""
+    sources = []
+    for node in gm.graph.nodes:
+        if node.target is aten.sum.dim_IntList and node.meta.get("dpfx_emitted") and \
+                node.args[0].target is aten.mul.Tensor and \
+                node.args[0].args[0] is node.args[0].args[1]:
+            x = node.args[0].args[0]
+            while x.meta.get("dpfx_emitted") and x.target in (aten.unsqueeze.default,
+                                                              aten.permute.default):
+                x = x.args[0]
+            sources.append(x)
+    return sources
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_squared_norm_per_tensor(reduction):
+    """Ghost Linear layers with biases: the weight's ghost norm |a_i|^2 |g_i|^2 and the bias's
+    |g_i|^2 share one reduction of g (Note [One squared norm per tensor] in passes/emit.py), so
+    the graph takes four sums of squares (the input, fc1's output gradient, the hidden
+    activation, fc2's output gradient), each of a different tensor, not six; and the gradients
+    stay DP-SGD's for batches of 5, 0 and 1 with clipping that bites."""
+    torch.manual_seed(0)
+    model = MLP(d_in=5, hidden=6, d_out=3)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4,
+                      loss_reduction=reduction, backend="eager", strategy="ghost")
+    for batch in (5, 0, 1):
+        x, y = torch.randn(batch, 5), torch.randn(batch, 3)
+        got = run_dpfx(dp, model, mse, x, y, reduction)
+        want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, loss_reduction=reduction,
+                            expected_batch_size=4)
+        assert_close(got, want)
+        if batch == 5:
+            assert clip_fraction(model, mse, x, y, 0.05) == 1.0
+    grads = dp._dpfx_backend.param_grads
+    assert {pg.name: pg.strategy for pg in grads if pg.name.endswith("weight")} == \
+        {"fc1.weight": "ghost", "fc2.weight": "ghost"}
+    sources = _squared_norm_sources(dp._dpfx_backend.last_backward.gm)
+    assert len(sources) == 4 and len(set(sources)) == 4, sources
+
+
 @SETTINGS
 @given(batch=st.integers(1, 6), T=st.integers(1, 5), reduction=st.sampled_from(["mean", "sum"]),
        C=st.sampled_from([0.01, 0.3, 100.0]),

@@ -1,4 +1,5 @@
 """The verifier rejects graphs that leak, and every refused model leaves the user's model intact."""
+import operator
 import types
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.config import DPConfig
+from dpfx.passes import verify
 from dpfx.passes.verify import verify_backward
 from models import MLP, mse
 from reference import assert_close, dp_sgd_grads, run_dpfx
@@ -82,11 +84,14 @@ def test_batch_wide_value_inside_a_per_sample_gradient_is_rejected():
     the batch analysis on the rewritten graph."""
     result = _rewritten()
     ps = next(p for p in result.grads if p.name == "fc2.bias").per_sample
+    # The bias's per-sample form and its norm both read the output gradient's rows (Note [One
+    # squared norm per tensor]): scale them where both see it.
+    rows = verify._through_moves(ps)
     tangent = next(n for n in result.gm.graph.nodes if n.name.startswith("tangents"))
-    anchor = ps.next
+    anchor = rows.next
     batch_total = _insert_before(result.gm, anchor, aten.sum.dim_IntList, tangent, [0])
-    scaled = _insert_before(result.gm, anchor, aten.mul.Tensor, ps, batch_total)
-    ps.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    scaled = _insert_before(result.gm, anchor, aten.mul.Tensor, rows, batch_total)
+    rows.replace_all_uses_with(scaled, delete_user_cb=lambda user: user.meta.get("dpfx_emitted"))
     with pytest.raises(dpfx.PrivacyError, match="combines examples outside the clipped sums"):
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
@@ -406,6 +411,20 @@ def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
     ratio.args = (ratio.args[0], 0.1)
     with pytest.raises(dpfx.PrivacyError, match="fc2.* clipped to 0.1, but its group's bound"):
         verify_backward(result.gm, result.analysis, result.private, config)
+
+
+@pytest.mark.parametrize("multiplier", [2.0, "2B"])
+def test_clip_coefficient_other_than_the_batch_size_is_rejected(multiplier):
+    """The coefficient clip_factor * B undoes a mean loss's 1/B; a rule that scaled by anything
+    else (a constant, 2B) would let each example contribute more than C."""
+    result = _rewritten()
+    coef = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_coef")
+    factor, batch = coef.args
+    if multiplier == "2B":
+        multiplier = _insert_before(result.gm, coef, operator.mul, batch, 2)
+    coef.args = (factor, multiplier)
+    with pytest.raises(dpfx.PrivacyError, match="not the clip factor times the batch size"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
 def test_per_layer_clipped_sum_outside_its_groups_norm_is_rejected():

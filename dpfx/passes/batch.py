@@ -105,7 +105,11 @@ class BatchAnalysis:
 
     # -- queries ---------------------------------------------------------------------------------
     def shape(self, val: torch.Tensor) -> list[sympy.Expr]:
-        return [sympy.sympify(sym_expr(s)).subs(self._subs) for s in val.shape]
+        return [self.size(s) for s in val.shape]
+
+    def size(self, s) -> sympy.Expr:
+        """A size (int or SymInt) as a sympy expression, the batch written as ``self.batch``."""
+        return sympy.sympify(sym_expr(s)).subs(self._subs)
 
     def pretty(self, expr) -> str:
         """``expr`` (or a list of them) with the batch symbol written as B, for reports."""

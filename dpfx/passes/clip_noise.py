@@ -150,10 +150,7 @@ def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
     """[B]: the squared norm of each example's gradient of this parameter, in float32 or wider."""
     if pg.strategy == "ghost":
         return _at_least_float32(pg.ghost.norm_sq, emit)
-    ps = _at_least_float32(pg.per_sample, emit)
-    rank = ps.meta["val"].dim()
-    sq = emit(aten.mul.Tensor, ps, ps)
-    return emit(aten.sum.dim_IntList, sq, list(range(1, rank))) if rank > 1 else sq
+    return emit.squared_norm(pg.per_sample, BatchDim(0))
 
 
 def _at_least_float32(node: torch.fx.Node, emit: Emitter) -> torch.fx.Node:

@@ -18,6 +18,15 @@ from torch.fx.node import map_arg
 from .batch import BatchAnalysis, BatchDim, sym_expr
 
 aten = torch.ops.aten
+prims = torch.ops.prims
+
+# Data movement that keeps each example's entries, only rearranged (squared_norm's walk back):
+# the moves the verifier looks through when it compares clipped tensors with a norm's sources
+# (verify._MOVES), no others.
+_ENTRY_MOVES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.unsqueeze.default,
+}
 
 
 def _val(x: Any) -> Any:
@@ -110,6 +119,63 @@ class Emitter:
             return moved
         merged = [self.analysis.batch, *shape[:d], bd.outer * bd.inner, *shape[d + 1:]]
         return self(aten.reshape.default, moved, [self.size(s) for s in merged])
+
+    # Note [One squared norm per tensor]
+    # A Linear layer's output gradient g enters two per-sample norms: the weight's ghost norm
+    # ||a_i||^2 ||g_i||^2 and the bias's ||g_i||^2 (its per-sample gradient is g_i itself). Asked
+    # separately, each is a reduction over the same (B, out) tensor that Inductor cannot merge
+    # (one reads permute(g), the other a reshape of it). ``squared_norm`` therefore walks back from
+    # the tensor it is asked about to the tensor its entries come from and computes, and caches,
+    # each example's sum of squares of *that* tensor: the same number, since data movement only
+    # rearranges an example's entries. Two kinds of step are taken: a captured node whose input
+    # and output both have a proven batch layout (the batch analysis says where example i's
+    # entries are on either side), and a node dpfx emitted on a tensor whose dim 0 is the example
+    # (a per-sample form) that keeps dim 0 where and what it is (a view or reshape with dim 0 of
+    # size B on both sides, a permute that fixes dim 0). The verifier accepts the result because
+    # it compares clipped tensors with the norm's sources through the same data movement
+    # (verify._through_moves). Pinned by tests/test_linear.py::test_one_squared_norm_per_tensor.
+    def squared_norm(self, node: fx.Node, bd: BatchDim, widen: bool = True) -> fx.Node:
+        """[B]: each example's sum of squares of ``node``'s entries (batch layout ``bd``),
+        computed once per source tensor and dtype: in float32 or wider, or, with ``widen=False``,
+        in the entries' own dtype (a ghost norm's factors: an fp16 operand whose squares
+        overflow drops its example, as its fp16 per-sample gradient would overflow)."""
+        node, bd = self._entries_source(node, bd)
+        own = node.meta["val"].dtype
+        dtype = torch.promote_types(own, torch.float32) if widen else own
+        key = ("squared_norm", node, bd, dtype)
+        if key not in self._cache:
+            front = self.batch_to_front(node, bd)
+            if own != dtype:
+                front = self(prims.convert_element_type.default, front, dtype)
+            sq = self(aten.mul.Tensor, front, front)
+            self._cache[key] = self(aten.sum.dim_IntList, sq, list(range(1, sq.meta["val"].dim())))
+        return self._cache[key]
+
+    def _entries_source(self, node: fx.Node, bd: BatchDim) -> tuple[fx.Node, BatchDim]:
+        """The tensor (and its layout) whose entries, example by example, are ``node``'s."""
+        an, front = self.analysis, BatchDim(0)
+        while node.target in _ENTRY_MOVES and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if not node.meta.get("dpfx_emitted"):
+                src_bd = an.layout(src)
+                if an.layout(node) != bd or not isinstance(src_bd, BatchDim):
+                    break
+            elif bd == front and self._keeps_dim0(node, src):
+                src_bd = front
+                if not src.meta.get("dpfx_emitted") and an.layout(src) != front:
+                    break
+            else:
+                break
+            node, bd = src, src_bd
+        return node, bd
+
+    def _keeps_dim0(self, node: fx.Node, src: fx.Node) -> bool:
+        """``node`` maps block i of ``src``'s dim 0 (of size B) to its own block i."""
+        batch = self.analysis.batch
+        sizes = [self.analysis.shape(n.meta["val"]) for n in (node, src)]
+        if any(not s or s[0] != batch for s in sizes):
+            return False
+        return node.target is not aten.permute.default or list(node.args[1])[0] == 0
 
     def per_example(self, vec: fx.Node, bd: BatchDim, rank: int) -> fx.Node:
         """``vec`` ([B], one value per example) shaped to broadcast against a rank-``rank`` tensor

@@ -14,7 +14,8 @@
    (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
    factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` with the C of the
-   parameter's clipping group; every floating-point operand of a clipped sum that depends on
+   parameter's clipping group, and the coefficient that scales the per-sample gradients that
+   factor itself ("sum") or the factor times B (a "mean" loss's 1/B undone); every floating-point operand of a clipped sum that depends on
    the data must be ``where(isfinite(norm), ., 0)`` of its factor's norm (an example with a
    non-finite gradient adds exactly zero, not 0 * NaN); and, re-running the batch analysis on
    the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
@@ -179,7 +180,8 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
         apply = _clip_apply_of(c)
         ps, coef = apply.args
         base = _broadcast_source(coef)
-        if base.meta.get("dpfx") == "clip_coef" and base.target is aten.mul.Tensor:
+        if base.meta.get("dpfx") == "clip_coef":
+            _check_undoes_the_mean(base, an, config)
             base = base.args[0]
         if base not in bound_of:
             raise PrivacyError(f"{c.name} is not scaled by the clip factor")
@@ -331,6 +333,19 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> floa
         raise PrivacyError("the clip factor is not where(isfinite(norm), min(1, C / (norm + eps)),"
                            f" 0) of the per-sample norms with C in {sorted(bounds)}")
     return ratio.args[1]
+
+
+def _check_undoes_the_mean(coef: fx.Node, an: BatchAnalysis, config: DPConfig) -> None:
+    """A clip coefficient is the clip factor times B, undoing the 1/B that a mean loss puts on
+    each example's gradient in the graph, and there is one only for loss_reduction="mean":
+    any other multiplier would let an example's clipped contribution exceed C."""
+    size = coef.args[1] if coef.target is aten.mul.Tensor and len(coef.args) == 2 else None
+    val = size.meta.get("val") if isinstance(size, fx.Node) else None
+    if not (config.loss_reduction == "mean" and isinstance(val, torch.SymInt)
+            and an.size(val) == an.batch):
+        raise PrivacyError(f"the clip coefficient {coef.name} is not the clip factor times the "
+                           f"batch size of a mean loss: it would scale an example's clipped "
+                           f"gradient past C")
 
 
 def _floating(node: fx.Node) -> bool:

@@ -72,14 +72,13 @@ def ghost_mm(node, ctx) -> Ghost:
     same mm as the original weight gradient with the second operand's rows scaled by c_i."""
     emit = ctx.emit
     a, b = node.args[:2]
-    a3 = emit.batch_to_front(a, ctx.layout(a))  # (B, M, R)
     b3 = emit.batch_to_front(b, ctx.layout(b))  # (B, R, N)
-    r = ctx.analysis.shape(a3.meta["val"])[2]
-    if r == 1:
-        norm_a = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a3, a3), [1, 2])
-        norm_b = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, b3, b3), [1, 2])
-        norm_sq = emit(aten.mul.Tensor, norm_a, norm_b)
+    r = ctx.analysis.shape(b3.meta["val"])[1]
+    if r == 1:     # shared with the bias's norm: Note [One squared norm per tensor] (emit.py)
+        norm_sq = emit(aten.mul.Tensor, emit.squared_norm(a, ctx.layout(a), widen=False),
+                       emit.squared_norm(b, ctx.layout(b), widen=False))
     else:
+        a3 = emit.batch_to_front(a, ctx.layout(a))  # (B, M, R)
         gram_a = emit(aten.bmm.default, emit(aten.permute.default, a3, [0, 2, 1]), a3)
         gram_b = emit(aten.bmm.default, b3, emit(aten.permute.default, b3, [0, 2, 1]))
         norm_sq = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_a, gram_b), [1, 2])

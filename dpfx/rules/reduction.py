@@ -40,6 +40,15 @@ def rewrite_sum(node, ctx):
     keepdim = node.target is aten.sum.dim_IntList and (
         node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
     kwargs = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
+    shape = ctx.analysis.shape(front.meta["val"])
+    if not kwargs and all(shape[d] == 1 for d in dims):
+        # A bias on (B, d) features: each example's gradient is its own row, a reshape (so that
+        # its norm is the one the weight's ghost norm takes of the same rows: Note [One squared
+        # norm per tensor] in passes/emit.py).
+        out = [ctx.analysis.batch, *ctx.analysis.shape(node.meta["val"])]
+        if out == shape:
+            return front
+        return ctx.emit(aten.reshape.default, front, [ctx.emit.size(s) for s in out])
     return ctx.emit(aten.sum.dim_IntList, front, dims, keepdim, **kwargs)
 
 
