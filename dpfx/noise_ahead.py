@@ -67,7 +67,7 @@ class serving:
 def draw() -> None:
     """Start drawing a buffer for every noise size a backward has taken (DPModule's training
     forward calls this, so the draw runs while the forward does)."""
-    if _wanted and ENABLED:
+    if _wanted and ENABLED and cpu_noise.available():
         for n in list(_wanted):
             _start(n)
 
