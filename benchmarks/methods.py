@@ -243,25 +243,6 @@ def dpfx_inductor(model, B):
     return _dpfx(model, B, "auto")
 
 
-def dpfx_noise_in_place(model, B):
-    """dpfx's default with the noise drawn inside the backward graph instead of one step ahead
-    on a background thread (Note [Drawing the noise ahead] in dpfx/noise_ahead.py): the A/B."""
-    from dpfx import noise_ahead
-
-    m = _dpfx(model, B, "auto")
-    step = m.step
-
-    def in_place(x, y):
-        noise_ahead.ENABLED = False
-        try:
-            step(x, y)
-        finally:
-            noise_ahead.ENABLED = True
-
-    m.step = in_place
-    return m
-
-
 def dpfx_materialize(model, B):
     """dpfx with every per-sample gradient materialized (strategy="materialize")."""
     return _dpfx(model, B, "materialize")
@@ -279,8 +260,6 @@ METHODS = {
     "func_compile": ("torch.func vmap(grad), torch.compile", func_compile, False),
     "dpfx": ("dpfx (inductor)", dpfx_inductor, False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
-    "dpfx_noise_in_place": ("dpfx (inductor, noise drawn in the backward, not ahead)",
-                            dpfx_noise_in_place, False),
     "loop_eager": ("batch-of-one loop, eager", loop_eager, False),
 }
 

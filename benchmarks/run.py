@@ -64,12 +64,11 @@ sys.path.insert(0, HERE)
 from report import add_ratios, label, plot, write_markdown  # noqa: E402
 
 METHOD_ORDER = ["eager", "compile", "compile_unrolled", "opacus_hooks", "opacus_ghost",
-                "func_eager", "func_compile", "dpfx", "dpfx_noise_in_place", "dpfx_materialize"]
+                "func_eager", "func_compile", "dpfx", "dpfx_materialize"]
 # --quick keeps the baselines, the fastest peer (Opacus ghost clipping) and dpfx: compiling is
 # most of a quick run, and torch.func compiled costs as much compile time as dpfx.
 QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
-COMPILING = ("compile", "compile_unrolled", "func_compile", "dpfx", "dpfx_noise_in_place",
-             "dpfx_materialize")
+COMPILING = ("compile", "compile_unrolled", "func_compile", "dpfx", "dpfx_materialize")
 
 
 # ------------------------------------------------------------------------------------------------

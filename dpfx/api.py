@@ -35,7 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from . import batch_branches, noise_ahead
+from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
@@ -145,8 +145,6 @@ class DPModule(torch.nn.Module):
         if training and backend.problems is None:
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
-        if training:
-            noise_ahead.draw()     # Note [Drawing the noise ahead]: runs while this forward does
         backend.forward_ran = False
         entry = self._entry_for(batch)
         backend.decisions = entry.decisions

@@ -25,7 +25,6 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
-from . import noise_ahead
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
 from .lowering import INDUCTOR_PATCHES, lower
@@ -228,8 +227,6 @@ class DPBackend:
         # one is given, for reproducible runs. The stream itself is torch's (MT19937 on CPU,
         # Philox on GPU): for noise from a cryptographic source use DPOptimizer(secure_mode=True).
         generator = _device_generator(device)
-        # Note [Drawing the noise ahead] in noise_ahead.py: unseeded CPU graphs only.
-        ahead = device.type == "cpu" and self._generator is None
 
         def run_backward(args):
             self._check_loss_released()
@@ -244,9 +241,6 @@ class DPBackend:
             saved = generator.get_state()
             generator.manual_seed(step_seed)
             try:
-                if ahead:
-                    with noise_ahead.serving():
-                        return produced(compiled(args))
                 return produced(compiled(args))
             finally:
                 generator.set_state(saved)

@@ -19,9 +19,7 @@ for 1.28M (ATen 5.1 ms) with AVX2 Philox; the AVX-512 Philox path takes 301k sam
 ``dpfx::standard_normal`` draws its 64-bit Philox key from torch's default CPU generator, one
 ``random_`` per call. The backend reseeds that generator from the OS's CSPRNG before every step
 (Note [Where the graph's noise seed comes from]) and restores it afterwards, so the noise is as
-unpredictable as before and a user's ``seed`` still makes it reproducible. An unseeded real step
-takes a buffer drawn ahead instead, keyed straight from the CSPRNG (Note [Drawing the noise ahead]
-in noise_ahead.py). ``DPOptimizer`` draws its keys from its own generator. Philox, like MT19937, is
+unpredictable as before and a user's ``seed`` still makes it reproducible. ``DPOptimizer`` draws its keys from its own generator. Philox, like MT19937, is
 a statistical generator, not a cryptographic one: ``secure_mode`` (noise.py) remains the answer to
 an adversary who can see the generator.
 
@@ -45,10 +43,8 @@ import warnings
 
 import torch
 
-from . import noise_ahead
-
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "philox_normal.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-pthread", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _compiler() -> str | None:
@@ -97,10 +93,6 @@ def _library() -> ctypes.CDLL | None:
     lib.dpfx_philox_normal.restype = None
     lib.dpfx_philox4x32_10.argtypes = [ctypes.c_void_p] * 3
     lib.dpfx_philox4x32_10.restype = None
-    lib.dpfx_noise_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
-    lib.dpfx_noise_submit.restype = ctypes.c_int64
-    lib.dpfx_noise_wait.argtypes = [ctypes.c_int64]
-    lib.dpfx_noise_wait.restype = None
     return lib
 
 
@@ -115,28 +107,15 @@ def available() -> bool:
     return _library() is not None
 
 
-def philox_normal(n: int, key: int, threads: int | None = None) -> torch.Tensor:
-    """f32[n] of N(0, 1) from the C kernel under the 64-bit ``key`` (see csrc/philox_normal.c),
-    on ``threads`` threads (default: torch's); the output does not depend on the count."""
+def philox_normal(n: int, key: int) -> torch.Tensor:
+    """f32[n] of N(0, 1) from the C kernel under the 64-bit ``key`` (see csrc/philox_normal.c)."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the fast CPU noise kernel is unavailable")
     out = torch.empty(n, dtype=torch.float32)
     if n:
-        lib.dpfx_philox_normal(out.data_ptr(), n, key & (2**64 - 1),
-                               threads or torch.get_num_threads())
+        lib.dpfx_philox_normal(out.data_ptr(), n, key & (2**64 - 1), torch.get_num_threads())
     return out
-
-
-def submit(out: torch.Tensor, key: int) -> int:
-    """Queue a draw into ``out`` (f32, contiguous, kept alive by the caller until ``wait``) on
-    the kernel's background thread; its ticket, or -1 when it could not be queued."""
-    return _library().dpfx_noise_submit(out.data_ptr(), out.numel(), key & (2**64 - 1))
-
-
-def wait(ticket: int) -> None:
-    """Block (without the GIL) until the draw with this ticket is done."""
-    _library().dpfx_noise_wait(ticket)
 
 
 def philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, ...]:
@@ -173,10 +152,7 @@ _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
 
 
 def standard_normal(n: int, device: torch.device) -> torch.Tensor:
-    """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU
-    (or drawn ahead: Note [Drawing the noise ahead] in noise_ahead.py)."""
-    if noise_ahead.active():
-        return noise_ahead.take(n)
+    """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU."""
     return gaussian(n)
 
 
