@@ -38,6 +38,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._python_dispatch
 
 from . import batch_branches
 from .errors import PrivacyError
@@ -115,9 +116,17 @@ class GraphCheck:
         self.done = True
         generator = torch.Generator(device="cpu").manual_seed(0)
         sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
-        for b in _sizes_served(self.decisions):
-            with _isolated_rng(self.device):
-                self._check_at(b, args, sizes, generator)
+        # Note [The self-check runs outside the first call's dispatch modes]
+        # The check runs inside the compiled forward's first call, where aot_autograd's runtime
+        # wrapper has pushed a TorchDispatchMode that inspects every op for custom-op aliasing
+        # (once per compiled function). Under it each eager op of the check pays a Python
+        # dispatch: 6 of GPT's 9 s self-check on a warm cache. The check's ops are not the
+        # user's graph, so they run with the modes set aside; the real call that follows still
+        # runs under them.
+        with torch.utils._python_dispatch._disable_current_modes():
+            for b in _sizes_served(self.decisions):
+                with _isolated_rng(self.device):
+                    self._check_at(b, args, sizes, generator)
 
     def _check_at(self, b: int, args: list, sizes: dict, generator) -> None:
         sizes = {**sizes, **{s: b for s in self.batch_symbols}}
