@@ -3,6 +3,7 @@
     python benchmarks/first_step.py                         # mlp gpt hf_gpt2, cold and warm
     python benchmarks/first_step.py --models mlp_d2 mlp_d4 mlp_d8 mlp_d16   # depth scaling
     python benchmarks/first_step.py --models gpt --repeats 3 --json out.json
+    python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
 
 For every model and repeat, four fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold,
@@ -33,6 +34,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -187,10 +189,14 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_one(model: str, method: str, cache_dir: str, warm: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--model", model, "--method", method,
+def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--model", model,
+           "--method", "compile" if method == "compile" else "dpfx",
            "--cache-dir", cache_dir] + (["--warm"] if warm else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -199,18 +205,24 @@ def run_one(model: str, method: str, cache_dir: str, warm: bool) -> dict:
 
 
 def driver(args) -> None:
+    """Per model and repeat: every method cold, then every method warm, each in its own
+    process; ``--dpfx NAME=PATH`` adds dpfx imported from another source tree (before/after)."""
+    sources = {"compile": None, "dpfx": None}
+    sources.update(dict(v.split("=", 1) for v in args.dpfx))
     rows = []
     for model in args.models:
         for rep in range(args.repeats):
-            dirs = {m: tempfile.mkdtemp(prefix=f"dpfx-first-{m}-") for m in ("compile", "dpfx")}
+            dirs = {m: tempfile.mkdtemp(prefix="dpfx-first-") for m in sources}
             for warm in (False, True):
-                for method in ("compile", "dpfx"):
-                    r = run_one(model, method, dirs[method], warm)
-                    r["repeat"] = rep
+                for method, source in sources.items():
+                    r = run_one(model, method, dirs[method], warm, source)
+                    r.update(method=method, repeat=rep)
                     rows.append(r)
                     print(_line(r), flush=True)
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
     print()
-    print(table(rows))
+    print(table(rows, [m for m in sources if m != "compile"]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -224,23 +236,33 @@ def _line(r: dict) -> str:
             f"{r['fxgraph misses']}/{r['fxgraph bypasses']}) {ph}")
 
 
-def table(rows: list[dict]) -> str:
-    """Medians over repeats: first step cold and warm per method, their ratios, dpfx's split."""
-    out = ["| model | compile cold (s) | dpfx cold (s) | x | compile warm (s) | dpfx warm (s) "
-           "| x | dpfx cold split (s) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+def table(rows: list[dict], variants: list[str]) -> str:
+    """Medians over repeats: first step cold and warm per method, x torch.compile's, the split
+    of each dpfx variant's cold first step."""
+    head = "| model | compile cold (s) | compile warm (s) |"
+    rule = "|---|---:|---:|"
+    for v in variants:
+        head += f" {v} cold (s) | x | {v} warm (s) | x |"
+        rule += "---:|---:|---:|---:|"
+    out = [head, rule]
+    splits = []
     for model in dict.fromkeys(r["model"] for r in rows):
         def med(method, warm, key=None):
             vals = [r["total"] if key is None else r["phases"].get(key, 0.0) for r in rows
                     if r["model"] == model and r["method"] == method and r["warm"] == warm
                     and "error" not in r]
             return statistics.median(vals) if vals else float("nan")
-        split = ", ".join(f"{p} {med('dpfx', False, p):.2f}" for p in PHASES
-                          if med("dpfx", False, p) >= 0.005)
-        cc, dc, cw, dw = (med("compile", False), med("dpfx", False), med("compile", True),
-                          med("dpfx", True))
-        out.append(f"| {model} | {cc:.2f} | {dc:.2f} | {dc / cc:.2f} | {cw:.2f} | {dw:.2f} | "
-                   f"{dw / cw:.2f} | {split} |")
-    return "\n".join(out)
+        cc, cw = med("compile", False), med("compile", True)
+        line = f"| {model} | {cc:.2f} | {cw:.2f} |"
+        for v in variants:
+            dc, dw = med(v, False), med(v, True)
+            line += f" {dc:.2f} | {dc / cc:.2f} | {dw:.2f} | {dw / cw:.2f} |"
+            for warm in (False, True):
+                split = ", ".join(f"{p} {med(v, warm, p):.2f}" for p in PHASES
+                                  if med(v, warm, p) >= 0.005)
+                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'}: {split}")
+        out.append(line)
+    return "\n".join(out + [""] + splits)
 
 
 def main() -> None:
@@ -248,6 +270,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None, help="write every run's figures here")
+    ap.add_argument("--dpfx", action="append", default=[], metavar="NAME=PATH",
+                    help="also run dpfx imported from the source tree PATH, as method NAME")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
