@@ -5,23 +5,26 @@
     python benchmarks/first_step.py --models gpt --repeats 3 --json out.json
     python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
 
-For every model and repeat, four fresh processes run one training step each (forward, loss,
+For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold,
-dpfx cold, torch.compile warm, dpfx warm. "Cold" is an empty Inductor cache directory; "warm" is
+dpfx cold (and each ``--dpfx`` variant), then the same warm. "Cold" is an empty Inductor cache
+directory; "warm" is
 a second process on the directory its cold run filled (what a user's second run of the same
 script pays). Each process first compiles a throwaway function in another cache directory, as
 run.py's workers do: Inductor's compile workers and C++ toolchain probe are per-process costs
 that both methods pay alike, kept out of the comparison.
 
 The split comes from Inductor's own timers (``torch._dynamo.utils.compilation_time_metrics``)
-and from timers this script wraps around dpfx's functions (outermost calls only):
+and from timers this script wraps around dpfx's functions (each phase's own time, without the
+timed calls nested in it):
 - dynamo: dynamo's tracing and guards (``_compile.compile_inner`` less the backend call);
 - aot_autograd: the backend call less what is listed below (joint trace, decompositions,
   partitioner); torch.compile compiles its backward at the first backward, dpfx at the forward
   (force_non_lazy_backward_lowering), so dpfx's figure also holds the backward's share;
 - dpfx passes: batch analysis (``BatchAnalysis`` construction and reruns, sympy), the rewrite
   (stacking over time, per-sample rewrite, clip and noise), the proofs (``check_forward``,
-  ``verify_backward``), and the readable stage texts (``Stages.record``);
+  ``verify_backward``), the readable stage texts (``Stages.record``), and "passes other", the
+  rest of ``compile_forward`` / ``compile_backward``;
 - lowering fw / bw: Inductor's ``compile_fx_inner`` per graph; "C++ compile" is the summed time
   of its ``compile_file`` calls (these may overlap on the compile threads);
 - self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``);
@@ -46,8 +49,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
-PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts", "passes other",
-          "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
+PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
+          "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
 
 
 def build(name: str):
