@@ -66,7 +66,7 @@ def sym_expr(size: Any) -> sympy.Expr:
 # compares B*T with B*T), and sympy's simplify costs a millisecond each: it was most of the batch
 # analysis, which runs four times per compile (forward, backward, after stacking, in the proof).
 # Sizes are polynomials in the size symbols almost always, where expand decides equality exactly;
-# simplify remains for the rest (floor divisions). Answers are cached per expression pair.
+# simplify remains for the rest (quotients, floor divisions). Answers are cached per expression.
 @functools.lru_cache(maxsize=4096)
 def _whole(expr: sympy.Expr) -> bool:
     """True if ``expr`` is a polynomial with integer coefficients (a valid size), not a fraction."""
