@@ -34,6 +34,7 @@ Timers are disturbed by other load on a shared machine: compare methods within o
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import os
@@ -134,7 +135,9 @@ def worker(args) -> None:
     import methods
     from models import forward, loss_fn
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfx-first-warmup-")
+    warmup_dir = tempfile.mkdtemp(prefix="dpfx-first-warmup-")
+    atexit.register(shutil.rmtree, warmup_dir, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = warmup_dir
     warm_inductor()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir
     from torch._dynamo.utils import compilation_time_metrics, counters
