@@ -91,6 +91,25 @@ def test_self_check_leaves_the_users_random_stream():
     torch.testing.assert_close(after, torch.rand(3))
 
 
+def test_self_check_runs_outside_the_first_calls_dispatch_modes(monkeypatch):
+    """Note [The self-check runs outside the first call's dispatch modes]: aot_autograd's
+    custom-op aliasing mode wraps the compiled forward's first call, where the check runs; none
+    of the check's graph runs may pay for it (it made GPT's self-check 3x slower)."""
+    import dpfx.selfcheck
+
+    real_call, modes = dpfx.selfcheck._call, []
+
+    def call(fn, args, device, boxed=True):
+        modes.append(len(torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
+        return real_call(fn, args, device, boxed)
+
+    monkeypatch.setattr(dpfx.selfcheck, "_call", call)
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert modes and set(modes) == {0}
+
+
 def test_catches_the_real_torch_miscompile(tmp_path, monkeypatch):
     """With dpfx's lowering fix switched off, torch 2.13 compiles the MHA head split assuming
     B == 1: a cold cache fails on a guard, and a warm cache runs code that mixes examples. The

@@ -475,3 +475,20 @@ def test_optimizer_noise_graph_must_not_carry_noise():
                              aten.mul.Tensor, out, 2.0)
     with pytest.raises(dpfx.PrivacyError, match="not the tagged clipped sum"):
         verify_backward(result.gm, result.analysis, {**result.private, name: doubled}, config)
+
+
+def test_size_equality_is_exact_and_memoized():
+    """Note [Size arithmetic is memoized] in passes/batch.py: expand decides polynomial sizes,
+    simplify the rest (quotients, as views divide strides), in both directions."""
+    from torch.utils._sympy.functions import FloorDiv
+    from dpfx.passes.batch import _equal
+
+    b, t = sympy.symbols("u0 s1", integer=True, positive=True)
+    assert _equal(b * t * 16, 16 * t * b)
+    assert _equal(b * (t + 1), b * t + b)
+    assert not _equal(16 * b, sympy.Integer(16))
+    assert not _equal(b * t, b * (t + 1))
+    assert _equal(FloorDiv(2 * b * t, 2), b * t)
+    assert not _equal(FloorDiv(b * t, 2), b * t)
+    assert _equal((b * b - 1) / (b - 1), b + 1)
+    assert not _equal((b * b - 1) / (b - 1), b)

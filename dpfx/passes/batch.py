@@ -22,6 +22,7 @@ the layout could not be proven). Rules refuse to fire on ``Ambiguous``; the forw
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -60,15 +61,35 @@ def sym_expr(size: Any) -> sympy.Expr:
     return sympy.Integer(int(size))
 
 
+# Note [Size arithmetic is memoized]
+# A graph asks the same few size questions over and over (every view of a (B, T, d) activation
+# compares B*T with B*T), and sympy's simplify costs a millisecond each: it was most of the batch
+# analysis, which runs four times per compile (forward, backward, after stacking, in the proof).
+# Sizes are polynomials in the size symbols almost always, where expand decides equality exactly;
+# simplify remains for the rest (quotients, floor divisions). Answers are cached per expression.
+@functools.lru_cache(maxsize=4096)
 def _whole(expr: sympy.Expr) -> bool:
     """True if ``expr`` is a polynomial with integer coefficients (a valid size), not a fraction."""
     _, den = sympy.fraction(sympy.cancel(sympy.together(expr)))
     return den == 1
 
 
+@functools.lru_cache(maxsize=4096)
 def _equal(a, b) -> bool:
-    """Size expressions a == b: structurally (cheap, the common case), else after simplify."""
-    return a == b or sympy.simplify(a - b) == 0
+    """Size expressions a == b: structurally (cheap, the common case), else exactly."""
+    if a == b:
+        return True
+    diff = sympy.expand(a - b)
+    if diff == 0:
+        return True
+    if diff.is_number or diff.is_polynomial():
+        return False
+    return sympy.simplify(diff) == 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _simplify(expr: sympy.Expr) -> sympy.Expr:
+    return sympy.simplify(expr)
 
 
 def _prod(exprs) -> sympy.Expr:
@@ -89,6 +110,7 @@ class BatchAnalysis:
         self.data_sources = set(data_sources)
         self.batch = sorted(batch_symbols, key=str)[0]
         self._subs = {s: self.batch for s in batch_symbols if s != self.batch}
+        self._sizes: dict[sympy.Expr, sympy.Expr] = {}   # size symbol expressions, substituted
         self.layouts: dict[fx.Node, Any] = {}
         self.data_dependent: set[fx.Node] = set()
         for node in graph.nodes:
@@ -107,9 +129,15 @@ class BatchAnalysis:
     def shape(self, val: torch.Tensor) -> list[sympy.Expr]:
         return [self.size(s) for s in val.shape]
 
-    def size(self, s) -> sympy.Expr:
-        """A size (int or SymInt) as a sympy expression, the batch written as ``self.batch``."""
-        return sympy.sympify(sym_expr(s)).subs(self._subs)
+    def size(self, size) -> sympy.Expr:
+        """A size (int or SymInt) as a sympy expression, the batch written as ``self.batch``
+        (memoized: Note [Size arithmetic is memoized])."""
+        if not isinstance(size, torch.SymInt):
+            return sympy.Integer(int(size))
+        expr = size.node.expr
+        if expr not in self._sizes:
+            self._sizes[expr] = sympy.sympify(expr).subs(self._subs) if self._subs else expr
+        return self._sizes[expr]
 
     def pretty(self, expr) -> str:
         """``expr`` (or a list of them) with the batch symbol written as B, for reports."""
@@ -118,7 +146,8 @@ class BatchAnalysis:
         return str(sympy.sympify(expr).subs(self.batch, sympy.Symbol("B")))
 
     def has_batch(self, expr: sympy.Expr) -> bool:
-        return self.batch in sympy.sympify(expr).free_symbols
+        expr = expr if isinstance(expr, sympy.Basic) else sympy.sympify(expr)
+        return self.batch in expr.free_symbols
 
     def _batched_val(self, val: Any) -> bool:
         if isinstance(val, torch.Tensor):
@@ -202,10 +231,10 @@ class BatchAnalysis:
         for j in reversed(range(len(outs))):
             if not self.has_batch(outs[j]):
                 continue
-            inner = sympy.simplify(stride / _prod(outs[j + 1:]))
+            inner = _simplify(stride / _prod(outs[j + 1:]))
             if not _whole(inner):
                 continue
-            outer = sympy.simplify(outs[j] / (self.batch * inner))
+            outer = _simplify(outs[j] / (self.batch * inner))
             if (
                 _whole(outer)
                 and not self.has_batch(outer)

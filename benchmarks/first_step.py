@@ -1,0 +1,291 @@
+"""Where the first step's time goes: dpfx against non-private torch.compile, cold and warm.
+
+    python benchmarks/first_step.py                         # mlp gpt hf_gpt2, cold and warm
+    python benchmarks/first_step.py --models mlp_d2 mlp_d4 mlp_d8 mlp_d16   # depth scaling
+    python benchmarks/first_step.py --models gpt --repeats 3 --json out.json
+    python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
+
+For every model and repeat, fresh processes run one training step each (forward, loss,
+backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold,
+dpfx cold (and each ``--dpfx`` variant), then the same warm. "Cold" is an empty Inductor cache
+directory; "warm" is
+a second process on the directory its cold run filled (what a user's second run of the same
+script pays). Each process first compiles a throwaway function in another cache directory, as
+run.py's workers do: Inductor's compile workers and C++ toolchain probe are per-process costs
+that both methods pay alike, kept out of the comparison.
+
+The split comes from Inductor's own timers (``torch._dynamo.utils.compilation_time_metrics``)
+and from timers this script wraps around dpfx's functions (each phase's own time, without the
+timed calls nested in it):
+- dynamo: dynamo's tracing and guards (``_compile.compile_inner`` less the backend call);
+- aot_autograd: the backend call less what is listed below (joint trace, decompositions,
+  partitioner); torch.compile compiles its backward at the first backward, dpfx at the forward
+  (force_non_lazy_backward_lowering), so dpfx's figure also holds the backward's share;
+- dpfx passes: batch analysis (``BatchAnalysis`` construction and reruns, sympy), the rewrite
+  (stacking over time, per-sample rewrite, clip and noise), the proofs (``check_forward``,
+  ``verify_backward``), the readable stage texts (``Stages.record``), and "passes other", the
+  rest of ``compile_forward`` / ``compile_backward``;
+- lowering fw / bw: Inductor's ``compile_fx_inner`` per graph; "C++ compile" is the summed time
+  of its ``compile_file`` calls (these may overlap on the compile threads);
+- self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``);
+- other: the rest of the step (running the graphs, the loss check, the optimizer).
+Timers are disturbed by other load on a shared machine: compare methods within one repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
+PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
+          "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
+
+
+def build(name: str):
+    """(model, x, y, B) for a benchmark model or a depth variant: mlp_d<n> (n hidden layers of
+    512) or gpt_l<n> (n blocks)."""
+    import torch
+    import models
+
+    if name.startswith("mlp_d"):
+        depth = int(name[len("mlp_d"):])
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 512), torch.nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
+        x, y = models.make_data("mlp", 64, 1)
+        return model, x, y, 64
+    if name.startswith("gpt_l"):
+        torch.manual_seed(0)
+        model = models.GPT(layers=int(name[len("gpt_l"):]))
+        x, y = models.make_data("gpt", 16, 1)
+        return model, x, y, 16
+    B = models.MODELS[name][2][0]
+    model, x, y = models.build(name, B)
+    return model, x, y, B
+
+
+class Timers:
+    """Exclusive wall time of wrapped functions by phase: a timed call inside another timed call
+    counts for its own phase only (a re-entered phase counts once, at its outermost call)."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}
+        self._stack: list[list] = []   # [phase, start, time spent in nested timed calls]
+
+    def wrap(self, owner, attr: str, phase: str, by_args=None) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            name = by_args(args) if by_args else phase
+            if any(frame[0] == name for frame in self._stack):
+                return original(*args, **kwargs)
+            self._stack.append([name, time.perf_counter(), 0.0])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _, t0, nested = self._stack.pop()
+                elapsed = time.perf_counter() - t0
+                self.spent[name] = self.spent.get(name, 0.0) + elapsed - nested
+                if self._stack:
+                    self._stack[-1][2] += elapsed
+
+        setattr(owner, attr, timed)
+
+
+def instrument_dpfx(timers: Timers) -> None:
+    import dpfx.backend as backend
+    import dpfx.passes as passes
+    import dpfx.selfcheck as selfcheck
+
+    timers.wrap(passes.BatchAnalysis, "__init__", "batch analysis")
+    timers.wrap(passes.BatchAnalysis, "rerun", "batch analysis")
+    for fn in ("stack_over_time", "rewrite_per_sample", "insert_clip_and_noise"):
+        timers.wrap(passes, fn, "rewrite")
+    timers.wrap(passes, "check_forward", "verify")
+    timers.wrap(passes, "verify_backward", "verify")
+    timers.wrap(passes.Stages, "record", "stage texts")
+    timers.wrap(backend, "compile_forward", "passes")
+    timers.wrap(backend, "compile_backward", "passes")
+    timers.wrap(backend, "lower", "lowering",
+                by_args=lambda a: "lowering bw" if a[2].get("is_backward") else "lowering fw")
+    timers.wrap(selfcheck.Half, "of", "self-check copy")
+    timers.wrap(selfcheck.GraphCheck, "run", "self-check run")
+
+
+def worker(args) -> None:
+    import torch
+
+    from run import warm_inductor
+    import methods
+    from models import forward, loss_fn
+
+    warmup_dir = tempfile.mkdtemp(prefix="dpfx-first-warmup-")
+    atexit.register(shutil.rmtree, warmup_dir, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = warmup_dir
+    warm_inductor()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    compilation_time_metrics.clear()
+    counters.clear()
+    timers = Timers()
+    model, x, y, B = build(args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=methods.LR)
+    if args.method == "dpfx":
+        import dpfx
+        instrument_dpfx(timers)
+        run = dpfx.compile(model, max_grad_norm=methods.C, noise_multiplier=methods.SIGMA,
+                           expected_batch_size=B)
+    else:
+        run = torch.compile(model)
+    t0 = time.perf_counter()
+    loss_fn(forward(run, x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    total = time.perf_counter() - t0
+
+    metric = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    spent = timers.spent
+    result = {"model": args.model, "method": args.method, "warm": args.warm, "total": total,
+              "dynamo graphs": len(compilation_time_metrics.get("_compile.compile_inner", [])),
+              "fxgraph hits": counters["inductor"]["fxgraph_cache_hit"],
+              "fxgraph misses": counters["inductor"]["fxgraph_cache_miss"],
+              "fxgraph bypasses": counters["inductor"]["fxgraph_cache_bypass"]}
+    backend_call = metric.get("OutputGraph.call_user_compiler", 0.0)
+    phases = {"dynamo": metric.get("_compile.compile_inner", 0.0) - backend_call,
+              "C++ compile": metric.get("compile_file", 0.0)}
+    if args.method == "dpfx":
+        passes = ("batch analysis", "rewrite", "verify", "stage texts")
+        phases.update({p: spent.get(p, 0.0) for p in passes})
+        phases["lowering fw"] = spent.get("lowering fw", 0.0)
+        phases["lowering bw"] = spent.get("lowering bw", 0.0)
+        phases["self-check"] = spent.get("self-check copy", 0.0) + spent.get("self-check run", 0.0)
+        phases["passes other"] = spent.get("passes", 0.0)
+        phases["aot_autograd"] = backend_call - sum(phases[p] for p in passes) \
+            - phases["passes other"] - phases["lowering fw"] - phases["lowering bw"] \
+            - spent.get("self-check copy", 0.0)
+        result["self-check run"] = spent.get("self-check run", 0.0)
+    else:
+        lowerings = compilation_time_metrics.get("compile_fx_inner", [])  # forward, backward
+        phases["lowering fw"] = sum(lowerings[:1])
+        phases["lowering bw"] = sum(lowerings[1:])
+        phases["aot_autograd"] = backend_call - phases["lowering fw"]
+    counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check",
+               "batch analysis", "rewrite", "verify", "stage texts", "passes other")
+    phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
+    result["phases"] = phases
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--model", model,
+           "--method", "compile" if method == "compile" else "dpfx",
+           "--cache-dir", cache_dir] + (["--warm"] if warm else [])
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"model": model, "method": method, "warm": warm,
+            "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def driver(args) -> None:
+    """Per model and repeat: every method cold, then every method warm, each in its own
+    process; ``--dpfx NAME=PATH`` adds dpfx imported from another source tree (before/after)."""
+    sources = {"compile": None, "dpfx": None}
+    sources.update(dict(v.split("=", 1) for v in args.dpfx))
+    rows = []
+    for model in args.models:
+        for rep in range(args.repeats):
+            dirs = {m: tempfile.mkdtemp(prefix="dpfx-first-") for m in sources}
+            for warm in (False, True):
+                for method, source in sources.items():
+                    r = run_one(model, method, dirs[method], warm, source)
+                    r.update(method=method, repeat=rep)
+                    rows.append(r)
+                    print(_line(r), flush=True)
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+    print()
+    print(table(rows, [m for m in sources if m != "compile"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']} {r['method']} {'warm' if r['warm'] else 'cold'}: {r['error']}"
+    ph = " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items() if abs(v) >= 0.005)
+    return (f"{r['model']} {r['method']} {'warm' if r['warm'] else 'cold'}: {r['total']:.2f} s "
+            f"(graphs {r['dynamo graphs']}, fxgraph hit/miss/bypass {r['fxgraph hits']}/"
+            f"{r['fxgraph misses']}/{r['fxgraph bypasses']}) {ph}")
+
+
+def table(rows: list[dict], variants: list[str]) -> str:
+    """Medians over repeats: first step cold and warm per method, x torch.compile's, the split
+    of each dpfx variant's cold first step."""
+    head = "| model | compile cold (s) | compile warm (s) |"
+    rule = "|---|---:|---:|"
+    for v in variants:
+        head += f" {v} cold (s) | x | {v} warm (s) | x |"
+        rule += "---:|---:|---:|---:|"
+    out = [head, rule]
+    splits = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        def med(method, warm, key=None):
+            vals = [r["total"] if key is None else r["phases"].get(key, 0.0) for r in rows
+                    if r["model"] == model and r["method"] == method and r["warm"] == warm
+                    and "error" not in r]
+            return statistics.median(vals) if vals else float("nan")
+        cc, cw = med("compile", False), med("compile", True)
+        line = f"| {model} | {cc:.2f} | {cw:.2f} |"
+        for v in variants:
+            dc, dw = med(v, False), med(v, True)
+            line += f" {dc:.2f} | {dc / cc:.2f} | {dw:.2f} | {dw / cw:.2f} |"
+            for warm in (False, True):
+                split = ", ".join(f"{p} {med(v, warm, p):.2f}" for p in PHASES
+                                  if med(v, warm, p) >= 0.005)
+                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'}: {split}")
+        out.append(line)
+    return "\n".join(out + [""] + splits)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", default=None, help="write every run's figures here")
+    ap.add_argument("--dpfx", action="append", default=[], metavar="NAME=PATH",
+                    help="also run dpfx imported from the source tree PATH, as method NAME")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    main()
