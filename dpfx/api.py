@@ -473,8 +473,12 @@ class _BatchMarked:
         # Shallow copies: mark_unbacked adds to an existing mark set in place.
         self._saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()})
                        for t in self._tensors]
-        for t in self._tensors:
-            torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
+        try:
+            for t in self._tensors:
+                torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
+        except BaseException:
+            self.__exit__()          # the caller's tensors leave as they came
+            raise
         return self
 
     def __exit__(self, *exc):
