@@ -160,12 +160,14 @@ class GraphCheck:
         shape = [_concrete(s, sizes) for s in meta.shape]
         if real.dtype.is_floating_point:
             x = torch.randn(shape, generator=generator).to(real.dtype)
-            return (x * real.float().std().nan_to_num(1.0) + real.float().mean()).to(real)
-        if real.dtype == torch.bool:
+            x = (x * real.float().std().nan_to_num(1.0) + real.float().mean()).to(real)
+        elif real.dtype == torch.bool:
             rows = torch.randint(real.shape[0], (shape[0],), generator=generator)
-            return real[rows.to(real.device)].contiguous()
-        low, high = int(real.min()), int(real.max())
-        return torch.randint(low, high + 1, shape, generator=generator).to(real)
+            x = real[rows.to(real.device)]
+        else:
+            low, high = int(real.min()), int(real.max())
+            x = torch.randint(low, high + 1, shape, generator=generator).to(real)
+        return _laid_out(x, meta, sizes)
 
     def _check_independence(self, b, fw_args, got, sizes, generator) -> None:
         changed = []
@@ -331,4 +333,13 @@ def _random_like(meta, sizes: dict, generator) -> Any:
         return _concrete(meta, sizes)
     shape = [_concrete(s, sizes) for s in meta.shape]
     x = torch.randn(shape, generator=generator)
-    return x.to(dtype=meta.dtype, device=meta.device)
+    return _laid_out(x.to(dtype=meta.dtype, device=meta.device), meta, sizes)
+
+
+def _laid_out(x: torch.Tensor, meta: torch.Tensor, sizes: dict) -> torch.Tensor:
+    """``x`` with the strides the graph was compiled for: the compiled code asserts them (a
+    channels-last image stays channels-last)."""
+    strides = [_concrete(s, sizes) for s in meta.stride()]
+    if list(x.stride()) == strides:
+        return x
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)

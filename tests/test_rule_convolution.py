@@ -183,6 +183,48 @@ def test_inductor_conv2d():
     assert_conv_rule_fired(rules, bias=True)
 
 
+def test_inductor_conv2d_patches_by_im2col():
+    """2-D convolutions take their patches from dpfx::im2col (Note [Patches by ATen's im2col]),
+    1-D ones from the unfold views; both equal the reference through Inductor, batch sizes
+    colliding with the channel count included."""
+    for conv, shape in ((nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=1), (3, 7, 7)),
+                        (nn.Conv2d(4, 4, (2, 3), stride=(1, 2), padding=(1, 0), dilation=(2, 1),
+                                   groups=2), (4, 6, 7)),
+                        (nn.Conv1d(3, 4, 3, stride=2, padding=1), (3, 9))):
+        torch._dynamo.reset()
+        for batch in (4, 3, 1):
+            x, y = torch.randn(batch, *shape) * 3, labels(batch)
+            torch.manual_seed(0)
+            model = conv_classifier(conv, x)
+            dp = dpfx.compile(model, max_grad_norm=1e-2, noise_multiplier=0.0,
+                              strategy="materialize")
+            assert_close(run_dpfx(dp, model, xent, x, y),
+                         dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-2))
+            backward = dp._dpfx_backend.stages.graphs["backward.private"]
+            assert ("dpfx.im2col" in backward) == (conv.weight.dim() == 4), backward
+
+
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_channels_last_is_refused_clearly(which):
+    """Note [Channels-last convolutions are refused] (dpfx/passes/__init__.py): the traced
+    layouts would not be the real ones; a CaptureError names the module and the fix, and the
+    model is left as it was."""
+    torch._dynamo.reset()
+    x, y = torch.randn(3, 2, 6, 6), labels(3)
+    model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)
+    if which == "weight":
+        model = model.to(memory_format=torch.channels_last)
+    else:
+        x = x.contiguous(memory_format=torch.channels_last)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(dpfx.CaptureError, match=rf"'conv' \(Conv2d\) reads its {which} in "
+                                               r"channels-last(.|\n)*contiguous_format"):
+        dp(x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
 # -- ghost norm and book-keeping (strategy="ghost" | "auto") ---------------------------------------
 def check_strategy(model, x, y, *, C, strategy, reduction="mean", expected=None,
                    backend="eager"):

@@ -148,3 +148,19 @@ def test_fixed_lowering_passes_the_self_check(tmp_path, monkeypatch):
                  rtol=1e-4, atol=1e-6)
     assert all(c.done for c in dp._dpfx_backend._checks.values())
     assert dp._dpfx_backend._checks
+
+
+@pytest.mark.parametrize("batch", [5, 8])
+def test_non_contiguous_input_is_checked(batch):
+    """The self-check's synthetic inputs have the strides the graph was compiled for (it asserts
+    them): a transposed input (strides (1, B)) used to fail the check's own call. The grads equal
+    the reference through Inductor, at a batch size equal to the feature count too."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x = (torch.randn(8, batch) * 4).t()
+    y = torch.randint(0, 3, (batch,))
+    assert not x.is_contiguous()
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0)
+    assert_close(run_dpfx(dp, model, F.cross_entropy, x, y),
+                 dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.1))

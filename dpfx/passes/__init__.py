@@ -19,13 +19,16 @@ import torch
 import torch.fx as fx
 
 from ..config import DPConfig
+from ..errors import CaptureError
 from ..printer import format_graph
 from .batch import BatchAnalysis, BatchDim, Layout
 from .clip_noise import insert_clip_and_noise
 from .emit import Emitter
 from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
 from .stack_time import stack_over_time
-from .verify import check_forward, forward_problems, verify_backward
+from .verify import check_forward, forward_problems, module_of, verify_backward
+
+aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,7 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
                     check: bool = True, problems: list | None = None) -> ForwardInfo:
     """``batch_inputs``: placeholder name -> batch dim, for the user's tensor inputs.
     With a ``problems`` list, refusals are appended to it instead of raised (dpfx.validate)."""
+    _check_convolution_layouts(gm)
     symbols = _batch_symbols(gm, batch_inputs)
     seeds = {name: BatchDim(d) for name, d in batch_inputs.items()}
     an = BatchAnalysis(gm.graph, symbols, seeds)
@@ -89,6 +93,33 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
         layouts={n.name: an.layout(n) for n in gm.graph.nodes},
         output_layouts=[an.layout(o) if isinstance(o, fx.Node) else None for o in outs],
     )
+
+
+# Note [Channels-last convolutions are refused]
+# With the batch size an unbacked symbol, torch's shape functions give a convolution contiguous
+# output strides even where its kernel returns channels-last (an input or a weight in
+# channels-last memory format): the graph's next view then fails on real tensors, in the eager
+# backend and in the self-check's reference run, and only Inductor's own copies hide it. Rather
+# than run a graph whose traced layouts are not the real ones, such convolutions are refused
+# with the fix. (tests/test_rule_convolution.py::test_channels_last_is_refused_clearly)
+def _check_convolution_layouts(gm: fx.GraphModule) -> None:
+    for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default):
+        for operand, what in zip(node.args[:2], ("input", "weight")):
+            val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
+            if isinstance(val, torch.Tensor) and _channels_last(val):
+                raise CaptureError(
+                    f"dpfx: the convolution in {module_of(node)} reads its {what} in "
+                    f"channels-last memory format (strides {tuple(val.stride())}). With the "
+                    f"batch size symbolic, torch traces a convolution's output as contiguous "
+                    f"while its kernel returns channels-last, so the traced graph would not be "
+                    f"the one that runs. Fix: keep the model and its inputs in the default "
+                    f"memory format (model.to(memory_format=torch.contiguous_format), "
+                    f"x.contiguous()).")
+
+
+def _channels_last(val: torch.Tensor) -> bool:
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(val.dim())
+    return fmt is not None and val.is_contiguous(memory_format=fmt) and not val.is_contiguous()
 
 
 def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[int, str],

@@ -25,6 +25,8 @@ See tests/test_verifier.py, which hands the verifier broken graphs.
 """
 from __future__ import annotations
 
+import re
+
 import networkx as nx
 import sympy
 import torch
@@ -52,7 +54,8 @@ def module_of(node: fx.Node) -> str:
     if stack:
         path, kind = list(stack.values())[-1]
         kind_name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
-        path = path.replace("L['self'].", "").replace("L['self']", "<root>")
+        # Dynamo names the traced module by its local: L['self'], or L['model'] in dpfx's wrapper
+        path = re.sub(r"^L\['\w+'\]\.?", "", path) or "<root>"
         return f"module '{path}' ({kind_name})"
     trace = node.meta.get("stack_trace", "")
     lines = [ln.strip() for ln in trace.strip().splitlines()

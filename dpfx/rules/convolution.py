@@ -13,7 +13,8 @@ zero-padded input into the patches each output position reads, then contract onl
     dW_i    = g_i.view(groups, Cout/groups, P) @ patches_i.view(groups, P, Cin/groups * K)
     db_i    = g_i.sum(spatial dims)
 
-with P the number of output positions and K the kernel size, as one ``bmm`` over B*groups. Unfold
+with P the number of output positions and K the kernel size, as one ``bmm`` over B*groups. A 2-D
+convolution's patches come from ATen's im2col (Note [Patches by ATen's im2col]); otherwise unfold
 is ``aten.unfold`` once per spatial dim (window ``dilation*(k-1)+1``, step ``stride``) followed by a
 strided slice for dilation, so 1d, 2d and 3d convolutions share the code; ``padding="same"``,
 asymmetric padding and non-zero ``padding_mode`` reach the graph as a pad op *before* the
@@ -62,7 +63,13 @@ class ConvArgs:
     @classmethod
     def of(cls, conv_backward: torch.fx.Node) -> "ConvArgs":
         a = conv_backward.args
-        return cls(a[0], a[1], a[2], list(a[4]), list(a[5]), list(a[6]), bool(a[7]), a[9])
+        n = a[2].meta["val"].dim() - 2
+
+        def per_dim(values):    # ATen expands a one-element list (padding="valid" gives [0])
+            values = list(values)
+            return values * n if len(values) == 1 else values
+        return cls(a[0], a[1], a[2], per_dim(a[4]), per_dim(a[5]), per_dim(a[6]), bool(a[7]),
+                   a[9])
 
     @property
     def kernel(self) -> list[int]:
@@ -139,6 +146,41 @@ def _patches(ctx, args: ConvArgs, positions: list):
     return x
 
 
+# Note [Patches by ATen's im2col]
+# Inductor compiles the unfold views above into a gather whose innermost loop runs over the output
+# positions of one row (8 on the benchmark CNN's conv2) with masked 16-lane vectors and int64
+# index arithmetic for the padding: 4-6x slower than ATen's im2col kernel on the benchmark CNN's
+# three inputs at B=32 (0.8 vs 0.2 ms, 3.2 vs 0.8 ms, 1.9 vs 0.4 ms, one process, interleaved).
+# So 2-D convolutions (the shape im2col covers) take their patches from ``dpfx::im2col``, an
+# opaque op that Inductor calls as an extern kernel; 1-D/3-D and transposed convolutions keep the
+# views. The whole step gains less than the kernels' difference (CNN, B=32: 13.5 vs 13.9 ms in
+# one process on a shared machine; BENCHMARKS.md has the idle figures). The op maps example i's
+# image to example i's patches only: the batch analysis carries dim 0 through it, and the
+# self-check compares the compiled graph with eager execution as for every other op.
+_LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
+_LIBRARY.define("im2col(Tensor image, int[] kernel, int[] dilation, int[] padding, int[] stride)"
+                " -> Tensor")
+
+
+def _im2col(image, kernel, dilation, padding, stride):
+    return aten.im2col.default(image, kernel, dilation, padding, stride)
+
+
+_LIBRARY.impl("im2col", _im2col, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpfx::im2col", lib=_LIBRARY)
+def _im2col_shape_only(image, kernel, dilation, padding, stride):
+    return image.new_empty(_im2col_shape(image, kernel, dilation, padding, stride))
+
+
+def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
+    """(B, C * K, P): the patches of each output position as columns."""
+    positions = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+                 for size, k, d, p, s in zip(image.shape[2:], kernel, dilation, padding, stride)]
+    return [image.shape[0], image.shape[1] * math.prod(kernel), math.prod(positions)]
+
+
 def _unfolded(ctx, args: ConvArgs):
     """The two operands of the per-sample product, groups folded into the batch:
     response (B*groups, C_resp/groups, P) and patches (B*groups, P, C_img/groups * K)."""
@@ -148,6 +190,15 @@ def _unfolded(ctx, args: ConvArgs):
     batch_groups = _product(ctx, [batch, g])
     positions = [_size(ctx, args.response, 2 + i) for i in range(n)]
     num_positions = _product(ctx, positions)
+    response = ctx.emit(aten.reshape.default, args.response,
+                        [batch_groups, c_resp // g, num_positions])
+    if n == 2 and not args.transposed:     # Note [Patches by ATen's im2col]
+        patches = ctx.emit(torch.ops.dpfx.im2col.default, args.image, args.kernel,
+                           args.dilation, args.padding, args.stride)
+        if g > 1:
+            patches = ctx.emit(aten.reshape.default, patches,
+                               [batch_groups, c_img * math.prod(args.kernel), num_positions])
+        return response, ctx.emit(aten.permute.default, patches, [0, 2, 1])
     patches = _patches(ctx, args, positions)
     patches = ctx.emit(aten.view.default, patches,
                        [batch, g, c_img, *positions, *args.kernel])
@@ -157,10 +208,7 @@ def _unfolded(ctx, args: ConvArgs):
     patches = ctx.emit(aten.permute.default, patches, perm)
     patches = ctx.emit(aten.reshape.default, patches,
                        [batch_groups, c_img * math.prod(args.kernel), num_positions])
-    patches = ctx.emit(aten.permute.default, patches, [0, 2, 1])
-    response = ctx.emit(aten.reshape.default, args.response,
-                        [batch_groups, c_resp // g, num_positions])
-    return response, patches
+    return response, ctx.emit(aten.permute.default, patches, [0, 2, 1])
 
 
 def per_sample_weight(ctx, args: ConvArgs):
