@@ -101,6 +101,60 @@ def test_one_squared_norm_per_tensor(reduction):
     assert len(sources) == 4 and len(set(sources)) == 4, sources
 
 
+class ThreeReaders(nn.Module):
+    """Three Linear layers reading one (B, T, d) input, as q, k and v projections do."""
+
+    def __init__(self, d=6, out=4):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, out), nn.Linear(d, out), nn.Linear(d, out)
+
+    def forward(self, x):
+        return (self.q(x) * self.k(x) + self.v(x)).mean(1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_shared_input_is_processed_once(reduction):
+    """Note [Emitted nodes are shared] (passes/emit.py): the three ghost norms take one Gram
+    matrix of the shared input (4 bmm: it and the three output gradients' Grams, not 6) and the
+    three clipped sums one clip-scaled copy of it; gradients stay DP-SGD's for batches of 5
+    (clipping bites), 0 and 1, and through Inductor."""
+    for backend in ("eager", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ThreeReaders()
+        dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend=backend,
+                          loss_reduction=reduction, strategy="ghost", expected_batch_size=4)
+        for batch in (5, 0, 1):
+            x, y = torch.randn(batch, 3, 6), torch.randint(0, 4, (batch,))
+            got = run_dpfx(dp, model, xent, x, y, reduction)
+            want = dp_sgd_grads(model, xent, x, y, max_grad_norm=0.05, loss_reduction=reduction,
+                                expected_batch_size=4)
+            assert_close(got, want)
+            if batch == 5:
+                assert clip_fraction(model, xent, x, y, 0.05) == 1.0
+        assert {pg.strategy for pg in dp._dpfx_backend.param_grads
+                if pg.name.endswith("weight")} == {"ghost"}
+        gm = dp._dpfx_backend.last_backward.gm
+        bmms = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)
+        assert len(bmms) == 4, [n.format_node() for n in bmms]
+        # the book-keeping products' clip-scaled copies of the shared input (last dim 6; the
+        # output gradients' is 4): one for the three weights
+        scaled = [n for n in gm.graph.nodes if n.meta.get("dpfx") == "clip_apply"
+                  and n.args[0].meta["val"].shape[-1] == 6]
+        assert len(scaled) == 1, [n.format_node() for n in scaled]
+
+
+def test_random_and_mutating_ops_are_never_shared():
+    """The noise draw is emitted anew every time: two draws must stay two."""
+    from dpfx.passes.emit import _pure_key
+
+    assert _pure_key(torch.ops.dpfx.standard_normal.default, (10, "cpu"), {}, "noise") is None
+    assert _pure_key(torch.ops.aten.randn.default, ([10],), {}, "noise") is None
+    assert _pure_key(torch.ops.aten.add_.Tensor, (1, 2), {}, None) is None
+    assert _pure_key(torch.ops.aten.mul.Tensor, (1, 0.0), {}, None) != \
+        _pure_key(torch.ops.aten.mul.Tensor, (1, -0.0), {}, None)
+
+
 @SETTINGS
 @given(batch=st.integers(1, 6), T=st.integers(1, 5), reduction=st.sampled_from(["mean", "sum"]),
        C=st.sampled_from([0.01, 0.3, 100.0]),

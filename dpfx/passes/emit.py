@@ -33,6 +33,44 @@ def _val(x: Any) -> Any:
     return map_arg(x, lambda n: n.meta["val"])
 
 
+# Note [Emitted nodes are shared]
+# Rules emit their forms parameter by parameter, so a tensor that several parameters read is
+# processed once per reader: Llama's q, k and v projections (and gate and up) read one normalized
+# hidden state, and each ghost norm took its own Gram matrix of it and each clipped sum its own
+# clip-scaled copy. Every node emitted is therefore looked up first by (op, arguments, tag): a
+# pure ATen op on the same inputs is the same value, so the earlier node serves. Emitted nodes
+# all go before one anchor in emission order, so the earlier node always precedes its new users.
+# Random ops (the noise draw: tagged nondeterministic_seeded), mutating ops and anything outside
+# aten/prims/Python's operator module are emitted anew every time: two noise draws must never
+# become one. A node's tag is part of its key, so the verifier's tagged roles stay distinct.
+# (tests/test_linear.py::test_shared_input_is_processed_once)
+def _pure_key(op, args, kwargs, tag) -> tuple | None:
+    if isinstance(op, torch._ops.OpOverload):
+        if (op.namespace not in ("aten", "prims") or op._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in op.tags):
+            return None
+    elif getattr(op, "__module__", None) != "_operator":
+        return None
+    key = (op, _frozen(args), _frozen(kwargs), tag)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(x: Any) -> Any:
+    """A hashable stand-in for an argument: lists as tuples, floats by their exact text (so that
+    0.0 and -0.0 stay apart)."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_frozen(a) for a in x))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in x.items()))
+    if isinstance(x, (float, bool)):
+        return (type(x).__name__, repr(x))
+    return x
+
+
 class Emitter:
     def __init__(self, graph: fx.Graph, fake_mode, analysis: BatchAnalysis, before: fx.Node):
         self.graph = graph
@@ -50,10 +88,15 @@ class Emitter:
                     if isinstance(e, sympy.Symbol):
                         self._symbol_sources.setdefault(e, (node, d))
         self._cache: dict[Any, fx.Node] = {}
+        self._emitted: dict[tuple, fx.Node] = {}
 
     def __call__(self, op, *args, tag: str | None = None, **kwargs) -> fx.Node:
         if op is aten.permute.default and list(args[1]) == list(range(len(args[1]))):
             return args[0]
+        # Note [Emitted nodes are shared]
+        key = _pure_key(op, args, kwargs, tag)
+        if key is not None and key in self._emitted:
+            return self._emitted[key]
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(op, tuple(args), kwargs)
         with self.fake_mode:
@@ -61,6 +104,8 @@ class Emitter:
         node.meta["dpfx_emitted"] = True   # the verifier tells dpfx's nodes from torch's
         if tag is not None:
             node.meta["dpfx"] = tag
+        if key is not None:
+            self._emitted[key] = node
         return node
 
     # -- sizes -----------------------------------------------------------------------------------
