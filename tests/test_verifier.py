@@ -413,6 +413,52 @@ def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
         verify_backward(result.gm, result.analysis, result.private, config)
 
 
+def _reweight(result, name, where, factor):
+    """Insert mul(x, factor) between the release's noise_scale or clipped side and the add."""
+    add = _release_add(result, name)
+    side = next(a for a in add.args
+                if (a.meta.get("dpfx") == "noise_scale") == (where == "noise"))
+    scaled = _insert_before(result.gm, add, aten.mul.Tensor, side, factor)
+    add.args = tuple(scaled if a is side else a for a in add.args)
+
+
+def _release_add(result, name):
+    node = result.private[name]
+    while node.target is not aten.add.Tensor:
+        node = node.args[0]
+    return node
+
+
+@pytest.mark.parametrize("strategy", ["materialize", "ghost"])
+@pytest.mark.parametrize("where,factor", [("noise", 0.5), ("clipped", 2.0), ("noise", 1.0)])
+def test_release_reweighted_after_the_checks_is_rejected(strategy, where, factor):
+    """Note [The release is checked as a whole]: each ingredient is right, but the noise is
+    attenuated, or the clipped sum amplified, on its way to the sum (even by 1.0: nothing may
+    sit there); the clipped sum added twice; the division by D changed."""
+    result = _rewritten(strategy, (3, 5, 8) if strategy == "ghost" else (3, 8))
+    _reweight(result, "fc2.weight", where, factor)
+    with pytest.raises(dpfx.PrivacyError, match="fc2.weight.*not \\(clipped sum \\+ noise\\) / D"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+def test_release_with_a_clipped_sum_twice_or_another_divisor_is_rejected():
+    result = _rewritten("ghost", (3, 5, 8))
+    add = _release_add(result, "fc1.weight")
+    clipped = next(a for a in add.args if a.meta.get("dpfx") != "noise_scale")
+    twice = _insert_before(result.gm, add, aten.add.Tensor, clipped, clipped)
+    add.args = tuple(twice if a is clipped else a for a in add.args)
+    with pytest.raises(dpfx.PrivacyError, match="fc1.weight.*added twice"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+    result = _rewritten("ghost", (3, 5, 8))
+    out = result.private["fc1.weight"]
+    assert out.target is aten.div.Tensor        # mean loss, no expected batch size: / B
+    halved = _insert_before(result.gm, out, aten.mul.Tensor, out.args[0], 0.5)
+    out.args = (halved, *out.args[1:])
+    with pytest.raises(dpfx.PrivacyError, match="fc1.weight.*not the sum of the clipped"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
 @pytest.mark.parametrize("multiplier", [2.0, "2B"])
 def test_clip_coefficient_other_than_the_batch_size_is_rejected(multiplier):
     """The coefficient clip_factor * B undoes a mean loss's 1/B; a rule that scaled by anything

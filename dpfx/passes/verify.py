@@ -17,7 +17,9 @@
    parameter's clipping group, and the coefficient that scales the per-sample gradients that
    factor itself ("sum") or the factor times B (a "mean" loss's 1/B undone); every floating-point operand of a clipped sum that depends on
    the data must be ``where(isfinite(norm), ., 0)`` of its factor's norm (an example with a
-   non-finite gradient adds exactly zero, not 0 * NaN); and, re-running the batch analysis on
+   non-finite gradient adds exactly zero, not 0 * NaN); each output is exactly
+   (moves of its clipped sums + its noise_scale node) / D, nothing reweighting one against the
+   other (Note [The release is checked as a whole]); and, re-running the batch analysis on
    the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
    ``PrivacyError`` naming the parameter.
 
@@ -25,6 +27,7 @@ See tests/test_verifier.py, which hands the verifier broken graphs.
 """
 from __future__ import annotations
 
+import operator
 import re
 
 import networkx as nx
@@ -38,6 +41,7 @@ from ..errors import PrivacyError
 from .batch import Ambiguous, BatchAnalysis, BatchDim
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 # Ops whose dim argument restructures a tensor without combining examples.
 _DIM_OPS_THAT_KEEP_EXAMPLES_APART = {
@@ -234,8 +238,74 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
             noise_slices.append((name, _noise_slice(name, noise_src)))
+        _check_release(name, out, an, config)
     _check_disjoint(noise_slices)
     _check_no_other_batch_mixing(gm, an)
+
+
+# Note [The release is checked as a whole]
+# The checks above pin each ingredient: the clip coefficient of every clipped sum, the scale of
+# every noise slice. What joins them must not reweight one against the other: a clipped sum
+# multiplied by 2 after the fact, or noise multiplied by 0.5 before it is added, would keep every
+# ingredient right and still halve the noise-to-sensitivity ratio. So each gradient output must
+# be, exactly, cast?(mul(add(moves(clipped sums), noise_scale), 1/D)): the noise_scale node added
+# as it is, the clipped side reached from clipped_sum nodes through norm-preserving data movement
+# and adds of such sides only (a tied weight's uses, each clipped sum once), one final scaling by
+# 1/D (the configured expected batch size, or a division by the batch size symbol; none for a
+# "sum" loss), and a dtype cast.
+# (tests/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
+_RELEASE_MOVES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.alias.default,
+    prims.convert_element_type.default,
+}
+
+
+def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig) -> None:
+    def refuse(why: str):
+        raise PrivacyError(f"the gradient of parameter '{name}' is not (clipped sum + noise) / D "
+                           f"as released: {why}")
+
+    node = out
+    if node.target is prims.convert_element_type.default:
+        node = node.args[0]
+    if config.loss_reduction == "mean":
+        if config.expected_batch_size is not None:
+            exact = node.target is aten.mul.Tensor and isinstance(node.args[1], float) and \
+                node.args[1] == 1.0 / config.expected_batch_size
+        else:
+            divisor = node.args[1] if node.target is aten.div.Tensor else None
+            exact = isinstance(divisor, fx.Node) and \
+                isinstance(divisor.meta.get("val"), torch.SymInt) and \
+                an.size(divisor.meta["val"]) == an.batch
+        if not exact:
+            refuse(f"{node.name} = {node.target} is not the division by D")
+        node = node.args[0]
+    if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+        refuse(f"{node.name} = {node.target} is not the sum of the clipped gradient and the noise")
+    noise = [x for x in node.args if isinstance(x, fx.Node) and x.meta.get("dpfx") == "noise_scale"]
+    if len(noise) != 1:
+        refuse(f"{node.name} does not add a noise_scale node as it is")
+    clipped_side = node.args[1] if node.args[0] is noise[0] else node.args[0]
+    stack, reached = [clipped_side], set()
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node):
+            refuse(f"{node.name} adds a constant to the noise")
+        if x.meta.get("dpfx") == "clipped_sum":
+            if x in reached:
+                refuse(f"the clipped sum {x.name} is added twice")
+            reached.add(x)
+            continue
+        if x.target is aten.add.Tensor and len(x.args) == 2 and not x.kwargs:
+            stack.extend(x.args)
+        elif x.target is operator.getitem and x.args[0].meta.get("dpfx") == "clipped_sum":
+            stack.append(x.args[0])     # the weight output of a book-keeping convolution_backward
+        elif x.target in _RELEASE_MOVES and x.meta.get("dpfx") is None:
+            stack.append(x.args[0])
+        else:
+            refuse(f"{x.name} = {x.target} lies between the clipped sum and the noise")
 
 
 # Sources of i.i.d. N(0, 1) entries that a "noise" node may be.
