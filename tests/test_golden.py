@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+import torch.nn as nn
 
 import dpfx
 from models import MLP, ResNetGN, SeqModel, mse, xent
@@ -39,6 +40,9 @@ CASES = {  # model factory, input factory, loss, target factory
     "resnet_gn": (ResNetGN, _floats(1, 6, 6), xent, _ids(3)),
     "gpt": (lambda: TinyGPT(vocab=7, d=8, T=4), _ids(7, 4), xent, _ids(7)),
     "mha": (lambda: MHANet(embed=8, heads=2, add_bias_kv=True), _floats(4, 8), xent, _ids(3)),
+    # the ghost embedding's clipped sum accumulates into its noise (clip_noise.py)
+    "embedding": (lambda: nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(32, 3)),
+                  _ids(50, 4), xent, _ids(3)),
 }
 
 

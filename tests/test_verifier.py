@@ -455,7 +455,7 @@ def test_release_with_a_clipped_sum_twice_or_another_divisor_is_rejected():
     assert out.target is aten.div.Tensor        # mean loss, no expected batch size: / B
     halved = _insert_before(result.gm, out, aten.mul.Tensor, out.args[0], 0.5)
     out.args = (halved, *out.args[1:])
-    with pytest.raises(dpfx.PrivacyError, match="fc1.weight.*not the sum of the clipped"):
+    with pytest.raises(dpfx.PrivacyError, match="fc1.weight.*lies between the clipped sum"):
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
@@ -538,3 +538,27 @@ def test_size_equality_is_exact_and_memoized():
     assert not _equal(FloorDiv(b * t, 2), b * t)
     assert _equal((b * b - 1) / (b - 1), b + 1)
     assert not _equal((b * b - 1) / (b - 1), b)
+
+
+def test_noise_base_reweighted_inside_the_embedding_sum_is_rejected():
+    """Note [The clipped sum accumulates into the noise]: the embedding's clipped sum adds its
+    rows into the scaled noise; noise scaled again on its way into that base is refused, as is
+    a base that is not the noise at all (no noise term reaches the output)."""
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 3))
+    dp = dpfx.compile(model, max_grad_norm=CONFIG.max_grad_norm,
+                      noise_multiplier=CONFIG.noise_multiplier, backend="eager", strategy="ghost")
+    dp(torch.randint(0, 11, (5, 3)))
+    for mutation, match in (("halve", "lies between|0 noise terms"), ("zeros", "0 noise terms")):
+        result = dp._dpfx_backend.last_backward
+        put = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clipped_sum"
+                   and n.target is aten._unsafe_masked_index_put_accumulate.default)
+        base = put.args[0]
+        if mutation == "halve":
+            new = _insert_before(result.gm, put, aten.mul.Tensor, base, 0.5)
+        else:
+            new = _insert_before(result.gm, put, aten.zeros_like.default, base)
+        put.args = (new, *put.args[1:])
+        with pytest.raises(dpfx.PrivacyError, match=f"'0.weight'.*({match})"):
+            verify_backward(result.gm, result.analysis, result.private, CONFIG)
+        put.args = (base, *put.args[1:])
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)

@@ -100,10 +100,9 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                 else clip_factor)
         clips[key] = Clip(coef, keep)
 
-    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit)
-               for pg in grads}
     if config.noise == "optimizer":
-        return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
+        return {pg.name: _as_output(pg, _clipped_sum(pg, clips[config.group_of(pg.name)], emit),
+                                    "clipped_grad", emit) for pg in grads}
 
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
@@ -121,10 +120,19 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     for pg in grads:
         chunk = emit(aten.slice.Tensor, noise, 0, emit.size(offset),
                      emit.size(offset + numels[pg.name]))
-        view = emit(aten.view.default, chunk, [emit.size(s) for s in shapes[pg.name]])
-        scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
         offset += numels[pg.name]
-        noisy = emit(aten.add.Tensor, clipped[pg.name], scaled)
+        clip = clips[config.group_of(pg.name)]
+        if pg.strategy == "ghost" and pg.ghost.clipped_into is not None:
+            # Note [The clipped sum accumulates into the noise]
+            frontier = pg.chain[0].args[0] if pg.chain else pg.grad
+            view = emit(aten.view.default, chunk,
+                        [emit.size(s) for s in emit.analysis.shape(frontier.meta["val"])])
+            scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
+            noisy = _moved(pg, pg.ghost.clipped_into(clip, scaled), emit)
+        else:
+            view = emit(aten.view.default, chunk, [emit.size(s) for s in shapes[pg.name]])
+            scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
+            noisy = emit(aten.add.Tensor, _clipped_sum(pg, clip, emit), scaled)
         if not mean:
             out = noisy
         elif config.expected_batch_size is not None:
@@ -139,10 +147,10 @@ def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> to
     dtype = pg.grad.meta["val"].dtype
     if out.meta["val"].dtype != dtype:
         out = emit(prims.convert_element_type.default, out, dtype)
-    if tag == "private_grad":
+    if tag == "private_grad" and out.meta.get("dpfx") is None:
         out.meta["dpfx"] = tag
-    else:   # the clipped sum itself may be the output: keep its "clipped_sum" tag
-        out.meta["dpfx_output"] = tag
+    else:   # the clipped sum itself may be the output (noise="optimizer", or a "sum" loss's
+        out.meta["dpfx_output"] = tag   # sum accumulated into the noise): it keeps its tag
     return out
 
 
@@ -167,10 +175,25 @@ def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter) -> torch.fx.Node:
     if pg.strategy == "ghost":
         # Book-keeping: one weight-gradient product with clip-scaled rows, then the same data
         # movement the original graph applied between the frontier and the output.
-        out = pg.ghost.clipped_sum(clip)
-        for node in pg.chain:
-            if node.target is not prims.convert_element_type.default:   # wide until output
-                out = emit(node.target, out, *node.args[1:], **node.kwargs)
-        return out
+        return _moved(pg, pg.ghost.clipped_sum(clip), emit)
     weighted = clip.scale(emit, pg.per_sample, BatchDim(0))
     return emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")
+
+
+def _moved(pg: ParamGrad, out: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
+    """``out`` (in the frontier's shape) moved as the captured graph moved the frontier's output
+    to the gradient, casts left out (wide until the output)."""
+    for node in pg.chain:
+        if node.target is not prims.convert_element_type.default:
+            out = emit(node.target, out, *node.args[1:], **node.kwargs)
+    return out
+
+
+# Note [The clipped sum accumulates into the noise]
+# Where the book-keeping product is itself an accumulation into a base (an embedding's gradient:
+# index_put of the token rows into a zero table), the scaled noise is that base, so one (V, d)
+# buffer becomes the gradient: before, the zero table, the clipped sum, the noise and the output
+# were separate and three (V, d) buffers were live in the last kernel (the embedding benchmark's
+# 3x step memory). The noise entries are i.i.d., so the draw's slice is viewed in the product's
+# own shape and the captured moves then take the sum to the parameter's. The verifier reads the
+# noise as the product's base (verify._check_release).

@@ -248,11 +248,13 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
 # every noise slice. What joins them must not reweight one against the other: a clipped sum
 # multiplied by 2 after the fact, or noise multiplied by 0.5 before it is added, would keep every
 # ingredient right and still halve the noise-to-sensitivity ratio. So each gradient output must
-# be, exactly, cast?(mul(add(moves(clipped sums), noise_scale), 1/D)): the noise_scale node added
-# as it is, the clipped side reached from clipped_sum nodes through norm-preserving data movement
-# and adds of such sides only (a tied weight's uses, each clipped sum once), one final scaling by
-# 1/D (the configured expected batch size, or a division by the batch size symbol; none for a
-# "sum" loss), and a dtype cast.
+# be, exactly, cast?(mul(add(moves(clipped sums), noise_scale), 1/D)), or cast?(mul(moves(c),
+# 1/D)) with c a clipped sum that accumulates into (moves of) the noise_scale node (an
+# embedding's index_put: Note [The clipped sum accumulates into the noise]): the noise_scale
+# node added as it is, exactly one noise term, the clipped side reached from clipped_sum nodes
+# through norm-preserving data movement and adds of such sides only (a tied weight's uses, each
+# clipped sum once), one final scaling by 1/D (the configured expected batch size, or a division
+# by the batch size symbol; none for a "sum" loss), and a dtype cast.
 # (tests/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
 _RELEASE_MOVES = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -282,13 +284,15 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
         if not exact:
             refuse(f"{node.name} = {node.target} is not the division by D")
         node = node.args[0]
-    if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
-        refuse(f"{node.name} = {node.target} is not the sum of the clipped gradient and the noise")
-    noise = [x for x in node.args if isinstance(x, fx.Node) and x.meta.get("dpfx") == "noise_scale"]
-    if len(noise) != 1:
-        refuse(f"{node.name} does not add a noise_scale node as it is")
-    clipped_side = node.args[1] if node.args[0] is noise[0] else node.args[0]
-    stack, reached = [clipped_side], set()
+    if node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+        noise = [x for x in node.args
+                 if isinstance(x, fx.Node) and x.meta.get("dpfx") == "noise_scale"]
+        if len(noise) != 1:
+            refuse(f"{node.name} does not add a noise_scale node as it is")
+        stack = [node.args[1] if node.args[0] is noise[0] else node.args[0]]
+    else:   # Note [The clipped sum accumulates into the noise] (passes/clip_noise.py)
+        noise, stack = [], [node]
+    reached = set()
     while stack:
         x = stack.pop()
         if not isinstance(x, fx.Node):
@@ -297,6 +301,9 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
             if x in reached:
                 refuse(f"the clipped sum {x.name} is added twice")
             reached.add(x)
+            if x.target in _ACCUMULATES_INTO_ARG0 and _through_release_moves(x.args[0]).meta.get(
+                    "dpfx") == "noise_scale":
+                noise.append(x.args[0])
             continue
         if x.target is aten.add.Tensor and len(x.args) == 2 and not x.kwargs:
             stack.extend(x.args)
@@ -306,6 +313,20 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
             stack.append(x.args[0])
         else:
             refuse(f"{x.name} = {x.target} lies between the clipped sum and the noise")
+    if len(noise) != 1:
+        refuse(f"{len(noise)} noise terms reach it, not one")
+
+
+# Clipped-sum ops that add their values into their first argument: index_put(base, ...,
+# accumulate=True) in its masked form. Their base may be the noise itself.
+_ACCUMULATES_INTO_ARG0 = {aten._unsafe_masked_index_put_accumulate.default}
+
+
+def _through_release_moves(node: fx.Node) -> fx.Node:
+    while isinstance(node, fx.Node) and node.target in _RELEASE_MOVES and \
+            node.meta.get("dpfx") is None:
+        node = node.args[0]
+    return node
 
 
 # Sources of i.i.d. N(0, 1) entries that a "noise" node may be.

@@ -36,6 +36,10 @@ class Ghost:
     scaled by c) or ``Clip.mask`` (the others), which is what the verifier reads."""
     norm_sq: fx.Node
     clipped_sum: Callable[["Clip"], fx.Node]
+    # The same product accumulated into a given tensor (the scaled noise, in the product's
+    # shape), where the product is an accumulation into a base: base + sum_i c_i * grad_i as one
+    # node (Note [The clipped sum accumulates into the noise] in passes/clip_noise.py).
+    clipped_into: Callable[["Clip", fx.Node], fx.Node] | None = None
 
 
 # Note [Non-finite examples contribute zero]

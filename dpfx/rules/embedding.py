@@ -239,13 +239,13 @@ def ghost_masked_put(node, ctx) -> Ghost:
                 emit(aten.unsqueeze.default, flat_idx, 1))
     norm_sq = emit(aten.sum.dim_IntList, emit(aten.where.self, same, gram, zero), [1, 2])
 
-    def clipped_sum(clip):
+    def clipped_into(clip, into):
         scaled = clip.scale(emit, values, ctx.layout(values))
-        base_wide, scaled = at_least_float32(emit, base, scaled)
-        return emit(aten._unsafe_masked_index_put_accumulate.default, base_wide, mask, [idx],
+        into_wide, scaled = at_least_float32(emit, into, scaled)
+        return emit(aten._unsafe_masked_index_put_accumulate.default, into_wide, mask, [idx],
                     scaled, tag="clipped_sum")
 
-    return Ghost(norm_sq, clipped_sum)
+    return Ghost(norm_sq, lambda clip: clipped_into(clip, base), clipped_into)
 
 
 # -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
