@@ -100,9 +100,15 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                 else clip_factor)
         clips[key] = Clip(coef, keep)
 
+    # The clipped sums first, the noise after them: emitted in this order, the draw's buffer is
+    # not yet live while per-sample gradients are (a tied weight's (B, V, d)). A clipped sum
+    # that accumulates into its noise is emitted with the noise.
+    into = {pg.name for pg in grads if config.noise != "optimizer"
+            and pg.strategy == "ghost" and pg.ghost.clipped_into is not None}
+    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit)
+               for pg in grads if pg.name not in into}
     if config.noise == "optimizer":
-        return {pg.name: _as_output(pg, _clipped_sum(pg, clips[config.group_of(pg.name)], emit),
-                                    "clipped_grad", emit) for pg in grads}
+        return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
 
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
@@ -121,18 +127,17 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         chunk = emit(aten.slice.Tensor, noise, 0, emit.size(offset),
                      emit.size(offset + numels[pg.name]))
         offset += numels[pg.name]
-        clip = clips[config.group_of(pg.name)]
-        if pg.strategy == "ghost" and pg.ghost.clipped_into is not None:
-            # Note [The clipped sum accumulates into the noise]
+        if pg.name in into:     # Note [The clipped sum accumulates into the noise]
             frontier = pg.chain[0].args[0] if pg.chain else pg.grad
             view = emit(aten.view.default, chunk,
                         [emit.size(s) for s in emit.analysis.shape(frontier.meta["val"])])
             scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
+            clip = clips[config.group_of(pg.name)]
             noisy = _moved(pg, pg.ghost.clipped_into(clip, scaled), emit)
         else:
             view = emit(aten.view.default, chunk, [emit.size(s) for s in shapes[pg.name]])
             scaled = emit(aten.mul.Tensor, view, std, tag="noise_scale")
-            noisy = emit(aten.add.Tensor, _clipped_sum(pg, clip, emit), scaled)
+            noisy = emit(aten.add.Tensor, clipped[pg.name], scaled)
         if not mean:
             out = noisy
         elif config.expected_batch_size is not None:
