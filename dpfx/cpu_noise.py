@@ -93,6 +93,11 @@ def _library() -> ctypes.CDLL | None:
     lib.dpfx_philox_normal.restype = None
     lib.dpfx_philox4x32_10.argtypes = [ctypes.c_void_p] * 3
     lib.dpfx_philox4x32_10.restype = None
+    for name in ("dpfx_philox_add_noise_f32", "dpfx_philox_add_noise_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
+                       ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int]
+        fn.restype = None
     return lib
 
 
@@ -162,3 +167,61 @@ _LIBRARY.impl("standard_normal", standard_normal, "CompositeExplicitAutograd")
 @torch.library.register_fake("dpfx::standard_normal", lib=_LIBRARY)
 def _(n, device):
     return torch.empty(n, dtype=torch.float32, device=device)
+
+
+# Note [Noise added in place]
+# ``dpfx::add_noise_(sums, std, multiplier, divisor)`` is the release of a CPU graph:
+# every sum s_t becomes ((s_t + std * z_t) * multiplier) / divisor in place, z_t i.i.d. N(0, 1),
+# in one pass that draws the normals in registers (csrc/philox_normal.c). The graph drew one
+# parameter-sized buffer of normals, then read it back beside each clipped sum in a pointwise
+# kernel that wrote a third buffer (and Inductor turned add(mm, noise) into an addmm that copied
+# the noise first): three parameter-sized passes and two live buffers more than the step needs.
+# One call serves every parameter of a backward graph under one 64-bit key drawn from torch's
+# default CPU generator (Note [Where the noise key comes from]); tensor t of the call takes the
+# Philox stream t, so no two tensors share a counter. The graph holds the op functionally, as
+# ``auto_functionalized_v2`` (what aot_autograd makes of a mutating op); Inductor re-inplaces it
+# into the clipped sums' own buffers, which nothing else reads. The verifier reads the call as
+# the noise and its arguments as the release's scale (verify._check_release).
+_LIBRARY.define("add_noise_(Tensor(a!)[] sums, float std, float multiplier, SymInt divisor) -> ()",
+                tags=(torch.Tag.nondeterministic_seeded,))
+
+
+def add_noise_(sums: list[torch.Tensor], std: float, multiplier: float, divisor: int) -> None:
+    """sums[t] <- ((sums[t] + std * N(0, 1)) * multiplier) / divisor, in place, one key."""
+    other = [x for x in sums if x.dtype not in (torch.float32, torch.float64)]
+    if other:
+        raise TypeError(f"dpfx::add_noise_ takes float32 and float64 sums, not "
+                        f"{sorted({str(x.dtype) for x in other})}")
+    lib = _library()
+    if lib is None:     # the same distribution from torch.randn, at ATen's speed
+        for x in sums:
+            x.add_(torch.randn(x.shape, dtype=torch.float32), alpha=std).mul_(multiplier)
+            x.div_(divisor)
+        return
+    key = draw_key()
+    for dtype, kernel in ((torch.float32, lib.dpfx_philox_add_noise_f32),
+                          (torch.float64, lib.dpfx_philox_add_noise_f64)):
+        # A tensor's stream is its position in the call, whatever the dtype grouping.
+        mine = [(t, x) for t, x in enumerate(sums) if x.dtype == dtype]
+        if not mine:
+            continue
+        dense = [x if x.is_contiguous() else x.contiguous() for _, x in mine]
+        # The kernel reads stream t for the t-th pointer: pad the lists with empty tensors so
+        # that each tensor keeps its position.
+        ptrs = (ctypes.c_void_p * len(sums))()
+        sizes = (ctypes.c_int64 * len(sums))()
+        for (t, _), x in zip(mine, dense):
+            ptrs[t], sizes[t] = x.data_ptr(), x.numel()
+        kernel(ptrs, sizes, len(sums), key, float(std), float(multiplier), float(divisor),
+               torch.get_num_threads())
+        for (_, x), d in zip(mine, dense):
+            if d is not x:
+                x.copy_(d)
+
+
+_LIBRARY.impl("add_noise_", add_noise_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpfx::add_noise_", lib=_LIBRARY)
+def _(sums, std, multiplier, divisor):
+    return None

@@ -38,12 +38,13 @@ def test_philox_known_answers(counter, key, expected):
     assert _philox_py(counter, key) == expected
 
 
-def _normal_reference(n, key):
-    """float64 Box-Muller over the Python Philox, in the kernel's output order."""
+def _normal_reference(n, key, stream=0):
+    """float64 Box-Muller over the Python Philox, in the kernel's output order; ``stream`` is
+    the third counter word (dpfx::add_noise_'s tensor index)."""
     m, k = n // 4, (key & M32, key >> 32)
     blocks = []
     for b in range(m + (n % 4 > 0)):
-        x = _philox_py((b & M32, b >> 32, 0, 0), k)
+        x = _philox_py((b & M32, b >> 32, stream, 0), k)
         u = [(xi + 0.5) * 2.0 ** -32 for xi in x]
         r0, r1 = math.sqrt(-2 * math.log(u[0])), math.sqrt(-2 * math.log(u[2]))
         t0, t1 = 2 * math.pi * u[1], 2 * math.pi * u[3]
@@ -112,7 +113,56 @@ def test_graph_noise_on_cpu_is_the_kernel():
     run_dpfx(dp, model, mse, torch.randn(3, 8), torch.randn(3, 4))
     noise = [n for n in dp._dpfx_backend.last_backward.gm.graph.nodes
              if n.meta.get("dpfx") == "noise"]
-    assert [n.target for n in noise] == [torch.ops.dpfx.standard_normal.default]
+    assert [(n.target, n.args) for n in noise] == [
+        (torch.ops.higher_order.auto_functionalized_v2, (torch.ops.dpfx.add_noise_.default,))]
+
+
+def _add_noise(sums, std, multiplier, divisor, seed):
+    """Runs dpfx::add_noise_ under torch.manual_seed(seed); returns the key it drew."""
+    torch.manual_seed(seed)
+    key = cpu_noise.draw_key()
+    torch.manual_seed(seed)
+    torch.ops.dpfx.add_noise_(sums, std, multiplier, divisor)
+    return key
+
+
+def test_add_noise_matches_a_float64_reference():
+    """Note [Noise added in place]: sums[t] <- ((sums[t] + std z_t) * multiplier) / divisor with
+    z_t the reference normals of Philox stream t under the call's one key, for float32 and
+    float64 sums, a non-contiguous one (written back), an empty one, sizes across tiles."""
+    sizes = [37, 0, 4 * 2048 + 39, 3, 12]
+    before = [torch.randn(n, dtype=torch.float64 if t == 3 else torch.float32)
+              for t, n in enumerate(sizes)]
+    sums = [x.clone() for x in before]
+    sums[4] = before[4].clone().view(3, 4).t()           # non-contiguous (4, 3)
+    before[4] = sums[4].clone()
+    key = _add_noise(sums, 0.7, 0.25, 3, seed=11)
+    for t, (x, b) in enumerate(zip(sums, before)):
+        z = _normal_reference(b.numel(), key, stream=t).view(b.shape) if b.numel() else 0
+        expected = (b.double() + 0.7 * z) * 0.25 / 3
+        torch.testing.assert_close(x.double(), expected, rtol=2e-5, atol=2e-5)
+    # Streams differ: the same size at two positions gets two draws.
+    a, b = torch.zeros(64), torch.zeros(64)
+    _add_noise([a, b], 1.0, 1.0, 1, seed=3)
+    assert not torch.equal(a, b)
+
+
+def test_add_noise_does_not_depend_on_thread_count_and_refuses_half_precision():
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            sums = [torch.zeros(100_003), torch.zeros(5), torch.zeros(9000, dtype=torch.float64)]
+            _add_noise(sums, 1.0, 1.0, 1, seed=4)
+            runs.append(sums)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ok, low = torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="float32 and float64"):
+        torch.ops.dpfx.add_noise_([ok, low], 1.0, 1.0, 1)
+    assert not ok.any()         # refused before touching anything
 
 
 def test_without_a_compiler_noise_falls_back_to_torch_randn(monkeypatch):
@@ -127,3 +177,11 @@ def test_without_a_compiler_noise_falls_back_to_torch_randn(monkeypatch):
                           expected_batch_size=4)
         grads = run_dpfx(dp, model, mse, torch.randn(0, 8), torch.randn(0, 4))
     assert all(g.abs().sum() > 0 for g in grads.values())     # noise, from torch.randn
+    # dpfx::add_noise_ on its own: torch.randn's draws, scaled as the kernel scales its own.
+    sums = [torch.zeros(20_000), torch.zeros(7, dtype=torch.float64)]
+    torch.manual_seed(2)
+    with pytest.warns(RuntimeWarning, match="torch.randn instead"):
+        torch.ops.dpfx.add_noise_(sums, 3.0, 0.5, 2)
+    torch.manual_seed(2)
+    torch.testing.assert_close(sums[0], torch.randn(20_000) * 3.0 * 0.5 / 2)
+    assert sums[0].std().item() == pytest.approx(0.75, rel=0.05)

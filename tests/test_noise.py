@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dpfx
+from dpfx.passes import clip_noise
 from models import MLP, mse
 from noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
 from reference import clip_fraction, dp_sgd_grads, run_dpfx
@@ -33,11 +34,16 @@ def _noise_samples(backend: str, steps: int, seed=None) -> torch.Tensor:
     return torch.cat([d.flatten(1) for d in draws.values()], 1)
 
 
+@pytest.mark.parametrize("release", ["in_place", "expression"])
 @pytest.mark.parametrize("backend,steps", [("eager", 40), ("inductor", 100)])
-def test_noise_statistics_per_parameter(backend, steps):
+def test_noise_statistics_per_parameter(backend, steps, release, monkeypatch):
     """Each parameter's noise on its own (the 3-entry bias included) has mean 0 and std
-    sigma*C/D within 5 standard errors, and so has the pool; steps are uncorrelated; the tails
-    are Gaussian. Seeded: deterministic."""
+    sigma*C/D within 5 standard errors, and so has the pool; steps are uncorrelated, and so are
+    two parameters' entries at the same positions (dpfx::add_noise_ gives each its own Philox
+    stream under one key); the tails are Gaussian. Seeded: deterministic. Both releases: the
+    CPU graphs' dpfx::add_noise_, and the GPU graphs' slices of one draw (built here on CPU)."""
+    if release == "expression":
+        monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", set())
     draws = _noise_draws(backend, steps, seed=2024)
     expected_std = SIGMA * C / D
     # The resolution this buys: halving one small parameter's noise, or a 5% error on all.
@@ -47,6 +53,9 @@ def test_noise_statistics_per_parameter(backend, steps):
     noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
     # Fresh every step: each step's draw is uncorrelated with the next one.
     assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
+    assert_uncorrelated(draws["fc1.bias"][:, :3], draws["fc2.bias"], "fc1.bias and fc2.bias")
+    assert_uncorrelated(draws["fc1.weight"].flatten(1)[:, :96],
+                        draws["fc2.weight"].flatten(1)[:, :96], "fc1.weight and fc2.weight")
     # Gaussian: P(|z| > 2) = 0.0455, within 5 binomial standard errors.
     n = noise.numel()
     tail = (noise.abs() > 2 * expected_std).double().mean().item()

@@ -10,13 +10,22 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.config import DPConfig
-from dpfx.passes import verify
+from dpfx.passes import clip_noise, verify
 from dpfx.passes.verify import verify_backward
 from models import MLP, mse
 from reference import assert_close, dp_sgd_grads, run_dpfx
 
 aten = torch.ops.aten
 CONFIG = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
+
+
+@pytest.fixture(autouse=True)
+def _expression_release(monkeypatch):
+    """Most tests below break the release as GPU graphs write it (a slice of one normal draw,
+    scaled and added to the clipped sum, then divided by D), built here on CPU. The CPU graphs'
+    release, one dpfx::add_noise_ call (Note [Noise added in place]), has its own tests at the
+    end, which put that form back."""
+    monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", set())
 
 
 def _rewritten(strategy="materialize", x_shape=(3, 8)):
@@ -400,7 +409,12 @@ def _rewritten_with(config_kwargs, x_shape=(3, 8)):
     return dp._dpfx_backend.last_backward, dp.dp_config
 
 
-def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_per_layer_graph_verifies_and_wrong_group_bound_is_rejected(in_place, monkeypatch):
+    """Through a dpfx::add_noise_ call, a parameter's release depends on its own base only, not
+    on the other groups' clipped sums that the call also reads."""
+    if in_place:
+        monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
     result, config = _rewritten_with(dict(max_grad_norm={"fc1": 0.1, "fc2": 0.3},
                                           noise_multiplier=1.0))
     verify_backward(result.gm, result.analysis, result.private, config)
@@ -562,3 +576,73 @@ def test_noise_base_reweighted_inside_the_embedding_sum_is_rejected():
             verify_backward(result.gm, result.analysis, result.private, CONFIG)
         put.args = (base, *put.args[1:])
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
+
+
+# -- the CPU release: one dpfx::add_noise_ call (Note [Noise added in place]) ----------------
+
+def _in_place(monkeypatch, strategy="ghost", x_shape=(3, 5, 8), **config_kwargs):
+    monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
+    kwargs = dict(max_grad_norm=CONFIG.max_grad_norm, noise_multiplier=CONFIG.noise_multiplier,
+                  strategy=strategy, **config_kwargs)
+    result, config = _rewritten_with(kwargs, x_shape)
+    calls = [n for n in result.gm.graph.nodes if verify._is_add_noise(n)]
+    assert len(calls) == 1 and not any(n.meta.get("dpfx") == "noise_scale"
+                                       for n in result.gm.graph.nodes)
+    return result, config, calls[0]
+
+
+@pytest.mark.parametrize("strategy,x_shape", [
+    ("materialize", (3, 8)), ("ghost", (3, 8)), ("ghost", (3, 5, 8))])
+@pytest.mark.parametrize("reduction,expected", [("mean", None), ("mean", 4), ("sum", None)])
+def test_in_place_release_verifies(monkeypatch, strategy, x_shape, reduction, expected):
+    result, config, call = _in_place(monkeypatch, strategy, x_shape, loss_reduction=reduction,
+                                     expected_batch_size=expected)
+    verify_backward(result.gm, result.analysis, result.private, config)
+    assert call.kwargs["_sums_length"] == len(result.private)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("std", 0.05, "not N\\(0, \\(sigma\\*C\\)\\^2\\)"),      # noise attenuated
+    ("multiplier", 2.0, "not by 1/D"),                          # release amplified
+    ("divisor", 1, "not by 1/D"),                               # mean loss, / B dropped
+    ("_sums_0_base_index", 1, "whole, distinct sums"),          # one base noised twice
+])
+def test_in_place_release_with_wrong_arguments_is_rejected(monkeypatch, key, value, match):
+    result, config, call = _in_place(monkeypatch)
+    call.kwargs = {**call.kwargs, key: value}
+    with pytest.raises(dpfx.PrivacyError, match=match):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_in_place_release_with_an_amplified_or_shared_sum_is_rejected(monkeypatch):
+    """The clipped sum doubled before the noise is added; two parameters released from one
+    noised sum (their noise would be the same draw); a second call."""
+    result, config, call = _in_place(monkeypatch)
+    bases = list(call.kwargs["_all_bases"])
+    bases[0] = _insert_before(result.gm, call, aten.mul.Tensor, bases[0], 2.0)
+    call.kwargs = {**call.kwargs, "_all_bases": bases}
+    with pytest.raises(dpfx.PrivacyError, match="lies between the clipped sum and the noise"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+    result, config, call = _in_place(monkeypatch)
+    private = _route_output(result, "fc1.bias", result.private["fc2.bias"])
+    with pytest.raises(dpfx.PrivacyError, match="share the noise"):
+        verify_backward(result.gm, result.analysis, private, config)
+
+    result, config, call = _in_place(monkeypatch)
+    output = result.gm.graph.find_nodes(op="output")[0]
+    with result.gm.graph.inserting_before(output):
+        result.gm.graph.call_function(call.target, call.args, dict(call.kwargs))
+    with pytest.raises(dpfx.PrivacyError, match="add_noise_ 2 times"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_in_place_release_that_skips_the_noise_is_rejected(monkeypatch):
+    """An output taken from the clipped sum itself, before add_noise_: no noise reaches it."""
+    result, config, call = _in_place(monkeypatch, "materialize", (3, 8))
+    name = next(n for n, out in result.private.items()
+                if verify._through_release_moves(out).args[1:] == (1,))
+    base = call.kwargs["_all_bases"][0]
+    private = _route_output(result, name, base)
+    with pytest.raises(dpfx.PrivacyError, match="no noise is added"):
+        verify_backward(result.gm, result.analysis, private, config)

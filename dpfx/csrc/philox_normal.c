@@ -51,7 +51,7 @@ void dpfx_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32
 
 /* Philox words of the blocks lo..lo+count into x[0..3][0..count). */
 static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t count,
-                        uint32_t k0, uint32_t k1) {
+                        uint32_t k0, uint32_t k1, uint32_t stream) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     /* Sixteen blocks per step, the AVX2 step below on 512-bit registers: mask blends put the
@@ -64,7 +64,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
         /* b..b+15 never carry into the high word: tiles start at multiples of 16. */
         __m512i a0 = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b), lane16);
         __m512i a1 = _mm512_set1_epi32((int)(uint32_t)((uint64_t)b >> 32));
-        __m512i a2 = _mm512_setzero_si512(), a3 = _mm512_setzero_si512();
+        __m512i a2 = _mm512_set1_epi32((int)stream), a3 = _mm512_setzero_si512();
         for (uint32_t r = 0; r < 10; r++) {
             const __m512i key0 = _mm512_set1_epi32((int)(k0 + r * PHILOX_W0));
             const __m512i key1 = _mm512_set1_epi32((int)(k1 + r * PHILOX_W1));
@@ -96,7 +96,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
         __m256i a0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)b), lane);
         /* b..b+7 never carry into the high word: tiles start at multiples of 8. */
         __m256i a1 = _mm256_set1_epi32((int)(uint32_t)((uint64_t)b >> 32));
-        __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
+        __m256i a2 = _mm256_set1_epi32((int)stream), a3 = _mm256_setzero_si256();
         for (uint32_t r = 0; r < 10; r++) {
             const __m256i key0 = _mm256_set1_epi32((int)(k0 + r * PHILOX_W0));
             const __m256i key1 = _mm256_set1_epi32((int)(k1 + r * PHILOX_W1));
@@ -118,7 +118,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
 #endif
     for (; j < count; j++) {
         const int64_t b = lo + j;
-        uint32_t a0 = (uint32_t)b, a1 = (uint32_t)((uint64_t)b >> 32), a2 = 0, a3 = 0;
+        uint32_t a0 = (uint32_t)b, a1 = (uint32_t)((uint64_t)b >> 32), a2 = stream, a3 = 0;
         PHILOX_10_ROUNDS
         x[0][j] = a0; x[1][j] = a1; x[2][j] = a2; x[3][j] = a3;
     }
@@ -139,7 +139,7 @@ void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int thread
     for (int64_t lo = 0; lo < blocks; lo += BLOCKS_PER_TASK) {
         const int64_t count = lo + BLOCKS_PER_TASK < blocks ? BLOCKS_PER_TASK : blocks - lo;
         uint32_t x[4][BLOCKS_PER_TASK];
-        philox_tile(x, lo, count, k0, k1);
+        philox_tile(x, lo, count, k0, k1, 0);
         const int64_t full = lo + count <= m ? count : m - lo;   /* blocks below m */
         #pragma omp simd
         for (int64_t j = 0; j < full; j++) {
@@ -155,3 +155,58 @@ void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int thread
         }
     }
 }
+
+/* dpfx_philox_add_noise_{f32,f64}(xs, sizes, count, key, std, mult, div, threads) noises
+ * `count` tensors in place under one key: x_t[i] <- ((x_t[i] + std * z_t[i]) * mult) / div for
+ * t in 0..count, where z_t is dpfx_philox_normal's layout of sizes[t] normals drawn from the
+ * Philox counters (b_lo, b_hi, t, 0): the third counter word names the tensor, so every tensor
+ * has a stream of its own and no two share a counter. The work is one list of (tensor, tile)
+ * tasks split across the threads, so a bias of ten entries costs no parallel region of its own;
+ * as for dpfx_philox_normal, the output does not depend on the thread count. */
+#define DEFINE_ADD_NOISE(T, NAME)                                                        \
+void NAME(T *const *xs, const int64_t *sizes, int64_t count, uint64_t key, double std,   \
+          double mult, double div, int threads) {                                        \
+    const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);                       \
+    const T s = (T)std, a = (T)mult, d = (T)div;                                         \
+    int64_t first[count + 1], total = 0;      /* first task of each tensor */            \
+    for (int64_t t = 0; t < count; t++) {                                                \
+        const int64_t blocks = sizes[t] / 4 + (sizes[t] % 4 != 0);                       \
+        first[t] = total;                                                                \
+        total += (blocks + BLOCKS_PER_TASK - 1) / BLOCKS_PER_TASK;                       \
+    }                                                                                    \
+    first[count] = total;                                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                    \
+    for (int64_t task = 0; task < total; task++) {                                       \
+        int64_t t = 0, hi = count;               /* the last t with first[t] <= task */  \
+        while (hi - t > 1) {                                                             \
+            const int64_t mid = (t + hi) / 2;                                            \
+            if (first[mid] <= task) t = mid; else hi = mid;                              \
+        }                                                                                \
+        T *restrict x = xs[t];                                                           \
+        const int64_t n = sizes[t], m = n / 4, blocks = m + (n % 4 != 0);                \
+        const int64_t lo = (task - first[t]) * BLOCKS_PER_TASK;                          \
+        const int64_t cnt = lo + BLOCKS_PER_TASK < blocks ? BLOCKS_PER_TASK : blocks - lo; \
+        uint32_t w[4][BLOCKS_PER_TASK];                                                  \
+        philox_tile(w, lo, cnt, k0, k1, (uint32_t)t);                                    \
+        const int64_t full = lo + cnt <= m ? cnt : m - lo;                               \
+        _Pragma("omp simd")                                                              \
+        for (int64_t j = 0; j < full; j++) {                                             \
+            float z0, z1, z2, z3;                                                        \
+            BOX_MULLER(w[0][j], w[1][j], w[2][j], w[3][j], z0, z1, z2, z3)               \
+            const int64_t b = lo + j;                                                    \
+            x[b] = (x[b] + s * (T)z0) * a / d;                                           \
+            x[b + m] = (x[b + m] + s * (T)z1) * a / d;                                   \
+            x[b + 2 * m] = (x[b + 2 * m] + s * (T)z2) * a / d;                           \
+            x[b + 3 * m] = (x[b + 3 * m] + s * (T)z3) * a / d;                           \
+        }                                                                                \
+        if (full < cnt) {                        /* block m: the n % 4 trailing entries */ \
+            float z[4];                                                                  \
+            BOX_MULLER(w[0][full], w[1][full], w[2][full], w[3][full], z[0], z[1], z[2], z[3]) \
+            for (int64_t i = 0; i < n % 4; i++)                                          \
+                x[4 * m + i] = (x[4 * m + i] + s * (T)z[i]) * a / d;                     \
+        }                                                                                \
+    }                                                                                    \
+}
+
+DEFINE_ADD_NOISE(float, dpfx_philox_add_noise_f32)
+DEFINE_ADD_NOISE(double, dpfx_philox_add_noise_f64)

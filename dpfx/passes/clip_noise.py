@@ -11,6 +11,10 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
 
+The last two lines are the GPU graphs' release (Inductor fuses the draw into the add). CPU
+graphs release every clipped sum through one ``dpfx::add_noise_`` call, which adds the noise and
+divides in place, drawing the normals in registers (Note [Noise added in place] in cpu_noise.py).
+
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
 ``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps;
 there every operand of the product is selected by ``keep``, not only the clip-scaled one. An
@@ -26,15 +30,17 @@ group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`
 ``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
 logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
 through ``dpfx::observe_norms`` (stats.py) before the clip factor: it records them and reports
-non-finite examples once. All of it is ordinary ATen, so Inductor fuses the norms into the
-kernels that produce the per-sample gradients and the noise into the final pointwise kernel. One draw serves all parameters (sliced), so there is one seed
-per step: ``aten.randn`` on GPU (Inductor's fused Philox), ``dpfx::standard_normal`` on CPU
-(cpu_noise.py: ATen's CPU randn is single-threaded MT19937). Every node that the verifier relies
+non-finite examples once. All of it is ordinary ATen but the CPU noise, so Inductor fuses the
+norms into the kernels that produce the per-sample gradients and, on GPU, the noise into the
+final pointwise kernel. One draw (GPU: ``aten.randn``, sliced) or one call (CPU:
+``dpfx::add_noise_``, one Philox key) serves all parameters, so there is one seed per step. Every node that the verifier relies
 on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor", "clip_coef",
-"clip_apply", "finite_mask", "clipped_sum", "noise", "noise_scale", "private_grad" |
-"clipped_grad".
+"clip_apply", "finite_mask", "clipped_sum", "noise" (the draw, or the add_noise_ call),
+"noise_scale" (GPU form), "private_grad" | "clipped_grad".
 """
 from __future__ import annotations
+
+import operator
 
 import sympy
 import torch
@@ -103,12 +109,23 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     # The clipped sums first, the noise after them: emitted in this order, the draw's buffer is
     # not yet live while per-sample gradients are (a tied weight's (B, V, d)). A clipped sum
     # that accumulates into its noise is emitted with the noise.
-    into = {pg.name for pg in grads if config.noise != "optimizer"
+    in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE
+    into = {pg.name for pg in grads if config.noise != "optimizer" and not in_place
             and pg.strategy == "ghost" and pg.ghost.clipped_into is not None}
-    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit)
+    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
+                                     moved=not in_place)
                for pg in grads if pg.name not in into}
     if config.noise == "optimizer":
         return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
+    std = config.noise_std
+    if not mean:
+        multiplier, divisor = 1.0, 1
+    elif config.expected_batch_size is not None:
+        multiplier, divisor = 1.0 / config.expected_batch_size, 1
+    else:
+        multiplier, divisor = 1.0, batch
+    if in_place:
+        return _noised_in_place(grads, clipped, std, multiplier, divisor, emit)
 
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
@@ -119,7 +136,6 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     else:                       # Inductor lowers randn to its fused Philox
         noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,
                      pin_memory=False, tag="noise")
-    std = config.noise_std
 
     private = {}
     offset = sympy.Integer(0)
@@ -141,10 +157,40 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         if not mean:
             out = noisy
         elif config.expected_batch_size is not None:
-            out = emit(aten.mul.Tensor, noisy, 1.0 / config.expected_batch_size)
+            out = emit(aten.mul.Tensor, noisy, multiplier)
         else:
-            out = emit(aten.div.Tensor, noisy, batch)
+            out = emit(aten.div.Tensor, noisy, divisor)
         private[pg.name] = _as_output(pg, out, "private_grad", emit)
+    return private
+
+
+# The device types whose graphs add the noise with dpfx::add_noise_ (Note [Noise added in
+# place], cpu_noise.py). On GPU, Inductor fuses aten.randn's Philox into the pointwise kernel
+# that adds it, which is the same single pass. Tests empty it to check that form on CPU.
+NOISE_IN_PLACE = {"cpu"}
+
+
+def _noised_in_place(grads: list[ParamGrad], clipped: dict[str, torch.fx.Node], std: float,
+                     multiplier: float, divisor, emit: Emitter) -> dict[str, torch.fx.Node]:
+    """One dpfx::add_noise_ over every clipped sum, as aot_autograd writes a mutating op
+    (auto_functionalized_v2: the bases in, their new values out as getitems 1..n); then each
+    parameter's moves from its frontier's shape to its own, and its cast."""
+    bases = []
+    for pg in grads:
+        base = clipped[pg.name]
+        if base.meta["val"].dtype not in (torch.float32, torch.float64):
+            base = emit(prims.convert_element_type.default, base, torch.float32)
+        bases.append(base)
+    slots = {f"_sums_{k}_base_index": k for k in range(len(bases))}
+    call = emit(torch.ops.higher_order.auto_functionalized_v2, torch.ops.dpfx.add_noise_.default,
+                std=std, multiplier=multiplier, divisor=divisor, _sums_length=len(bases),
+                **slots, _all_bases=bases, tag="noise")
+    private = {}
+    for k, pg in enumerate(grads):
+        noisy = emit(operator.getitem, call, k + 1)
+        if pg.strategy == "ghost":
+            noisy = _moved(pg, noisy, emit)
+        private[pg.name] = _as_output(pg, noisy, "private_grad", emit)
     return private
 
 
@@ -175,12 +221,14 @@ def _at_least_float32(node: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
     return emit(prims.convert_element_type.default, node, dtype)
 
 
-def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter) -> torch.fx.Node:
-    """sum_i coef_i * grad_i over the examples with a finite norm, in the parameter's shape."""
+def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter, moved: bool = True) -> torch.fx.Node:
+    """sum_i coef_i * grad_i over the examples with a finite norm, in the parameter's shape (a
+    ghost parameter's in its frontier's shape where ``moved`` is false)."""
     if pg.strategy == "ghost":
         # Book-keeping: one weight-gradient product with clip-scaled rows, then the same data
         # movement the original graph applied between the frontier and the output.
-        return _moved(pg, pg.ghost.clipped_sum(clip), emit)
+        out = pg.ghost.clipped_sum(clip)
+        return _moved(pg, out, emit) if moved else out
     weighted = clip.scale(emit, pg.per_sample, BatchDim(0))
     return emit(aten.sum.dim_IntList, weighted, [0], tag="clipped_sum")
 

@@ -10,15 +10,18 @@
    backward graph as a networkx DiGraph, removing the ``clipped_sum`` nodes must disconnect every
    data source (the tangents and every saved activation that carries the batch) from every gradient
    output; each output must descend from a ``noise_scale`` node whose factor is sigma * C and
-   whose input is a slice of a standard normal draw that no other parameter's slice overlaps
-   (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
+   whose input is a slice of a standard normal draw that no other parameter's slice overlaps,
+   or (CPU) from the graph's one ``dpfx::add_noise_`` call, with std sigma * C, one noised sum
+   per parameter (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the
+   graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
    factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` with the C of the
    parameter's clipping group, and the coefficient that scales the per-sample gradients that
    factor itself ("sum") or the factor times B (a "mean" loss's 1/B undone); every floating-point operand of a clipped sum that depends on
    the data must be ``where(isfinite(norm), ., 0)`` of its factor's norm (an example with a
    non-finite gradient adds exactly zero, not 0 * NaN); each output is exactly
-   (moves of its clipped sums + its noise_scale node) / D, nothing reweighting one against the
+   (moves of its clipped sums + its noise_scale node) / D, or the add_noise_ call's noised
+   clipped side with (multiplier, divisor) exactly 1/D, nothing reweighting one against the
    other (Note [The release is checked as a whole]); and, re-running the batch analysis on
    the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
    ``PrivacyError`` naming the parameter.
@@ -208,13 +211,18 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     if deferred and _tagged(graph, "noise"):
         raise PrivacyError("noise='optimizer' graphs must leave the noise to dpfx.DPOptimizer")
     noise_slices = []
+    calls = [n for n in graph.nodes if _is_add_noise(n)]
+    if len(calls) > 1:  # one key a step; Note [Noise added in place] (cpu_noise.py)
+        raise PrivacyError(f"the backward graph calls dpfx::add_noise_ {len(calls)} times, not "
+                           f"once: two calls could draw the same noise")
+    slots = {}          # (add_noise_ call, getitem index) -> the parameter it releases
     for name, out in grads.items():
         if out in leaked:
             path = _leak_path(cut, sources, out)
             raise PrivacyError(
                 f"the gradient of parameter '{name}' has a path from the data that bypasses "
                 f"per-sample clipping: {' -> '.join(n.name for n in path)}")
-        ancestors = nx.ancestors(g, out) | {out}
+        ancestors = _release_ancestors(g, out)
         mine = [c for c in clipped if c in ancestors]
         if not mine:
             raise PrivacyError(f"the gradient of parameter '{name}' does not depend on the clip "
@@ -230,7 +238,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                                    f"clipped sum that dpfx.DPOptimizer noises")
             continue
         scales = [n for n in ancestors if n.meta.get("dpfx") == "noise_scale"]
-        if not scales:
+        if not scales and not any(_is_add_noise(n) for n in ancestors):
             raise PrivacyError(f"no noise is added to the gradient of parameter '{name}'")
         for s in scales:
             noise_src, std = s.args
@@ -238,9 +246,38 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
             noise_slices.append((name, _noise_slice(name, noise_src)))
-        _check_release(name, out, an, config)
+        slot = _check_release(name, out, an, config)
+        if slot is not None:
+            if slot in slots:
+                raise PrivacyError(f"parameters '{slots[slot]}' and '{name}' share the noise of "
+                                   f"sum {slot[1] - 1} of {slot[0].name}")
+            slots[slot] = name
     _check_disjoint(noise_slices)
     _check_no_other_batch_mixing(gm, an)
+
+
+def _release_ancestors(g: nx.DiGraph, out: fx.Node) -> set[fx.Node]:
+    """What ``out`` is computed from. Through a dpfx::add_noise_ call, only the base that its
+    getitem releases counts (the call reads every parameter's clipped sum, but sum k's new
+    value depends on base k alone): otherwise each parameter would inherit every other one's
+    clipped sums and, with per-layer clipping, their bounds."""
+    seen, todo = {out}, [out]
+    while todo:
+        node = todo.pop()
+        if node.target is operator.getitem and _is_add_noise(node.args[0]) and \
+                isinstance(node.args[1], int) and \
+                1 <= node.args[1] <= len(node.args[0].kwargs.get("_all_bases", ())):
+            call = node.args[0]
+            inputs = [call.kwargs["_all_bases"][node.args[1] - 1]]
+            seen.add(call)
+            inputs += [x for x in (call.kwargs.get("divisor"),) if isinstance(x, fx.Node)]
+        else:
+            inputs = list(g.predecessors(node))
+        for a in inputs:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
 
 
 # Note [The release is checked as a whole]
@@ -254,7 +291,9 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
 # node added as it is, exactly one noise term, the clipped side reached from clipped_sum nodes
 # through norm-preserving data movement and adds of such sides only (a tied weight's uses, each
 # clipped sum once), one final scaling by 1/D (the configured expected batch size, or a division
-# by the batch size symbol; none for a "sum" loss), and a dtype cast.
+# by the batch size symbol; none for a "sum" loss), and a dtype cast. The CPU form (Note [Noise
+# added in place], cpu_noise.py) is cast?(moves(getitem(add_noise_ call, k + 1))) with the
+# call's std, multiplier and divisor pinned and its base k walked as the clipped side above.
 # (tests/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
 _RELEASE_MOVES = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -264,7 +303,8 @@ _RELEASE_MOVES = {
 }
 
 
-def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig) -> None:
+def _check_release(name: str, out: fx.Node, an: BatchAnalysis,
+                   config: DPConfig) -> tuple[fx.Node, int] | None:
     def refuse(why: str):
         raise PrivacyError(f"the gradient of parameter '{name}' is not (clipped sum + noise) / D "
                            f"as released: {why}")
@@ -272,6 +312,11 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
     node = out
     if node.target is prims.convert_element_type.default:
         node = node.args[0]
+    item = node     # the output itself may be a move (tagged private_grad)
+    while item.target in _RELEASE_MOVES and item.meta.get("dpfx") in (None, "private_grad"):
+        item = item.args[0]
+    if item.target is operator.getitem and _is_add_noise(item.args[0]):
+        return _check_release_in_place(name, item, an, config, refuse)
     if config.loss_reduction == "mean":
         if config.expected_batch_size is not None:
             exact = node.target is aten.mul.Tensor and isinstance(node.args[1], float) and \
@@ -292,6 +337,15 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
         stack = [node.args[1] if node.args[0] is noise[0] else node.args[0]]
     else:   # Note [The clipped sum accumulates into the noise] (passes/clip_noise.py)
         noise, stack = [], [node]
+    _walk_clipped_side(stack, noise, refuse)
+    if len(noise) != 1:
+        refuse(f"{len(noise)} noise terms reach it, not one")
+
+
+def _walk_clipped_side(stack: list, noise: list, refuse) -> None:
+    """Walk the clipped side of a release down to its clipped sums: adds of such sides and
+    norm-preserving moves only, each clipped sum once; a clipped sum accumulated into (moves of)
+    a noise_scale node appends that node to ``noise``."""
     reached = set()
     while stack:
         x = stack.pop()
@@ -313,8 +367,56 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig)
             stack.append(x.args[0])
         else:
             refuse(f"{x.name} = {x.target} lies between the clipped sum and the noise")
-    if len(noise) != 1:
-        refuse(f"{len(noise)} noise terms reach it, not one")
+
+
+def _is_add_noise(node) -> bool:
+    return isinstance(node, fx.Node) and \
+        node.target is torch.ops.higher_order.auto_functionalized_v2 and \
+        node.args[:1] == (torch.ops.dpfx.add_noise_.default,)
+
+
+def _check_release_in_place(name: str, item: fx.Node, an: BatchAnalysis, config: DPConfig,
+                            refuse) -> tuple[fx.Node, int]:
+    """The release of Note [Noise added in place] (cpu_noise.py): the output is cast?(moves(
+    getitem(call, k + 1))) of an auto_functionalized_v2 of dpfx::add_noise_ whose std is sigma *
+    C and whose (multiplier, divisor) is exactly 1/D, whose sum k is a whole base of its own (no
+    view of one), and whose base k is the clipped side of this parameter alone. Returns the
+    (call, index) slot, which no other parameter may take."""
+    call, index = item.args
+    kwargs = call.kwargs
+    bases = kwargs.get("_all_bases")
+    n = kwargs.get("_sums_length")
+    expected = {"std", "multiplier", "divisor", "_sums_length", "_all_bases",
+                *(f"_sums_{k}_base_index" for k in range(n if isinstance(n, int) else 0))}
+    if set(kwargs) != expected or not isinstance(bases, (list, tuple)) or len(bases) != n or \
+            any(kwargs[f"_sums_{k}_base_index"] != k for k in range(n)) or \
+            len(set(bases)) != n or len(call.args) != 1:
+        refuse(f"{call.name} is not one dpfx::add_noise_ over {n} whole, distinct sums")
+    if not isinstance(index, int) or not 1 <= index <= n:
+        refuse(f"{item.name} is not one of {call.name}'s noised sums")
+    if kwargs["std"] != config.noise_std:
+        raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): scale "
+                           f"{kwargs['std']}, expected {config.noise_std}")
+    multiplier, divisor = kwargs["multiplier"], kwargs["divisor"]
+    if config.loss_reduction == "mean" and config.expected_batch_size is not None:
+        exact = multiplier == 1.0 / config.expected_batch_size and _is_one(divisor)
+    elif config.loss_reduction == "mean":
+        val = divisor.meta.get("val") if isinstance(divisor, fx.Node) else None
+        exact = multiplier == 1.0 and isinstance(val, torch.SymInt) and \
+            an.size(val) == an.batch
+    else:
+        exact = multiplier == 1.0 and _is_one(divisor)
+    if not exact:
+        refuse(f"{call.name} scales by {multiplier} / {divisor}, not by 1/D")
+    noise = []
+    _walk_clipped_side([bases[index - 1]], noise, refuse)
+    if noise:
+        refuse(f"its clipped sum accumulates into noise before {call.name} adds more")
+    return call, index
+
+
+def _is_one(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x == 1
 
 
 # Clipped-sum ops that add their values into their first argument: index_put(base, ...,
