@@ -81,8 +81,15 @@ def explain(model: torch.nn.Module, *example_inputs, **options) -> Report:
 def _merge(costs: list[dict]) -> dict:
     if not costs:
         return {"form": "-", "flops": 0, "memory": 0}
-    return {"form": " + ".join(c["form"] for c in costs),
-            "flops": sum(c["flops"] for c in costs), "memory": sum(c["memory"] for c in costs)}
+    merged = {"form": " + ".join(c["form"] for c in costs),
+              "flops": sum(c["flops"] for c in costs), "memory": sum(c["memory"] for c in costs)}
+    if all("ghost_form" in c for c in costs):
+        # A tied parameter's uses, each in its ghost form, plus their cross terms (Note [Tied
+        # weights without per-sample gradients]): (B, R_k, R_l) Grams, not counted here.
+        merged.update(ghost_form=" + ".join(c["ghost_form"] for c in costs) + " + cross terms",
+                      ghost_flops=sum(c["ghost_flops"] for c in costs),
+                      ghost_memory=sum(c["ghost_memory"] for c in costs))
+    return merged
 
 
 def _pretty(expr) -> str:

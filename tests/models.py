@@ -46,6 +46,52 @@ class TiedMLP(nn.Module):
         return self.out(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
 
 
+class TiedLM(nn.Module):
+    """A token table that is also the LM head (GPT-2's tie): lookup, a Linear, the head on every
+    position (``last_only``: the last one), logits (B, T, V) or (B, V)."""
+
+    def __init__(self, vocab=7, d=8, last_only=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.last_only = last_only
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.tok(ids)))
+        if self.last_only:
+            h = h[:, -1]
+        return F.linear(h, self.tok.weight)
+
+
+class TiedAutoencoder(nn.Module):
+    """One matrix W (d, k) used as x @ W, h @ W.T and again as g @ W: a transposed use among
+    plain ones. Output (B, T, k), or its mean over T with ``pooled``."""
+
+    def __init__(self, d=6, k=3, pooled=False):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(d, k) / d ** 0.5)
+        self.pooled = pooled
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.W)
+        out = torch.tanh(h @ self.W.t()) @ self.W
+        return out.mean(1) if self.pooled else out
+
+
+class TwoLookupLM(nn.Module):
+    """One table looked up twice (the ids and their reversal) and used as the head of the pooled
+    state: two embedding uses and one mm use of one parameter."""
+
+    def __init__(self, vocab=9, d=4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.tok(ids.flip(1))
+        return F.linear(torch.tanh(self.mix(h)).mean(1), self.tok.weight)
+
+
 class MatmulParam(nn.Module):
     """A raw parameter used with ``@`` on a 3-D input (no nn.Linear)."""
 

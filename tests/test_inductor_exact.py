@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx
 from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
+from models import TiedAutoencoder, TiedLM, TwoLookupLM
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
 
@@ -60,7 +61,17 @@ CASES = [
     (MHAHead, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 16, 1]),   # B = heads, T, d
     (EmbeddingMHA, lambda b: torch.randint(0, 20, (b, 5)), [4, 2, 5, 8, 1]),
     (HeadSplit, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 8, 1]),
+    # Tied weights on the ghost strategy (Note [Tied weights without per-sample gradients]):
+    # the embedding x head cross term's gather, a transposed use, two lookups of one table.
+    (lambda: TiedLM(vocab=3, d=8, last_only=True), lambda b: torch.randint(0, 3, (b, 4)),
+     [4, 3, 8, 1], "ghost"),
+    (lambda: TiedAutoencoder(d=6, k=3, pooled=True), lambda b: torch.randn(b, 5, 6) * 2,
+     [5, 6, 3, 1], "ghost"),
+    (lambda: TwoLookupLM(vocab=3, d=4), lambda b: torch.randint(0, 3, (b, 4)), [4, 3, 1],
+     "ghost"),
 ]
+CASES = [c if len(c) == 4 else (*c, "auto") for c in CASES]
+CASE_IDS = ["MHAHead", "EmbeddingMHA", "HeadSplit", "TiedLM", "TiedAutoencoder", "TwoLookupLM"]
 
 
 @pytest.fixture
@@ -69,8 +80,8 @@ def fresh_inductor_cache(tmp_path, monkeypatch):
     yield
 
 
-def _step_exact(model, make_input, batches, C=0.05):
-    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0)
+def _step_exact(model, make_input, batches, C=0.05, strategy="auto"):
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, strategy=strategy)
     for b in batches:
         x, y = make_input(b), torch.randint(0, 3, (b,))
         got = run_dpfx(dp, model, F.cross_entropy, x, y)
@@ -90,16 +101,18 @@ def _forward_independent(dp, make_input, b):
     torch.testing.assert_close(a[1:], c[1:], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_cls,make_input,batches", CASES,
-                         ids=[c[0].__name__ for c in CASES])
-def test_exact_cold_and_warm_cache(fresh_inductor_cache, model_cls, make_input, batches):
+@pytest.mark.parametrize("model_cls,make_input,batches,strategy", CASES, ids=CASE_IDS)
+def test_exact_cold_and_warm_cache(fresh_inductor_cache, model_cls, make_input, batches,
+                                   strategy):
     torch.manual_seed(0)
     model = model_cls()
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    dp = _step_exact(model, make_input, batches)
+    dp = _step_exact(model, make_input, batches, strategy=strategy)
     _forward_independent(dp, make_input, batches[0])
+    tied = [pg for pg in dp._dpfx_backend.param_grads if len(pg.rules) > 1]
+    assert all(pg.strategy == "ghost" for pg in tied)
     torch._dynamo.reset()                        # same process, same cache dir: warm
-    dp = _step_exact(model, make_input, batches)
+    dp = _step_exact(model, make_input, batches, strategy=strategy)
     _forward_independent(dp, make_input, batches[0])
     assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 2
 

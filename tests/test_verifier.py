@@ -646,3 +646,42 @@ def test_in_place_release_that_skips_the_noise_is_rejected(monkeypatch):
     private = _route_output(result, name, base)
     with pytest.raises(dpfx.PrivacyError, match="no noise is added"):
         verify_backward(result.gm, result.analysis, private, config)
+
+
+def test_tied_ghost_release_and_norm_are_checked(monkeypatch):
+    """Note [Tied weights without per-sample gradients]: a tied table's release is the add of its
+    uses' clipped sums; one use amplified before the add is refused, and so is a norm that drops
+    a use (its clipped sum's operands are then outside what the clip factor was taken over)."""
+    from models import TiedLM
+    monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
+
+    def rewritten():
+        model = TiedLM(7, 8, last_only=True)
+        dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=1.0, backend="eager",
+                          strategy="ghost")
+        dp(torch.randint(0, 7, (3, 4)))
+        result = dp._dpfx_backend.last_backward
+        assert next(p for p in result.grads if p.name == "tok.weight").strategy == "ghost"
+        return result, dp.dp_config
+
+    result, config = rewritten()
+    verify_backward(result.gm, result.analysis, result.private, config)
+    sums = [n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clipped_sum"
+            and any(u.target is aten.add.Tensor for u in n.users)]
+    assert sums
+    doubled = _insert_before(result.gm, next(iter(sums[0].users)), aten.mul.Tensor, sums[0], 2.0)
+    for user in list(sums[0].users):
+        if user is not doubled and user.target is aten.add.Tensor:
+            user.replace_input_with(sums[0], doubled)
+    with pytest.raises(dpfx.PrivacyError, match="tok.weight.*lies between the clipped sum"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+
+    result, config = rewritten()
+    clamp = next(n for n in result.gm.graph.nodes if n.target is aten.clamp_min.default
+                 and n.meta["val"].dtype.is_floating_point)
+    total = clamp.args[0]
+    while total.target is aten.add.Tensor:
+        total = total.args[0]          # the first use's own ghost norm alone
+    clamp.args = (total, *clamp.args[1:])
+    with pytest.raises(dpfx.PrivacyError, match="not part of the per-sample norm"):
+        verify_backward(result.gm, result.analysis, result.private, config)

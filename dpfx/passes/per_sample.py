@@ -89,7 +89,7 @@ def rewrite_per_sample(ctx: RewriteContext, grads: list[ParamGrad],
     memo: dict[fx.Node, fx.Node | None] = {}
     for pg in grads:
         try:
-            if _plan_ghost(pg, ctx):
+            if _plan_ghost(pg, ctx) or _plan_tied_ghost(pg, ctx):
                 continue
             pg.per_sample = _by_lift_rules_or_chain(pg, ctx, memo)
             if pg.per_sample is None:
@@ -146,6 +146,127 @@ def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     pg.rules.append(rule.name)
     pg.costs.append(cost)
     return True
+
+
+# Note [Tied weights without per-sample gradients]
+# A parameter with several uses (GPT-2's token table, which is also its LM head) gets the sum of
+# the uses' weight-gradient products, G_i = sum_k G_ik, and before this the materialize strategy:
+# a (B, V, d) per-sample gradient (1.2 GB at GPT-2's V = 50257, d = 768, B = 8). Its squared norm
+# is ||G_i||^2 = sum_k ||G_ik||^2 + 2 sum_{k<l} <G_ik, G_il>. Each use's ghost form gives its own
+# term and its factors, G_ik = sum_r u_r (x) w_r (rows U_k and W_k: rules.Ghost.factors), and
+# <G_ik, G_il> = sum_{r,s} <u_r, u'_s> <w_r, w'_s> = sum(gram(U_k, U_l) * gram(W_k, W_l)): for
+# the head's mm, U = its output gradients and W = its inputs; for the embedding, U = one-hot rows
+# at the tokens, so against the head's U the inner products are a gather of the head's output
+# gradients at the tokens, (B, T, T), and the table is never built. The clipped sum is the sum of
+# the uses' book-keeping products under the one clip coefficient, each moved to the parameter's
+# shape as the captured graph moved it; the verifier already reads adds of distinct clipped sums
+# as one release. Eligible: a 2-D parameter whose gradient is adds of uses, each a frontier with
+# a ghost form, reached through casts, same-shape views and 2-D transposes (a transposed use
+# swaps its U and W). Anything else keeps the materialize strategy.
+# (tests/test_linear.py::test_tied_weights_ghost_matches_reference)
+_SAME_SHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+               aten.clone.default, aten.alias.default, prims.convert_element_type.default}
+
+
+def _tied_terms(pg: ParamGrad, ctx: RewriteContext) -> list | None:
+    """[(frontier, chain from it to the add, transposed)] for a gradient that adds >= 2 uses."""
+    an, shape = ctx.analysis, ctx.analysis.shape(pg.grad.meta["val"])
+    if len(shape) != 2:
+        return None
+    terms, stack = [], [pg.grad]
+    while stack:
+        node = stack.pop()
+        if node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs and \
+                (node is pg.grad or len(node.users) == 1) and \
+                all(isinstance(a, fx.Node) and a in an.data_dependent for a in node.args):
+            stack.extend(node.args)
+            continue
+        chain, flips = [], 0
+        while not any(an.is_batched(a) for a in _producer_inputs(node)):
+            if len(node.users) != 1 and node is not pg.grad:
+                return None
+            out, src = node.meta.get("val"), node.args[0] if node.args else None
+            if not isinstance(src, fx.Node) or src not in an.data_dependent or \
+                    not _is_2d(out) or not _is_2d(src.meta.get("val")):
+                return None
+            if node.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+                flips += 1
+            elif node.target not in _SAME_SHAPE or list(out.shape) != list(src.meta["val"].shape):
+                return None
+            chain.append(node)
+            node = src
+        if len(node.users) != 1 or not _is_2d(node.meta.get("val")):
+            return None
+        terms.append((node, chain[::-1], flips % 2 == 1))
+    return terms if len(terms) >= 2 else None
+
+
+def _is_2d(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() == 2
+
+
+def _plan_tied_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
+    """The ghost strategy for a parameter with several uses (Note [Tied weights without
+    per-sample gradients])."""
+    if ctx.strategy == "materialize":
+        return False
+    terms = _tied_terms(pg, ctx)
+    if terms is None:
+        return False
+    found = []
+    for frontier, _, _ in terms:
+        rule, _ = rules.find(frontier, ctx)
+        if rule is None or rule.ghost is None or not rule.ghost_factors or (
+                rule.ghost_check is not None and rule.ghost_check(frontier, ctx) is not None):
+            return False
+        found.append((rule, rule.cost(frontier, ctx)))
+    if ctx.strategy == "auto" and not (
+            sum(rules.at_nominal(c["ghost_memory"]) for _, c in found)
+            < sum(rules.at_nominal(c["memory"]) for _, c in found)):
+        return False
+    ghosts = [rule.ghost(frontier, ctx) for (rule, _), (frontier, _, _) in zip(found, terms)]
+    emit = ctx.emit
+    sides = []
+    for g, (_, _, flipped) in zip(ghosts, terms):
+        u, w = g.factors()
+        sides.append((w, u) if flipped else (u, w))
+    norm_sq = None
+    parts = [_widened(g.norm_sq, emit) for g in ghosts]
+    for k in range(len(ghosts)):
+        for m in range(k + 1, len(ghosts)):
+            cross = emit(aten.mul.Tensor, rules.gram(emit, sides[k][0], sides[m][0]),
+                         rules.gram(emit, sides[k][1], sides[m][1]))
+            cross = _widened(emit(aten.sum.dim_IntList, cross, [1, 2]), emit)
+            parts.append(emit(aten.mul.Tensor, cross, 2.0))
+    for part in parts:
+        norm_sq = part if norm_sq is None else emit(aten.add.Tensor, norm_sq, part)
+    # Rounding can leave an exactly cancelling example's sum a hair below 0: sqrt would make it
+    # NaN, and the example would be dropped as non-finite.
+    norm_sq = emit(aten.clamp_min.default, norm_sq, 0.0)
+
+    def clipped_sum(clip):
+        total = None
+        for g, (_, chain, _) in zip(ghosts, terms):
+            out = g.clipped_sum(clip)
+            for node in chain:
+                if node.target is not prims.convert_element_type.default:
+                    out = emit(node.target, out, *node.args[1:], **node.kwargs)
+            total = out if total is None else emit(aten.add.Tensor, total, out)
+        return total
+
+    pg.ghost = rules.Ghost(norm_sq, clipped_sum)
+    pg.strategy = "ghost"
+    pg.chain = []
+    pg.rules.extend(rule.name for rule, _ in found)
+    pg.costs.extend(cost for _, cost in found)
+    return True
+
+
+def _widened(node: fx.Node, emit) -> fx.Node:
+    dtype = torch.promote_types(node.meta["val"].dtype, torch.float32)
+    if node.meta["val"].dtype == dtype:
+        return node
+    return emit(prims.convert_element_type.default, node, dtype)
 
 
 def _frontier_rule(node: fx.Node, pg: ParamGrad, ctx: RewriteContext) -> rules.Rule:

@@ -40,6 +40,41 @@ class Ghost:
     # shape), where the product is an accumulation into a base: base + sum_i c_i * grad_i as one
     # node (Note [The clipped sum accumulates into the noise] in passes/clip_noise.py).
     clipped_into: Callable[["Clip", fx.Node], fx.Node] | None = None
+    # Example i's gradient as sum_r u_r (x) w_r, the two sides' rows (U, W); what a tied
+    # parameter's cross terms are taken from (Note [Tied weights without per-sample gradients]).
+    # Emitted on demand: a parameter that is not tied never needs them.
+    factors: Callable[[], tuple["Rows", "Rows"]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One side of a ghost form's factors: example i's R rows, either ``dense`` (B, R, dim) or
+    one-hot rows given by ``index`` (B, R) into ``dim`` (an embedding's tokens; rows whose
+    other-side row is zero may hold any index in range)."""
+    dense: fx.Node | None = None
+    index: fx.Node | None = None
+
+
+def gram(emit, x: Rows, y: Rows) -> fx.Node:
+    """(B, Rx, Ry): <x_r, y_s> for each example. One-hot rows are never built: against dense
+    rows the inner product is the dense row's entry at the index (a gather), against one-hot
+    rows it is index equality."""
+    aten = torch.ops.aten
+    if x.index is not None and y.index is not None:
+        same = emit(aten.eq.Tensor, emit(aten.unsqueeze.default, x.index, 2),
+                    emit(aten.unsqueeze.default, y.index, 1))
+        return emit(torch.ops.prims.convert_element_type.default, same, torch.float32)
+    if x.index is not None:
+        dense = emit(aten.permute.default, y.dense, [0, 2, 1])          # (B, dim, Ry)
+        batch, rows_x = x.index.meta["val"].shape
+        rows_y = y.dense.meta["val"].shape[1]
+        index = emit(aten.expand.default, emit(aten.unsqueeze.default, x.index, 2),
+                     [emit.size(emit.analysis.size(batch)), emit.size(emit.analysis.size(rows_x)),
+                      emit.size(emit.analysis.size(rows_y))])
+        return emit(aten.gather.default, dense, 1, index)
+    if y.index is not None:
+        return emit(aten.permute.default, gram(emit, y, x), [0, 2, 1])
+    return emit(aten.bmm.default, x.dense, emit(aten.permute.default, y.dense, [0, 2, 1]))
 
 
 # Note [Non-finite examples contribute zero]
@@ -110,6 +145,8 @@ class Rule:
     # ``ghost_check(node, ctx)`` returns None; ``cost`` then also states "ghost_memory".
     ghost: Callable[[fx.Node, Any], Ghost] | None = None
     ghost_check: Callable[[fx.Node, Any], str | None] | None = None
+    # The ghost form gives its factors (Ghost.factors), so a tied use can take it.
+    ghost_factors: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

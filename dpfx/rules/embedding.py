@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import Ghost, Rule, at_least_float32, register
+from . import Ghost, Rows, Rule, at_least_float32, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -245,7 +245,14 @@ def ghost_masked_put(node, ctx) -> Ghost:
         return emit(aten._unsafe_masked_index_put_accumulate.default, into_wide, mask, [idx],
                     scaled, tag="clipped_sum")
 
-    return Ghost(norm_sq, lambda clip: clipped_into(clip, base), clipped_into)
+    def factors():
+        # One-hot rows at the tokens' indices; a masked token's row is zero on the other side,
+        # so its index only needs to be in range for a gather (Rows).
+        last = emit.size(ctx.analysis.shape(base.meta["val"])[0] - 1)
+        clamped = emit(aten.clamp_max.default, emit(aten.clamp_min.default, flat_idx, 0), last)
+        return Rows(index=clamped), Rows(dense=rows)
+
+    return Ghost(norm_sq, lambda clip: clipped_into(clip, base), clipped_into, factors=factors)
 
 
 # -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
@@ -321,7 +328,8 @@ def ghost_check_masked_put(node, ctx) -> str | None:
 
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
                            check_masked_put, rewrite_masked_put, cost_masked_put,
-                           ghost=ghost_masked_put, ghost_check=ghost_check_masked_put))
+                           ghost=ghost_masked_put, ghost_check=ghost_check_masked_put,
+                           ghost_factors=True))
 INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_index_put.default),
                           check_index_put, rewrite_index_put, cost_index_put))
 DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),

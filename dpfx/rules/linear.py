@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Ghost, Rule, at_least_float32, register
+from . import Ghost, Rows, Rule, at_least_float32, register
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -91,8 +91,12 @@ def ghost_mm(node, ctx) -> Ghost:
         return emit(aten.mm.default, clip.mask(emit, a_wide, ctx.layout(a)), rows,
                     tag="clipped_sum")
 
-    return Ghost(norm_sq, clipped_sum)
+    def factors():     # G_i = A_i B_i = sum_r A_i[:, r] (x) B_i[r, :]
+        a3 = emit.batch_to_front(a, ctx.layout(a))
+        return Rows(dense=emit(aten.permute.default, a3, [0, 2, 1])), Rows(dense=b3)
+
+    return Ghost(norm_sq, clipped_sum, factors=factors)
 
 
 MM = register(Rule("mm", (aten.mm.default,), check_mm, rewrite_mm, cost_mm,
-                   ghost=ghost_mm, ghost_check=check_ghost_mm))
+                   ghost=ghost_mm, ghost_check=check_ghost_mm, ghost_factors=True))
