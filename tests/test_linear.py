@@ -146,6 +146,34 @@ def test_shared_input_is_processed_once(reduction):
         assert len(scaled) == 1, [n.format_node() for n in scaled]
 
 
+class TwoBiases(nn.Module):
+    """y = fc(x) + b1 + b2: both biases get the same gradient, so the same clipped sum node."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.b1 = nn.Parameter(torch.zeros(3))
+        self.b2 = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x) + self.b1 + self.b2
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_parameters_with_one_clipped_sum_get_their_own_noise(backend):
+    """The emitter shares the two biases' clipped sum; dpfx::add_noise_ then takes a copy of it
+    for the second, so each is noised on its own (a base passed twice is refused by the
+    verifier, and one noise for both would leave b1 - b2 noiseless)."""
+    model = TwoBiases()
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend=backend)
+    assert_close(run_dpfx(dp, model, mse, x, y),
+                 dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05))
+    noisy = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=1.0, backend=backend)
+    grads = run_dpfx(noisy, model, mse, x, y)
+    assert (grads["b1"] - grads["b2"]).abs().min() > 0
+
+
 def test_random_and_mutating_ops_are_never_shared():
     """The noise draw is emitted anew every time: two draws must stay two."""
     from dpfx.passes.emit import _pure_key

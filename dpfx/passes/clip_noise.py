@@ -180,6 +180,8 @@ def _noised_in_place(grads: list[ParamGrad], clipped: dict[str, torch.fx.Node], 
         base = clipped[pg.name]
         if base.meta["val"].dtype not in (torch.float32, torch.float64):
             base = emit(prims.convert_element_type.default, base, torch.float32)
+        if base in bases:   # two parameters with one clipped sum (x + b1 + b2; shared nodes):
+            base = emit(aten.clone.default, base, fresh=True)   # each is noised on its own
         bases.append(base)
     slots = {f"_sums_{k}_base_index": k for k in range(len(bases))}
     call = emit(torch.ops.higher_order.auto_functionalized_v2, torch.ops.dpfx.add_noise_.default,

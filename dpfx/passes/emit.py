@@ -90,11 +90,13 @@ class Emitter:
         self._cache: dict[Any, fx.Node] = {}
         self._emitted: dict[tuple, fx.Node] = {}
 
-    def __call__(self, op, *args, tag: str | None = None, **kwargs) -> fx.Node:
+    def __call__(self, op, *args, tag: str | None = None, fresh: bool = False,
+                 **kwargs) -> fx.Node:
+        """``fresh``: a new node even where an equal one exists (a copy that must be its own)."""
         if op is aten.permute.default and list(args[1]) == list(range(len(args[1]))):
             return args[0]
         # Note [Emitted nodes are shared]
-        key = _pure_key(op, args, kwargs, tag)
+        key = None if fresh else _pure_key(op, args, kwargs, tag)
         if key is not None and key in self._emitted:
             return self._emitted[key]
         with self.graph.inserting_before(self.before):
