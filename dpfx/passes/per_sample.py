@@ -198,6 +198,8 @@ def _tied_terms(pg: ParamGrad, ctx: RewriteContext) -> list | None:
         if len(node.users) != 1 or not _is_2d(node.meta.get("val")):
             return None
         terms.append((node, chain[::-1], flips % 2 == 1))
+    if len({frontier for frontier, _, _ in terms}) != len(terms):
+        return None     # one product added to itself: the materialize strategy handles it
     return terms if len(terms) >= 2 else None
 
 
