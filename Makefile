@@ -23,7 +23,7 @@ example: install
 	$(PYTHON) examples/train_digits.py
 
 test: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" --durations=15
 
 test-all: install
 	$(PYTHON) -m pytest -q

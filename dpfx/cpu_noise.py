@@ -23,82 +23,26 @@ unpredictable as before and a user's ``seed`` still makes it reproducible. ``DPO
 a statistical generator, not a cryptographic one: ``secure_mode`` (noise.py) remains the answer to
 an adversary who can see the generator.
 
-The kernel is compiled once per machine with the C compiler Inductor's CPU backend already
-needs (``DPFX_CC``, else ``CC``, else ``gcc``) and cached under ``DPFX_CACHE_DIR`` (default
-``~/.cache/dpfx``), keyed by the source, the flags, the compiler and the CPU. Without a working
-compiler ``standard_normal`` falls back to ``torch.randn`` on the same generator, with a
+The kernel is compiled once per machine (native.py: the C compiler Inductor's CPU backend
+already needs, cached under ``DPFX_CACHE_DIR``). Without a working compiler ``standard_normal``
+falls back to ``torch.randn`` on the same generator, with a
 ``RuntimeWarning``: the same distribution at ATen's speed, never weaker noise.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 
 import torch
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "philox_normal.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+from . import native
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("DPFX_CC"), os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-@functools.cache
+@functools.cache       # one warning per process
 def _library() -> ctypes.CDLL | None:
-    cc = _compiler()
-    if cc is None:
-        return _unavailable("no C compiler found (set DPFX_CC)")
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
-                                     platform.machine().encode(), _cpu_id().encode()]))
-    cache = os.environ.get("DPFX_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "dpfx")
-    path = os.path.join(cache, f"philox_normal_{key.hexdigest()[:20]}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        # Build beside the target and rename: concurrent processes (torchrun ranks) never load
-        # a half-written library.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        result = subprocess.run([cc, *_FLAGS, "-x", "c", _SOURCE, "-o", tmp, "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            return _unavailable(f"{cc} failed: {result.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(path)
-    lib.dpfx_philox_normal.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
-                                       ctypes.c_int]
-    lib.dpfx_philox_normal.restype = None
-    lib.dpfx_philox4x32_10.argtypes = [ctypes.c_void_p] * 3
-    lib.dpfx_philox4x32_10.restype = None
-    for name in ("dpfx_philox_add_noise_f32", "dpfx_philox_add_noise_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
-                       ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int]
-        fn.restype = None
-    return lib
+    lib = native.library()
+    return lib if lib is not None else _unavailable(native.why_unavailable())
 
 
 def _unavailable(why: str) -> None:

@@ -183,8 +183,52 @@ def test_inductor_conv2d():
     assert_conv_rule_fired(rules, bias=True)
 
 
+@settings(max_examples=150, deadline=None)
+@given(batch=st.sampled_from([0, 1, 2, 5]), channels=st.integers(1, 4),
+       size=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+       kernel=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+       dilation=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       padding=st.tuples(st.integers(0, 4), st.integers(0, 4)),
+       stride=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+       dtype=st.sampled_from([torch.float32, torch.float64]), layout=st.sampled_from(
+           ["contiguous", "transposed", "sliced"]), threads=st.sampled_from([1, 2]))
+def test_im2col_kernel_equals_aten(batch, channels, size, kernel, dilation, padding, stride,
+                                   dtype, layout, threads):
+    """dpfx's C im2col (csrc/im2col.c) equals ATen's bit for bit: every geometry, padding wider
+    than the kernel's reach, empty batches, non-contiguous inputs, 1 and 2 threads."""
+    if any(s + 2 * p - d * (k - 1) - 1 < 0
+           for s, k, d, p in zip(size, kernel, dilation, padding)):
+        return                                  # no output position: conv itself refuses
+    x = torch.randn(batch, channels, size[0], size[1] + 2, dtype=dtype)
+    x = {"contiguous": x[..., :size[1]].contiguous(), "sliced": x[..., 1:size[1] + 1],
+         "transposed": x[..., :size[1]].transpose(2, 3).contiguous().transpose(2, 3)}[layout]
+    args = (list(kernel), list(dilation), list(padding), list(stride))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.dpfx.im2col(x, *args)
+    finally:
+        torch.set_num_threads(before)
+    expected = torch.ops.aten.im2col(x, *args)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+
+
+def test_im2col_without_the_native_kernel_runs_aten(monkeypatch):
+    """No C compiler (native.library() is None), or a dtype the kernel lacks: ATen's values."""
+    x = torch.randn(3, 2, 5, 6)
+    args = ([3, 2], [1, 2], [1, 1], [2, 1])
+    expected = torch.ops.aten.im2col(x, *args)
+    assert convolution.native.library() is not None      # the CI machine has gcc
+    monkeypatch.setattr(convolution.native, "library", lambda: None)
+    assert torch.equal(torch.ops.dpfx.im2col(x, *args), expected)
+    monkeypatch.undo()
+    half = x.to(torch.bfloat16)
+    assert torch.equal(torch.ops.dpfx.im2col(half, *args), torch.ops.aten.im2col(half, *args))
+
+
 def test_inductor_conv2d_patches_by_im2col():
-    """2-D convolutions take their patches from dpfx::im2col (Note [Patches by ATen's im2col]),
+    """2-D convolutions take their patches from dpfx::im2col (Note [Patches by dpfx::im2col]),
     1-D ones from the unfold views; both equal the reference through Inductor, batch sizes
     colliding with the channel count included."""
     for conv, shape in ((nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=1), (3, 7, 7)),

@@ -14,7 +14,7 @@ zero-padded input into the patches each output position reads, then contract onl
     db_i    = g_i.sum(spatial dims)
 
 with P the number of output positions and K the kernel size, as one ``bmm`` over B*groups. A 2-D
-convolution's patches come from ATen's im2col (Note [Patches by ATen's im2col]); otherwise unfold
+convolution's patches come from dpfx::im2col (Note [Patches by dpfx::im2col]); otherwise unfold
 is ``aten.unfold`` once per spatial dim (window ``dilation*(k-1)+1``, step ``stride``) followed by a
 strided slice for dilation, so 1d, 2d and 3d convolutions share the code; ``padding="same"``,
 asymmetric padding and non-zero ``padding_mode`` reach the graph as a pad op *before* the
@@ -41,6 +41,7 @@ import operator
 import torch
 
 from . import Ghost, Rule, at_least_float32, at_nominal, register
+from .. import native
 from ..passes.batch import BatchDim
 
 aten = torch.ops.aten
@@ -146,15 +147,20 @@ def _patches(ctx, args: ConvArgs, positions: list):
     return x
 
 
-# Note [Patches by ATen's im2col]
+# Note [Patches by dpfx::im2col]
 # Inductor compiles the unfold views above into a gather whose innermost loop runs over the output
 # positions of one row (8 on the benchmark CNN's conv2) with masked 16-lane vectors and int64
 # index arithmetic for the padding: 4-6x slower than ATen's im2col kernel on the benchmark CNN's
 # three inputs at B=32 (0.8 vs 0.2 ms, 3.2 vs 0.8 ms, 1.9 vs 0.4 ms, one process, interleaved).
 # So 2-D convolutions (the shape im2col covers) take their patches from ``dpfx::im2col``, an
 # opaque op that Inductor calls as an extern kernel; 1-D/3-D and transposed convolutions keep the
-# views. The whole step gains less than the kernels' difference (CNN, B=32: 13.5 vs 13.9 ms in
-# one process on a shared machine; BENCHMARKS.md has the idle figures). The op maps example i's
+# views. On CPU the op runs dpfx's own kernel (csrc/im2col.c, via native.py): ATen's loops over
+# the examples serially and over each row's positions with a bounds test per pixel, while ours
+# splits the B*C*kh*kw rows across threads and copies each row's in-image span without tests
+# (benchmark CNN's inputs at B=32, 2 threads, AVX2 machine: 0.52 -> 0.19 ms, 1.20 -> 0.71 ms,
+# 0.80 -> 0.65 ms; the whole DP step 22-26 -> 19-20 ms). Every output is a copy or a zero, so it
+# equals ATen's bit for bit (tests/test_rule_convolution.py compares them over random geometry);
+# other dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
 # image to example i's patches only: the batch analysis carries dim 0 through it, and the
 # self-check compares the compiled graph with eager execution as for every other op.
 _LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
@@ -163,7 +169,22 @@ _LIBRARY.define("im2col(Tensor image, int[] kernel, int[] dilation, int[] paddin
 
 
 def _im2col(image, kernel, dilation, padding, stride):
-    return aten.im2col.default(image, kernel, dilation, padding, stride)
+    kernel_fn = _NATIVE_IM2COL.get(image.dtype) if image.device.type == "cpu" else None
+    lib = native.library() if kernel_fn else None
+    if lib is None or image.dim() != 4:
+        return aten.im2col.default(image, kernel, dilation, padding, stride)
+    out = image.new_empty(_im2col_shape(image, kernel, dilation, padding, stride))
+    if out.numel():
+        image = image.contiguous()
+        b, c, h, w = image.shape
+        oh, ow = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, d, p, s
+                  in zip((h, w), kernel, dilation, padding, stride))
+        getattr(lib, kernel_fn)(image.data_ptr(), out.data_ptr(), b, c, h, w, *kernel, *dilation,
+                                *padding, *stride, oh, ow, torch.get_num_threads())
+    return out
+
+
+_NATIVE_IM2COL = {torch.float32: "dpfx_im2col_f32", torch.float64: "dpfx_im2col_f64"}
 
 
 _LIBRARY.impl("im2col", _im2col, "CompositeExplicitAutograd")
@@ -192,7 +213,7 @@ def _unfolded(ctx, args: ConvArgs):
     num_positions = _product(ctx, positions)
     response = ctx.emit(aten.reshape.default, args.response,
                         [batch_groups, c_resp // g, num_positions])
-    if n == 2 and not args.transposed:     # Note [Patches by ATen's im2col]
+    if n == 2 and not args.transposed:     # Note [Patches by dpfx::im2col]
         patches = ctx.emit(torch.ops.dpfx.im2col.default, args.image, args.kernel,
                            args.dilation, args.padding, args.stride)
         if g > 1:
