@@ -6,6 +6,8 @@
 PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+# pytest worker processes for `make test` (pytest-xdist; each test file stays in one worker)
+JOBS ?= 2
 
 .PHONY: install example test test-all bench
 
@@ -23,10 +25,10 @@ example: install
 	$(PYTHON) examples/train_digits.py
 
 test: install
-	$(PYTHON) -m pytest -q -m "not slow" --durations=15
+	$(PYTHON) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=15
 
 test-all: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile
 
 bench: install
 	$(PYTHON) -m pip install --quiet -e ".[bench]"

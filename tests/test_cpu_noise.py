@@ -59,8 +59,50 @@ def test_normals_match_a_float64_reference(n):
     key = 0x0123456789ABCDEF
     got = cpu_noise.philox_normal(n, key)
     assert got.dtype == torch.float32 and got.shape == (n,)
-    # float32 uniforms (24-bit rounding) and libmvec's logf/cosf: a few ulp of z.
+    # float32 uniforms (24-bit rounding) and the kernel's own float32 log, sine and cosine
+    # (about 1 ulp each): a few ulp of z.
     torch.testing.assert_close(got.double(), _normal_reference(n, key), rtol=2e-5, atol=2e-5)
+
+
+def _philox_np(blocks, key, stream=0):
+    """The Python Philox above, over many blocks at once in numpy's uint64 arithmetic."""
+    np = pytest.importorskip("numpy")
+    c0, c1 = blocks & M32, blocks >> np.uint64(32)
+    c2, c3 = np.full_like(c0, stream), np.zeros_like(c0)
+    k0, k1 = key & M32, key >> 32
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(M32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(M32))
+        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+    return c0, c1, c2, c3
+
+
+def test_box_muller_is_accurate_over_a_million_normals():
+    """The kernel's own log, sine and cosine (Cephes polynomials, the angle reduced in turns)
+    against float64 Box-Muller on the uniforms of 2^18 Philox blocks: every quadrant, the
+    smallest uniforms and those next to 1. The compiler may round a uniform one ulp away from
+    this emulation of it (-ffast-math reassociates its scaling), so each pair is checked in
+    polar form with that ulp allowed for: the radius^2 = -2 ln u0 within 2 ulp(u0)/u0 + 1e-6
+    relative, the angle 2 pi u1 within 2 pi ulp(u1) + 2e-7. A wrong quadrant or polynomial is
+    off by orders of magnitude more."""
+    np = pytest.importorskip("numpy")
+    n, key = 4 << 18, 0x9E3779B97F4A7C15
+    got = cpu_noise.philox_normal(n, key).double().numpy().reshape(4, -1)
+    words = _philox_np(np.arange(n // 4, dtype=np.uint64), key)
+    # The kernel's uniform: two exact halves to float32, + 1/2, * 2^-32 (float32 throughout).
+    u = [((((w >> np.uint64(16)).astype(np.float32) * np.float32(65536)
+             + (w & np.uint64(0xFFFF)).astype(np.float32)) + np.float32(0.5))
+          * np.float32(2.0 ** -32)).astype(np.float64) for w in words]
+    for z_cos, z_sin, u_radius, u_angle in ((got[0], got[1], u[0], u[1]),
+                                            (got[2], got[3], u[2], u[3])):
+        radius2 = -2 * np.log(u_radius)
+        ulp = np.spacing(u_radius.astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(z_cos ** 2 + z_sin ** 2 - radius2)
+                      <= 2 * ulp / u_radius + 1e-6 * radius2)
+        turn = np.angle(np.exp(1j * (np.arctan2(z_sin, z_cos) - 2 * np.pi * u_angle)))
+        angle_ulp = 2 * np.pi * np.spacing(u_angle.astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(turn) <= angle_ulp + 2e-7)
 
 
 def test_output_does_not_depend_on_thread_count():
