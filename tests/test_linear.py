@@ -281,22 +281,46 @@ def test_raw_parameter_matmul_strategies(strategy):
     assert check(model, mse, x, y, C=0.1, reduction="mean", strategy=strategy)["w"] == ["mm"]
 
 
-def test_batch_second_layout():
-    """A model that runs its Linear on a (T, B, d) transpose: the flattened dim is T*B with the
-    batch as the *inner* factor, which the batch analysis must follow (outer=T)."""
+class TimeFirst(nn.Module):
+    """A Linear run on a (T, B, d) transpose: the weight gradient's contraction is over T*B with
+    the batch as the *inner* factor (outer=T), the layout of a seq-first layer."""
 
-    class TimeFirst(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
+    def __init__(self, d_in=4, d_out=3):
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
 
-        def forward(self, x):
-            return self.fc(x.transpose(0, 1)).transpose(0, 1).sum(1)
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1)).transpose(0, 1).sum(1)
 
+
+@SETTINGS
+@given(batch=st.integers(0, 6), T=st.integers(1, 4), reduction=st.sampled_from(["mean", "sum"]),
+       strategy=st.sampled_from(["auto", "materialize", "ghost"]))
+def test_batch_second_layout(batch, T, reduction, strategy):
+    """Both forms follow the time-major flattening: the materialized bmm and the book-keeping
+    product, whose clipped sum scales each example's rows where they lie in (T*B, out)."""
+    torch.manual_seed(batch * 10 + T)
     model = TimeFirst()
-    x = torch.randn(5, 3, 4)
-    y = torch.randn(5, 3)
-    assert check(model, mse, x, y, C=0.1, reduction="sum")["fc.weight"] == ["mm"]
+    x, y = torch.randn(batch, T, 4) * 3, torch.randn(batch, 3)
+    if batch:
+        assert clip_fraction(model, mse, x, y, 0.1) > 0.5
+    rules = check(model, mse, x, y, C=0.1, reduction=reduction, strategy=strategy,
+                  expected=None if batch or reduction == "sum" else 4)
+    assert rules["fc.weight"] == ["mm"]
+
+
+def test_batch_second_layout_ghost_through_inductor():
+    """The time-major book-keeping product compiled by Inductor, at batch sizes equal to T and to
+    the feature dims (a layout mix-up between B and T would go unseen at B != T)."""
+    model = TimeFirst()
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=3,
+                      strategy="ghost")
+    for batch in (3, 4, 0, 1, 5):
+        x, y = torch.randn(batch, 3, 4) * 3, torch.randn(batch, 3)
+        want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1, expected_batch_size=3)
+        assert_close(run_dpfx(dp, model, mse, x, y), want)
+    assert dp.compile_count == 2
+    assert {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}["fc.weight"] == "ghost"
 
 
 def test_frozen_parameters_take_no_part():

@@ -59,12 +59,6 @@ def cost_mm(node, ctx) -> dict:
     }
 
 
-def check_ghost_mm(node, ctx) -> str | None:
-    if ctx.layout(node.args[1]).outer != 1:
-        return "book-keeping needs the batch as the outer factor of the contracted dim"
-    return None
-
-
 def ghost_mm(node, ctx) -> Ghost:
     """||A_i^T G_i||_F^2 without the (B, M, N) per-sample gradients. With one row per example
     (R = 1) it factorizes as ||a_i||^2 ||g_i||^2; with R rows (a sequence) it is
@@ -84,9 +78,10 @@ def ghost_mm(node, ctx) -> Ghost:
         norm_sq = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_a, gram_b), [1, 2])
 
     def clipped_sum(clip):
-        scaled = clip.scale(emit, b3, BatchDim(0))
-        rows = emit(aten.reshape.default, scaled, [emit.size(s) for s in
-                                                   ctx.analysis.shape(b.meta["val"])])
+        # The rows are scaled where they are: each example's rows, wherever the flattening puts
+        # them (batch-major (B*T, N) or time-major (T*B, N), as a seq-first layer or the LSTM's
+        # stacked input projection has), so the mm keeps the original contraction.
+        rows = clip.scale(emit, b, ctx.layout(b))
         a_wide, rows = at_least_float32(emit, a, rows)
         return emit(aten.mm.default, clip.mask(emit, a_wide, ctx.layout(a)), rows,
                     tag="clipped_sum")
@@ -99,4 +94,4 @@ def ghost_mm(node, ctx) -> Ghost:
 
 
 MM = register(Rule("mm", (aten.mm.default,), check_mm, rewrite_mm, cost_mm,
-                   ghost=ghost_mm, ghost_check=check_ghost_mm, ghost_factors=True))
+                   ghost=ghost_mm, ghost_factors=True))
