@@ -266,10 +266,14 @@ def test_per_step_products_stacked_over_time(strategy, reduction):
                   expected=4)
     assert fired["rnn.weight_hh_l0"] == ["mm"]
     assert fired["rnn.bias_hh_l0"] == ["sum"]
-    rows = dpfx.explain(model, x, max_grad_norm=C, noise_multiplier=0.0, strategy=strategy).rows
-    row = next(r for r in rows if r.name == "rnn.weight_hh_l0")
+    report = dpfx.explain(model, x, max_grad_norm=C, noise_multiplier=0.0, strategy=strategy)
+    row = next(r for r in report.rows if r.name == "rnn.weight_hh_l0")
     assert row.strategy == strategy
     assert ("Gram [B, 5, 5]" if strategy == "ghost" else "bmm([B, 24, 5], [B, 5, 6])") in row.form
+    # The weight and its bias read the same 5 per-step gate gradients: one stacked copy (B, 5*24).
+    stacked = [line for line in report.graphs["backward.private"].splitlines()
+               if "f32[B, 120] = aten.cat(" in line]
+    assert len(stacked) == 1, stacked
 
 
 def test_lstm_proj_size():

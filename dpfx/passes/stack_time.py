@@ -89,13 +89,18 @@ def _stackable(root: fx.Node, an: BatchAnalysis) -> tuple[tuple, list[list[fx.No
 
 
 def _stacked(form: tuple, columns: list[list[fx.Node]], emit: Emitter,
-             an: BatchAnalysis) -> fx.Node:
+             an: BatchAnalysis, stacks: dict[tuple, fx.Node]) -> fx.Node:
     rows = emit.size(an.batch * len(columns[0]))
 
     def stack(parts):
-        width = an.shape(parts[0].meta["val"])[1]
-        return emit(aten.view.default, emit(aten.cat.default, parts, 1),
-                    [rows, emit.size(width)])   # (B, T*d) -> (B*T, d): row b*T + t is step t
+        # A bias and its weight read the same per-step output gradients: one stacked copy
+        # serves both (``stacks`` holds those emitted before an earlier gradient, so they
+        # dominate this one).
+        if tuple(parts) not in stacks:
+            width = an.shape(parts[0].meta["val"])[1]
+            stacks[tuple(parts)] = emit(aten.view.default, emit(aten.cat.default, parts, 1),
+                                        [rows, emit.size(width)])   # row b*T + t is step t
+        return stacks[tuple(parts)]
 
     stacked = [stack(column) for column in columns]
     if form[0] == "mm":
@@ -110,12 +115,13 @@ def stack_over_time(graph: fx.Graph, an: BatchAnalysis, fake_mode,
     """Replace every gradient in ``grads`` that is a sum of per-step products (see the module
     doc) by one stacked product. Returns {old gradient node: new one}; the caller re-runs the
     batch analysis when it is not empty."""
-    replaced = {}
-    for root in dict.fromkeys(grads):
+    replaced, stacks = {}, {}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for root in sorted(dict.fromkeys(grads), key=order.__getitem__):
         found = _stackable(root, an)
         if found is None:
             continue
-        new = _stacked(*found, Emitter(graph, fake_mode, an, before=root), an)
+        new = _stacked(*found, Emitter(graph, fake_mode, an, before=root), an, stacks)
         root.replace_all_uses_with(new)
         replaced[root] = new
     if replaced:

@@ -49,13 +49,16 @@ def cost_mm(node, ctx) -> dict:
     n = ctx.analysis.shape(b.meta["val"])[1]
     batch = ctx.analysis.batch
     r = k / batch
+    # Besides the two Grams, the ghost form is charged R*N for the second operand in (B, R, N),
+    # and, when the flattening is time-major (T*B), R*M for the copy of the first in (B, M, R).
+    held = r * n if ctx.layout(b).outer == 1 else r * (m + n)
     return {
         "form": f"bmm([B, {m}, {r}], [B, {r}, {n}])",
         "flops": 2 * m * k * n,
         "memory": batch * m * n,
         "ghost_form": "|a|^2 |g|^2" if r == 1 else f"<Gram [B, {r}, {r}], Gram [B, {r}, {r}]>",
         "ghost_flops": 2 * k * r * (m + n) + 2 * m * k * n,
-        "ghost_memory": batch * (2 * r * r + r * n) if r != 1 else batch * (n + 2),
+        "ghost_memory": batch * (2 * r * r + held) if r != 1 else batch * (n + 2),
     }
 
 
