@@ -27,7 +27,9 @@ Closing that hole uncovered one more site that had only worked because of the wr
 Inductor's bmm lowering asks whether an operand's layout suits the CPU kernel with a plain Python
 comparison of its strides (``48*u0 >= 48``), a hard guard on the batch. The answer only decides
 whether to copy the operand to contiguous first, so ``bmm_operands_contiguous`` makes that copy
-for operands whose sizes or strides hold an unbacked symbol, and the question is never asked.
+for operands whose matrix dims' sizes or strides hold an unbacked symbol, and the question is never
+asked; an operand whose batch appears only in dim 0 is left to Inductor's test, which then compares
+plain integers.
 
 # Note [dpfx's own FX-graph cache entries]
 Inductor's FX-graph cache keys on the graph and Inductor's config, not on the hook above, so an
@@ -98,7 +100,8 @@ def bmm_operands_contiguous():
 
     def lower_bmm(mat1, mat2, *args, **kwargs):
         operands = V.graph.current_node.args[:2]
-        if any(_has_unbacked(a.meta["val"]) for a in operands if isinstance(a, torch.fx.Node)):
+        if any(_unbacked_matrix_layout(a.meta["val"]) for a in operands
+               if isinstance(a, torch.fx.Node)):
             mat1 = ir.ExternKernel.require_contiguous(mat1)
             mat2 = ir.ExternKernel.require_contiguous(mat2)
         return original(mat1, mat2, *args, **kwargs)
@@ -110,8 +113,12 @@ def bmm_operands_contiguous():
         lowerings[bmm] = original
 
 
-def _has_unbacked(t: torch.Tensor) -> bool:
-    return bool(free_unbacked_symbols((*t.shape, *t.stride())))
+def _unbacked_matrix_layout(t: torch.Tensor) -> bool:
+    """Whether the sizes or strides Inductor's CPU bmm lowering compares (those of the matrix
+    dims, 1 and 2) hold an unbacked symbol. The batch dim's size and stride are never compared, so
+    an operand whose batch is only there (B, R, N), as a view or a transpose, keeps its layout and
+    is not copied (a time-major Gram operand was copied twice: 2 x B*R*N floats held at once)."""
+    return bool(free_unbacked_symbols((*t.shape[1:], *t.stride()[1:])))
 
 
 class _CacheKey(CustomGraphPass):
