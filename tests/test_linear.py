@@ -3,6 +3,8 @@
 Wide sweeps run on backend="eager" (the same rewritten graphs, no C++ compile); test_inductor.py
 runs a smaller set end to end through Inductor.
 """
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -321,6 +323,32 @@ def test_batch_second_layout_ghost_through_inductor():
         assert_close(run_dpfx(dp, model, mse, x, y), want)
     assert dp.compile_count == 2
     assert {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}["fc.weight"] == "ghost"
+
+
+def test_time_major_gram_operand_copied_once():
+    """Note [One batch-major copy per operand]: the Gram matrix of a time-major output gradient
+    reads it as X and X^T; Inductor's backward holds one batch-major (B, T, out) copy of it, not
+    one per read. Counted in the generated code: buffers of B*T*out entries with T=7, out=5."""
+    from torch._inductor.utils import run_and_get_code
+
+    T, d_out = 7, 5
+    model = TimeFirst(d_in=6, d_out=d_out)
+    x, y = torch.randn(4, T, 6), torch.randn(4, d_out)
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=4,
+                      strategy="ghost")
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1, expected_batch_size=4)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(run_dpfx, dp, model, mse, x, y)
+    assert_close(got, want)
+    backward = [c for c in codes if "bmm" in c]
+    assert len(backward) == 1
+    copies = 0
+    for sizes in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", backward[0]):
+        dims = [d.strip() for d in sizes.split(",") if d.strip()]
+        ints = sorted(int(d) for d in dims if d.isdigit() and d != "1")
+        symbolic = [d for d in dims if not d.isdigit()]
+        copies += len(symbolic) == 1 and symbolic[0].isidentifier() and ints == [d_out, T]
+    assert copies == 1
 
 
 def test_frozen_parameters_take_no_part():

@@ -146,8 +146,19 @@ class Emitter:
         raise RuntimeError(f"dpfx: cannot build the size expression {expr} in the graph")
 
     # -- layouts ---------------------------------------------------------------------------------
-    def batch_to_front(self, node: fx.Node, bd: BatchDim) -> fx.Node:
-        """(..., outer*B*inner at bd.dim, ...) -> (B, ..., outer*inner at bd.dim + 1, ...)."""
+    # Note [One batch-major copy per operand]
+    # A time-major operand (rows T*B, example i's rows strided B apart) reaches the front of the
+    # batch only through view -> permute -> reshape, which no strides can express: Inductor keeps
+    # it as a lazy index map and each consumer that needs memory realizes its own copy. A Gram
+    # matrix reads its operand twice (X and X^T), so the LSTM's stacked gate gradient (B, 32, 512)
+    # was copied twice, both copies live at the backward's peak. With ``copy=True`` the permuted
+    # tensor is cloned to contiguous in the graph: one buffer, which the reshape and the
+    # transpose then only view (tests/test_linear.py::test_time_major_gram_operand_copied_once).
+    def batch_to_front(self, node: fx.Node, bd: BatchDim, copy: bool = False) -> fx.Node:
+        """(..., outer*B*inner at bd.dim, ...) -> (B, ..., outer*inner at bd.dim + 1, ...).
+
+        ``copy``: where the batch is not the outer factor (a time-major ``T*B``), make the
+        batch-major tensor one contiguous copy (Note [One batch-major copy per operand])."""
         shape = self.analysis.shape(node.meta["val"])
         d, rank = bd.dim, len(shape)
         if bd.is_plain:
@@ -164,6 +175,8 @@ class Emitter:
         moved = self(aten.permute.default, viewed, perm)
         if bd.outer == 1:
             return moved
+        if copy:
+            moved = self(aten.clone.default, moved, memory_format=torch.contiguous_format)
         merged = [self.analysis.batch, *shape[:d], bd.outer * bd.inner, *shape[d + 1:]]
         return self(aten.reshape.default, moved, [self.size(s) for s in merged])
 

@@ -69,13 +69,15 @@ def ghost_mm(node, ctx) -> Ghost:
     same mm as the original weight gradient with the second operand's rows scaled by c_i."""
     emit = ctx.emit
     a, b = node.args[:2]
-    b3 = emit.batch_to_front(b, ctx.layout(b))  # (B, R, N)
+    # Both Gram operands read b3 (and a3) twice, as itself and transposed: one copy each
+    # (Note [One batch-major copy per operand], emit.py).
+    b3 = emit.batch_to_front(b, ctx.layout(b), copy=True)  # (B, R, N)
     r = ctx.analysis.shape(b3.meta["val"])[1]
     if r == 1:     # shared with the bias's norm: Note [One squared norm per tensor] (emit.py)
         norm_sq = emit(aten.mul.Tensor, emit.squared_norm(a, ctx.layout(a), widen=False),
                        emit.squared_norm(b, ctx.layout(b), widen=False))
     else:
-        a3 = emit.batch_to_front(a, ctx.layout(a))  # (B, M, R)
+        a3 = emit.batch_to_front(a, ctx.layout(a), copy=True)  # (B, M, R)
         gram_a = emit(aten.bmm.default, emit(aten.permute.default, a3, [0, 2, 1]), a3)
         gram_b = emit(aten.bmm.default, b3, emit(aten.permute.default, b3, [0, 2, 1]))
         norm_sq = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, gram_a, gram_b), [1, 2])
@@ -90,7 +92,7 @@ def ghost_mm(node, ctx) -> Ghost:
                     tag="clipped_sum")
 
     def factors():     # G_i = A_i B_i = sum_r A_i[:, r] (x) B_i[r, :]
-        a3 = emit.batch_to_front(a, ctx.layout(a))
+        a3 = emit.batch_to_front(a, ctx.layout(a), copy=True)
         return Rows(dense=emit(aten.permute.default, a3, [0, 2, 1])), Rows(dense=b3)
 
     return Ghost(norm_sq, clipped_sum, factors=factors)
