@@ -245,7 +245,58 @@ def test_inductor_conv2d_patches_by_im2col():
             assert_close(run_dpfx(dp, model, xent, x, y),
                          dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-2))
             backward = dp._dpfx_backend.stages.graphs["backward.private"]
-            assert ("dpfx.im2col" in backward) == (conv.weight.dim() == 4), backward
+            assert ("dpfx.conv2d_per_sample_grad" in backward) == (conv.weight.dim() == 4), \
+                backward
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(batch=st.sampled_from([0, 1, 2, 5, 7]), groups=st.sampled_from([1, 2]),
+       channels=st.integers(1, 2), size=st.integers(3, 7), kernel=st.integers(1, 3),
+       stride=st.integers(1, 2), padding=st.integers(0, 1),
+       dtype=st.sampled_from([torch.float32, torch.float64]),
+       chunk_examples=st.sampled_from([1, 2, 3, 100]))
+def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel, stride,
+                                          padding, dtype, chunk_examples):
+    """Note [Per-sample conv2d gradients in chunks of examples]: the fused op equals the patches
+    of the whole batch times the response, for chunks of 1, 2, 3 examples and one chunk, batch
+    sizes that leave a short last chunk, and groups."""
+    c_img, c_resp = channels * groups, 3 * groups
+    x = torch.randn(batch, c_img, size, size + 1, dtype=dtype)
+    args = ([kernel, kernel], [1, 1], [padding, padding], [stride, stride])
+    patches = torch.ops.aten.im2col(x, *args)                       # (B, C*K, P)
+    positions = patches.shape[-1]
+    response = torch.randn(batch * groups, c_resp // groups, positions, dtype=dtype)
+    expected = torch.bmm(response, patches.reshape(batch * groups, c_img // groups * kernel ** 2,
+                                                   positions).transpose(1, 2))
+    per_example = x.element_size() * patches[:1].numel()
+    before = convolution._CHUNK_BYTES
+    convolution._CHUNK_BYTES = chunk_examples * per_example
+    try:
+        got = torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, groups)
+    finally:
+        convolution._CHUNK_BYTES = before
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected)
+
+
+def test_per_sample_conv2d_chunks_through_inductor(monkeypatch):
+    """The chunked op as Inductor runs it: several chunks (the chunk size is read at run time),
+    batch sizes colliding with the channel count and with the chunk, both strategies that use
+    the product (materialize, and the ghost norm taken directly of it for a large image)."""
+    monkeypatch.setattr(convolution, "_CHUNK_BYTES", 2 * 4 * 3 * 9 * 49)   # two examples
+    for strategy in ("materialize", "ghost"):
+        torch._dynamo.reset()
+        for batch in (3, 2, 0, 1, 5):
+            x, y = torch.randn(batch, 3, 14, 14) * 3, labels(batch)
+            torch.manual_seed(0)
+            model = conv_classifier(nn.Conv2d(3, 3, 3, stride=2, padding=1), x)
+            dp = dpfx.compile(model, max_grad_norm=1e-2, noise_multiplier=0.0, strategy=strategy,
+                              expected_batch_size=3)
+            assert_close(run_dpfx(dp, model, xent, x, y),
+                         dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-2,
+                                      expected_batch_size=3))
+            backward = dp._dpfx_backend.stages.graphs["backward.private"]
+            assert "dpfx.conv2d_per_sample_grad" in backward, backward
 
 
 @pytest.mark.parametrize("which", ["input", "weight"])
