@@ -209,11 +209,11 @@ def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
 # ``dpfx::conv2d_per_sample_grad`` fuses the two: it unfolds chunks of whole examples of at most
 # _CHUNK_BYTES of patches (at least one example; equal chunks) and writes each chunk's products
 # straight into the (B*groups, C_resp/g, C_img/g*K) output, so the patches no longer grow with B
-# and each chunk is read back while still in cache. Measured (2 threads, AVX2 machine, min of 3
-# medians): that layer 72.5 -> 39.3 ms, 64 -> 64 channels on 16x16 at B = 64 (36 MiB of patches)
-# 19.9 -> 14.7 ms; 1 MiB chunks were slower (52.4, 14.7 ms: more, smaller bmm calls), 16 MiB too
-# (58.8, 16.6). Under 4 MiB of patches there is one chunk, the old computation plus about 10 us
-# of op dispatch. Each example's product is the same bmm of the same operands as before.
+# and each chunk is read back while still in cache. Measured (benchmarks/conv_product.py, 2
+# threads, AVX2 machine, three runs): that layer 72.5-80.8 -> 39.3-45.3 ms, 64 -> 64 channels on
+# 16x16 at B = 64 (36 MiB of patches) 19.5-30.2 -> 14.7-18.7 ms; 1 MiB chunks were slower on the
+# first (48.9-65.9 ms: more, smaller bmm calls), 16 MiB chunks on both. Under 4 MiB of patches
+# there is one chunk: the old computation plus about 10 us of op dispatch. Each example's product is the same bmm of the same operands as before.
 # Example i's output reads example i's image and response only (the batch analysis carries dim
 # 0 through it as through bmm; the self-check compares the compiled graph with eager).
 # (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
