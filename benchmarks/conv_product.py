@@ -28,7 +28,7 @@ from dpfx.rules import convolution  # noqa: E402
 # CIFAR-sized ResNets whose patches reach tens of MiB.
 SHAPES = [(32, 3, 32, 32, 2), (32, 32, 16, 64, 2), (32, 64, 8, 64, 2),
           (64, 64, 16, 64, 1), (32, 64, 32, 128, 1)]
-CHUNKS_MIB = (1, 4, 16)
+CHUNKS_MIB = (1, 2, 4, 16)
 
 
 def _median_ms(fn, calls: int) -> float:

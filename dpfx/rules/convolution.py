@@ -210,14 +210,17 @@ def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
 # _CHUNK_BYTES of patches (at least one example; equal chunks) and writes each chunk's products
 # straight into the (B*groups, C_resp/g, C_img/g*K) output, so the patches no longer grow with B
 # and each chunk is read back while still in cache. Measured (benchmarks/conv_product.py, 2
-# threads, AVX2 machine, three runs): that layer 72.5-80.8 -> 39.3-45.3 ms, 64 -> 64 channels on
-# 16x16 at B = 64 (36 MiB of patches) 19.5-30.2 -> 14.7-18.7 ms; 1 MiB chunks were slower on the
-# first (48.9-65.9 ms: more, smaller bmm calls), 16 MiB chunks on both. Under 4 MiB of patches
-# there is one chunk: the old computation plus about 10 us of op dispatch. Each example's product is the same bmm of the same operands as before.
+# threads, AVX2 machine, three runs): that layer 68.6-80.8 -> 36.4-48.9 ms with 1-4 MiB chunks,
+# 64 -> 64 channels on 16x16 at B = 64 (36 MiB of patches) 19.5-30.6 -> 13.1-18.7 ms; 16 MiB
+# chunks were slower. 1 MiB on CPU, because the op's inputs stay alive until it returns where
+# the two ops it replaces freed the image after the unfold: on the benchmark CNN (conv2: 2.2 MiB
+# of patches at B = 32) one 4 MiB chunk raised the step's memory peak from 6.3 to 6.9 MB, three
+# 1 MiB chunks leave it where it was. Small layers (one chunk) pay about 10 us of op dispatch.
 # Example i's output reads example i's image and response only (the batch analysis carries dim
 # 0 through it as through bmm; the self-check compares the compiled graph with eager).
 # (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 1 << 20              # CPU: a chunk's patches stay in the cores' caches
+_CHUNK_BYTES_ACCELERATOR = 64 << 20  # GPU: fewer, larger launches; still bounded in B
 _LIBRARY.define("conv2d_per_sample_grad(Tensor response, Tensor image, int[] kernel, "
                 "int[] dilation, int[] padding, int[] stride, int groups) -> Tensor")
 
@@ -229,7 +232,8 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
         return out
     # (C*K, P) patches per example; chunks of equal size, so no small last one
     per_example = image.element_size() * out.shape[2] * groups * response.shape[2]
-    chunks = -(-batch * per_example // _CHUNK_BYTES)
+    budget = _CHUNK_BYTES if image.device.type == "cpu" else _CHUNK_BYTES_ACCELERATOR
+    chunks = -(-batch * per_example // budget)
     chunk = -(-batch // chunks)
     if chunk >= batch:
         patches = _im2col(image, kernel, dilation, padding, stride)
