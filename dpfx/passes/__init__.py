@@ -25,6 +25,7 @@ from .batch import BatchAnalysis, BatchDim, Layout
 from .clip_noise import insert_clip_and_noise
 from .emit import Emitter
 from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
+from .schedule import place_norms_early
 from .stack_time import stack_over_time
 from .verify import check_forward, forward_problems, module_of, verify_backward
 
@@ -161,6 +162,7 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     output.args = (tuple(outs),)
     gm.graph.eliminate_dead_code()
     _drop_dead_convolution_outputs(gm.graph)
+    place_norms_early(gm.graph)
     gm.recompile()
     stages.record("backward.private", gm, fw.batch_symbols, names)
 
