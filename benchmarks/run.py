@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -151,7 +152,14 @@ def fail(res: dict, e: BaseException, phase: str) -> None:
     res["status"] = "fails"
     res["error"] = short_error(e)
     res["failed_in"] = phase
-    res["traceback"] = traceback.format_exc(limit=-6)
+    res["traceback"] = _relative_paths(traceback.format_exc(limit=-6))
+
+
+def _relative_paths(text: str) -> str:
+    """Results files are committed: a traceback names files from site-packages or the
+    repository, never the machine's own directories."""
+    text = re.sub(r'File "[^"]*/site-packages/', 'File "site-packages/', text)
+    return text.replace(os.path.dirname(HERE) + os.sep, "")
 
 
 def worker(args) -> None:
