@@ -143,3 +143,33 @@ def test_a_gram_without_its_partner_stays_down():
              and n.meta["val"].shape[1] == n.meta["val"].shape[2]]
     assert len(grams) >= 2
     assert all(pos[g] > last_original for g in grams)
+
+
+class LookupHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.fc(self.emb(tokens).mean(1))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_clipped_sums_smallest_parameter_first(backend):
+    """Each clipped sum allocates its parameter-sized output: the largest (the embedding's table,
+    first among the parameters) is emitted last, once the other sums' per-example operands are
+    free. The values are the reference's; the noise keeps the parameters' order."""
+    torch.manual_seed(0)
+    model = LookupHead()
+    x, y = torch.randint(0, 50, (6, 4)), torch.randint(0, 3, (6,))
+    assert clip_fraction(model, xent, x, y, 0.05) > 0.5
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=6,
+                      backend=backend)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got = run_dpfx(dp, model, xent, x, y)
+    assert_close(got, dp_sgd_grads(model, xent, x, y, max_grad_norm=0.05,
+                                   expected_batch_size=6))
+    graph = dp._dpfx_backend.last_backward.gm.graph
+    sizes = [n.meta["val"].numel() for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"]
+    assert len(sizes) == 3 and sizes == sorted(sizes), sizes

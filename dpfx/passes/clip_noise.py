@@ -47,7 +47,7 @@ import torch
 
 from .. import cpu_noise, stats  # noqa: F401  (register dpfx::standard_normal, ::observe_norms)
 from ..config import CLIP_EPS, DPConfig
-from ..rules import Clip
+from ..rules import Clip, at_nominal
 from .batch import BatchDim
 from .emit import Emitter
 from .per_sample import ParamGrad
@@ -112,9 +112,15 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE
     into = {pg.name for pg in grads if config.noise != "optimizer" and not in_place
             and pg.strategy == "ghost" and pg.ghost.clipped_into is not None}
-    clipped = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
-                                     moved=not in_place)
-               for pg in grads if pg.name not in into}
+    # Smallest parameter first: each clipped sum allocates its parameter-sized output and
+    # frees the per-example operands it read last, so the largest outputs (an embedding's
+    # table) are allocated once the others' operands are gone. The noise keeps the parameters'
+    # order (stream k is parameter k's).
+    order = sorted((pg for pg in grads if pg.name not in into),
+                   key=lambda pg: at_nominal(sympy.Mul(*emit.analysis.shape(pg.grad.meta["val"]))))
+    emitted = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
+                                     moved=not in_place) for pg in order}
+    clipped = {pg.name: emitted[pg.name] for pg in grads if pg.name in emitted}
     if config.noise == "optimizer":
         return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
     std = config.noise_std
