@@ -14,10 +14,16 @@ inputs die where the original backward's last use of them is, and holds at most 
 place. A node that grows (a materialized per-sample gradient (B, out, in) from (B, T, *) rows
 with T < out, in, or a convolution's) stays at the end: run early, it would coincide with the
 layer's own backward kernels (measured on a GroupNorm CNN: 6.6 -> 9.0 MB when every emitted node
-moved) and hold more than its inputs until the clip. Nothing downstream of a clip coefficient
-moves: the clipped sums and the noise stay in emission order, one book-keeping product at a time.
-Moving a node only earlier, and never above an input, keeps the order topological; the values are
-unchanged. (tests/test_schedule.py)
+moved) and hold more than its inputs until the clip. Then each moved node whose early place
+frees less than it holds goes back down, to just before its first reader: what it frees is every
+input whose storage it is the last to read, counted at the input's size for a tensor of the
+original backward and at what the input itself freed for one that moved with it. So a copy made
+early only for a Gram, whose partner Gram (of a convolution's patches) is late, goes back down
+with that Gram: together they free nothing the book-keeping product does not read again.
+Nothing downstream of a clip coefficient moves: the clipped sums and the noise stay in emission
+order, one book-keeping product at a time. Moving a node up, never above an input, and back
+down, never below a reader, keeps the order topological; the values are unchanged.
+(tests/test_schedule.py)
 """
 from __future__ import annotations
 
