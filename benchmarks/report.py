@@ -89,17 +89,17 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
 def summary(results: list[dict]) -> list[str]:
     """dpfx's ratios to the baseline beside issue 18's targets, and the fastest private peer."""
     lines = ["## Summary: dpfx against its targets", "",
-             "| model | B | step x base (target) | fastest peer, x base | first step x "
-             f"(target {FIRST_STEP_TARGET}) | warm first step, dpfx / base (s) | step mem x "
-             f"(target {MEMORY_TARGET}) | LSTM: x ATen's fused kernel |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| model | B | step x base (target) | noise alone, x base | fastest peer, x base "
+             f"| first step x (target {FIRST_STEP_TARGET}) | warm first step, dpfx / base (s) "
+             f"| step mem x (target {MEMORY_TARGET}) | LSTM: x ATen's fused kernel |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     mark = lambda v, t: "" if v is None else f"{v:.2f} {'met' if v <= t else 'NOT met'}"
     for r in results:
         if r["method"] != "dpfx":
             continue
         same = [o for o in results if (o["model"], o["batch"]) == (r["model"], r["batch"])]
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['batch']} | dpfx fails |" + " |" * 5)
+            lines.append(f"| {r['model']} | {r['batch']} | dpfx fails |" + " |" * 6)
             continue
         base = next((o for o in same if o["method"] == baseline_of(r["model"])), {})
         peers = [o for o in same if o["status"] == "ok" and o.get("ratio_to_baseline")
@@ -110,6 +110,7 @@ def summary(results: list[dict]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['batch']} | "
             f"{mark(r.get('ratio_to_baseline'), target or float('inf'))} ({target}) | "
+            f"{fmt(r.get('noise_ratio'), '.2f')} | "
             + (f"{peer['label']} {peer['ratio_to_baseline']:.2f}" if peer else "")
             + f" | {mark(r.get('first_step_ratio'), FIRST_STEP_TARGET)} | "
             f"{fmt(r.get('first_step_warm_s'), '.1f')} / {fmt(base.get('first_step_warm_s'), '.1f')}"
@@ -182,3 +183,5 @@ def add_ratios(name: str, rows: list[dict]) -> None:
         if baseline:
             r["first_step_ratio"] = r["first_step_s"] / baseline["first_step_s"]
             r["memory_ratio"] = r["step_peak_mb"] / max(baseline["step_peak_mb"], 1e-9)
+            if r.get("noise_ms") is not None:
+                r["noise_ratio"] = r["noise_ms"] / baseline["median_ms"]

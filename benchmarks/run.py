@@ -32,6 +32,11 @@ Measurements, per (model, batch, method):
   captures it, compiled without DP (Note [The LSTM's baseline] in models.py). first x and mem x:
   first step and step memory over the same baseline's. The summary at the top of results.md
   sets dpfx's ratios beside issue 18's targets.
+- noise alone: dpfx's noise call (``dpfx::add_noise_`` over the model's trainable parameters,
+  one N(0, 1) sample per coordinate) timed by itself between dpfx's timed blocks, as many times
+  as dpfx's steps, over the baseline's median step. DP-SGD cannot skip it, so it bounds from
+  below what any private step costs over the baseline on this machine: a row whose target minus
+  1 is smaller than this figure cannot meet it with exact per-coordinate Gaussian noise.
 - step memory: peak bytes of tensor memory live during one steady-state step above what was
   live when the step began, from the CPU allocator's own accounting (torch.profiler with
   profile_memory=True records every allocation and free of the c10 CPU allocator, Inductor's
@@ -203,6 +208,8 @@ def worker(args) -> None:
               f"{'ok' if method in live else 'FAILS ' + res['error']}", flush=True)
 
     times = {method: [] for method in live}
+    noise = noise_draw(live["dpfx"][1]) if "dpfx" in live else None
+    noise_times = []
     graphs_before = methods.unique_graphs()
     rounds = math.ceil(args.steps / args.block)
     for r in range(rounds):
@@ -219,6 +226,12 @@ def worker(args) -> None:
             except Exception as e:
                 fail(results[method], e, "timed steps")
                 del live[method]
+                continue
+            if method == "dpfx":      # the same number of noise draws alone, under the same load
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    noise()
+                    noise_times.append(time.perf_counter() - t0)
     # dynamo's counter is process-wide: any graph compiled during the timed steps is a recompile
     graphs_during_timing = methods.unique_graphs() - graphs_before
 
@@ -231,6 +244,8 @@ def worker(args) -> None:
         res["max_ms"] = 1e3 * t[-1]
         quartiles = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
         res["q1_ms"], res["q3_ms"] = 1e3 * quartiles[0], 1e3 * quartiles[2]
+        if method == "dpfx" and noise_times:
+            res["noise_ms"] = 1e3 * statistics.median(noise_times)
         progress.mark(method, "memory")
         try:
             res["step_peak_mb"] = step_peak_bytes(m.step, x, y) / 2**20
@@ -250,6 +265,17 @@ def worker(args) -> None:
     with open(args.jsonl, "w") as f:
         for method in args.methods:
             f.write(json.dumps(results[method]) + "\n")
+
+
+def noise_draw(model):
+    """One release's noise alone: ``dpfx::add_noise_`` over buffers shaped like the model's
+    trainable parameters, the call dpfx's backward graph makes once a step. Its time is the
+    part of a DP step no schedule can remove: one Gaussian sample per parameter."""
+    import torch
+
+    sums = [torch.zeros_like(p, memory_format=torch.contiguous_format)
+            for p in model.parameters() if p.requires_grad]
+    return lambda: torch.ops.dpfx.add_noise_(sums, 1.0, 1.0, 1)
 
 
 def first_steps_with_warm_cache(args, progress) -> None:

@@ -1,0 +1,86 @@
+"""What the memory layout costs ATen's convolution backward on the benchmark CNN's shapes.
+
+    python benchmarks/conv_layout.py                 # B = 32, the quick run's CNN batch
+    python benchmarks/conv_layout.py --batch 64 --reps 50
+
+dpfx's graphs keep convolutions in the default (NCHW) layout: with the batch unbacked, torch
+traces a convolution's output as contiguous while the kernel returns channels-last for a
+channels-last input (dpfx refuses such inputs, api.py), and Inductor's layout optimization, which
+converts a convolution's operands to channels-last, miscompiles Conv2d then (lowering.py,
+INDUCTOR_PATCHES). Non-private torch.compile with static shapes runs every convolution
+channels-last. This script times the backward calls of both graphs on the CNN's shapes
+(models.CNN: 3->32->64->64, 3x3, stride 2, on 32x32) in both layouts, one call at a time:
+the allocator's peak during the call (its outputs and its scratch, via torch.profiler), and the
+median time.
+
+- input grad: ``output_mask=[True, False, False]``, dpfx's call for conv2 and conv3 (the weight
+  gradients come from dpfx's per-sample or ghost rules);
+- weight grad: ``[False, True, False]``, dpfx's ghost clipped sum (conv3);
+- all: ``[True, True, True]``, the non-private backward's call.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+CL = torch.channels_last
+# (name, C_in, C_out, input side): models.CNN's convolutions, 3x3, stride 2, padding 1
+CONVS = [("conv2", 32, 64, 16), ("conv3", 64, 64, 8)]
+MASKS = {"input grad": [True, False, False], "weight grad": [False, True, False],
+         "all": [True, True, True]}
+
+
+def peak_bytes(fn) -> int:
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"B={args.batch}, torch {torch.__version__}, {args.threads} threads\n")
+    print("| conv | call | layout | peak during the call (MB) | median (ms) |")
+    print("|---|---|---|---:|---:|")
+    for name, c_in, c_out, side in CONVS:
+        g = torch.randn(args.batch, c_out, side // 2, side // 2)
+        x = torch.randn(args.batch, c_in, side, side)
+        w = torch.randn(c_out, c_in, 3, 3)
+        for call, mask in MASKS.items():
+            for layout, (gg, xx, ww) in (("NCHW", (g, x, w)), ("channels-last", tuple(
+                    t.contiguous(memory_format=CL) for t in (g, x, w)))):
+                def run():
+                    return torch.ops.aten.convolution_backward(
+                        gg, xx, ww, [c_out], (2, 2), (1, 1), (1, 1), False, (0, 0), 1, mask)
+                print(f"| {name} | {call} | {layout} | {peak_bytes(run) / 1e6:.3f} | "
+                      f"{median_ms(run, args.reps):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
