@@ -16,7 +16,13 @@ median time.
 - input grad: ``output_mask=[True, False, False]``, dpfx's call for conv2 and conv3 (the weight
   gradients come from dpfx's per-sample or ghost rules);
 - weight grad: ``[False, True, False]``, dpfx's ghost clipped sum (conv3);
-- all: ``[True, True, True]``, the non-private backward's call.
+- all: ``[True, True, True]``, the non-private backward's call;
+- dpfx op: ``dpfx::conv2d_input_grad`` (Note [Conv2d input gradients in channels-last] in
+  rules/convolution.py), NCHW in and out, channels-last inside.
+
+The script imports dpfx (and with it Inductor), as a training process does: without that import
+the NCHW calls ran 2-3x slower here, since glibc then returns their large scratch buffers to the
+OS and faults the pages in again on every call.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+import dpfx  # noqa: F401  (dpfx::conv2d_input_grad; Inductor's import, as in training)
 
 CL = torch.channels_last
 # (name, C_in, C_out, input side): models.CNN's convolutions, 3x3, stride 2, padding 1
@@ -48,7 +56,8 @@ def peak_bytes(fn) -> int:
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
+    for _ in range(10):     # oneDNN builds and caches its primitives on the first calls
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -80,6 +89,11 @@ def main() -> None:
                         gg, xx, ww, [c_out], (2, 2), (1, 1), (1, 1), False, (0, 0), 1, mask)
                 print(f"| {name} | {call} | {layout} | {peak_bytes(run) / 1e6:.3f} | "
                       f"{median_ms(run, args.reps):.3f} |", flush=True)
+
+        def op():
+            return torch.ops.dpfx.conv2d_input_grad(g, x, w, [2, 2], [1, 1], [1, 1], 1)
+        print(f"| {name} | input grad | dpfx op | {peak_bytes(op) / 1e6:.3f} | "
+              f"{median_ms(op, args.reps):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,20 @@ plain integers.
 # Note [dpfx's own FX-graph cache entries]
 Inductor's FX-graph cache keys on the graph and Inductor's config, not on the hook above, so an
 entry lowered without it (an earlier dpfx, or plain torch.compile of the same forward graph) could
-be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes this file, so its
-entries are its own. AOTAutogradCache is off for dpfx (Note [No caches that skip the inner
+be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes dpfx's sources
+(every Python and C file of the package), so its entries are its own. The whole package, not
+this file alone: the generated code bakes in what dpfx's own ops' fake kernels said (output
+strides) and calls their kernels, so a dpfx whose ops changed must not reuse another version's
+entries; the graph alone (the same op names and arguments) would match them. AOTAutogradCache is off for dpfx (Note [No caches that skip the inner
 compiler] in backend.py).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import hashlib
+import os
 
 import sympy
 import torch
@@ -132,10 +138,29 @@ class _CacheKey(CustomGraphPass):
             self.user_pass(graph)
 
     def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            mine = hashlib.sha256(f.read()).hexdigest()
         theirs = self.user_pass.uuid() if self.user_pass is not None else None
-        return f"dpfx-{mine}-{theirs}".encode()
+        return f"dpfx-{_source_digest()}-{theirs}".encode()
+
+
+@functools.cache
+def _source_digest() -> str:
+    """One hash of dpfx's sources (Python and C). The compiled code of a graph bakes in what
+    dpfx's own ops' fake kernels said (output shapes and strides) and calls their kernels: a
+    dpfx that changed either must not be handed another version's entries, which the graph
+    alone (the same op names and arguments) would match."""
+    return source_digest(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(root: str) -> str:
+    """sha256 over the package at ``root``: each .py file (any depth) and csrc/*.c, by path
+    relative to ``root`` and content, so the same sources give the same key wherever they lie."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                       + glob.glob(os.path.join(root, "csrc", "*.c"))):
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
 
 
 def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend: str):

@@ -64,3 +64,25 @@ def test_empty_batch_with_odd_strides_does_not_recompile():
         want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.1, expected_batch_size=4)
         assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert dp.compile_count == 2
+
+
+def test_cache_key_covers_every_dpfx_source(tmp_path):
+    """Note [dpfx's own FX-graph cache entries] (lowering.py): Inductor's cached code bakes in
+    the strides dpfx's own ops' fake kernels gave, so a change to any of dpfx's sources, not
+    only lowering.py, must give other cache entries; the same sources give the same key
+    wherever they lie."""
+    import os
+    import shutil
+
+    from dpfx import lowering
+
+    package = os.path.dirname(os.path.abspath(lowering.__file__))
+    copy = tmp_path / "dpfx"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert lowering.source_digest(str(copy)) == lowering._source_digest()
+    keys = {lowering.source_digest(str(copy))}
+    for changed in ("rules/convolution.py", "cpu_noise.py", "csrc/im2col.c"):
+        with open(copy / changed, "a") as f:
+            f.write("\n")
+        keys.add(lowering.source_digest(str(copy)))
+    assert len(keys) == 4

@@ -162,6 +162,8 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     output.args = (tuple(outs),)
     gm.graph.eliminate_dead_code()
     _drop_dead_convolution_outputs(gm.graph)
+    if device.type == "cpu":
+        _input_gradients_channels_last(gm.graph, fake_mode)
     place_norms_early(gm.graph)
     gm.recompile()
     stages.record("backward.private", gm, fw.batch_symbols, names)
@@ -224,6 +226,43 @@ def _drop_dead_convolution_outputs(graph: fx.Graph) -> None:
             node.args = (*node.args[:10], mask)
             node.meta["val"] = tuple(v if keep else None
                                      for v, keep in zip(node.meta["val"], mask))
+
+
+def _input_gradients_channels_last(graph: fx.Graph, fake_mode) -> None:
+    """Route each input-gradient-only ``convolution_backward`` of a 2-D float32 convolution
+    through ``dpfx::conv2d_input_grad`` (Note [Conv2d input gradients in channels-last] in
+    rules/convolution.py): the same gradient, computed channels-last, without ATen's NCHW
+    conversions. CPU graphs only (the caller checks)."""
+    import operator
+
+    from ..rules.convolution import ConvArgs
+
+    op = torch.ops.dpfx.conv2d_input_grad.default
+    for node in graph.find_nodes(op="call_function",
+                                 target=torch.ops.aten.convolution_backward.default):
+        args = ConvArgs.of(node)
+        grad_out, image, weight = (a.meta.get("val") for a in (args.grad_out, args.input,
+                                                               args.weight))
+        users = list(node.users)
+        if (list(node.args[10]) != [True, False, False] or args.transposed
+                or not all(isinstance(t, torch.Tensor) for t in (grad_out, image, weight))
+                or weight.dim() != 4 or grad_out.dtype != torch.float32
+                or not all(isinstance(c, int) for c in (*args.stride, *args.padding,
+                                                        *args.dilation, args.groups))
+                or not all(u.target is operator.getitem and u.args[1] == 0 for u in users)):
+            continue
+        op_args = (args.grad_out, args.input, args.weight, args.stride, args.padding,
+                   args.dilation, args.groups)
+        with graph.inserting_before(node):
+            grad = graph.call_function(op, op_args)
+        grad.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack",
+                                                     "source_fn_stack") if k in node.meta})
+        with fake_mode:
+            grad.meta["val"] = op(grad_out, image, weight, *op_args[3:])
+        for u in users:
+            u.replace_all_uses_with(grad)
+            graph.erase_node(u)
+        graph.erase_node(node)
 
 
 def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:

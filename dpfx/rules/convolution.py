@@ -261,6 +261,52 @@ def _conv2d_per_sample_grad_fake(response, image, kernel, dilation, padding, str
     return response.new_empty(_conv2d_per_sample_grad_shape(response, image, kernel, groups))
 
 
+# Note [Conv2d input gradients in channels-last]
+# dpfx's graphs keep a convolution's tensors in NCHW: with the batch unbacked, torch traces a
+# convolution of a channels-last tensor as returning a contiguous one while the kernel returns
+# channels-last (so such inputs are refused, passes/__init__.py), and Inductor's layout
+# optimization miscompiles then (lowering.py). On CPU, ATen's oneDNN convolution_backward with
+# NCHW operands converts them to channels-last, computes, and converts its result back through
+# an extra copy: for the benchmark CNN's conv2 input gradient (B=32, 64 -> 32 channels, 8x8 ->
+# 16x16) the call peaks at 3.15 MB against 1.22 MB with channels-last operands, and takes 2.0
+# against 0.7 ms (benchmarks/conv_layout.py); it was the whole DP step's memory peak.
+# ``dpfx::conv2d_input_grad`` computes the same gradient as the transposed convolution of the
+# output gradient (which needs the input's shape only) with the output gradient converted to
+# channels-last first, one copy of the smaller tensor, and returns it in NCHW. Returning the
+# channels-last result instead was tried: it saves the last copy, but the GroupNorm backward
+# kernel Inductor fuses after it reads it across the channel stride, and that kernel went from
+# 0.23 to 1.24 ms on the benchmark CNN, more than the convolution saved. The result is always
+# contiguous, as its fake kernel says (a kernel that already returns NCHW, as ATen's slow
+# paths for some geometries and dtypes do, costs no copy). ``compile_backward`` routes the
+# input-gradient-only convolution_backward calls of 2-D float32 CPU convolutions through it
+# (``_input_gradients_channels_last``). Example i's gradient reads example i's output gradient
+# only, as for the op it replaces: the batch analysis carries dim 0 through it and the
+# self-check compares the compiled graph with eager execution.
+# (tests/test_rule_convolution.py::test_conv2d_input_grad_*)
+_LIBRARY.define("conv2d_input_grad(Tensor grad_output, Tensor input, Tensor weight, "
+                "int[] stride, int[] padding, int[] dilation, int groups) -> Tensor")
+
+
+def _conv2d_input_grad(grad_output, input, weight, stride, padding, dilation, groups):
+    size = input.shape
+    # the transposed convolution's output_padding that gives back the input's size (in
+    # [0, stride) whenever the forward convolution was valid)
+    extra = [size[2 + i] - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
+                            + dilation[i] * (weight.shape[2 + i] - 1) + 1) for i in range(2)]
+    grad = torch.nn.functional.conv_transpose2d(
+        grad_output.contiguous(memory_format=torch.channels_last), weight, None, stride,
+        padding, extra, groups, dilation)
+    return grad.contiguous()
+
+
+_LIBRARY.impl("conv2d_input_grad", _conv2d_input_grad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpfx::conv2d_input_grad", lib=_LIBRARY)
+def _conv2d_input_grad_fake(grad_output, input, weight, stride, padding, dilation, groups):
+    return grad_output.new_empty(input.shape)
+
+
 def _per_sample_product(ctx, args: ConvArgs):
     """(B*groups, C_resp/g, C_img/g * K): each example's (and group's) weight gradient."""
     if len(args.kernel) == 2 and not args.transposed:
