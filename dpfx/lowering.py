@@ -38,8 +38,9 @@ be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes dpfx
 (every Python and C file of the package), so its entries are its own. The whole package, not
 this file alone: the generated code bakes in what dpfx's own ops' fake kernels said (output
 strides) and calls their kernels, so a dpfx whose ops changed must not reuse another version's
-entries; the graph alone (the same op names and arguments) would match them. AOTAutogradCache is off for dpfx (Note [No caches that skip the inner
-compiler] in backend.py).
+entries, which the graph alone (the same op names and arguments) would match
+(tests/test_inductor.py::test_cache_key_covers_every_dpfx_source). AOTAutogradCache is off for
+dpfx (Note [No caches that skip the inner compiler] in backend.py).
 """
 from __future__ import annotations
 

@@ -240,13 +240,15 @@ def _input_gradients_channels_last(graph: fx.Graph, fake_mode) -> None:
     op = torch.ops.dpfx.conv2d_input_grad.default
     for node in graph.find_nodes(op="call_function",
                                  target=torch.ops.aten.convolution_backward.default):
-        args = ConvArgs.of(node)
-        grad_out, image, weight = (a.meta.get("val") for a in (args.grad_out, args.input,
-                                                               args.weight))
-        users = list(node.users)
-        if (list(node.args[10]) != [True, False, False] or args.transposed
+        grad_out, image, weight = (a.meta.get("val") if isinstance(a, fx.Node) else None
+                                   for a in node.args[:3])
+        if (list(node.args[10]) != [True, False, False]
                 or not all(isinstance(t, torch.Tensor) for t in (grad_out, image, weight))
-                or weight.dim() != 4 or grad_out.dtype != torch.float32
+                or weight.dim() != 4 or grad_out.dtype != torch.float32):
+            continue
+        args = ConvArgs.of(node)
+        users = list(node.users)
+        if (args.transposed
                 or not all(isinstance(c, int) for c in (*args.stride, *args.padding,
                                                         *args.dilation, args.groups))
                 or not all(u.target is operator.getitem and u.args[1] == 0 for u in users)):
