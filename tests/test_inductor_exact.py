@@ -57,8 +57,24 @@ class HeadSplit(nn.Module):
         return self.fc(heads.mean(1)).view(x.shape[0], 2, 3).sum(1)
 
 
+class GroupNormCNN(nn.Module):
+    """Two stride-2 convolutions (the second grouped) with GroupNorm: the second one's input
+    gradient is dpfx::conv2d_input_grad (Note [Conv2d input gradients in channels-last])."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+            nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2), nn.GroupNorm(4, 8), nn.ReLU())
+        self.fc = nn.Linear(8 * 3 * 3, 3)
+
+    def forward(self, x):
+        return self.fc(self.body(x).flatten(1))
+
+
 CASES = [
     (MHAHead, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 16, 1]),   # B = heads, T, d
+    (GroupNormCNN, lambda b: torch.randn(b, 3, 10, 10) * 3, [4, 8, 2, 3, 1]),  # B = channels
     (EmbeddingMHA, lambda b: torch.randint(0, 20, (b, 5)), [4, 2, 5, 8, 1]),
     (HeadSplit, lambda b: torch.randn(b, 7, 16), [5, 2, 7, 8, 1]),
     # Tied weights on the ghost strategy (Note [Tied weights without per-sample gradients]):
@@ -71,7 +87,7 @@ CASES = [
      "ghost"),
 ]
 CASES = [c if len(c) == 4 else (*c, "auto") for c in CASES]
-CASE_IDS = ["MHAHead", "EmbeddingMHA", "HeadSplit", "TiedLM", "TiedAutoencoder", "TwoLookupLM"]
+CASE_IDS = ["MHAHead", "GroupNormCNN", "EmbeddingMHA", "HeadSplit", "TiedLM", "TiedAutoencoder", "TwoLookupLM"]
 
 
 @pytest.fixture
