@@ -42,7 +42,7 @@ from .errors import CaptureError, DPFXError, PrivacyError
 from .loss_track import hf_labels_loss, track
 from .modules import check_modules, norm_layers
 from .release import GradientLedger, check_loop_inputs, track_release
-from .traceable import traceable_torch
+from .traceable import swapped
 
 
 class DPModule(torch.nn.Module):
@@ -118,8 +118,10 @@ class DPModule(torch.nn.Module):
     # which compiled entry, whether every trainable parameter has its gradient guard. Those
     # caches are read again after any capture (``_after_capture``: a module added after compile
     # makes dynamo capture again, where the graph's own verifier sees it first, and a trainable
-    # parameter added or replaced is refused there, backend.py). The per-call settings are plain classes with direct assignments, not
-    # generator context managers or config.patch. Everything that can differ per call (inputs
+    # parameter added or replaced is refused there, backend.py). What only a capture reads is
+    # set up only when dynamo captures (Note [Settings only a capture reads]); the swaps
+    # dynamo's guards check are a plain class with direct assignments, not a generator context
+    # manager or config.patch. Everything that can differ per call (inputs
     # requiring grad, frozen parameters, a normalization layer switched to training, the
     # release hook, the output tracking) is still checked on every call.
     def forward(self, *args, **kwargs):
@@ -148,9 +150,13 @@ class DPModule(torch.nn.Module):
         backend.forward_ran = False
         entry = self._entry_for(batch)
         backend.decisions = entry.decisions
+        capture = entry.capture
+        capture.call = (tensors, batch, entry.decisions)
+        # aot_autograd's runtime marks the inputs' dynamic dims on every call; a later plain
+        # torch.compile of the caller's tensors must not see dpfx's batch dim there.
+        propagated = [t.__dict__.get(_PROPAGATED) for t in tensors]
         try:
-            with _DynamoSettings(), traceable_torch(), _BatchMarked(tensors), \
-                    batch_branches.deciding(batch, entry.decisions):
+            with swapped():
                 out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
@@ -171,6 +177,13 @@ class DPModule(torch.nn.Module):
             if refusal is None:
                 raise
             raise refusal from None
+        finally:
+            capture.call = None
+            for t, mark in zip(tensors, propagated):
+                if mark is None:
+                    t.__dict__.pop(_PROPAGATED, None)
+                else:
+                    t.__dict__[_PROPAGATED] = mark
         if training and not backend.forward_ran:
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "
@@ -215,8 +228,8 @@ class DPModule(torch.nn.Module):
                 f"graphs for ({_MAX_ENTRIES}); batch size {batch} needs another. Decisions so "
                 f"far:\n{decided}\nCompute those conditions from something other than the "
                 f"batch size.")
-        entry = _Entry([], torch.compile(_own_entry(self._orig_mod),
-                                         backend=self._dpfx_backend, fullgraph=True))
+        compiled, capture = _compile_entry(_own_entry(self._orig_mod), self._dpfx_backend)
+        entry = _Entry([], compiled, capture)
         entries.append(entry)
         return entry
 
@@ -255,9 +268,11 @@ _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config
 class _Entry:
     decisions: list          # batch_branches.Decision: the batch sizes this entry serves
     compiled: Any            # torch.compile of dpfx's own entry function
+    capture: "_CaptureSettings"   # dynamo's callback for it (Note [Settings only a capture reads])
 
 
 _MAX_ENTRIES = 8
+_PROPAGATED = "_dynamo_propagated_dynamic_indices"
 
 
 def _remove_hooks(handles: dict) -> None:
@@ -355,28 +370,71 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
                    "warning_once", "info_once", "warning_advice")
 
 
-# Note [Dynamo settings for every call]
-# dynamo reads these only when it compiles a frame, but any call may recompile, so they hold
-# for every call. They are set and restored directly, in a plain class: config.patch() builds a
-# class and a ContextVar per call (76 us for these three against 45-50 us set directly on the
-# 2-core machine, min of 5 x 2000 calls), and a generator-based context manager costs a few
-# microseconds more, a cost every step paid (Note [The steady-state call]).
+# Note [Settings only a capture reads]
+# Some of what a dpfx call sets up is read by dynamo only while it captures a frame: its
+# recompile limit (a capture past 64 fails instead of falling back to eager), the Logger methods
+# it skips (Note [Logging inside the forward]), nn.RNN capture (``allow_rnn``, for traceable.py's
+# LSTM), the unbacked batch mark on the inputs (``_BatchMarked``), and the batch-size decisions
+# (batch_branches.deciding). dynamo calls its callback only when a frame has no cached code whose
+# guards pass, that is exactly when it captures; a steady-state call runs the cached code from
+# C and never calls it. So dpfx wraps the callback of its own entry (``_CaptureSettings``) and
+# sets these up inside it, where they are in place for every capture and cost a steady-state
+# step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
+# training loop, where the kernels between two calls evict the interpreter's caches). The
+# wrapper names dynamo's callback as its ``_torchdynamo_orig_backend``, as dynamo's own
+# wrappers do (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached
+# code. What dynamo checks in its guards on every call stays set up on every call:
+# traceable.py's swaps (the guards check the swapped functions' code).
+def _compile_entry(fn, backend) -> tuple[Any, "_CaptureSettings"]:
+    """``torch.compile(fn, backend=backend, fullgraph=True)``, with dynamo's callback wrapped
+    in the capture-time settings."""
+    context = torch._dynamo.optimize(
+        backend=torch._TorchCompileWrapper(backend, "default", None, None), nopython=True)
+    capture = _CaptureSettings(context.callback)
+    context.callback = capture
+    return context(fn), capture
+
+
+class _CaptureSettings:
+    """dynamo's callback for a dpfx entry, run with the settings only a capture reads."""
+
+    __slots__ = ("_callback", "_torchdynamo_orig_backend", "call")
+
+    def __init__(self, callback):
+        self._callback = callback
+        self._torchdynamo_orig_backend = callback
+        self.call = None    # (input tensors, batch size, decisions) of the call in progress
+
+    def __call__(self, *args, **kwargs):
+        if self.call is None:
+            # Not within DPModule.forward (nothing else calls the entry): dynamo with dpfx's
+            # settings still, so that no capture ever runs without them.
+            with _DynamoSettings():
+                return self._callback(*args, **kwargs)
+        tensors, batch, decisions = self.call
+        with _DynamoSettings(), _BatchMarked(tensors), \
+                batch_branches.deciding(batch, decisions):
+            return self._callback(*args, **kwargs)
+
+
+# dynamo's settings while it captures a dpfx entry (Note [Settings only a capture reads]).
 class _DynamoSettings:
     __slots__ = ("_old",)
 
     def __enter__(self):
         config = torch._dynamo.config
         self._old = (config.recompile_limit, config.fail_on_recompile_limit_hit,
-                     config.ignore_logging_functions)
+                     config.ignore_logging_functions, config.allow_rnn)
         config.recompile_limit = 64
         config.fail_on_recompile_limit_hit = True
         config.ignore_logging_functions = _skipped_logging(self._old[2])
+        config.allow_rnn = True
         return self
 
     def __exit__(self, *exc):
         config = torch._dynamo.config
         (config.recompile_limit, config.fail_on_recompile_limit_hit,
-         config.ignore_logging_functions) = self._old
+         config.ignore_logging_functions, config.allow_rnn) = self._old
         return False
 
 

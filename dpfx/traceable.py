@@ -2,7 +2,7 @@
 
 dpfx keeps the batch an unbacked symbol (Note [Why the batch dim is marked unbacked] in api.py),
 and a handful of torch's Python-level functions branch on sizes that contain it. While dpfx
-captures a model, ``traceable_torch()`` swaps them for versions with the same result that do not
+captures a model, ``swapped()`` swaps them for versions with the same result that do not
 branch on the batch:
 
 - ``F._verify_batch_size`` (BatchNorm/GroupNorm/InstanceNorm's "more than one value per channel"
@@ -271,24 +271,38 @@ _SWAPS = [
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 
 
-class traceable_torch:
-    """The swaps, for the duration of a dpfx forward call (every call: dynamo's guards check the
-    identity of the functions it inlined). A plain class with direct assignments: this runs on
-    every training step, where ``contextlib`` and ``config.patch`` cost several microseconds
-    each (Note [Dynamo settings for every call] in api.py)."""
+class swapped:
+    """The swaps alone, for the duration of a dpfx forward call (every call: dynamo's guards
+    check the code of the functions it inlined). A plain class with direct assignments: this
+    runs on every training step, where ``contextlib`` costs several microseconds (Note [The
+    steady-state call] in api.py). dynamo's ``allow_rnn``, which only a capture reads, is set
+    where dpfx's captures run (Note [Settings only a capture reads] in api.py)."""
 
-    __slots__ = ("_allow_rnn",)
+    __slots__ = ()
 
     def __enter__(self):
         for obj, name, new in _SWAPS:
             setattr(obj, name, new)
-        config = torch._dynamo.config
-        self._allow_rnn = config.allow_rnn
-        config.allow_rnn = True
         return self
 
     def __exit__(self, *exc):
-        torch._dynamo.config.allow_rnn = self._allow_rnn
         for obj, name, old in _ORIGINALS:
             setattr(obj, name, old)
         return False
+
+
+class traceable_torch(swapped):
+    """The swaps and dynamo's ``allow_rnn``, for a plain ``torch.compile`` of a model with dpfx's
+    capture-time rewrites (the benchmarks' unrolled non-private LSTM)."""
+
+    __slots__ = ("_allow_rnn",)
+
+    def __enter__(self):
+        config = torch._dynamo.config
+        self._allow_rnn = config.allow_rnn
+        config.allow_rnn = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch._dynamo.config.allow_rnn = self._allow_rnn
+        return super().__exit__(*exc)
