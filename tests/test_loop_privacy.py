@@ -1,6 +1,7 @@
 """The training loop around dpfx's graph (issue 16): one release per forward and per accounted
 step, only dpfx's gradients in a private step, inputs that require grad, secure sampling, fixed
 seeds and private settings that cannot change after compile (dpfx/release.py)."""
+import logging
 import warnings
 
 import pytest
@@ -422,3 +423,51 @@ def test_steady_state_caches_follow_the_model():
     _sum_xent(dp(x), y).backward()
     want = dp_sgd_grads(model, _sum_xent, x, y, max_grad_norm=C, loss_reduction="sum")
     assert_close({n: p.grad for n, p in model.named_parameters()}, want, rtol=1e-4, atol=1e-6)
+
+
+def test_capture_settings_only_while_dynamo_captures(monkeypatch):
+    """Note [Settings only a capture reads]: dynamo's settings, the batch mark and the batch-size
+    decisions are in place for every capture, a first one and a later one (a new entry for
+    no_grad), and a steady-state call sets none of them up; the user's dynamo config is the same
+    after every call."""
+    from dpfx import api
+    from dpfx.backend import DPBackend
+
+    seen, entered = [], []
+    real_call, real_enter = DPBackend.__call__, api._DynamoSettings.__enter__
+
+    def spy_call(self, gm, example_inputs):
+        config = torch._dynamo.config
+        batch = [x for x in example_inputs if isinstance(x, torch.SymInt)]
+        seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit,
+                     config.allow_rnn, logging.Logger.warning in config.ignore_logging_functions,
+                     [str(s) for s in batch]))
+        return real_call(self, gm, example_inputs)
+
+    def spy_enter(self):
+        entered.append(1)
+        return real_enter(self)
+
+    monkeypatch.setattr(DPBackend, "__call__", spy_call)
+    monkeypatch.setattr(api._DynamoSettings, "__enter__", spy_enter)
+    before = (torch._dynamo.config.recompile_limit, torch._dynamo.config.allow_rnn,
+              set(torch._dynamo.config.ignore_logging_functions))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager",
+                      loss_reduction="sum")
+    y = torch.arange(5) % 3
+    _sum_xent(dp(torch.randn(5, 4)), y).backward()
+    assert len(seen) == 1 and seen[0][:4] == (64, True, True, True)
+    assert seen[0][4] and all(s.startswith("u") for s in seen[0][4])   # the unbacked batch
+    first = len(entered)
+    for batch in (5, 2, 7):
+        model.zero_grad(set_to_none=True)
+        _sum_xent(dp(torch.randn(batch, 4)), torch.arange(batch) % 3).backward()
+    assert len(entered) == first and len(seen) == 1      # steady state: no capture, no setup
+    with torch.no_grad():                                # a new capture (inference graph)
+        dp(torch.randn(3, 4))
+    assert len(seen) == 2 and seen[1][:4] == (64, True, True, True)
+    after = (torch._dynamo.config.recompile_limit, torch._dynamo.config.allow_rnn,
+             set(torch._dynamo.config.ignore_logging_functions))
+    assert after == before
