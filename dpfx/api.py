@@ -157,7 +157,12 @@ class DPModule(torch.nn.Module):
         propagated = [t.__dict__.get(_PROPAGATED) for t in tensors]
         try:
             with swapped():
-                out = entry.compiled(*args, **kwargs)
+                if _default_stance():
+                    out = entry.compiled(*args, **kwargs)
+                else:   # Note [Settings only a capture reads]: set up around the whole call
+                    with _DynamoSettings(), _BatchMarked(tensors), \
+                            batch_branches.deciding(batch, entry.decisions):
+                        out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
@@ -381,10 +386,19 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # sets these up inside it, where they are in place for every capture and cost a steady-state
 # step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
 # training loop, where the kernels between two calls evict the interpreter's caches). The
-# wrapper names dynamo's callback as its ``_torchdynamo_orig_backend``, as dynamo's own
-# wrappers do (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached
-# code. What dynamo checks in its guards on every call stays set up on every call:
+# wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
+# (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What dynamo checks in its guards on every call stays set up on every call:
 # traceable.py's swaps (the guards check the swapped functions' code).
+# A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
+# (eager_then_compile builds a fresh one from the innermost backend at its second call, which
+# the wrapper would not see); under any such stance the settings are set up around the whole
+# call, as they were for every call before (tests/test_loop_privacy.py::
+# test_capture_settings_only_while_dynamo_captures).
+def _default_stance() -> bool:
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return stance is not None and stance.stance == "default" and stance.backend is None
+
+
 def _compile_entry(fn, backend) -> tuple[Any, "_CaptureSettings"]:
     """``torch.compile(fn, backend=backend, fullgraph=True)``, with dynamo's callback wrapped
     in the capture-time settings."""
@@ -402,7 +416,9 @@ class _CaptureSettings:
 
     def __init__(self, callback):
         self._callback = callback
-        self._torchdynamo_orig_backend = callback
+        # One step down dynamo's chain, as the CatchErrorsWrapper it stands for: a stance's own
+        # callback reads the compiler two steps below the callback it is given.
+        self._torchdynamo_orig_backend = getattr(callback, "_torchdynamo_orig_backend", callback)
         self.call = None    # (input tensors, batch size, decisions) of the call in progress
 
     def __call__(self, *args, **kwargs):

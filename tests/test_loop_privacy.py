@@ -471,3 +471,21 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
     after = (torch._dynamo.config.recompile_limit, torch._dynamo.config.allow_rnn,
              set(torch._dynamo.config.ignore_logging_functions))
     assert after == before
+
+
+def test_capture_settings_under_a_compile_stance():
+    """Under torch.compiler.set_stance("eager_then_compile") dynamo calls a callback of its own,
+    built around the innermost backend: dpfx then sets its capture settings up around the whole
+    call, and the capture that follows the stance's eager call trains privately."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager",
+                      loss_reduction="sum")
+    x, y = torch.randn(5, 4), torch.arange(5) % 3
+    with torch.compiler.set_stance("eager_then_compile"):
+        with pytest.raises(dpfx.DPFXError):      # the stance's first call is not dpfx's graph
+            _sum_xent(dp(x), y).backward()
+        model.zero_grad(set_to_none=True)
+        _sum_xent(dp(x), y).backward()
+    want = dp_sgd_grads(model, _sum_xent, x, y, max_grad_norm=C, loss_reduction="sum")
+    assert_close({n: p.grad for n, p in model.named_parameters()}, want, rtol=1e-4, atol=1e-6)
