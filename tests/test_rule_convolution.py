@@ -214,6 +214,20 @@ def test_im2col_kernel_equals_aten(batch, channels, size, kernel, dilation, padd
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("width", [3, 4, 8, 16])
+@pytest.mark.parametrize("stride", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_im2col_kernel_rows_of_every_copy_width(width, stride, dtype):
+    """The kernel copies windows 4, 8 and 16 wide by loops of constant length and others by a
+    general loop (csrc/im2col.c): each of those output widths, at the strides whose phases it
+    reads, equals ATen's bit for bit."""
+    x = torch.randn(3, 5, 7, (width - 1) * stride + 1, dtype=dtype)
+    args = ([3, 3], [1, 1], [1, 1], [stride, stride])
+    expected = torch.ops.aten.im2col(x, *args)
+    assert expected.shape[-1] % width == 0 and expected.shape[-1] // width == (7 - 1) // stride + 1
+    assert torch.equal(torch.ops.dpfx.im2col(x, *args), expected)
+
+
 def test_im2col_without_the_native_kernel_runs_aten(monkeypatch):
     """No C compiler (native.library() is None), or a dtype the kernel lacks: ATen's values."""
     x = torch.randn(3, 2, 5, 6)

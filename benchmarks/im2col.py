@@ -1,0 +1,126 @@
+"""dpfx's C im2col (``dpfx/csrc/im2col.c``) against ATen's im2col, and against the same kernel at
+another git revision, on the benchmark CNN's three layers and a few larger ones, interleaved in
+one process.
+
+    python benchmarks/im2col.py                       # markdown table to stdout
+    python benchmarks/im2col.py --against 5ac0538     # adds that revision's kernel as a column
+
+``--against`` builds the revision's ``csrc/im2col.c`` with ``dpfx/native.py``'s compiler and
+flags, under its own symbol names, and checks that it and the current kernel give ATen's values
+bit for bit before timing. Each cell is the minimum over ``--repeats`` rounds of the median of
+``--calls`` calls (ms), every call allocating its output as the op does.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import machine_info  # noqa: E402
+
+from dpfx import native  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# (B, C, H = W, stride): the benchmark CNN's three 3x3 layers at B = 32, the same at stride 1,
+# then a CIFAR ResNet layer and an ImageNet-sized stem
+SHAPES = [(32, 3, 32, 2), (32, 32, 16, 2), (32, 64, 8, 2), (32, 32, 16, 1), (32, 64, 8, 1),
+          (64, 64, 16, 1), (8, 3, 224, 2)]
+
+
+def _build(revision: str) -> ctypes.CDLL:
+    source = subprocess.run(["git", "show", f"{revision}:dpfx/csrc/im2col.c"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout
+    source = source.replace("dpfx_im2col_", "other_im2col_")
+    work = tempfile.mkdtemp()
+    c_path, so_path = os.path.join(work, "im2col.c"), os.path.join(work, "im2col.so")
+    with open(c_path, "w") as f:
+        f.write(source)
+    subprocess.run([native._compiler(), *native._FLAGS, c_path, "-o", so_path], check=True)
+    return ctypes.CDLL(so_path)
+
+
+def _caller(fn):
+    def call(x, kernel, dilation, padding, stride):
+        b, c, h, w = x.shape
+        oh, ow = ((size + 2 * p - d * (k - 1) - 1) // s + 1
+                  for size, k, d, p, s in zip((h, w), kernel, dilation, padding, stride))
+        out = x.new_empty(b, c * kernel[0] * kernel[1], oh * ow)
+        args = [b, c, h, w, *kernel, *dilation, *padding, *stride, oh, ow]
+        fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+           *[ctypes.c_int64(v) for v in args], ctypes.c_int(torch.get_num_threads()))
+        return out
+    return call
+
+
+def _median_ms(fn, calls: int) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run(repeats: int, calls: int, against: str | None) -> str:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if native.library() is None:
+        raise SystemExit(f"dpfx's kernels are unavailable: {native.why_unavailable()}")
+    variants = {"ATen": torch.ops.aten.im2col.default,
+                "dpfx": _caller(native.library().dpfx_im2col_f32)}
+    if against:
+        variants[f"dpfx at {against}"] = _caller(_build(against).other_im2col_f32)
+    rows = []
+    for batch, channels, size, stride in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(batch, channels, size, size)
+        args = ([3, 3], [1, 1], [1, 1], [stride, stride])
+        expected = torch.ops.aten.im2col.default(x, *args)
+        for name, fn in variants.items():
+            assert torch.equal(fn(x, *args), expected), name
+        best = {name: float("inf") for name in variants}
+        for _ in range(repeats):
+            for name, fn in variants.items():
+                best[name] = min(best[name], _median_ms(lambda: fn(x, *args), calls))
+        mib = expected.numel() * expected.element_size() / 2**20
+        rows.append(f"| {batch} x {channels} x {size}^2, stride {stride} | {mib:.2f} | "
+                    + " | ".join(f"{best[name]:.3f}" for name in variants) + " |")
+    header = ("| input (3x3, padding 1) | patches (MiB) | "
+              + " | ".join(f"{name} (ms)" for name in variants) + " |")
+    command = "python benchmarks/im2col.py" + (f" --against {against}" if against else "")
+    info = machine_info(torch.get_num_threads())
+    dirty = " (uncommitted changes)" if info.get("dpfx_uncommitted") else ""
+    return "\n".join([
+        "# im2col: dpfx's C kernel against ATen's", "",
+        f"Command: `{command}` at dpfx {info.get('dpfx_commit', '?')}{dirty}  ",
+        f"Machine: {info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}; "
+        f"load {open('/proc/loadavg').read().split()[0]} at the end; float32; each cell the "
+        f"minimum over {repeats} interleaved rounds of the median of {calls} calls.", "",
+        header, "|---|---:|" + "---:|" * len(variants), *rows, ""])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--against", help="a git revision whose csrc/im2col.c to time as well")
+    parser.add_argument("--out", help="write the table here as well as to stdout")
+    args = parser.parse_args()
+    table = run(args.repeats, args.calls, args.against)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table)
+
+
+if __name__ == "__main__":
+    main()
