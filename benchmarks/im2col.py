@@ -4,6 +4,11 @@ one process.
 
     python benchmarks/im2col.py                       # markdown table to stdout
     python benchmarks/im2col.py --against 5ac0538     # adds that revision's kernel as a column
+    python benchmarks/im2col.py --against 5ac0538 --step 32   # and whole CNN steps with each
+
+``--step B`` also times whole DP-SGD steps of the benchmark CNN at batch B (dpfx with the
+current kernel, dpfx with the revision's, non-private torch.compile), interleaved over
+``--rounds`` rounds: what the kernel is worth in the step.
 
 ``--against`` builds the revision's ``csrc/im2col.c`` with ``dpfx/native.py``'s compiler and
 flags, under its own symbol names, and checks that it and the current kernel give ATen's values
@@ -71,6 +76,52 @@ def _median_ms(fn, calls: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def step_table(against: str, batch: int, rounds: int) -> str:
+    """Median CNN step (ms) with the current kernel and with ``against``'s, and the baseline's."""
+    import methods
+    import models
+    from dpfx.rules import convolution
+
+    current, other = native.library(), _build(against)
+
+    class WithOther:    # the loaded kernels, with im2col taken from the other build
+        def __getattr__(self, name):
+            if name.startswith("dpfx_im2col_"):
+                fn = getattr(other, name.replace("dpfx_im2col_", "other_im2col_"))
+                fn.argtypes, fn.restype = getattr(current, name).argtypes, None
+                return fn
+            return getattr(current, name)
+
+    libraries = {"dpfx": lambda: current, f"dpfx, im2col at {against}": WithOther}
+    steps, x, y = {}, None, None
+    try:
+        for name in [*libraries, "compile"]:
+            model, x, y = models.build("cnn", batch)
+            if name in libraries:
+                convolution.native.library = libraries[name]
+            steps[name] = methods.make("dpfx" if name in libraries else "compile", model, batch,
+                                       x, y).step
+            for _ in range(3):
+                steps[name](x, y)
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                if name in libraries:
+                    convolution.native.library = libraries[name]
+                start = time.perf_counter()
+                step(x, y)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        convolution.native.library = native.library
+    base = statistics.median(times["compile"])
+    rows = [f"| {'non-private torch.compile' if name == 'compile' else name} | "
+            f"{statistics.median(t) * 1e3:.2f} | {min(t) * 1e3:.2f} | "
+            f"{statistics.median(t) / base:.2f} |" for name, t in times.items()]
+    return "\n".join([f"Whole steps of the benchmark CNN at B={batch}, {rounds} interleaved rounds:",
+                      "", "| method | median step (ms) | min (ms) | x torch.compile |",
+                      "|---|---:|---:|---:|", *rows, ""])
+
+
 def run(repeats: int, calls: int, against: str | None) -> str:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if native.library() is None:
@@ -96,7 +147,10 @@ def run(repeats: int, calls: int, against: str | None) -> str:
                     + " | ".join(f"{best[name]:.3f}" for name in variants) + " |")
     header = ("| input (3x3, padding 1) | patches (MiB) | "
               + " | ".join(f"{name} (ms)" for name in variants) + " |")
-    command = "python benchmarks/im2col.py" + (f" --against {against}" if against else "")
+    argv = sys.argv[1:]
+    if "--out" in argv:     # a path of this machine: not part of the command as reported
+        del argv[argv.index("--out"):argv.index("--out") + 2]
+    command = " ".join(["python benchmarks/im2col.py", *argv])
     info = machine_info(torch.get_num_threads())
     dirty = " (uncommitted changes)" if info.get("dpfx_uncommitted") else ""
     return "\n".join([
@@ -113,9 +167,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--against", help="a git revision whose csrc/im2col.c to time as well")
+    parser.add_argument("--step", type=int, metavar="B",
+                        help="with --against: also time whole CNN steps at this batch size")
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", help="write the table here as well as to stdout")
     args = parser.parse_args()
+    if args.step and not args.against:
+        parser.error("--step needs --against")
     table = run(args.repeats, args.calls, args.against)
+    if args.step:
+        table += "\n" + step_table(args.against, args.step, args.rounds)
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
