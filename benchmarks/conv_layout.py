@@ -2,6 +2,8 @@
 
     python benchmarks/conv_layout.py                 # B = 32, the quick run's CNN batch
     python benchmarks/conv_layout.py --batch 64 --reps 50
+    python benchmarks/conv_layout.py --step 32      # and whole CNN steps, layout changes by
+                                                    # dpfx's kernel against ATen's copies
 
 dpfx's graphs keep convolutions in the default (NCHW) layout: with the batch unbacked, torch
 traces a convolution's output as contiguous while the kernel returns channels-last for a
@@ -18,7 +20,8 @@ median time.
 - weight grad: ``[False, True, False]``, dpfx's ghost clipped sum (conv3);
 - all: ``[True, True, True]``, the non-private backward's call;
 - dpfx op: ``dpfx::conv2d_input_grad`` (Note [Conv2d input gradients in channels-last] in
-  rules/convolution.py), NCHW in and out, channels-last inside.
+  rules/convolution.py), NCHW in and out, channels-last inside; "ATen's layout copies": the same
+  with its two layout changes by ATen's copy instead of dpfx's transpose kernel.
 
 The script imports dpfx (and with it Inductor), as a training process does: without that import
 the NCHW calls ran 2-3x slower here, since glibc then returns their large scratch buffers to the
@@ -27,13 +30,18 @@ OS and faults the pages in again on every call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import dpfx  # noqa: F401  (dpfx::conv2d_input_grad; Inductor's import, as in training)
+sys.path.insert(0, str(Path(__file__).parent))
+
+import dpfx  # noqa: F401,E402  (dpfx::conv2d_input_grad; Inductor's import, as in training)
 
 CL = torch.channels_last
 # (name, C_in, C_out, input side): models.CNN's convolutions, 3x3, stride 2, padding 1
@@ -71,6 +79,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--step", type=int, metavar="B",
+                    help="also time whole CNN steps at batch B with each layout change")
+    ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -94,6 +105,29 @@ def main() -> None:
             return torch.ops.dpfx.conv2d_input_grad(g, x, w, [2, 2], [1, 1], [1, 1], 1)
         print(f"| {name} | input grad | dpfx op | {peak_bytes(op) / 1e6:.3f} | "
               f"{median_ms(op, args.reps):.3f} |", flush=True)
+        with aten_layout_copies():
+            print(f"| {name} | input grad | dpfx op, ATen's layout copies | "
+                  f"{peak_bytes(op) / 1e6:.3f} | {median_ms(op, args.reps):.3f} |", flush=True)
+    if args.step:
+        import step_ab
+        print()
+        print(step_ab.table("cnn", args.step, {
+            "dpfx": ("dpfx", step_ab.nothing),
+            "dpfx, ATen's layout copies": ("dpfx", aten_layout_copies)}, args.rounds))
+
+
+@contextlib.contextmanager
+def aten_layout_copies():
+    """dpfx::conv2d_input_grad's NCHW <-> channels-last changes by ATen's copies instead of
+    dpfx's transpose kernel (csrc/transpose.c)."""
+    from dpfx.rules import convolution
+
+    own = convolution._in_layout
+    convolution._in_layout = lambda x, memory_format: x.contiguous(memory_format=memory_format)
+    try:
+        yield
+    finally:
+        convolution._in_layout = own
 
 
 if __name__ == "__main__":

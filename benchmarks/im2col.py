@@ -18,6 +18,7 @@ bit for bit before timing. Each cell is the minimum over ``--repeats`` rounds of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import statistics
@@ -77,9 +78,8 @@ def _median_ms(fn, calls: int) -> float:
 
 
 def step_table(against: str, batch: int, rounds: int) -> str:
-    """Median CNN step (ms) with the current kernel and with ``against``'s, and the baseline's."""
-    import methods
-    import models
+    """Whole CNN steps with the current kernel and with ``against``'s (step_ab.py)."""
+    import step_ab
     from dpfx.rules import convolution
 
     current, other = native.library(), _build(against)
@@ -92,34 +92,17 @@ def step_table(against: str, batch: int, rounds: int) -> str:
                 return fn
             return getattr(current, name)
 
-    libraries = {"dpfx": lambda: current, f"dpfx, im2col at {against}": WithOther}
-    steps, x, y = {}, None, None
-    try:
-        for name in [*libraries, "compile"]:
-            model, x, y = models.build("cnn", batch)
-            if name in libraries:
-                convolution.native.library = libraries[name]
-            steps[name] = methods.make("dpfx" if name in libraries else "compile", model, batch,
-                                       x, y).step
-            for _ in range(3):
-                steps[name](x, y)
-        times = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                if name in libraries:
-                    convolution.native.library = libraries[name]
-                start = time.perf_counter()
-                step(x, y)
-                times[name].append(time.perf_counter() - start)
-    finally:
-        convolution.native.library = native.library
-    base = statistics.median(times["compile"])
-    rows = [f"| {'non-private torch.compile' if name == 'compile' else name} | "
-            f"{statistics.median(t) * 1e3:.2f} | {min(t) * 1e3:.2f} | "
-            f"{statistics.median(t) / base:.2f} |" for name, t in times.items()]
-    return "\n".join([f"Whole steps of the benchmark CNN at B={batch}, {rounds} interleaved rounds:",
-                      "", "| method | median step (ms) | min (ms) | x torch.compile |",
-                      "|---|---:|---:|---:|", *rows, ""])
+    @contextlib.contextmanager
+    def other_im2col():
+        convolution.native.library = WithOther
+        try:
+            yield
+        finally:
+            convolution.native.library = native.library
+
+    return step_ab.table("cnn", batch, {"dpfx": ("dpfx", step_ab.nothing),
+                                        f"dpfx, im2col at {against}": ("dpfx", other_im2col)},
+                         rounds)
 
 
 def run(repeats: int, calls: int, against: str | None) -> str:

@@ -641,6 +641,39 @@ def test_conv2d_input_grad_equals_aten(batch, groups, in_per_group, out_per_grou
     torch.testing.assert_close(got, want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape=st.tuples(st.sampled_from([0, 1, 3, 32]), st.integers(1, 70), st.integers(1, 40),
+                       st.integers(1, 40)),
+       dtype=st.sampled_from([torch.float32, torch.float64]), threads=st.sampled_from([1, 2]))
+def test_layout_changes_equal_torch_copies(shape, dtype, threads):
+    """The op's NCHW <-> channels-last conversions (csrc/transpose.c) equal ATen's copies bit
+    for bit, in both directions, for tile remainders, one-pixel images, empty batches, 1 and 2
+    threads, and keep ATen's copy for layouts that are neither."""
+    x = torch.randn(shape, dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        last = convolution._in_layout(x, torch.channels_last)
+        back = convolution._in_layout(last, torch.contiguous_format)
+        odd = convolution._in_layout(x.transpose(2, 3), torch.channels_last)
+    finally:
+        torch.set_num_threads(before)
+    assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, x)
+    assert back.is_contiguous() and torch.equal(back, x)
+    assert odd.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(odd, x.transpose(2, 3))
+
+
+def test_layout_changes_without_the_native_kernel(monkeypatch):
+    x = torch.randn(2, 5, 3, 4)
+    monkeypatch.setattr(convolution.native, "library", lambda: None)
+    last = convolution._in_layout(x, torch.channels_last)
+    assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, x)
+    half = x.to(torch.bfloat16)
+    monkeypatch.undo()
+    assert torch.equal(convolution._in_layout(half, torch.channels_last), half)
+
+
 def _cnn(channels=(3, 8, 16)):
     layers = []
     for c_in, c_out in zip(channels, channels[1:]):

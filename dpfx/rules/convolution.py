@@ -276,8 +276,12 @@ def _conv2d_per_sample_grad_fake(response, image, kernel, dilation, padding, str
 # ``dpfx::conv2d_input_grad`` computes the same gradient as the transposed convolution of the
 # output gradient (which needs the input's shape only) with the output gradient converted to
 # channels-last first, one copy of the smaller tensor, and returns it in NCHW: 2.10 MB at its
-# peak there, in the same time (0.8 ms; the step's peak fell from 6.62 to 5.71 MB). Returning the
-# channels-last result instead was tried: it saves the last copy, but the GroupNorm backward
+# peak there, in the same time (0.8 ms; the step's peak fell from 6.62 to 5.71 MB). The two
+# layout changes are dpfx's transpose kernel (csrc/transpose.c: tiles of each example's (C, H*W)
+# matrix across threads) rather than ATen's copies, which took 0.38 ms of the op's 1.15 ms on
+# conv2 inside a profiled step (benchmarks/conv_layout.py --step: whole CNN steps about 0.3 ms
+# faster). Returning the channels-last result instead was tried: it saves the last copy, but the
+# GroupNorm backward
 # kernel Inductor fuses after it reads it across the channel stride, and that kernel went from
 # 0.23 to 1.24 ms on the benchmark CNN, more than the convolution saved. The result is always
 # contiguous, as its fake kernel says (a kernel that already returns NCHW, as ATen's slow
@@ -298,9 +302,33 @@ def _conv2d_input_grad(grad_output, input, weight, stride, padding, dilation, gr
     extra = [size[2 + i] - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
                             + dilation[i] * (weight.shape[2 + i] - 1) + 1) for i in range(2)]
     grad = torch.nn.functional.conv_transpose2d(
-        grad_output.contiguous(memory_format=torch.channels_last), weight, None, stride,
-        padding, extra, groups, dilation)
-    return grad.contiguous()
+        _in_layout(grad_output, torch.channels_last), weight, None, stride, padding, extra,
+        groups, dilation)
+    return _in_layout(grad, torch.contiguous_format)
+
+
+def _in_layout(x, memory_format):
+    """4-D ``x`` in ``memory_format`` (contiguous or channels-last): between the two, by dpfx's
+    transpose kernel (csrc/transpose.c) where it applies, else by ATen's copy."""
+    if x.is_contiguous(memory_format=memory_format):
+        return x
+    to_channels_last = memory_format == torch.channels_last
+    source = torch.contiguous_format if to_channels_last else torch.channels_last
+    kernel_fn = _NATIVE_TRANSPOSE.get(x.dtype) if x.device.type == "cpu" else None
+    lib = native.library() if kernel_fn else None
+    if lib is None or not x.is_contiguous(memory_format=source):
+        return x.contiguous(memory_format=memory_format)
+    out = torch.empty(x.shape, dtype=x.dtype, memory_format=memory_format)
+    b, c, h, w = x.shape
+    # NCHW -> NHWC transposes each example's (C, H*W) matrix, NHWC -> NCHW its (H*W, C)
+    rows, cols = (c, h * w) if to_channels_last else (h * w, c)
+    if out.numel():
+        getattr(lib, kernel_fn)(x.data_ptr(), out.data_ptr(), b, rows, cols,
+                                torch.get_num_threads())
+    return out
+
+
+_NATIVE_TRANSPOSE = {torch.float32: "dpfx_transpose_f32", torch.float64: "dpfx_transpose_f64"}
 
 
 _LIBRARY.impl("conv2d_input_grad", _conv2d_input_grad, "CompositeExplicitAutograd")
