@@ -7,8 +7,9 @@ one process.
     python benchmarks/im2col.py --against 5ac0538 --step 32   # and whole CNN steps with each
 
 ``--step B`` also times whole DP-SGD steps of the benchmark CNN at batch B (dpfx with the
-current kernel, dpfx with the revision's, non-private torch.compile), interleaved over
-``--rounds`` rounds: what the kernel is worth in the step.
+current kernel, dpfx with the revision's, the latter with the input-gradient op's layout changes
+by ATen's copies as well (``conv_layout.py``), non-private torch.compile), interleaved over
+``--rounds`` rounds: what the kernels are worth in the step.
 
 ``--against`` builds the revision's ``csrc/im2col.c`` with ``dpfx/native.py``'s compiler and
 flags, under its own symbol names, and checks that it and the current kernel give ATen's values
@@ -80,29 +81,45 @@ def _median_ms(fn, calls: int) -> float:
 def step_table(against: str, batch: int, rounds: int) -> str:
     """Whole CNN steps with the current kernel and with ``against``'s (step_ab.py)."""
     import step_ab
-    from dpfx.rules import convolution
 
     current, other = native.library(), _build(against)
+
+    lookups = [0]
 
     class WithOther:    # the loaded kernels, with im2col taken from the other build
         def __getattr__(self, name):
             if name.startswith("dpfx_im2col_"):
+                lookups[0] += 1
                 fn = getattr(other, name.replace("dpfx_im2col_", "other_im2col_"))
                 fn.argtypes, fn.restype = getattr(current, name).argtypes, None
                 return fn
             return getattr(current, name)
 
+    own = native.library    # the cached loader itself: native.library is what gets patched
+
     @contextlib.contextmanager
     def other_im2col():
-        convolution.native.library = WithOther
+        native.library = WithOther
         try:
             yield
         finally:
-            convolution.native.library = native.library
+            native.library = own
 
-    return step_ab.table("cnn", batch, {"dpfx": ("dpfx", step_ab.nothing),
-                                        f"dpfx, im2col at {against}": ("dpfx", other_im2col)},
-                         rounds)
+    @contextlib.contextmanager
+    def other_im2col_and_aten_copies():    # both of session 18's kernels undone
+        from conv_layout import aten_layout_copies
+        with other_im2col(), aten_layout_copies():
+            yield
+
+    table = step_ab.table("cnn", batch, {
+        "dpfx": ("dpfx", step_ab.nothing),
+        f"dpfx, im2col at {against}": ("dpfx", other_im2col),
+        f"dpfx, im2col at {against}, ATen's layout copies": ("dpfx",
+                                                             other_im2col_and_aten_copies)},
+        rounds)
+    assert native.library is own and lookups[0] > 0
+    return table + (f"\nThe other build's im2col was called {lookups[0]} times (the two "
+                    f"variants' steps, warm-up included), the current one's in the rest.\n")
 
 
 def run(repeats: int, calls: int, against: str | None) -> str:
