@@ -160,8 +160,9 @@ def _patches(ctx, args: ConvArgs, positions: list):
 # phases, and copies every kernel tap's window from one phase without tests or per-pixel index
 # arithmetic (benchmarks/im2col.py, the benchmark CNN's inputs at B=32, 2 threads, AVX2 machine:
 # ATen 0.25, 0.56, 0.34 ms; dpfx's first kernel, which copied each output row from the image
-# with two divisions per row, 0.09, 0.40, 0.38 ms; this one 0.03, 0.11, 0.10 ms). Every output
-# is a copy or a zero, so it equals ATen's bit for bit (tests/test_rule_convolution.py compares
+# with two divisions per row, 0.09, 0.40, 0.38 ms; this one 0.03, 0.11, 0.10 ms; whole CNN
+# steps 7.69 -> 7.10 ms, im2col.py --step). Every output is a copy or a zero, so it equals
+# ATen's bit for bit (tests/test_rule_convolution.py compares
 # them over random geometry);
 # other dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
 # image to example i's patches only: the batch analysis carries dim 0 through it, and the
@@ -279,9 +280,9 @@ def _conv2d_per_sample_grad_fake(response, image, kernel, dilation, padding, str
 # peak there, in the same time (0.8 ms; the step's peak fell from 6.62 to 5.71 MB). The two
 # layout changes are dpfx's transpose kernel (csrc/transpose.c: tiles of each example's (C, H*W)
 # matrix across threads) rather than ATen's copies, which took 0.38 ms of the op's 1.15 ms on
-# conv2 inside a profiled step (benchmarks/conv_layout.py --step: whole CNN steps about 0.3 ms
-# faster). Returning the channels-last result instead was tried: it saves the last copy, but the
-# GroupNorm backward
+# conv2 inside a profiled step (whole CNN steps 0.1-0.3 ms faster in four interleaved runs:
+# benchmarks/conv_layout.py --step, im2col.py --step). Returning the channels-last result
+# instead was tried: it saves the last copy, but the GroupNorm backward
 # kernel Inductor fuses after it reads it across the channel stride, and that kernel went from
 # 0.23 to 1.24 ms on the benchmark CNN, more than the convolution saved. The result is always
 # contiguous, as its fake kernel says (a kernel that already returns NCHW, as ATen's slow
