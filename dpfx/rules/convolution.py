@@ -162,9 +162,8 @@ def _patches(ctx, args: ConvArgs, positions: list):
 # ATen 0.25, 0.56, 0.34 ms; dpfx's first kernel, which copied each output row from the image
 # with two divisions per row, 0.09, 0.40, 0.38 ms; this one 0.03, 0.11, 0.10 ms; whole CNN
 # steps 7.69 -> 7.10 ms, im2col.py --step). Every output is a copy or a zero, so it equals
-# ATen's bit for bit (tests/test_rule_convolution.py compares
-# them over random geometry);
-# other dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
+# ATen's bit for bit (tests/test_rule_convolution.py compares them over random geometry); other
+# dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
 # image to example i's patches only: the batch analysis carries dim 0 through it, and the
 # self-check compares the compiled graph with eager execution as for every other op.
 _LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
