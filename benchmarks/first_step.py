@@ -6,7 +6,8 @@
     python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
-backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold,
+backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
+(for the LSTM, its recurrence unrolled as dpfx captures it: run.py's baseline for that row),
 dpfx cold (and each ``--dpfx`` variant), then the same warm. "Cold" is an empty Inductor cache
 directory; "warm" is
 a second process on the directory its cold run filled (what a user's second run of the same
@@ -133,6 +134,7 @@ def worker(args) -> None:
 
     from run import warm_inductor
     import methods
+    import models
     from models import forward, loss_fn
 
     warmup_dir = tempfile.mkdtemp(prefix="dpfx-first-warmup-")
@@ -156,8 +158,17 @@ def worker(args) -> None:
                            expected_batch_size=B)
     else:
         run = torch.compile(model)
+    # the LSTM's baseline is its recurrence written out as dpfx captures it, compiled without DP
+    # (Note [The LSTM's baseline] in models.py); torch.compile alone would run ATen's fused kernel
+    unrolled = args.method == "compile" and models.BASELINE.get(args.model) == "compile_unrolled"
     t0 = time.perf_counter()
-    loss_fn(forward(run, x), y).backward()
+    if unrolled:
+        from dpfx.traceable import traceable_torch
+        with traceable_torch():
+            out = forward(run, x)
+    else:
+        out = forward(run, x)
+    loss_fn(out, y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = time.perf_counter() - t0
