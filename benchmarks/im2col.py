@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import math
 import os
 import statistics
 import subprocess
@@ -43,27 +44,46 @@ SHAPES = [(32, 3, 32, 2), (32, 32, 16, 2), (32, 64, 8, 2), (32, 32, 16, 1), (32,
           (64, 64, 16, 1), (8, 3, 224, 2)]
 
 
-def _build(revision: str) -> ctypes.CDLL:
-    source = subprocess.run(["git", "show", f"{revision}:dpfx/csrc/im2col.c"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
-    source = source.replace("dpfx_im2col_", "other_im2col_")
-    work = tempfile.mkdtemp()
-    c_path, so_path = os.path.join(work, "im2col.c"), os.path.join(work, "im2col.so")
-    with open(c_path, "w") as f:
-        f.write(source)
-    subprocess.run([native._compiler(), *native._FLAGS, c_path, "-o", so_path], check=True)
-    return ctypes.CDLL(so_path)
+class OtherBuild:
+    """csrc/im2col.c as it was at ``revision``, under its own symbol names. Kernels from before
+    the caller-allocated scratch (csrc/im2col.c's ``scratch`` argument) take no scratch: ``kernel``
+    drops it from the current signature's arguments."""
+
+    def __init__(self, revision: str):
+        source = subprocess.run(["git", "show", f"{revision}:dpfx/csrc/im2col.c"], cwd=ROOT,
+                                check=True, capture_output=True, text=True).stdout
+        self.takes_scratch = "scratch" in source
+        work = tempfile.mkdtemp()
+        c_path, so_path = os.path.join(work, "im2col.c"), os.path.join(work, "im2col.so")
+        with open(c_path, "w") as f:
+            f.write(source.replace("dpfx_im2col_", "other_im2col_"))
+        subprocess.run([native._compiler(), *native._FLAGS, c_path, "-o", so_path], check=True)
+        self.lib = ctypes.CDLL(so_path)
+
+    def kernel(self, name: str):
+        """The revision's ``name`` (dpfx_im2col_f32 or _f64), called as the current one is."""
+        fn = getattr(self.lib, name.replace("dpfx_im2col_", "other_im2col_"))
+        fn.restype = None
+        if self.takes_scratch:
+            fn.argtypes = getattr(native.library(), name).argtypes
+            return fn
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 14, ctypes.c_int]
+        return lambda *args: fn(*args[:-2], args[-1])
 
 
 def _caller(fn):
+    """fn (a kernel with the current signature) as ATen's im2col is called."""
     def call(x, kernel, dilation, padding, stride):
         b, c, h, w = x.shape
         oh, ow = ((size + 2 * p - d * (k - 1) - 1) // s + 1
                   for size, k, d, p, s in zip((h, w), kernel, dilation, padding, stride))
         out = x.new_empty(b, c * kernel[0] * kernel[1], oh * ow)
-        args = [b, c, h, w, *kernel, *dilation, *padding, *stride, oh, ow]
-        fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-           *[ctypes.c_int64(v) for v in args], ctypes.c_int(torch.get_num_threads()))
+        threads = torch.get_num_threads()
+        phases = math.prod(-(-(size + 2 * p) // s) * s
+                           for size, p, s in zip((h, w), padding, stride))
+        scratch = x.new_empty(threads * phases)
+        fn(x.data_ptr(), out.data_ptr(), b, c, h, w, *kernel, *dilation, *padding, *stride, oh,
+           ow, scratch.data_ptr(), threads)
         return out
     return call
 
@@ -82,7 +102,7 @@ def step_table(against: str, batch: int, rounds: int) -> str:
     """Whole CNN steps with the current kernel and with ``against``'s (step_ab.py)."""
     import step_ab
 
-    current, other = native.library(), _build(against)
+    current, other = native.library(), OtherBuild(against)
 
     lookups = [0]
 
@@ -90,9 +110,7 @@ def step_table(against: str, batch: int, rounds: int) -> str:
         def __getattr__(self, name):
             if name.startswith("dpfx_im2col_"):
                 lookups[0] += 1
-                fn = getattr(other, name.replace("dpfx_im2col_", "other_im2col_"))
-                fn.argtypes, fn.restype = getattr(current, name).argtypes, None
-                return fn
+                return other.kernel(name)
             return getattr(current, name)
 
     own = native.library    # the cached loader itself: native.library is what gets patched
@@ -129,7 +147,7 @@ def run(repeats: int, calls: int, against: str | None) -> str:
     variants = {"ATen": torch.ops.aten.im2col.default,
                 "dpfx": _caller(native.library().dpfx_im2col_f32)}
     if against:
-        variants[f"dpfx at {against}"] = _caller(_build(against).other_im2col_f32)
+        variants[f"dpfx at {against}"] = _caller(OtherBuild(against).kernel("dpfx_im2col_f32"))
     rows = []
     for batch, channels, size, stride in SHAPES:
         torch.manual_seed(0)

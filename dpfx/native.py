@@ -36,8 +36,8 @@ _SIGNATURES = {
     "dpfx_philox4x32_10": [_PTR, _PTR, _PTR],
     "dpfx_philox_add_noise_f32": [_PTR, _PTR, _I64, _U64, _F64, _F64, _F64, _INT],
     "dpfx_philox_add_noise_f64": [_PTR, _PTR, _I64, _U64, _F64, _F64, _F64, _INT],
-    "dpfx_im2col_f32": [_PTR, _PTR, *[_I64] * 14, _INT],
-    "dpfx_im2col_f64": [_PTR, _PTR, *[_I64] * 14, _INT],
+    "dpfx_im2col_f32": [_PTR, _PTR, *[_I64] * 14, _PTR, _INT],
+    "dpfx_im2col_f64": [_PTR, _PTR, *[_I64] * 14, _PTR, _INT],
     "dpfx_transpose_f32": [_PTR, _PTR, _I64, _I64, _I64, _INT],
     "dpfx_transpose_f64": [_PTR, _PTR, _I64, _I64, _I64, _INT],
 }

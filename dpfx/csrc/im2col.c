@@ -1,9 +1,11 @@
 /* im2col over a whole batch, every core: the patches a 2-D convolution reads.
  *
- * dpfx_im2col_{f32,f64}(x, out, B, C, H, W, kh, kw, dh, dw, ph, pw, sh, sw, oh, ow, threads)
- * writes out[b, (c*kh + i)*kw + j, y*ow + z] = x[b, c, y*sh - ph + i*dh, z*sw - pw + j*dw], zero
+ * dpfx_im2col_{f32,f64}(x, out, B, C, H, W, kh, kw, dh, dw, ph, pw, sh, sw, oh, ow, scratch,
+ * threads) writes out[b, (c*kh + i)*kw + j, y*ow + z] = x[b, c, y*sh - ph + i*dh, z*sw - pw + j*dw], zero
  * where that pixel lies in the padding: ATen's im2col layout (B, C*kh*kw, oh*ow), for a
  * contiguous x. Every output is a copy or a zero, so the result equals ATen's bit for bit.
+ * scratch holds threads * sh*sw * ceil((H + 2ph)/sh) * ceil((W + 2pw)/sw) values (the caller
+ * allocates it, so no allocation here can fail unseen).
  *
  * The B*C image planes are split across threads. Each plane is first laid out, zero-padded, as
  * its sh*sw stride phases, phase[qy][qx][a][b] = padded[a*sh + qy][b*sw + qx]: kernel tap (i, j)
@@ -13,8 +15,8 @@
  * row from the image directly, with two integer divisions per row for its in-image range and a
  * strided inner loop; on the benchmark CNN's stride-2 layers (rows of 4-16 pixels) that
  * bookkeeping cost more than the copies (Note [Patches by dpfx::im2col]). */
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* dst[i] = src[i * s], i < n; the strides 1 and 2 are constants in their loops, so they
@@ -51,21 +53,22 @@ DEFINE_WINDOW_COPY(WINDOW, T, COPY)                                             
 void NAME(const T *restrict x, T *restrict out, int64_t batch, int64_t channels,               \
           int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t dh, int64_t dw,                \
           int64_t ph, int64_t pw, int64_t sh, int64_t sw, int64_t oh, int64_t ow,              \
-          int threads) {                                                                       \
+          T *restrict scratch, int threads) {                                                  \
     /* one phase holds ceil((h + 2ph) / sh) x ceil((w + 2pw) / sw) values: every window lies  \
      * inside it, since the convolution's last tap reads padded row (oh-1)*sh + (kh-1)*dh <   \
      * h + 2ph (and so for columns) */                                                         \
     const int64_t sub_h = (h + 2 * ph + sh - 1) / sh, sub_w = (w + 2 * pw + sw - 1) / sw;      \
     const int64_t sub = sub_h * sub_w, planes = batch * channels, taps = kh * kw;              \
+    /* for column phase qx, the b with 0 <= b*sw + qx - pw < w: [span[2qx], span[2qx+1]) */     \
+    int64_t span[2 * sw];                                                                      \
+    for (int64_t qx = 0; qx < sw; qx++) {                                                      \
+        span[2 * qx] = qx >= pw ? 0 : (pw - qx + sw - 1) / sw;                                 \
+        span[2 * qx + 1] = w + pw - qx <= 0 ? 0 : (w + pw - qx + sw - 1) / sw;                 \
+    }                                                                                          \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        T *phase = (T *)malloc(sizeof(T) * sub * sh * sw);                                     \
-        /* for column phase qx, the b with 0 <= b*sw + qx - pw < w: [span[2qx], span[2qx+1]) */ \
-        int64_t *span = (int64_t *)malloc(sizeof(int64_t) * 2 * sw);                           \
-        for (int64_t qx = 0; qx < sw; qx++) {                                                  \
-            span[2 * qx] = qx >= pw ? 0 : (pw - qx + sw - 1) / sw;                             \
-            span[2 * qx + 1] = w + pw - qx <= 0 ? 0 : (w + pw - qx + sw - 1) / sw;             \
-        }                                                                                      \
+        /* each thread's phases: threads * sh*sw*sub values of scratch, from the caller */     \
+        T *phase = scratch + (int64_t)omp_get_thread_num() * sub * sh * sw;                    \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t p = 0; p < planes; p++) {                                                 \
             memset(phase, 0, sizeof(T) * sub * sh * sw);                                       \
@@ -89,8 +92,6 @@ void NAME(const T *restrict x, T *restrict out, int64_t batch, int64_t channels,
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        free(span);                                                                            \
-        free(phase);                                                                           \
     }                                                                                          \
 }
 DEFINE_IM2COL(dpfx_im2col_f32, float, strided_copy_f32, window_copy_f32)

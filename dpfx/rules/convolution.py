@@ -182,8 +182,13 @@ def _im2col(image, kernel, dilation, padding, stride):
         b, c, h, w = image.shape
         oh, ow = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, d, p, s
                   in zip((h, w), kernel, dilation, padding, stride))
+        threads = torch.get_num_threads()
+        # each thread's zero-padded stride phases of one image plane (csrc/im2col.c)
+        phases = math.prod(-(-(size + 2 * p) // s) * s
+                           for size, p, s in zip((h, w), padding, stride))
+        scratch = image.new_empty(threads * phases)
         getattr(lib, kernel_fn)(image.data_ptr(), out.data_ptr(), b, c, h, w, *kernel, *dilation,
-                                *padding, *stride, oh, ow, torch.get_num_threads())
+                                *padding, *stride, oh, ow, scratch.data_ptr(), threads)
     return out
 
 
