@@ -161,9 +161,10 @@ def worker(args) -> None:
     # the LSTM's baseline is its recurrence written out as dpfx captures it, compiled without DP
     # (Note [The LSTM's baseline] in models.py); torch.compile alone would run ATen's fused kernel
     unrolled = args.method == "compile" and models.BASELINE.get(args.model) == "compile_unrolled"
-    t0 = time.perf_counter()
     if unrolled:
         from dpfx.traceable import traceable_torch
+    t0 = time.perf_counter()
+    if unrolled:
         with traceable_torch():
             out = forward(run, x)
     else:
