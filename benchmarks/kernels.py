@@ -1,0 +1,294 @@
+"""Where a training step's time goes, kernel by kernel, inside real steps: dpfx against its
+non-private baseline, interleaved in one process.
+
+    python benchmarks/kernels.py cnn                 # the model's quick batch size, 200 steps
+    python benchmarks/kernels.py hf_gpt2 --batch 8 --steps 300 --top 40
+    python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
+
+torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
+session 18), and a kernel timed alone in a loop runs on warm caches and awake threads that a
+step does not give it. This script times each call where the step makes it, with
+``time.perf_counter`` around:
+
+- every C++ kernel of every Inductor output module loaded in the process (``cpp_fused_*``),
+  labelled with the first characters of its module's name, which tell the graphs apart;
+- Inductor's extern kernels (``extern_kernels.mm``, ``bmm``, ``addmm``, ``convolution``, ...);
+- every ``OpOverload`` called from Python: dpfx's own ops (``dpfx::add_noise_``,
+  ``dpfx::conv2d_input_grad``, ...), the ATen fallbacks Inductor calls, and the eager ops of the
+  loss check;
+- the Python layers of a step (``LAYERS``, rows marked ``py:``): the generated graph code
+  between its kernels, the autograd engine's call (with the hooks not listed separately),
+  dpfx's gradient hooks, its loss tracking and check (``TrackedTensor.__torch_function__``,
+  whose ``backward`` call holds the check before the engine runs), dpfx's and torch.compile's
+  forward calls (with dynamo's guard checks and aot_autograd's runtime wrappers), and the
+  optimizer's step and zero_grad.
+
+Every row is its calls' own time: a call's time less that of the timed calls inside it (an
+op inside a timed op, kernels inside a graph's Python), so the rows add up, and "the rest" is
+what no row covers (the loss's own computation, tensor methods called outside them). Each
+wrapper adds about a microsecond per call; the Python rows carry most of that. Figures are per
+step: the mean over the steps of the summed own time of a row's calls.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import methods  # noqa: E402
+import models  # noqa: E402
+
+EXTERNS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "_mm_plus_mm")
+
+# Python layers of a step, timed by their own time (less the timed calls inside them):
+# (label, module, attribute path). Wrapped before the models are built, since the gradient hooks
+# are bound when dpfx registers them.
+LAYERS = [
+    ("py: Inductor graph wrapper (Python between kernels)", "torch._inductor.output_code",
+     "CompiledFxGraph.__call__"),
+    ("py: autograd engine (and untimed hooks)", "torch.autograd", "_engine_run_backward"),
+    ("py: dpfx gradient guard hooks", "dpfx.api", "_check_gradient"),
+    ("py: dpfx post-accumulate hooks", "dpfx.api", "_after_accumulate"),
+    ("py: dpfx loss tracking and check", "dpfx.loss_track", "TrackedTensor.__torch_function__"),
+    ("py: dpfx forward call (with dynamo's guards, aot_autograd's runtime)", "dpfx.api",
+     "DPModule.forward"),
+    ("py: torch.compile forward call (dynamo's guards, aot_autograd's runtime)",
+     "torch._dynamo.eval_frame", "OptimizedModule.__call__"),
+    ("py: optimizer step and zero_grad", "torch.optim.optimizer", "Optimizer.zero_grad"),
+]
+
+
+class Timers:
+    """perf_counter wrappers that charge each call's own time (its time less that of the timed
+    calls inside it) to (method, label)."""
+
+    def __init__(self):
+        self.method = None
+        self.children: list[float] = []
+        self.layers: list[str] = []    # the Python layers the current call runs inside
+        self.ops_wrapped = self.layers_wrapped = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.spent = collections.defaultdict(float)   # (method, label) -> own seconds
+        self.calls = collections.Counter()
+        self.within = collections.defaultdict(float)  # (method, innermost layer) -> own seconds
+        self.step_timed = 0.0
+
+    def call(self, label, fn, args, kwargs):
+        if self.method is None:
+            return fn(*args, **kwargs)
+        layer = label.startswith("py: ")
+        if layer:
+            self.layers.append(label)
+        inside = self.layers[-1] if self.layers else None
+        self.children.append(0.0)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - start
+            own = elapsed - self.children.pop()
+            if layer:
+                self.layers.pop()
+            self.spent[self.method, label] += own
+            self.calls[self.method, label] += 1
+            self.within[self.method, inside] += own
+            self.step_timed += own
+            if self.children:
+                self.children[-1] += elapsed
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            return self.call(label, fn, args, kwargs)
+        timed.__wrapped__ = fn
+        return timed
+
+    def install_layers(self) -> None:
+        import importlib
+
+        if self.layers_wrapped:
+            return
+        self.layers_wrapped = True
+        for label, module_name, path in LAYERS:
+            owner = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            if isinstance(fn, classmethod):
+                inner = fn.__func__
+                setattr(owner, name, classmethod(self.wrap(label, inner)))
+            elif not hasattr(fn, "__wrapped__"):
+                setattr(owner, name, self.wrap(label, fn))
+        # zero_grad's partner: SGD's step (its updates are Tensor methods, otherwise untimed)
+        import torch.optim as optim
+        optim.SGD.step = self.wrap("py: optimizer step and zero_grad", optim.SGD.step)
+
+    def install(self) -> None:
+        """Wrap the kernels of every Inductor module loaded since the last call, and (once)
+        every OpOverload."""
+        from torch._inductor.codecache import PyCodeCache
+
+        externs = set()
+        for module in list(PyCodeCache.modules):
+            tag = Path(module.__file__).name[:6]
+            for name, value in list(vars(module).items()):
+                if name.startswith("cpp_fused") and callable(value) and not hasattr(
+                        value, "__wrapped__"):
+                    setattr(module, name, self.wrap(f"{tag}:{name}", value))
+            extern = getattr(module, "extern_kernels", None)
+            if extern is not None and id(extern) not in externs:
+                externs.add(id(extern))
+                for name in EXTERNS:
+                    fn = getattr(extern, name, None)
+                    if fn is not None and not hasattr(fn, "__wrapped__"):
+                        setattr(extern, name, self.wrap(f"extern {name}", fn))
+        if self.ops_wrapped:
+            return
+        self.ops_wrapped = True
+        call = torch._ops.OpOverload.__call__
+        timers = self
+
+        def op_call(op, *args, **kwargs):
+            return timers.call(f"op {op}", call, (op, *args), kwargs)
+
+        torch._ops.OpOverload.__call__ = op_call
+
+
+TIMERS = Timers()
+
+
+def measure(model_name: str, batch: int, steps: int) -> tuple[dict, dict, dict]:
+    """{method: [step seconds]}, {method: [untimed seconds per step]}, {method: label}."""
+    baseline = models.BASELINE.get(model_name, "compile")
+    runs, labels = {}, {baseline: methods.METHODS[baseline][0], "dpfx": "dpfx"}
+    timers = TIMERS
+    timers.install_layers()
+    data = None
+    for method in (baseline, "dpfx"):
+        net, x, y = models.build(model_name, batch)
+        data = (x, y)
+        runs[method] = methods.make(method, net, batch, x, y).step
+        for _ in range(3):
+            runs[method](x, y)
+    timers.install()
+    timers.reset()
+    totals = {method: [] for method in runs}
+    untimed = {method: [] for method in runs}
+    for _ in range(steps):
+        for method, step in runs.items():
+            timers.method, timers.step_timed = method, 0.0
+            start = time.perf_counter()
+            step(*data)
+            totals[method].append(time.perf_counter() - start)
+            untimed[method].append(totals[method][-1] - timers.step_timed)
+            timers.method = None
+    return totals, untimed, labels
+
+
+LOSS = "py: dpfx loss tracking and check"
+NOISE = "op dpfx.add_noise_.default"
+FORWARD = ("py: dpfx forward call", "py: torch.compile forward call")
+GRAPHS = ("py: Inductor graph wrapper", "py: autograd engine")
+HOOKS = ("py: dpfx gradient guard hooks", "py: dpfx post-accumulate hooks")
+SUMMARY_HEAD = (
+    "| model | B | base step | dpfx step | x | noise | loss check | DP kernels, net | forward "
+    "call, over base | graph Python and autograd engine, over base | gradient hooks |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def decompose(model_name: str, batch: int, steps: int, totals: dict, baseline: str) -> str:
+    """One summary row: what dpfx's step adds over the baseline's, in ms per step (own times).
+    The loss check is its Python layer with the calls made inside it (the scale's eager ops,
+    the loss's own computation); the DP kernels are all kernels and ops outside the Python
+    layers' own time, less the noise and the loss check's ops, over the baseline's."""
+    timers = TIMERS
+
+    def own(method, pred):
+        return sum(v for (m, label), v in timers.spent.items() if m == method and pred(label))
+
+    def kernels(method):
+        return own(method, lambda label: not label.startswith("py: "))
+
+    loss = sum(v for (m, layer), v in timers.within.items() if m == "dpfx" and layer == LOSS)
+    loss_ops = loss - own("dpfx", lambda label: label == LOSS)
+    noise = own("dpfx", lambda label: label == NOISE)
+    dp_kernels = kernels("dpfx") - noise - loss_ops - kernels(baseline)
+    forward = own("dpfx", lambda label: label.startswith(FORWARD)) - own(
+        baseline, lambda label: label.startswith(FORWARD))
+    graphs = own("dpfx", lambda label: label.startswith(GRAPHS)) - own(
+        baseline, lambda label: label.startswith(GRAPHS))
+    hooks = own("dpfx", lambda label: label in HOOKS)
+    base, dp = (statistics.median(totals[m]) for m in (baseline, "dpfx"))
+    cells = [noise, loss, dp_kernels, forward, graphs, hooks]
+    return (f"| {model_name} | {batch} | {base * 1e3:.2f} | {dp * 1e3:.2f} | {dp / base:.2f} | "
+            + " | ".join(f"{c / steps * 1e3:.2f}" for c in cells) + " |")
+
+
+def report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, str]:
+    """The model's per-kernel tables, and its summary row."""
+    totals, untimed, labels = measure(model_name, batch, steps)
+    timers = TIMERS
+    lines = [f"## {model_name}, B={batch}: {steps} interleaved steps per method", ""]
+    for method, times in totals.items():
+        rows = sorted(((spent / steps, timers.calls[m, label] / steps, label)
+                       for (m, label), spent in timers.spent.items() if m == method),
+                      reverse=True)
+        kinds = collections.defaultdict(float)
+        for ms, _, label in rows:
+            kinds["Python layers" if label.startswith("py: ") else "kernels and ops"] += ms
+        lines += [f"**{labels[method]}**: median step {statistics.median(times) * 1e3:.3f} ms "
+                  f"(mean {sum(times) / len(times) * 1e3:.3f}); per step (means): kernels and "
+                  f"ops {kinds['kernels and ops'] * 1e3:.3f} ms, the Python layers listed "
+                  f"{kinds['Python layers'] * 1e3:.3f} ms; the rest (median) "
+                  f"{statistics.median(untimed[method]) * 1e3:.3f} ms", "",
+                  "| ms / step | calls / step | kernel, op or Python layer (own time) |",
+                  "|---:|---:|---|"]
+        lines += [f"| {ms * 1e3:.3f} | {n:g} | `{label}` |" for ms, n, label in rows[:top]]
+        if len(rows) > top:
+            rest = sum(r[0] for r in rows[top:])
+            lines.append(f"| {rest * 1e3:.3f} | | {len(rows) - top} more |")
+        lines.append("")
+    baseline = models.BASELINE.get(model_name, "compile")
+    return "\n".join(lines), decompose(model_name, batch, steps, totals, baseline)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", choices=sorted(models.MODELS) + ["all"])
+    ap.add_argument("--batch", type=int, help="batch size (default: each model's first)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", help="write the markdown here too")
+    args = ap.parse_args()
+    names = list(models.MODELS) if "all" in args.models else args.models
+    parts, rows = [], []
+    for name in names:
+        text, row = report(name, args.batch or models.MODELS[name][2][0], args.steps, args.top)
+        parts.append(text)
+        rows.append(row)
+        print(text, flush=True)
+    summary = ("## What dpfx adds to each step (ms per step; means of own times, the steps "
+               "medians)\n\n" + SUMMARY_HEAD + "\n" + "\n".join(rows) + "\n")
+    print(summary)
+    text = summary + "\n" + "\n".join(parts)
+    if args.out:
+        from run import machine_info
+        info = machine_info(torch.get_num_threads())
+        head = (f"# Kernel times inside steps\n\nCommand: `python benchmarks/kernels.py "
+                f"{' '.join(sys.argv[1:])}`  \nMachine: {info['cpu']}, {info['cores']} cores, "
+                f"torch {info['torch']} ({info['torch_threads']} threads)  \n"
+                f"dpfx: commit {info.get('dpfx_commit', '?')}\n\n")
+        with open(args.out, "w") as f:
+            f.write(head + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
