@@ -250,8 +250,10 @@ class DPModule(torch.nn.Module):
     #   unchanged; a second one, such as a regularizer on the weight written in the loss, makes
     #   autograd pass a fresh sum).
     # Either failure raises a PrivacyError before that gradient is accumulated. A backward that
-    # never ran dpfx's graph (plain autograd on the raw model) is not dpfx's business and is left
-    # alone, and so is a parameter the model does not use.
+    # never ran dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
+    # post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step()
+    # refuses (Note [Only dpfx's gradients reach a private step] in release.py). A parameter the
+    # model does not use is left alone.
     def _guard_gradients(self) -> None:
         backend = self._dpfx_backend
         if backend.graph_params is None:
@@ -317,16 +319,18 @@ def _check_gradient(backend_ref, name: str, module_ref, param_ref, grad: torch.T
 # DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
 # dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
 # finds no gradient at all (it skips the parameter) instead of an un-noised one. Only a backward
-# that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, where
-# DPOptimizer.step() refuses it. With noise="graph" the hook records dpfx's gradient in the
-# ledger (Note [Only dpfx's gradients reach a private step] in release.py).
+# that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, recorded in the ledger
+# as plain, where DPOptimizer.step() refuses it. With noise="graph" the hook records p.grad as
+# dpfx's release (Note [Only dpfx's gradients reach a private step] in release.py).
 def _after_accumulate(module_ref, name: str, p: torch.Tensor) -> None:
     module = module_ref()
-    if module is None or p.grad is None or torch._C._current_graph_task_id() \
-            != module._dpfx_backend.last_graph_task:
+    if module is None or p.grad is None:
+        return
+    if torch._C._current_graph_task_id() != module._dpfx_backend.last_graph_task:
+        module._ledger.accumulated_plain(name, p)
         return
     if module.dp_config.noise == "graph":
-        module._ledger.after_accumulate(name, p)
+        module._ledger.released(name, p)
         return
     acc = module.clipped_sums.get(name)
     if acc is None:
@@ -370,7 +374,11 @@ def _own_entry(model: torch.nn.Module):
 # warn that use_cache is turned off), so while dpfx captures, dynamo skips the standard Logger
 # methods and transformers' ``warning_once`` / ``info_once``: the message is not printed during
 # the compiled run, and nothing else changes (a logging call returns None and computes nothing
-# the model uses). Plain torch.compile calls outside dpfx keep dynamo's default.
+# the model uses). Plain torch.compile calls outside dpfx keep dynamo's default. The methods are
+# read from ``logging.Logger`` at every capture, not once per process: transformers adds its own
+# when it is imported, which may be after dpfx captured another model
+# (tests/test_inputs.py::test_logging_inside_the_forward_across_captures,
+# tests/test_hf.py::test_bert_gradient_checkpointing_after_an_earlier_capture).
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
                    "warning_once", "info_once", "warning_advice")
 
@@ -455,20 +463,11 @@ class _DynamoSettings:
 
 
 def _skipped_logging(current: set) -> set:
-    """dynamo's skipped logging functions with the Logger methods added; the same set object
-    while dynamo's own stays the same (one union per process, not per call)."""
-    cached = _SKIPPED_LOGGING.get(id(current))
-    if cached is not None and cached[0] is current and cached[1] == current:
-        return cached[2]
+    """dynamo's skipped logging functions with the Logger methods ``logging.Logger`` has now
+    (Note [Logging inside the forward])."""
     methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
                if hasattr(logging.Logger, name)}
-    merged = set(current) | methods
-    _SKIPPED_LOGGING.clear()
-    _SKIPPED_LOGGING[id(current)] = (current, frozenset(current), merged)
-    return merged
-
-
-_SKIPPED_LOGGING: dict[int, tuple] = {}
+    return set(current) | methods
 
 
 def _graph_break_error(e: Exception) -> CaptureError:

@@ -17,7 +17,10 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
 * ``noise="optimizer"`` models: the backward passes left sum_i clip(g_i) in
   ``dp_model.clipped_sums``. ``step()`` adds N(0, (sigma * S)^2) once (torch's generator, or the
   CSPRNG with ``secure_mode``), all-reduces across ranks when distributed (Note [Noise once
-  across ranks]), divides by D, writes p.grad and steps.
+  across ranks]), divides by D, writes p.grad and steps. p.grad is None between the backward and
+  ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
+  the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
+  step] in release.py).
 
 # Note [Virtual batches]
 A logical batch too big for memory runs as several physical batches. ``signal_skip_step()``
@@ -194,10 +197,10 @@ class DPOptimizer(torch.optim.Optimizer):
             self._open = True
             self._released = False
             return loss
+        # Note [Only dpfx's gradients reach a private step] in release.py
+        self.dp_model._ledger.check(self._named)
         if self.dp_model.dp_config.noise == "optimizer":
             self._write_private_grads()
-        else:
-            self.dp_model._ledger.check(self._named)
         self._released = False
         self.original_optimizer.step()
         self._open = False
@@ -213,14 +216,6 @@ class DPOptimizer(torch.optim.Optimizer):
     def _write_private_grads(self) -> None:
         model, config = self.dp_model, self.dp_model.dp_config
         sums = model.clipped_sums
-        for name, p in self._named:
-            if p.grad is not None:
-                raise PrivacyError(
-                    f"parameter '{name}' has a gradient that did not come from dpfx's clipped "
-                    f"sums (p.grad is set before DPOptimizer.step(): a backward outside dpfx's "
-                    f"graph, such as the raw model's or a module sharing the parameter, wrote "
-                    f"it); it would not be private. zero_grad(), then forward through the "
-                    f"dpfx-compiled module and backward once.")
         if not self._named:
             return
         device = self._named[0][1].device
@@ -240,7 +235,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, p in self._named:
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
-            model._ledger.after_accumulate(name, p)     # private: a later backward may add to it
+            model._ledger.released(name, p)     # the inner step's pre-hooks may edit it
             offset += n
         model.reset_clipped_sums()
 

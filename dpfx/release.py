@@ -5,7 +5,9 @@ gradients in a private step.
                                       # frozen or unfrozen since compile; track_release: a hook
                                       # on the backward
     loss.backward()                   # the release; a second backward of this forward is refused
-    opt.step()                        # DPOptimizer: p.grad must be what dpfx's backward left
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # post-processing: allowed
+    opt.step()                        # DPOptimizer: p.grad must hold dpfx's release, edited in
+                                      # place or not, and no plain gradient autograd added
 
 The graph proof covers one backward graph. What the user's loop does with it is checked here, at
 run time, before anything is written:
@@ -33,15 +35,41 @@ discards unstepped (noise="graph": the noisy gradient was in p.grad) is counted 
 accountant all the same; with noise="optimizer" nothing was released and nothing is counted.
 
 # Note [Only dpfx's gradients reach a private step]
-``DPOptimizer.step()`` steps p.grad, which autograd accumulates from every backward since the
-last ``zero_grad``: the raw model's, a module sharing the weight, dpfx's. dpfx's backward checks,
-before accumulating into p.grad, that p.grad is None or zero, or is dpfx's own gradient of an
-earlier backward untouched since; after accumulating, it records which tensor p.grad is and its
-version counter. ``step()`` refuses any p.grad that is not that tensor at that version: one a
-plain backward wrote or added to, or one changed in place after the backward (dpfx cannot tell
-an in-place change from an added gradient). With noise="optimizer" dpfx's gradient leaves p.grad
-for ``dp_model.clipped_sums`` at once, so any p.grad at ``step()`` is foreign.
-(tests/test_loop_privacy.py)
+``DPOptimizer.step()`` steps p.grad, into which autograd accumulates every backward since the last
+``zero_grad``: dpfx's, the raw model's, a module's sharing the weight. dpfx's gradient is the
+release; whatever is computed from it alone is post-processing and releases nothing more:
+``clip_grad_norm_``, ``clip_grad_value_``, weight decay ``p.grad.add_(p, alpha=wd)``, GradScaler's
+``unscale_``, reading it. So dpfx watches what autograd accumulates, not what user code does to
+the tensor it released into:
+
+- after every accumulation into p.grad, in any backward, the post-accumulate-grad hook of the
+  parameter (registered at compile) records which tensor p.grad now is and whose gradient it
+  holds: dpfx's release if that backward ran dpfx's graph (with noise="graph"; with
+  noise="optimizer" the clipped sum leaves p.grad at once, Note [Clipped sums stay out of p.grad]
+  in api.py), a plain gradient if it did not (the raw model, a module sharing the parameter,
+  before or after dpfx's backward, in its backward call or another);
+- dpfx's backward, in the parameter's tensor hook that runs just before it accumulates
+  (``_check_gradient`` in api.py), refuses a p.grad that is not None, not all zero, and not the
+  tensor holding dpfx's release;
+- ``step()`` refuses the same: a p.grad into which a plain backward accumulated (until
+  ``zero_grad()`` or a new release of dpfx's replaces it), or a tensor assigned to p.grad
+  (``p.grad = g``), which dpfx cannot vouch for.
+
+An edit in place of the tensor holding the release is the user's code, never autograd's, and is
+accepted as post-processing: dpfx takes it to be a function of the release and of public values
+(a weight decay reads the parameters, which are the output of earlier private steps). Copying a
+plain gradient into it (``p.grad.copy_(g)``) would be the user's own leak, which no check of the
+tensor can tell from clipping. ``torch.autograd.grad`` accumulates nothing and leaves p.grad as
+it was. A gradient that is all zero carries nothing, whoever wrote it: ``zero_grad(set_to_none=
+False)`` clears a plain gradient as ``zero_grad()`` does. The checks compare tensor identities;
+only a p.grad that is not dpfx's release has its values read (to see whether it is all zero).
+
+With noise="optimizer" p.grad is None between the backward and ``step()`` (the clipped sums wait
+in ``dp_model.clipped_sums``), so post-processing there finds nothing (``clip_grad_norm_``
+returns 0). ``step()`` writes the noised gradient into p.grad and then calls the inner
+optimizer's ``step()``; post-processing of that release goes in a pre-hook of the inner
+optimizer (``opt.original_optimizer.register_step_pre_hook``), which runs in between.
+(tests/test_post_processing.py, tests/test_loop_privacy.py)
 """
 from __future__ import annotations
 
@@ -133,39 +161,54 @@ def second_backward_error(noise: str) -> PrivacyError:
 
 
 class GradientLedger:
-    """Which tensor, at which version, each parameter's p.grad was when dpfx's backward last
-    accumulated into it (Note [Only dpfx's gradients reach a private step])."""
+    """Which tensor each parameter's p.grad was after autograd last accumulated into it, and
+    whether it then held dpfx's release or a plain gradient (Note [Only dpfx's gradients reach a
+    private step])."""
 
     def __init__(self):
-        self._grads: dict[str, tuple] = {}
+        self._grads: dict[str, tuple[weakref.ref, bool]] = {}   # name -> (p.grad, dpfx's?)
+
+    def released(self, name: str, p: torch.Tensor) -> None:
+        """dpfx's backward accumulated its release into p.grad, or DPOptimizer wrote it."""
+        self._grads[name] = (weakref.ref(p.grad), True)
+
+    def accumulated_plain(self, name: str, p: torch.Tensor) -> None:
+        """A backward that did not run dpfx's graph accumulated into p.grad."""
+        self._grads[name] = (weakref.ref(p.grad), False)
 
     def vouches(self, name: str, grad: torch.Tensor | None) -> bool:
         entry = self._grads.get(name)
-        return grad is not None and entry is not None and entry[0]() is grad \
-            and entry[1] == grad._version
+        return entry is not None and entry[1] and entry[0]() is grad
+
+    def _unvouched(self, name: str, grad: torch.Tensor | None) -> str | None:
+        """What ``grad`` holds if it is set, not dpfx's release and not all zero, else None."""
+        if grad is None or self.vouches(name, grad) or not bool(grad.any()):
+            return None
+        entry = self._grads.get(name)
+        if entry is not None and entry[0]() is grad:
+            return ("autograd accumulated a plain gradient into it, in a backward outside "
+                    "dpfx's graph (the raw model's, or a module's sharing the parameter)")
+        return ("it is a tensor assigned to p.grad (p.grad = ...), which dpfx's backward did not "
+                "write")
 
     def before_accumulate(self, name: str, p: torch.Tensor) -> None:
-        grad = p.grad
-        if grad is None or self.vouches(name, grad) or not bool(grad.any()):
+        held = self._unvouched(name, p.grad)
+        if held is None:
             return
         raise PrivacyError(
-            f"parameter '{name}' already holds a gradient that dpfx did not produce (a backward "
-            f"of the raw model, or of a module sharing the parameter, since the last zero_grad), "
-            f"and dpfx's private gradient would be added to it. Call zero_grad() before the "
+            f"parameter '{name}' already holds a gradient that is not dpfx's release: {held}; "
+            f"dpfx's private gradient would be added to it. Call zero_grad() before the "
             f"private forward and backward. Gradients of this backward may be partly written: "
             f"zero them before the next step.")
 
-    def after_accumulate(self, name: str, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self._grads[name] = (weakref.ref(p.grad), p.grad._version)
-
     def check(self, named) -> None:
+        """At ``DPOptimizer.step()``: every p.grad is None, all zero, or dpfx's release."""
         for name, p in named:
-            if p.grad is not None and not self.vouches(name, p.grad):
+            held = self._unvouched(name, p.grad)
+            if held is not None:
                 raise PrivacyError(
-                    f"parameter '{name}' has a gradient that is not the one dpfx's backward "
-                    f"produced: it was written or added to by a backward outside dpfx's graph "
-                    f"(the raw model, a module sharing the parameter), or changed in place after "
-                    f"the backward (dpfx cannot tell that from an added gradient). A private step "
-                    f"takes only dpfx's gradients: zero_grad(), then forward through the "
-                    f"dpfx-compiled module and backward once.")
+                    f"parameter '{name}' has a gradient that is not dpfx's release: {held}. It "
+                    f"would not be private. A private step takes dpfx's release, edited in place "
+                    f"or not (clip_grad_norm_, weight decay, unscaling): zero_grad(), then "
+                    f"forward through the dpfx-compiled module and backward once. Nothing was "
+                    f"stepped.")

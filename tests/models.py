@@ -136,3 +136,21 @@ class ResNetGN(nn.Module):
     def forward(self, x):
         h = self.down(self.block(torch.relu(self.stem(x))))
         return self.head(h.mean((2, 3)))
+
+
+class ChannelsLastLinearPool(nn.Module):
+    """A Linear on the channels-last permute of a conv's output, permuted back and pooled (the
+    pattern of torchvision's ConvNeXt block): the mean over the permuted tensor is restrided
+    with ``as_strided``, whose backward scatters the gradient into a flat ``(6*B,)`` buffer with
+    ``as_strided_scatter`` and reads it back (Note [as_strided reads storage] in
+    dpfx/passes/batch.py)."""
+
+    def __init__(self, dim=4, hidden=6, n_classes=3):
+        super().__init__()
+        self.conv = nn.Conv2d(3, dim, 3, padding=1)
+        self.fc = nn.Linear(dim, hidden)
+        self.head = nn.Linear(hidden, n_classes)
+
+    def forward(self, x):
+        h = self.fc(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))

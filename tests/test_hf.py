@@ -12,6 +12,8 @@ small enough that every example is clipped.
 The reference is a batch-of-one loop with plain autograd, not tests/reference.py's vmap: the sdpa
 path and BERT's mask preparation branch on tensor values (``mask.all()``), which vmap rejects.
 """
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -173,6 +175,23 @@ def test_bert_gradient_checkpointing():
     model, plain = checkpointed(lambda: ClassifierLogits("eager"))
     x = inputs(3, padded=True)
     check(model, xent, x, torch.randint(0, 3, (3,)), reference=plain)
+
+
+def test_bert_gradient_checkpointing_after_an_earlier_capture(monkeypatch):
+    """transformers adds ``warning_once`` to logging.Logger when it is imported, which may come
+    after dpfx captured another model in the process: BERT's checkpointing warning (a
+    ``warning_once`` inside the forward) is skipped all the same, after torch._dynamo.reset().
+    dynamo's own set of skipped functions is a fresh one, as in a new process."""
+    with torch._dynamo.config.patch(ignore_logging_functions=set()):
+        with monkeypatch.context() as before_transformers:
+            for name in ("warning_once", "info_once", "warning_advice"):
+                before_transformers.delattr(logging.Logger, name, raising=False)
+            first = nn.Linear(4, 3)
+            dp = dpfx.compile(first, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+            F.cross_entropy(dp(torch.randn(4, 4)), torch.arange(4) % 3).backward()
+        torch._dynamo.reset()
+        model, plain = checkpointed(lambda: ClassifierLogits("eager"))
+        check(model, xent, inputs(3, padded=True), torch.randint(0, 3, (3,)), reference=plain)
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
 """What dpfx does with the user's inputs: several tensors share one batch symbol, keyword inputs
 work, the caller's tensors come back untouched, and two forwards into one backward are refused
-(Note [One forward per backward] in dpfx/backend.py)."""
+(Note [One forward per backward] in dpfx/backend.py). What a capture meets in the process: an
+earlier plain compile of the same class, earlier captures and Logger methods added since."""
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -152,6 +155,42 @@ def test_plain_compile_of_the_same_class_first(backend):
     assert rules["emb.weight"] == ["embedding"], rules
     assert set(rules) == {n for n, _ in model.named_parameters()}
     assert dp.compile_count == 2
+
+
+_LOG = logging.getLogger("dpfx.tests")
+
+
+class Logs(nn.Module):
+    """Logs from its forward through the Logger method ``method``, as Hugging Face models do."""
+
+    def __init__(self, method="warning"):
+        super().__init__()
+        self.method, self.fc = method, nn.Linear(4, 3)
+
+    def forward(self, x):
+        getattr(_LOG, self.method)("inside the forward")
+        return self.fc(x)
+
+
+def test_logging_inside_the_forward_across_captures(monkeypatch):
+    """Note [Logging inside the forward] in api.py: every capture in the process skips the
+    Logger calls, that of a second model, one after torch._dynamo.reset(), and one calling a
+    Logger method added after the first capture (transformers adds ``warning_once`` when it is
+    imported, which may be after dpfx compiled another model)."""
+    def step(model):
+        dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0, backend="eager")
+        x, y = torch.randn(4, 4), torch.arange(4) % 3
+        got = run_dpfx_multi(dp, model, F.cross_entropy, (x,), y)
+        assert_close(got, loop_dp_sgd_grads(model, F.cross_entropy, (x,), y, max_grad_norm=0.01))
+
+    torch.manual_seed(0)
+    step(Logs())
+    step(Logs())
+    torch._dynamo.reset()
+    step(Logs())
+    monkeypatch.setattr(logging.Logger, "warning_once",
+                        lambda self, *args, **kwargs: self.warning(*args, **kwargs), raising=False)
+    step(Logs("warning_once"))
 
 
 def test_gradient_from_outside_the_graph_refused():

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from models import ChannelsLastLinearPool
+from reference import assert_close, clip_fraction, loop_dp_sgd_grads, run_dpfx_multi
 
 transformers = pytest.importorskip("transformers")
 
@@ -182,6 +183,24 @@ def test_convnext_block(backend):
     check(ConvNeXtBlock(), lambda b: torch.randn(b, 8, 6, 6), F.cross_entropy, class_target(3),
           graphs=1, backend=backend,
           reductions=("mean",) if backend == "eager" else ("mean", "sum"))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_linear_on_permuted_activation_then_pooling(backend):
+    """tests/models.py's ChannelsLastLinearPool (Note [as_strided reads storage] in
+    dpfx/passes/batch.py): the backward's scatter and read keep each example's gradient in its
+    own block of the flat buffer (a batch of 6 equals the hidden width). The pooling takes its
+    memory format from the permuted input's strides, which eager reads otherwise at B = 0 and
+    B = 1 (a size-1 dim's stride is free): three graphs, the general one compiled last."""
+    torch.manual_seed(0)
+    model, image = ChannelsLastLinearPool(), lambda b: torch.randn(b, 3, 5, 5)
+    assert clip_fraction(model, F.cross_entropy, image(6), class_target(3)(6), C) == 1.0
+    dp = check(model, image, F.cross_entropy, class_target(3), graphs=3, backend=backend,
+               sizes=(0, 1, 3, 6), reductions=("mean",) if backend == "eager" else ("mean", "sum"))
+    rules = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
+    assert rules["fc.weight"] == ["mm"] and rules["conv.weight"] == ["convolution"], rules
+    verified = dp._dpfx_backend.stages.graphs["backward.private"]
+    assert "aten.as_strided_scatter(" in verified and "aten.as_strided(" in verified, verified
 
 
 class TimeFirstEmbedding(nn.Module):

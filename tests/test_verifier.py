@@ -12,8 +12,8 @@ import dpfx
 from dpfx.config import DPConfig
 from dpfx.passes import clip_noise, verify
 from dpfx.passes.verify import verify_backward
-from models import MLP, mse
-from reference import assert_close, dp_sgd_grads, run_dpfx
+from models import MLP, ChannelsLastLinearPool, mse
+from reference import assert_close, dp_sgd_grads, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
 
 aten = torch.ops.aten
 CONFIG = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
@@ -279,6 +279,55 @@ class SoftmaxOverBatch(nn.Module):
 ])
 def test_ops_that_mix_examples_are_refused(model_cls, match):
     _refuse(model_cls(), torch.randn(5, 4), dpfx.PrivacyError, match)
+
+
+class StridedView(nn.Module):
+    """A Linear on an ``as_strided`` view of tanh(x), x of shape (B, 6): ``view(B)`` gives the
+    view's size, stride and storage offset."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.view, self.fc = view, nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(x).as_strided(*self.view(x.shape[0])))
+
+
+def test_as_strided_within_each_example_trains():
+    """Note [as_strided reads storage] in passes/batch.py: positions 6b + 1, 6b + 3, 6b + 5
+    are in example b's block of the (B, 6) storage, so the view keeps examples apart."""
+    model = StridedView(lambda b: ((b, 3), (6, 2), 1))
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager")
+    x, y = torch.randn(5, 6), torch.randn(5, 2)
+    got = run_dpfx_multi(dp, model, mse, (x,), y)
+    assert_close(got, loop_dp_sgd_grads(model, mse, (x,), y, max_grad_norm=0.1))
+
+
+@pytest.mark.parametrize("view", [
+    lambda b: ((b, 3), (5, 1)),      # example b reads 5b .. 5b + 2: example 1 reads example 0
+    lambda b: ((b, 3), (1, b)),      # the batch innermost: entry c of example b is b + c B
+    lambda b: ((b, 3), (6, 2), 2),   # 6b + 2, 6b + 4, 6b + 6: the next example's first entry
+], ids=["overlapping", "batch-innermost", "past-the-block"])
+def test_as_strided_across_examples_is_refused(view):
+    _refuse(StridedView(view), torch.randn(5, 6), dpfx.PrivacyError,
+            r"as_strided.*one example's block")
+
+
+def test_as_strided_scatter_across_examples_is_rejected():
+    """The pooled model's backward scatters example b's gradient into positions 6b .. 6b + 5 of
+    a flat buffer; the same scatter with strides (1, B) interleaves the examples."""
+    dp = dpfx.compile(ChannelsLastLinearPool(), max_grad_norm=CONFIG.max_grad_norm,
+                      noise_multiplier=CONFIG.noise_multiplier, backend="eager")
+    dp(torch.randn(3, 3, 5, 5))
+    result = dp._dpfx_backend.last_backward
+    verify_backward(result.gm, result.analysis, result.private, CONFIG)
+    scatter = next(iter(result.gm.graph.find_nodes(op="call_function",
+                                                   target=aten.as_strided_scatter.default)))
+    base, src, size, stride, *rest = scatter.args
+    assert [verify._size_expr(s) for s in stride] == [6, 1]
+    scatter.args = (base, src, size, [1, size[0]], *rest)
+    with pytest.raises(dpfx.PrivacyError, match="as_strided_scatter.*one example's block"):
+        verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
 
 @torch.library.custom_op("dpfx_test::scale", mutates_args=())

@@ -92,11 +92,54 @@ def _simplify(expr: sympy.Expr) -> sympy.Expr:
     return sympy.simplify(expr)
 
 
+@functools.lru_cache(maxsize=4096)
+def _nonnegative(expr: sympy.Expr) -> bool:
+    """``expr >= 0`` proven for every value of its size symbols (non-negative integers)."""
+    subs = {s: sympy.Dummy(s.name, integer=True, nonnegative=True) for s in expr.free_symbols}
+    return sympy.expand(expr.subs(subs)).is_nonnegative is True
+
+
+def _same_layout(a: Layout, b: BatchDim) -> bool:
+    return isinstance(a, BatchDim) and a.dim == b.dim and _equal(a.outer, b.outer) and \
+        _equal(a.inner, b.inner)
+
+
 def _prod(exprs) -> sympy.Expr:
     out = sympy.Integer(1)
     for e in exprs:
         out = out * e
     return out
+
+
+# Note [as_strided reads storage]
+# ``as_strided(x, size, stride, offset)`` reads x's storage, not x's indices: output element k is
+# storage position offset + sum_d k_d stride_d. Inductor's decompositions write restrides with it
+# (a mean over a channels-last permute, the pooling of a ConvNeXt block, gives
+# ``as_strided(mean, [B, C, 1, 1], [C, 1, C, C])``), and autograd's backward of one scatters the
+# gradient into a zero buffer of the storage's ``C*B`` elements with ``as_strided_scatter`` and
+# reads it back with another as_strided. The layout is proven, never inherited from the shape:
+#   1. the storage read (or written) is a tensor laid out dense with the batch outermost: dim d,
+#      of size B * inner, is its only batched dim, and its strides are the contiguous strides of
+#      an order of its dims that ends with d, so example b's elements are exactly the positions
+#      [b E, (b + 1) E) past its offset, E = inner * stride_d; x's proven layout must say the
+#      same, BatchDim(d, 1, inner);
+#   2. the view has one batched dim j, of size B * inner', with inner' * stride_j == E, and, with
+#      every stride's sign proven, its positions for each example (dim j within the example,
+#      every other dim in full, from the offset) lie in [0, E) for every value of the size
+#      symbols (sympy): example b then reads, or writes, only block b, and the view's layout is
+#      BatchDim(j, 1, inner');
+#   3. ``as_strided_scatter(base, src, ...)`` is a copy of base with src written at the view's
+#      positions: its output (with base's strides) is checked as in 1 and must be contiguous
+#      (Inductor clones the base contiguous before scattering into it), src's layout is the view's
+#      from 2, and base holds no example's data (a fill: full, zeros) or has the output's layout.
+# Anything else is Ambiguous. The strides are the traced ones; Inductor lays out an as_strided
+# input with exactly those whenever they hold no unbacked symbol (GraphLowering.run_node), and a
+# batch-outermost tensor's strides never hold the batch. At B = 1 a tensor holds one example, so
+# no view can mix examples whatever eager's strides for the size-1 dim.
+# (tests/test_model_families.py::test_linear_on_permuted_activation_then_pooling,
+# tests/test_verifier.py::test_as_strided_across_examples_is_refused and
+# ::test_as_strided_scatter_across_examples_is_rejected)
+_STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 
 
 class BatchAnalysis:
@@ -193,6 +236,8 @@ class BatchAnalysis:
             return self.from_shape(val)
         if node.target is aten.cat.default:
             return self._through_cat(node, val)
+        if node.target in _STRIDED:
+            return self._through_as_strided(node, val)
         src = node.args[0] if node.args else None
         src_layout = self.layouts.get(src) if isinstance(src, fx.Node) else None
         if isinstance(src_layout, BatchDim):
@@ -265,6 +310,116 @@ class BatchAnalysis:
             return Ambiguous(f"{node.name} concatenates along the batch dim with sizes that do "
                              f"not add up to (outer, B, inner)")
         return BatchDim(dim, outer, lays[0].inner)
+
+    def _through_as_strided(self, node: fx.Node, val: torch.Tensor) -> Layout:
+        """Note [as_strided reads storage]."""
+        x = node.args[0]
+        if not self.is_batched(x):
+            return self.from_shape(val)   # batch-free values broadcast, as by expand
+        scatter = node.target is aten.as_strided_scatter.default
+        if scatter:
+            stored, src = val, node.args[1]
+            size, stride = self.shape(src.meta["val"]), self._ints(node.args[3])
+            offset = node.args[4] if len(node.args) > 4 else node.kwargs.get("storage_offset")
+        else:
+            stored, src = x.meta["val"], node
+            size, stride = self.shape(val), [self.size(s) for s in val.stride()]
+            offset = val.storage_offset()
+        blocks = self._example_blocks(stored)
+        if isinstance(blocks, str):
+            return Ambiguous(f"{node.name} addresses storage where {blocks}")
+        dim, inner, block = blocks
+        stored_layout = BatchDim(dim, sympy.Integer(1), inner)
+        if scatter:
+            if not self._contiguous(stored):
+                return Ambiguous(f"{node.name} scatters into a tensor that is not contiguous")
+            filled = x.op == "call_function" and not any(
+                a in self.data_dependent for a in x.all_input_nodes)   # no example's data
+            if not filled and not _same_layout(self.layouts.get(x), stored_layout):
+                return Ambiguous(f"{node.name} scatters into a tensor whose batch layout is not "
+                                 f"its storage's")
+        elif not _same_layout(self.layouts.get(x), stored_layout):
+            return Ambiguous(f"{node.name} reads a tensor whose batch layout is not its storage's")
+        base = self.size(stored.storage_offset())
+        start = (base if offset is None else self._ints([offset])[0]) - base
+        reads = self._per_example_positions(size, stride, start, block)
+        if isinstance(reads, str):
+            return Ambiguous(f"{node.name} with sizes {self.pretty(size)} and strides "
+                             f"{self.pretty(stride)}: {reads}")
+        if scatter:
+            if not _same_layout(self.layouts.get(src), reads):
+                return Ambiguous(f"{node.name} writes a tensor whose batch layout is not the "
+                                 f"one its positions keep apart")
+            return stored_layout
+        return reads
+
+    def _example_blocks(self, val: torch.Tensor) -> tuple[int, sympy.Expr, sympy.Expr] | str:
+        """(d, inner, E) for a tensor that lies dense in storage with the batch outermost: dim d,
+        of size B * inner, is the only one holding the batch, and the strides are the contiguous
+        strides of an order of the dims that ends with d, so example b's elements are exactly the
+        positions [b E, (b + 1) E) past the tensor's offset, E = inner * stride of d. Otherwise
+        the reason."""
+        sizes, strides = self.shape(val), [self.size(s) for s in val.stride()]
+        dims = [d for d, s in enumerate(sizes) if self.has_batch(s)]
+        if len(dims) != 1:
+            return f"the batch size appears in dims {dims} of shape {self.pretty(sizes)}"
+        (d,) = dims
+        inner = _simplify(sizes[d] / self.batch)
+        if not _whole(inner) or self.has_batch(inner):
+            return f"dim {d} of size {self.pretty(sizes[d])} is not a whole number of examples"
+        left, step, last = [e for e in range(len(sizes)) if sizes[e] != 1], sympy.Integer(1), d
+        while left:
+            match = [e for e in left if _equal(strides[e], step)]
+            if len(match) != 1:
+                return f"strides {self.pretty(strides)} of shape {self.pretty(sizes)} are not dense"
+            last = match[0]
+            left.remove(last)
+            step = step * sizes[last]
+        if last != d:
+            return (f"strides {self.pretty(strides)} of shape {self.pretty(sizes)} do not put "
+                    f"the batch outermost")
+        return d, inner, inner * strides[d]
+
+    def _per_example_positions(self, size: list, stride: list, start: sympy.Expr,
+                               block: sympy.Expr) -> BatchDim | str:
+        """The layout of a strided view at ``start`` of storage holding example b at positions
+        [b E, (b + 1) E), E = ``block``: ``BatchDim(j, 1, inner)`` if dim j, of size B * inner,
+        is the only one holding the batch, ``inner * stride[j] == E``, and every position of the
+        view's other indices (dim j's within an example among them) lies in [0, E), which puts
+        example b's positions in block b. Otherwise the reason."""
+        dims = [d for d, s in enumerate(size) if self.has_batch(s)]
+        if len(dims) != 1:
+            return f"the batch size appears in dims {dims}"
+        (j,) = dims
+        inner = _simplify(size[j] / self.batch)
+        if not _whole(inner) or self.has_batch(inner) or not _equal(inner * stride[j], block):
+            return (f"dim {j} does not step from one example's block ({self.pretty(block)}) to "
+                    f"the next")
+        low = high = start
+        for n, s in [(inner, stride[j])] + [(size[d], stride[d]) for d in range(len(size))
+                                            if d != j]:
+            if _nonnegative(s):
+                high = high + (n - 1) * s
+            elif _nonnegative(-s):
+                low = low + (n - 1) * s
+            else:
+                return f"the sign of stride {self.pretty(s)} is not known"
+        if not (_nonnegative(low) and _nonnegative(block - 1 - high)):
+            return (f"positions [{self.pretty(low)}, {self.pretty(high)}] are not within one "
+                    f"example's block [0, {self.pretty(block)})")
+        return BatchDim(j, sympy.Integer(1), inner)
+
+    def _contiguous(self, val: torch.Tensor) -> bool:
+        step = sympy.Integer(1)
+        for n, s in reversed(list(zip(self.shape(val), val.stride()))):
+            if n != 1 and not _equal(self.size(s), step):
+                return False
+            step = step * n
+        return True
+
+    def _ints(self, values: list) -> list[sympy.Expr]:
+        """Sizes, strides or offsets given as ints or as nodes of the graph's size arithmetic."""
+        return [self.size(v.meta["val"] if isinstance(v, fx.Node) else v) for v in values]
 
     def _inherit(self, node: fx.Node, val: torch.Tensor) -> Layout:
         """Pointwise and other shape-preserving ops: take the layout of the input dim whose size
