@@ -12,7 +12,7 @@ from .engine import (PrivateTraining, load_checkpoint, make_private, make_privat
                      save_checkpoint)
 from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
-from .loss_track import LossScaleWarning
+from .loss_track import LossScaleWarning, track_batch
 from .modules import replace_batchnorm
 from .optim import DPOptimizer, VirtualBatches, split_batch
 from .passes import Problem
@@ -23,6 +23,6 @@ __all__ = [
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "privacy", "stats",
-    "FixedSeedWarning", "LossScaleWarning",
+    "FixedSeedWarning", "LossScaleWarning", "track_batch",
 ]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
-from .loss_track import hf_labels_loss, track
+from .loss_track import TrackedTensor, check_inputs, hf_labels_loss, track, untrack
 from .modules import check_modules, norm_layers
 from .release import GradientLedger, check_loop_inputs, track_release
 from .traceable import swapped
@@ -129,6 +129,12 @@ class DPModule(torch.nn.Module):
         if hf_loss is not None:
             kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
         tensors = _tensor_leaves(args, kwargs)
+        if any(isinstance(t, TrackedTensor) for t in tensors):
+            # a batch of dpfx's loader: checked, then handed to dynamo as plain tensors
+            if torch.is_grad_enabled():
+                check_inputs(tensors)
+            args, kwargs = untrack((args, kwargs))
+            tensors = _tensor_leaves(args, kwargs)
         batch = _check_batch(tensors)
         if batch == 0:
             # An empty slice such as x[:, :-1].contiguous() keeps its parent's strides (an empty

@@ -71,7 +71,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-__all__ = ["PoissonBatchSampler", "poisson_loader", "expected_batch_size", "EmptyBatchCollate"]
+__all__ = ["PoissonBatchSampler", "PoissonLoader", "poisson_loader", "expected_batch_size",
+           "EmptyBatchCollate"]
 
 
 def _check_sample_rate(q) -> float:
@@ -218,5 +219,17 @@ def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = 
     collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator,
                                   rank=rank, world_size=world_size, secure_mode=secure_mode)
-    return DataLoader(dataset, batch_sampler=sampler,
-                      collate_fn=EmptyBatchCollate(dataset[0], collate_fn), **dataloader_kwargs)
+    return PoissonLoader(dataset, batch_sampler=sampler,
+                         collate_fn=EmptyBatchCollate(dataset[0], collate_fn), **dataloader_kwargs)
+
+
+class PoissonLoader(DataLoader):
+    """A DataLoader whose batches' tensors are tracked (``loss_track.track_batch``): what user
+    code computes from them before the loss or the model is part of dpfx's check (Note [The
+    batch's own tensors are followed too] in loss_track.py)."""
+
+    def __iter__(self):
+        from .loss_track import track_batch
+
+        for batch in super().__iter__():
+            yield track_batch(batch)

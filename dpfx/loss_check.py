@@ -1,4 +1,4 @@
-"""The loss check: is the loss a constant times a sum over examples of per-example terms?
+"""The loss check: is the loss a scalar times a sum over examples of per-example terms?
 
     out = dp_model(x)                      # tracked (loss_track.py) in training mode
     loss = F.cross_entropy(out, y)         # recorded: one call
@@ -16,25 +16,38 @@ size), and proves on the ATen graph:
 2. The terminal rule: from the loss down, only linear ops (add, sub, neg, views, sums and means
    over any dims, products with values that do not depend on the outputs) until a ``sum``/``mean``
    whose input carries the batch. So ``loss = sum_k c_k * sum_i t_k(out_i)``.
-3. Each term's scale ``c_k`` is ``w_k * B^p * prod_j N_j^q_j``: a constant weight ``w_k``, a power
-   of the batch size, and *normalizers* N_j, scalars computed from the labels or other inputs
-   (the count of non-ignored tokens of a token mean, ``mask.sum()``, HF's
-   ``num_items_in_batch``). The exceptions to rule 1 are the reductions that only feed these.
+3. Each term's scale ``c_k`` is ``s_k * v_k * B^p * prod_j N_j^q_j``: ``s_k`` from the sizes of
+   means over an example's own positions (a mean over (B, K) divides by K), ``v_k`` the Python
+   numbers the term is multiplied or divided by (replayed as scalar inputs: Note [Python numbers
+   in the loss]), a power of the batch size (a mean over it, ``len(out)`` inside torch's
+   ``kl_div``), and *normalizers* N_j, scalars computed from the labels or other inputs (the
+   count of non-ignored tokens of a token mean, ``mask.sum()``, HF's ``num_items_in_batch``).
+   The exceptions to rule 1 are the reductions that only feed the normalizers.
 
-Note [Batch-dependent scales are removed, constant weights kept]
-A scale that depends on the batch couples examples even when the terms do not: a token mean
-divides every example's gradient by the whole batch's token count N, and one added example
-changes N, so the release moves by more than C. dpfx evaluates ``B^p * prod N_j^q_j`` on the
-step's real inputs and multiplies the backward's starting gradient by its inverse (times B for
-loss_reduction="mean", whose graph undoes a 1/B): every example's gradient is then that of its
-own ``w_k * t_k``, a token mean's becomes the example's token *sum*, whatever the batch holds.
-The loss value the user sees is untouched; a scale that differs from the declared reduction
-(a sum with "mean") is warned about once (``LossScaleWarning``).
-(tests/test_loss_check.py::test_token_mean_neighbours_move_at_most_C)
+Note [The per-example term]
+dpfx clips each example's gradient of its own term ``l_i = sum_k (v_k / v) * s_k * t_k(z_i)``,
+``v = max_k |v_k|``: every scalar applied after the batch reduction is removed, whatever it is,
+since dpfx cannot tell ``0.5`` from ``1 / len(y)`` and a factor that depends on the batch couples
+examples even when the terms do not (a token mean divides every example's gradient by the whole
+batch's token count N: one added example changes N, and with N inside each example's term the
+release moves by more than C; a ``sum / len(y)`` clips each gradient at C * B). So the batch
+size written any way (a mean, ``size(0)``, ``len(y)``, a Python int, ``reduction="batchmean"``),
+a token count and a constant factor on the whole loss all give the same release; a mean over an
+example's own positions stays a mean (Opacus's "mean" semantics). Terms may be weighted against
+each other by Python numbers (``ce + 0.3 * mse``): those ratios are the objective's, like any
+constant inside an example's term, and must stay the same from step to step (a ratio that
+changes is refused: it was computed from the batch). Terms whose batch-dependent parts differ
+(a token mean plus a mean over examples) cannot be put on one scale by one factor and are
+refused. dpfx evaluates the removed part on the step's real inputs and multiplies the
+backward's starting gradient by its inverse (times 1/B for loss_reduction="mean", whose graph
+undoes a 1/B); the loss value the user sees is untouched, and a changed scale is warned about
+once (``LossScaleWarning``).
+(tests/test_loss_corpus.py::test_one_added_example_moves_the_release_by_at_most_C_over_D)
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable
 
@@ -76,9 +89,10 @@ _INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.defaul
 class LossRefused(Exception):
     """A reason the loss is not a per-example sum, at the recorded call that caused it."""
 
-    def __init__(self, record: int | None, op: str, reason: str):
+    def __init__(self, record: int | None, op: str, reason: str, at_replay: bool = False):
         super().__init__(reason)
         self.record, self.op, self.reason = record, op, reason
+        self.at_replay = at_replay      # the replay itself failed (not the check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +107,9 @@ class Verdict:
     terms: list[Term]
     evaluate_normalizers: Callable | None   # real inputs -> tuple of scalar tensors
     declared: str                           # "mean" | "sum": the scale the loss itself has
+    scalar_normalizers: frozenset = frozenset()   # those that are Python numbers
+    weights: tuple | None = None            # the terms' relative weights on the first step
+    sized: dict = dataclasses.field(default_factory=dict)   # outputs whose size a normalizer reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +118,35 @@ class Placeholder:
     dtype: torch.dtype
     device: torch.device
     is_output: bool
+    is_scalar: bool = False     # a Python number the loss multiplies or divides by
+    is_data: bool = False       # a batch tensor of dpfx's loader: the batch in dim 0
+
+    @staticmethod
+    def scalar(value) -> "Placeholder":
+        dtype = torch.int64 if isinstance(value, int) else torch.float64
+        return Placeholder((), dtype, torch.device("cpu"), False, True)
 
 
-def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch: int
-           ) -> tuple[fx.GraphModule, dict, list]:
+_T = torch.Tensor
+# Calls whose Python-number operand (one of the first two arguments) scales a tensor: replayed
+# as a scalar placeholder (Note [Python numbers in the loss]).
+SCALING = {_T.__mul__, _T.__rmul__, _T.__truediv__, _T.__imul__, _T.__itruediv__, _T.mul,
+           _T.div, _T.true_divide, _T.mul_, _T.div_, torch.mul, torch.div, torch.true_divide,
+           torch.multiply, torch.divide, _T.multiply, _T.divide}
+# Calls whose int arguments are sizes: an int that is a multiple k of the batch size may be
+# the batch size written as a number (``x.view(y.shape)``, ``view(x.size(0), -1)``).
+SIZE_ARGS = {_T.view, _T.reshape, _T.expand, _T.repeat, _T.unflatten, _T.new_zeros,
+             _T.new_ones, _T.new_empty, _T.new_full, _T.narrow, _T.split, torch.reshape,
+             torch.narrow, torch.split, torch.unflatten, _T.tile, torch.tile,
+             torch.broadcast_to, _T.broadcast_to}
+
+
+def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch: int,
+           not_batch: frozenset = frozenset()) -> tuple[fx.GraphModule, dict, list, set]:
     """make_fx of the recorded calls on fake inputs with one batch symbol. Returns the graph,
-    node -> call index, and for each placeholder the multiple of the batch its dim 0 holds
-    (None: no batch).
+    node -> call index, for each placeholder the multiple of the batch its dim 0 holds (None:
+    no batch), and the (call, leaf) size ints read as the batch size (Note [Python numbers in
+    the loss]). Placeholders in ``not_batch`` are read as constants.
 
     Note [Which inputs of the loss carry the batch]
     The model's outputs carry it in dim 0. Another tensor the loss reads (labels, a mask) carries
@@ -127,12 +166,15 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
     with mode:
         fakes: dict[int, torch.Tensor] = {
             i: torch.empty((sym_batch, *ph.shape[1:]), dtype=ph.dtype, device=ph.device)
-            for i, ph in enumerate(placeholders) if ph.is_output}
+            for i, ph in enumerate(placeholders) if ph.is_output or (
+                ph.is_data and ph.shape[0] == batch and i not in not_batch)}
+        for i in fakes:
+            factors[i] = 1
 
         def first_use(j: int, call_values: list) -> torch.Tensor:
             if j not in fakes:
                 ph = placeholders[j]
-                for v in call_values:
+                for v in (() if j in not_batch else call_values):
                     if not (isinstance(v, torch.Tensor) and v.dim() and ph.shape):
                         continue
                     size = sympy.sympify(sym_expr(v.shape[0]))
@@ -147,7 +189,11 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
                     fakes[j] = torch.empty(ph.shape, dtype=ph.dtype, device=ph.device)
             return fakes[j]
 
-        run_calls(calls, first_use, lambda i: None)
+        def times_batch(k: int):
+            return k * sym_batch
+
+        sizes: dict[int, frozenset] = {}     # call -> positions of its ints read as k * B
+        run_calls(calls, first_use, lambda i: None, times_batch, sizes, symbol)
         inputs = [fakes[i] for i in range(len(placeholders))]
 
         def on_record(index: int) -> None:
@@ -155,17 +201,32 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
                 record_of.setdefault(node.name, index)
 
         def traced(*xs):
-            return run_calls(calls, lambda j, _: xs[j], on_record)[loss_ref[0]][loss_ref[1]]
+            return run_calls(calls, lambda j, _: xs[j], on_record, times_batch,
+                             sizes)[loss_ref[0]][loss_ref[1]]
 
         gm = make_fx(traced, decomposition_table=select_decomp_table(),
                      tracing_mode="real")(*inputs)
     gm.graph.eliminate_dead_code()    # nll_loss's total_weight of a sum: computed, never used
-    return gm, {n: record_of.get(n.name) for n in gm.graph.nodes}, factors
+    taken = {(i, pos) for i, positions in sizes.items() for pos in positions}
+    return gm, {n: record_of.get(n.name) for n in gm.graph.nodes}, factors, taken
 
 
-def run_calls(calls: list, placeholder: Callable, on_record: Callable) -> list:
+def run_calls(calls: list, placeholder: Callable, on_record: Callable,
+              batch_size: Callable = None, sizes: dict | None = None, symbol=None) -> list:
     """Execute recorded calls: ("in", j) is placeholder j; (func, spec, leaves) a call whose
-    leaves are ("p", j) placeholders, ("r", call, leaf) earlier results, ("c", value)."""
+    leaves are ("p", j) placeholders, ("r", call, leaf) earlier results, ("c", value), and
+    ("k", k, value) a size int that may be the batch size times k.
+
+    Note [Python numbers in the loss]
+    A size int that is a multiple k of the step's batch size (``view(y.shape)``,
+    ``view(x.size(0), -1)``, ``view(b * t, V)``) may be the batch size written as a number, or a
+    constant that happens to equal it (B = T). The first, fake pass decides each call on its
+    own (``sizes``, keyed by call; with ``symbol`` given): the ints as written, then each one
+    alone as ``k * B``; the first reading that runs and, where the call's first tensor carries
+    the batch in dim 0, keeps it in dim 0 of the result, is taken, and the traced pass repeats
+    it. Any reading is sound: at this step's B every reading is the call the user made, and the
+    check proves the traced program per-example for every value of the symbol. The reading
+    only decides whether a per-example loss is recognized as one."""
     values: list = []
     for i, call in enumerate(calls):
         if call[0] == "in":
@@ -173,12 +234,50 @@ def run_calls(calls: list, placeholder: Callable, on_record: Callable) -> list:
             continue
         func, spec, descr = call
         results = [values[d[1]][d[2]] for d in descr if d[0] == "r"]
-        leaves = [placeholder(d[1], results) if d[0] == "p" else values[d[1]][d[2]]
-                  if d[0] == "r" else d[1] for d in descr]
-        a, kw = unflatten(leaves, spec)
-        values.append(pytree.tree_leaves(func(*a, **kw)))
+
+        def run(taken: frozenset):
+            leaves = [placeholder(d[1], results) if d[0] == "p" else values[d[1]][d[2]]
+                      if d[0] == "r" else (batch_size(d[1]) if j in taken else d[2])
+                      if d[0] == "k" else d[1] for j, d in enumerate(descr)]
+            a, kw = unflatten(leaves, spec)
+            return leaves, pytree.tree_leaves(func(*a, **kw))
+
+        try:
+            if i not in sizes if sizes is not None else False:
+                sizes[i] = _read_sizes(descr, run, symbol)
+            _, out = run(sizes.get(i, frozenset()) if sizes is not None else frozenset())
+        except Exception as e:
+            if not hasattr(e, "dpfx_call"):
+                e.dpfx_call = i         # where the replay failed, for the refusal's line
+            raise
+        values.append(out)
         on_record(i)
     return values
+
+
+def _read_sizes(descr: tuple, run: Callable, symbol) -> frozenset:
+    """The reading of a call's size ints (Note [Python numbers in the loss])."""
+    positions = [j for j, d in enumerate(descr) if d[0] == "k"]
+    if not positions:
+        return frozenset()
+    error = None
+    for taken in [frozenset()] + [frozenset({j}) for j in positions]:
+        try:
+            leaves, out = run(taken)
+        except Exception as e:      # a shape error: not this reading
+            error = e
+            continue
+        first = next((v for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
+        result = next((v for v in out if isinstance(v, torch.Tensor)), None)
+        if first is not None and result is not None and symbol in _free(first.shape[0]) and (
+                not result.dim() or symbol not in _free(result.shape[0])):
+            continue
+        return taken
+    raise error if error is not None else ValueError("no reading of the sizes keeps the batch")
+
+
+def _free(size) -> set:
+    return sympy.sympify(sym_expr(size)).free_symbols
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
@@ -245,6 +344,15 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
         if t in _PRODUCTS:
             a, b = node.args[:2]
             divide = t in (aten.div.Tensor, aten.div.Scalar)
+            if not divide and _is_size(a):
+                a, b = b, a
+            if _is_size(b):
+                # a size of the batch's tensors (``reduced / input.size(0)`` inside torch's
+                # kl_div "batchmean"): a power of the batch size, removed like a mean's
+                size = sympy.sympify(sym_expr(b.meta["val"]))
+                if not size.free_symbols <= {batch}:
+                    refuse(node, f"scales the loss by {size}, which depends on the data")
+                return walk(a, scale / size if divide else scale * size, norms)
             if isinstance(b, fx.Node) and b in on_outputs:
                 if divide or (isinstance(a, fx.Node) and a in on_outputs):
                     refuse(node, "multiplies or divides two values computed from the model's "
@@ -295,10 +403,39 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
                              "another example's row)")
     if structure is not None:
         raise structure
-    return _verdict(gm, terms, batch)
+    scalars = {ph for ph, p in zip(phs, placeholders) if p.is_scalar}
+    return _verdict(gm, terms, batch, scalars, outputs)
 
 
-def _verdict(gm, terms, batch) -> Verdict:
+def analyze_rows(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict,
+                 factors: list) -> None:
+    """A model input computed from the batch's tensors (Note [The batch's own tensors are
+    followed too] in loss_track.py) must keep examples apart: no op mixes them, and the result
+    carries the batch in dim 0, example i's row computed from example i's rows only."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    batched = {ph for ph, k in zip(phs, factors) if k is not None}
+    if not batched:
+        return
+    symbols = {next(iter(batched)).meta["val"].shape[0].node.expr}
+    an = BatchAnalysis(gm.graph, symbols, {ph.name: BatchDim(0, inner=sympy.Integer(k))
+                                           for ph, k in zip(phs, factors) if k is not None})
+    for node, reason in mixing_ops(gm, an, skip=set()):
+        raise LossRefused(record_of.get(node), _op_name(node), reason)
+    for node in gm.graph.nodes:
+        if node.target in _INDEXING:
+            src = an.layout(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            idx = node.args[1]
+            if isinstance(src, BatchDim) and src.dim < len(idx) and idx[src.dim] is not None:
+                raise LossRefused(record_of.get(node), _op_name(node), "picks rows along the "
+                                  "batch dim by index (example i would use another example's row)")
+    result = gm.graph.find_nodes(op="output")[0].args[0]
+    lay = an.layout(result) if isinstance(result, fx.Node) else None
+    if not (isinstance(lay, BatchDim) and lay.dim == 0 and lay.is_plain):
+        raise LossRefused(None, "input", "does not carry the batch's examples in dim 0, one row "
+                                         "each")
+
+
+def _verdict(gm, terms, batch, scalars: set, outputs: set) -> Verdict:
     norm_nodes: list[fx.Node] = []
     out_terms, declared = [], set()
     for scale, norms, node in terms:
@@ -315,7 +452,16 @@ def _verdict(gm, terms, batch) -> Verdict:
         declared.add("mean" if power < 0 or any(q < 0 for _, q in refs) else "sum")
         out_terms.append(Term(int(power), tuple(refs)))
     evaluate = _extract(gm, norm_nodes) if norm_nodes else None
-    return Verdict(out_terms, evaluate, declared.pop() if len(declared) == 1 else "mixed")
+    # a normalizer may read an output's size (a class-weight mean's expand to (B, K)), never
+    # its values: the outputs are handed in as expanded stand-ins of their shape
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    sized = {}
+    if norm_nodes:
+        needed = set().union(*(_ancestors(n) for n in norm_nodes))
+        sized = {i: tuple(ph.meta["val"].shape[1:]) for i, ph in enumerate(phs)
+                 if ph in needed and ph in outputs}
+    return Verdict(out_terms, evaluate, declared.pop() if len(declared) == 1 else "mixed",
+                   frozenset(i for i, n in enumerate(norm_nodes) if n in scalars), sized=sized)
 
 
 def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
@@ -349,10 +495,18 @@ def _prod(sizes) -> sympy.Expr:
     return out
 
 
+def _is_size(node) -> bool:
+    """A node whose value is a Python number computed from sizes (a SymInt of the batch)."""
+    return isinstance(node, fx.Node) and isinstance(
+        node.meta.get("val"), (torch.SymInt, torch.SymFloat, int, float))
+
+
 def _descendants(graph: fx.Graph, roots: set) -> set:
+    """Nodes computed from ``roots``' values; a size (``sym_size`` of an output, and numbers
+    computed from sizes) carries no value of theirs, so it does not pass the relation on."""
     found = set(roots)
     for node in graph.nodes:
-        if any(a in found for a in node.all_input_nodes):
+        if any(a in found for a in node.all_input_nodes) and not _is_size(node):
             found.add(node)
     return found
 
@@ -394,23 +548,46 @@ def _op_name(node: fx.Node) -> str:
 def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
                ) -> tuple[float, bool] | str:
     """The factor by which the backward's starting gradient is multiplied on this step so that
-    each example's gradient is that of its own term (Note [Batch-dependent scales are removed,
-    constant weights kept]), and whether it differs from 1; or why the terms cannot be put on
-    one scale. ``reduction="mean"`` targets 1/B, which the backward graph undoes."""
+    each example's gradient is that of its own term (Note [The per-example term]), and whether
+    it differs from 1; or why the terms cannot be put on one scale. ``reduction="mean"``
+    targets 1/B, which the backward graph undoes."""
     if batch == 0 or not verdict.terms:
         return 1.0, False
-    values = verdict.evaluate_normalizers(*inputs) if verdict.evaluate_normalizers else ()
-    scales = []
+    values = ()
+    if verdict.evaluate_normalizers:
+        values = verdict.evaluate_normalizers(*(
+            torch.tensor(v) if isinstance(v, (int, float)) else
+            torch.empty(()).expand(batch, *verdict.sized[i]) if i in verdict.sized else v
+            for i, v in enumerate(inputs)))
+    batch_parts, weights = [], []
     for term in verdict.terms:
-        s = float(batch) ** term.weight_power
+        b, w = float(batch) ** term.weight_power, 1.0
         for i, q in term.normalizers:
-            s *= float(values[i]) ** q
-        scales.append(s)
-    first = scales[0]
-    if any(abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in scales[1:]):
+            if i in verdict.scalar_normalizers:
+                w *= float(values[i]) ** q
+            else:
+                b *= float(values[i]) ** q
+        batch_parts.append(b)
+        weights.append(w)
+    first = batch_parts[0]
+    if any(abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in batch_parts[1:]):
         return ("the loss adds terms whose scales depend on the batch differently (for example "
                 "a token mean over the batch's non-ignored tokens plus a mean over examples)")
-    if first == 0 or first != first or first in (float("inf"), -float("inf")):
+    top = max(abs(w) for w in weights)
+    if first == 0 or not math.isfinite(first) or top == 0 or not math.isfinite(top):
         return 1.0, False
-    factor = (1.0 / batch if reduction == "mean" else 1.0) / first
+    relative = tuple(w / top for w in weights)
+    if verdict.weights is None:
+        verdict.weights = relative
+    elif any(abs(r - s) > 1e-6 for r, s in zip(relative, verdict.weights)):
+        return (f"the Python numbers weighting its terms changed from one step to the next "
+                f"({_ratios(verdict.weights)} -> {_ratios(relative)}): a weight computed from "
+                f"the batch (its size, its labels) would let one example rescale every other "
+                f"example's gradient. Weight the terms with constants, and write the batch "
+                f"size only as a common factor of the whole loss")
+    factor = (1.0 / batch if reduction == "mean" else 1.0) / (first * top)
     return factor, abs(factor - 1.0) > 1e-6
+
+
+def _ratios(weights: tuple) -> str:
+    return ":".join(f"{w:.4g}" for w in weights)

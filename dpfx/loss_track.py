@@ -18,20 +18,22 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
 2. the recorded calls, replayed with a symbolic batch, are a per-example sum
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
    shapes with the batch written as a symbol), so a steady-state step only rebuilds that key;
-3. the batch-dependent part of the loss's scale is evaluated on the step's inputs and divided out
-   of the backward's starting gradient (Note [Batch-dependent scales are removed, constant weights
-   kept] in loss_check.py).
+3. the scalars applied after the batch reduction (the batch size written any way, a token count,
+   a constant factor) are evaluated on the step's inputs and divided out of the backward's
+   starting gradient (Note [The per-example term] in loss_check.py).
 
 Only then does the backward run, with each involved backend's ``loss_released`` set: the backward
 graph refuses to run without it (backend.py), so a loss that escaped the tracker (through a custom
 autograd.Function's output, ``.data``, a NumPy round trip) releases nothing.
 
-Not seen: computations on the labels outside the loss's calls on tracked tensors (a tensor or a
-Python number computed from the batch's labels is taken as a constant), and numbers taken out of
-tracked tensors (``.item()``, ``.tolist()``) and fed back.
+Not seen: computations on the labels outside the loss's calls on tracked tensors (a tensor computed
+from the batch's labels alone is taken as per-example data, a Python number inside an example's
+term as a constant), and numbers taken out of tracked tensors (``.item()``, ``.tolist()``) and
+fed back.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import linecache
 import os
@@ -53,13 +55,14 @@ class LossScaleWarning(UserWarning):
 _ENTRIES = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-_VERDICTS: dict[Any, Any] = {}
 
 
 class Trace:
-    """The calls recorded on one forward's outputs."""
+    """The calls recorded on one forward's outputs, or (``data``) on one batch of dpfx's loader."""
 
-    def __init__(self, backend, batch: int, param_ids: set[int]):
+    def __init__(self, backend, batch: int | None, param_ids: set[int], data: bool = False):
+        self.data = data
+        self.leaves: list[torch.Tensor] = []    # a data trace's batch tensors, untracked
         self.backend = backend
         self.batch = batch
         self.param_ids = param_ids
@@ -128,6 +131,47 @@ def track(out: Any, backend, batch: int, param_ids: set[int]) -> Any:
     return pytree.tree_map_only(torch.Tensor, wrap, out)
 
 
+# Note [The batch's own tensors are followed too]
+# The loss reads more than the model's outputs: labels, masks, example weights, a teacher's
+# logits. A statistic of the batch computed from them before they meet an output (class weights
+# from the batch's label histogram, targets centered by the batch's mean) couples examples just
+# as a statistic of the outputs does, and so does a model input computed from the whole batch
+# (inputs standardized by the batch's mean). dpfx's loader (``PoissonLoader``, what
+# ``poisson_loader`` and ``make_private`` return) therefore yields its batches' tensors tracked
+# (``track_batch``, one data trace per batch): the calls user code makes on them are recorded
+# like the calls on the outputs, the loss check replays them with the loss, the loader's own
+# tensors standing for per-example data with the batch in dim 0, and ``check_inputs`` proves, at
+# the forward, that every model input computed from them keeps examples apart. The first
+# ``_DATA_CALLS`` calls of a batch are followed; the results of later ones (a teacher network run
+# on the batch) are plain tensors, taken as per-example data like the tensors of any other
+# loader. (tests/test_loss_corpus.py::test_batch_statistics_of_the_labels_are_refused)
+_DATA_CALLS = 256
+
+
+def track_batch(batch: Any) -> Any:
+    """``batch`` (a loader's collated batch) with its tensors tracked, as one data trace: the
+    calls user code makes on them before the loss (a class histogram of the labels, targets
+    centered by the batch mean) are recorded and replayed with the loss (Note [The batch's own
+    tensors are followed too])."""
+    trace = Trace(None, None, set(), data=True)
+
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, TrackedTensor) or not t.dim():
+            return t
+        trace.records.append((None, None, (tuple(t.shape), t.dtype, t.device), "data"))
+        trace.leaves.append(t)
+        tracked = t.as_subclass(TrackedTensor)
+        tracked._dpfx = (trace, len(trace.records) - 1, 0)
+        return tracked
+
+    return pytree.tree_map_only(torch.Tensor, wrap, batch)
+
+
+def untrack(tree: Any) -> Any:
+    """``tree`` with tracked batch tensors as plain tensors (the model's inputs)."""
+    return pytree.tree_map_only(TrackedTensor, lambda t: t.as_subclass(torch.Tensor), tree)
+
+
 def _is_model_output(out: Any) -> bool:
     return isinstance(out, dict) and any(
         c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
@@ -138,7 +182,7 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
     """For a Hugging Face causal LM called with ``labels=``: the labels, taken out of the call,
     and the model's own loss function on the logits. dpfx runs the model without them and
     computes the loss outside its graph, on the tracked logits, where it is checked like any
-    loss (a token mean: Note [Batch-dependent scales are removed, constant weights kept]).
+    loss (a token mean: Note [The per-example term] in loss_check.py).
     None when there are no labels."""
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor) or not hasattr(model, "loss_function"):
@@ -164,18 +208,34 @@ def _record(func, args, kwargs, result):
     traces = {id(a._dpfx[0]): a._dpfx[0] for a in leaves if isinstance(a, TrackedTensor)}
     if not traces:
         return result
-    trace = next(iter(traces.values()))
-    if len(traces) > 1 or trace.poison:
-        trace = Trace(trace.backend, trace.batch, trace.param_ids)
-        trace.poison = (
+    forwards = [t for t in traces.values() if not t.data]
+    trace = forwards[0] if forwards else next(iter(traces.values()))
+    poison = None
+    if forwards and func in loss_check.SCALING and _from_grad_scaler():
+        poison = (
+            "torch.amp.GradScaler.scale(loss): dpfx removes every scalar applied after the "
+            "batch reduction from each example's term (its clipping bound C is for the unscaled "
+            "gradient), so the release would not carry the scale that scaler.unscale_ then "
+            "divides out, and every step would be 1/scale too small. dpfx clips and noises in "
+            "float32: call loss.backward() on the unscaled loss and optimizer.step() without "
+            "the scaler (bfloat16 autocast needs none).")
+    elif len(forwards) > 1:
+        poison = (
             "two forwards of one dpfx model reached a single loss (e.g. dp(a) + dp(b), a siamese "
             "net, two augmented views): each forward would be clipped on its own, so an example "
             "used in both could contribute up to 2*max_grad_norm while the noise is sized for "
             "one. Compile one module whose forward takes all the inputs (forward(a, b) returning "
             "both outputs), or call backward once per forward.")
+    if poison or trace.poison:
+        poisoned = Trace(trace.backend, trace.batch, trace.param_ids)
+        poisoned.poison = poison or trace.poison
+        trace = poisoned
         index, descr = 0, None
     else:
-        descr = tuple(("t", a._dpfx[1], a._dpfx[2]) if isinstance(a, TrackedTensor)
+        # a tracked tensor of another trace (a batch's, in a forward's call) is an external
+        # whose own calls _program follows
+        descr = tuple(("t", a._dpfx[1], a._dpfx[2])
+                      if isinstance(a, TrackedTensor) and a._dpfx[0] is trace
                       else ("e", trace.external(a)) if isinstance(a, torch.Tensor)
                       else ("c", a) for a in leaves)
         index = len(trace.records)
@@ -249,10 +309,15 @@ def _verify(loss: TrackedTensor) -> float:
     if trace.poison:
         raise PrivacyError(trace.poison)
     _check_autograd(loss, trace)
+    if trace.batch == 0:
+        # No example, nothing to couple or to scale: the release is the noise alone (the graph's
+        # clipped sums are empty), whatever the loss computes from the empty outputs.
+        return 1.0
     program, key, inputs = _program(trace, index, leaf)
-    verdict = _VERDICTS.get(key)
+    verdict = _lookup(key, program["candidates"])
     if verdict is None:
-        verdict = _VERDICTS[key] = _analyze(program, trace.batch)
+        verdict, choice = _analyze(program, trace.batch)
+        _store(key, choice, verdict)
     if isinstance(verdict, loss_check.LossRefused):
         raise _refusal(verdict, program)
     reduction = trace.backend.config.loss_reduction
@@ -268,46 +333,94 @@ def _verify(loss: TrackedTensor) -> float:
     return factor
 
 
+# The verdicts, by the program's structure: at most _CACHE_SIZE keys, least recently used
+# dropped first; each key holds the verdicts of its choices of size ints (usually one).
+_VERDICTS: "collections.OrderedDict[Any, list]" = collections.OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _lookup(key, candidates: list):
+    entries = _VERDICTS.get(key)
+    if entries is None:
+        return None
+    _VERDICTS.move_to_end(key)
+    for choice, verdict in entries:
+        if _matches(choice, candidates):
+            return verdict
+    return None
+
+
+def _store(key, choice: tuple, verdict) -> None:
+    entries = _VERDICTS.setdefault(key, [])
+    entries.append((choice, verdict))
+    del entries[:-8]
+    _VERDICTS.move_to_end(key)
+    while len(_VERDICTS) > _CACHE_SIZE:
+        _VERDICTS.popitem(last=False)
+
+
 def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
-    """The recorded calls the loss depends on, renumbered; a hashable key of their structure;
-    the real tensors its placeholders stand for (outputs as None)."""
-    needed, stack = set(), [index]
-    while stack:
-        k = stack.pop()
-        if k not in needed:
-            needed.add(k)
-            func, _, leaves, _ = trace.records[k]
-            if func is not None:
-                stack.extend(d[1] for d in leaves if d[0] == "t")
-    order = sorted(needed)
-    position = {k: i for i, k in enumerate(order)}
+    """The recorded calls the loss depends on, renumbered, with those of the batch tensors it
+    reads (Note [The batch's own tensors are followed too]); a hashable key of their structure;
+    the real values its placeholders stand for (outputs as None).
+
+    Two kinds of Python numbers are not baked into the program (Note [Python numbers in the
+    loss] in loss_check.py): a number that multiplies or divides a tensor becomes a scalar
+    placeholder (its value is read on every step, and the key holds only its type), and an int
+    in a size argument (``view``, ``reshape``, ``expand``, ...) that is a multiple k of the batch
+    size is a candidate for ``k * B`` (the key holds ``k``)."""
+    batch = trace.batch
+    order = _calls_needed(trace, index)
+    position = {(id(t), k): i for i, (t, k) in enumerate(order)}
     placeholders, inputs, calls, keys, lines, ext_pos = [], [], [], [], [], {}
-    for k in order:
-        func, spec, leaves, line = trace.records[k]
+    candidates = []                 # (call, leaf, value) of size ints that are multiples of B
+    for t_rec, k in order:
+        func, spec, leaves, line = t_rec.records[k]
         if func is None:
             shape, dtype, device = leaves
-            placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True))
-            inputs.append(None)
+            if line == "data":      # a batch tensor of dpfx's loader
+                placeholders.append(loss_check.Placeholder(shape, dtype, device, False,
+                                                           is_data=True))
+                inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
+                keys.append(("data", _dim0_key(inputs[-1], batch), shape[1:], dtype, device))
+            else:
+                placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True))
+                inputs.append(None)
+                keys.append(("out", tuple(shape), dtype, device))
             calls.append(("in", len(placeholders) - 1))
-            keys.append(("out", tuple(shape), dtype, device))
             lines.append(None)
             continue
         descr, key = [], []
-        for d in leaves:
+        arith = func in loss_check.SCALING
+        sizes = func in loss_check.SIZE_ARGS
+        for pos, d in enumerate(leaves):
+            if d[0] == "e" and _followed(t_rec.externals[d[1]]):
+                ext = t_rec.externals[d[1]]
+                d = ("t", ext._dpfx[1], ext._dpfx[2], ext._dpfx[0])
             if d[0] == "t":
-                descr.append(("r", position[d[1]], d[2]))
+                owner = d[3] if len(d) > 3 else t_rec
+                descr.append(("r", position[(id(owner), d[1])], d[2]))
                 key.append(descr[-1])
             elif d[0] == "e":
-                if d[1] not in ext_pos:
-                    t = trace.externals[d[1]]
+                if (id(t_rec), d[1]) not in ext_pos:
+                    t = t_rec.externals[d[1]]
                     placeholders.append(loss_check.Placeholder(
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
-                    ext_pos[d[1]] = len(placeholders) - 1
-                    keys.append(("ext", _dim0_key(t, trace.batch), tuple(t.shape[1:]), t.dtype,
+                    ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
+                    keys.append(("ext", _dim0_key(t, batch), tuple(t.shape[1:]), t.dtype,
                                  t.device, t.requires_grad))
-                descr.append(("p", ext_pos[d[1]]))
+                descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])
+            elif arith and pos < 2 and _is_number(d[1]):
+                placeholders.append(loss_check.Placeholder.scalar(d[1]))
+                inputs.append(d[1])
+                descr.append(("p", len(placeholders) - 1))
+                key.append(("s", type(d[1]).__name__, len(placeholders) - 1))
+            elif sizes and batch and type(d[1]) is int and d[1] > 0 and d[1] % batch == 0:
+                descr.append(("k", d[1] // batch, d[1]))
+                key.append(("kB", d[1] // batch))
+                candidates.append((len(calls), pos, d[1]))
             else:
                 descr.append(d)
                 key.append(("c", _const_key(d[1])))
@@ -315,24 +428,166 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
         keys.append((func, spec, tuple(key)))
         lines.append(line)
     program = {"calls": calls, "placeholders": placeholders, "loss": (len(order) - 1, leaf),
-               "lines": lines}
-    return program, (tuple(keys), position[index], leaf), inputs
+               "lines": lines, "candidates": candidates}
+    return program, (tuple(keys), position[(id(trace), index)], leaf), inputs
+
+
+def _from_grad_scaler() -> bool:
+    f = sys._getframe(3)
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_code.co_name == "scale" and f.f_code.co_filename.endswith("grad_scaler.py"):
+            return True
+        f = f.f_back
+    return False
+
+
+def _followed(t) -> bool:
+    """A tracked tensor of a batch (Note [The batch's own tensors are followed too])."""
+    return isinstance(t, TrackedTensor) and t._dpfx[0].data
+
+
+def _leaf_index(trace: Trace, k: int) -> int:
+    return sum(1 for r in trace.records[:k] if r[0] is None)
+
+
+def _calls_needed(trace: Trace, index: int) -> list[tuple]:
+    """(trace, record) pairs the record depends on, across traces, dependencies first."""
+    order, done, stack = [], set(), [(trace, index, False)]
+    while stack:
+        t, k, expanded = stack.pop()
+        node = (id(t), k)
+        if node in done:
+            continue
+        if expanded:
+            done.add(node)
+            order.append((t, k))
+            continue
+        stack.append((t, k, True))
+        func, _, leaves, _ = t.records[k]
+        if func is None:
+            continue
+        for d in leaves:
+            if d[0] == "t":
+                stack.append((t, d[1], False))
+            elif d[0] == "e" and _followed(t.externals[d[1]]):
+                ext = t.externals[d[1]]
+                stack.append((ext._dpfx[0], ext._dpfx[1], False))
+    return order
+
+
+def _is_number(v) -> bool:
+    return type(v) in (int, float)
 
 
 def _analyze(program: dict, batch: int):
+    """The verdict on ``program`` and which of its size ints it read as the batch size (Note
+    [Python numbers in the loss] in loss_check.py)."""
+    # A tensor whose dim 0 is a multiple of the batch size is per-example data; it is read as a
+    # constant only when the loss cannot be replayed at all with it as per-example data (a
+    # class-weight vector with as many entries as the batch has examples). A reading that
+    # replays and is refused by the check is a finding: no constant reading is then tried.
+    collisions = [j for j, ph in enumerate(program["placeholders"]) if not ph.is_output
+                  and not ph.is_scalar and ph.shape and ph.shape[0] % batch == 0]
+    first = None
+    for not_batch in [frozenset()] + [frozenset({j}) for j in collisions[:_MAX_COLLISIONS]]:
+        verdict, taken = _analyze_with(program, batch, not_batch)
+        if not isinstance(verdict, loss_check.LossRefused):
+            return verdict, _choice(program["candidates"], taken)
+        first = first or verdict
+        if not verdict.at_replay:
+            break
+    return first, _choice(program["candidates"], set())
+
+
+_MAX_COLLISIONS = 4
+
+
+def _choice(candidates: list, taken: set) -> tuple:
+    """Which size ints a verdict read as the batch size, and the values of the others: a later
+    step with the same key matches only if its other ints have the same values."""
+    return tuple(None if (c[0], c[1]) in taken else c[2] for c in candidates)
+
+
+def _matches(choice: tuple, candidates: list) -> bool:
+    return all(fixed is None or fixed == c[2] for fixed, c in zip(choice, candidates))
+
+
+def _analyze_with(program: dict, batch: int, not_batch: frozenset):
     try:
-        gm, record_of, factors = loss_check.replay(program["calls"], program["placeholders"],
-                                                   program["loss"], batch)
-        return loss_check.analyze(gm, program["placeholders"], record_of, factors)
+        gm, record_of, factors, taken = loss_check.replay(
+            program["calls"], program["placeholders"], program["loss"], batch, not_batch)
+        return loss_check.analyze(gm, program["placeholders"], record_of, factors), taken
+    except loss_check.LossRefused as e:
+        return e, set()
+    except Exception as e:  # a shape error, an op fake tensors cannot run
+        return _replay_refusal(e, program), set()
+
+
+def _replay_refusal(e: Exception, program: dict) -> loss_check.LossRefused:
+    call = getattr(e, "dpfx_call", None)
+    func = program["calls"][call][0] if call is not None else None
+    op = getattr(func, "__name__", "replay") if func is not None else "replay"
+    if "data-dependent" in str(e) or "unbacked" in str(e) or type(e).__name__ in (
+            "DynamicOutputShapeException", "DataDependentOutputException"):
+        return loss_check.LossRefused(call, op, at_replay=True, reason=(
+            "computes a value whose size or branch depends on the values of the whole batch "
+            "(bincount, unique, nonzero, a Python `if` on a tensor): dpfx cannot prove it keeps "
+            "examples apart, and over the batch's labels it usually does not (a class "
+            "histogram). Compute per-example values only; constants such as class weights "
+            "should come from the training set, not the batch"))
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return loss_check.LossRefused(call, op, at_replay=True, reason=(
+        f"could not be replayed with a symbolic batch size ({first}); a common cause is "
+        f"the batch size written as a Python number in a way dpfx cannot follow (a loop "
+        f"over examples, x.shape[0] in an index): write such losses with tensor ops over "
+        f"dim 0 (reduction='none', then .mean() or .sum())"))
+
+
+# -- the batch's tensors as model inputs ------------------------------------------------------
+_ROWS: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()
+
+
+def check_inputs(tree: Any) -> None:
+    """Each tracked batch tensor handed to the model that user code computed (not the loader's
+    own tensor) keeps examples apart (``loss_check.analyze_rows``): an input standardized by the
+    batch's mean, for one, would carry every example into every other's gradient, past the
+    graph's proof."""
+    for t in pytree.tree_leaves(tree):
+        if not _followed(t) or t._dpfx[0].records[t._dpfx[1]][0] is None:
+            continue
+        trace, index, leaf = t._dpfx
+        trace.batch = t.shape[0] if t.dim() else 0
+        if not trace.batch:
+            continue
+        program, key, _ = _program(trace, index, leaf)
+        verdict = _ROWS.get(key)
+        if verdict is None:
+            verdict = _rows_verdict(program, trace.batch)
+            _ROWS[key] = verdict
+            while len(_ROWS) > _CACHE_SIZE:
+                _ROWS.popitem(last=False)
+        if verdict is not True:
+            line = program["lines"][verdict.record] if verdict.record is not None else None
+            raise PrivacyError(
+                f"a model input couples examples: op {verdict.op} ({_line(line)}) {verdict.reason}. "
+                f"dpfx's proof starts at the model's inputs; an input computed from the whole "
+                f"batch (standardized by the batch's mean or std, mixed with other examples) "
+                f"lets one example move every other example's gradient. Compute each example's "
+                f"input from that example alone (statistics from the training set are fine).")
+
+
+def _rows_verdict(program: dict, batch: int):
+    try:
+        gm, record_of, factors, _ = loss_check.replay(
+            program["calls"], program["placeholders"], program["loss"], batch)
+        loss_check.analyze_rows(gm, program["placeholders"], record_of, factors)
+        return True
     except loss_check.LossRefused as e:
         return e
-    except Exception as e:  # a shape error, an op fake tensors cannot run
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return loss_check.LossRefused(None, type(e).__name__, (
-            f"dpfx could not replay it with a symbolic batch size ({first}); a common cause is "
-            f"the batch size written as a Python number (x.shape[0], a loop over examples): "
-            f"write such losses with tensor ops over dim 0 (reduction='none', then .mean() or "
-            f".sum())"))
+    except Exception as e:
+        return _replay_refusal(e, program)
 
 
 def _compiled_nodes(stops: list) -> set:
@@ -385,6 +640,10 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
 
 def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:
     line = program["lines"][e.record] if e.record is not None else program["lines"][-1]
+    if e.at_replay and e.reason.startswith("could not be replayed"):
+        return PrivacyError(
+            f"dpfx cannot check the loss: op {e.op} ({_line(line)}) {e.reason}. Nothing was "
+            f"released.")
     return PrivacyError(
         f"the loss couples examples: op {e.op} ({_line(line)}) {e.reason}. dpfx clips each "
         f"example's gradient of its own loss; a loss that mixes examples lets one example move "

@@ -337,11 +337,16 @@ class VirtualBatches:
         return len(self.loader)
 
     def __iter__(self):
+        from .loss_track import TrackedTensor, track_batch, untrack
+
         for batch in self.loader:
-            chunks = split_batch(batch, self.max_physical_batch_size)
+            tracked = any(isinstance(t, TrackedTensor)
+                          for t in torch.utils._pytree.tree_leaves(batch))
+            chunks = split_batch(untrack(batch) if tracked else batch,
+                                 self.max_physical_batch_size)
             for i, chunk in enumerate(chunks):
                 self.optimizer.signal_skip_step(i < len(chunks) - 1)
-                yield chunk
+                yield track_batch(chunk) if tracked else chunk     # each a batch of its own
 
 
 def split_batch(batch, size: int) -> list:

@@ -40,7 +40,7 @@ def _ce_tokens(logits, y, **kw):
 
 
 # (name, loss on the batch, the same per-example loss on a batch of one as the reference sees it)
-# Note [Batch-dependent scales are removed, constant weights kept]: a token mean becomes each
+# Note [The per-example term] in dpfx/loss_check.py: a token mean becomes each
 # example's token sum; a mean or sum over examples keeps each example's own term.
 LOSSES = {
     "cross_entropy": (lambda o, a, y, w: _ce_tokens(o, y),
