@@ -26,7 +26,7 @@ def main(steps: int = 400) -> None:
     x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
     checked = dpfx.api.track
 
-    def unchecked(out, backend, batch, param_ids):
+    def unchecked(out, backend, batch, param_ids, inputs=()):
         backend.loss_released = True
         return out
 

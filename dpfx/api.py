@@ -208,7 +208,7 @@ class DPModule(torch.nn.Module):
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
             track_release(self, outputs, tensors)
             # Note [The loss inside the proof] in loss_track.py
-            out = track(out, backend, batch, self._param_ids)
+            out = track(out, backend, batch, self._param_ids, tensors)
         if hf_loss is not None:
             out["loss"] = hf_loss[1](out.logits)
         return out

@@ -102,17 +102,26 @@ class TrackedTensor(torch.Tensor):
         return _record(func, args, kwargs, result)
 
 
-def track(out: Any, backend, batch: int, param_ids: set[int]) -> Any:
-    """``out`` with its tensors tracked, as one trace."""
+def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
+    """``out`` with its tensors tracked, as one trace. An output that is a fresh tensor of the
+    compiled graph is retyped in place (``as_subclass`` would put an alias node into every
+    backward); one that is also an input or a parameter (a forward that returns it) is wrapped
+    as an alias, so the caller's own tensor keeps its type."""
     trace = Trace(backend, batch, param_ids)
+    theirs = {id(t) for t in inputs}
 
     def wrap(t: torch.Tensor) -> torch.Tensor:
         trace.records.append((None, None, (tuple(t.shape[1:]), t.dtype, t.device), None))
-        tracked = t.as_subclass(TrackedTensor)
+        if type(t) is torch.Tensor and id(t) not in theirs and id(t) not in param_ids:
+            t.__class__ = TrackedTensor
+            tracked = t
+        else:
+            tracked = t.as_subclass(TrackedTensor)
         tracked._dpfx = (trace, len(trace.records) - 1, 0)
         with torch._C.DisableTorchFunctionSubclass():
-            if tracked.grad_fn is not None:
-                trace.stop_nodes.append(tracked.grad_fn)
+            grad_fn = tracked.grad_fn
+        if grad_fn is not None:
+            trace.stop_nodes.append(grad_fn)
         return tracked
 
     if isinstance(out, torch.Tensor):
@@ -279,8 +288,9 @@ def _release(func, args, kwargs):
         if isinstance(loss, TrackedTensor):
             factor = _verify(loss)
             if factor != 1.0:
-                grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
-                            if grads[i] is None else grads[i] * factor)
+                with torch._C.DisableTorchFunctionSubclass():
+                    grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
+                                if grads[i] is None else grads[i] * factor)
             backends.append(loss._dpfx[0].backend)
     saved = [b.loss_released for b in backends]
     try:
@@ -313,23 +323,26 @@ def _verify(loss: TrackedTensor) -> float:
         # No example, nothing to couple or to scale: the release is the noise alone (the graph's
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
-    program, key, inputs = _program(trace, index, leaf)
+    program, key, inputs = _program(trace, index, leaf, full=False)
     verdict = _lookup(key, program["candidates"])
     if verdict is None:
+        program = _program(trace, index, leaf)[0]
         verdict, choice = _analyze(program, trace.batch)
         _store(key, choice, verdict)
     if isinstance(verdict, loss_check.LossRefused):
-        raise _refusal(verdict, program)
+        raise _refusal(verdict, _program(trace, index, leaf)[0])
     reduction = trace.backend.config.loss_reduction
     scale = loss_check.eval_scale(verdict, trace.batch, inputs, reduction)
     if isinstance(scale, str):
+        program = _program(trace, index, leaf)[0]
         raise PrivacyError(f"the loss ({_line(program['lines'][-1])}) cannot be made a sum of "
                            f"per-example terms: {scale}. Compute one per-example loss and take "
                            f"its mean or sum over dim 0.")
     factor, changed = scale
     if changed and not getattr(verdict, "warned", False):
         verdict.warned = True
-        warnings.warn(_scale_message(verdict, reduction, program), LossScaleWarning, stacklevel=4)
+        warnings.warn(_scale_message(verdict, reduction, _program(trace, index, leaf)[0]),
+                      LossScaleWarning, stacklevel=4)
     return factor
 
 
@@ -359,7 +372,8 @@ def _store(key, choice: tuple, verdict) -> None:
         _VERDICTS.popitem(last=False)
 
 
-def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
+def _program(trace: Trace, index: int, leaf: int, full: bool = True
+             ) -> tuple[dict, tuple, list]:
     """The recorded calls the loss depends on, renumbered, with those of the batch tensors it
     reads (Note [The batch's own tensors are followed too]); a hashable key of their structure;
     the real values its placeholders stand for (outputs as None).
@@ -368,7 +382,8 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
     loss] in loss_check.py): a number that multiplies or divides a tensor becomes a scalar
     placeholder (its value is read on every step, and the key holds only its type), and an int
     in a size argument (``view``, ``reshape``, ``expand``, ...) that is a multiple k of the batch
-    size is a candidate for ``k * B`` (the key holds ``k``)."""
+    size is a candidate for ``k * B`` (the key holds ``k``). Without ``full``, only the key, the
+    inputs and the candidates are made: what a step whose verdict is cached needs."""
     batch = trace.batch
     order = _calls_needed(trace, index)
     position = {(id(t), k): i for i, (t, k) in enumerate(order)}
@@ -379,14 +394,15 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
         if func is None:
             shape, dtype, device = leaves
             if line == "data":      # a batch tensor of dpfx's loader
-                placeholders.append(loss_check.Placeholder(shape, dtype, device, False,
-                                                           is_data=True))
+                placeholders.append(full and loss_check.Placeholder(
+                    shape, dtype, device, False, is_data=True))
                 inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
                 keys.append(("data", _dim0_key(inputs[-1], batch), shape[1:], dtype, device))
             else:
-                placeholders.append(loss_check.Placeholder((None, *shape), dtype, device, True))
+                placeholders.append(full and loss_check.Placeholder(
+                    (None, *shape), dtype, device, True))
                 inputs.append(None)
-                keys.append(("out", tuple(shape), dtype, device))
+                keys.append(("out", shape, dtype, device))
             calls.append(("in", len(placeholders) - 1))
             lines.append(None)
             continue
@@ -404,7 +420,7 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
             elif d[0] == "e":
                 if (id(t_rec), d[1]) not in ext_pos:
                     t = t_rec.externals[d[1]]
-                    placeholders.append(loss_check.Placeholder(
+                    placeholders.append(full and loss_check.Placeholder(
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
@@ -413,7 +429,7 @@ def _program(trace: Trace, index: int, leaf: int) -> tuple[dict, tuple, list]:
                 descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])
             elif arith and pos < 2 and _is_number(d[1]):
-                placeholders.append(loss_check.Placeholder.scalar(d[1]))
+                placeholders.append(full and loss_check.Placeholder.scalar(d[1]))
                 inputs.append(d[1])
                 descr.append(("p", len(placeholders) - 1))
                 key.append(("s", type(d[1]).__name__, len(placeholders) - 1))
@@ -608,7 +624,8 @@ def _compiled_nodes(stops: list) -> set:
 def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     stops = set(trace.stop_nodes)
     own = _compiled_nodes(trace.stop_nodes)
-    stack, seen = [loss.grad_fn], set()
+    with torch._C.DisableTorchFunctionSubclass():
+        stack, seen = [loss.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen or node in stops:
