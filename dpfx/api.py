@@ -41,7 +41,8 @@ from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .loss_track import TrackedTensor, check_inputs, hf_labels_loss, track, untrack
 from .modules import check_modules, norm_layers
-from .release import GradientLedger, check_loop_inputs, track_release
+from .release import (GradientLedger, after_accumulate, check_gradient, check_loop_inputs,
+                      track_release)
 from .traceable import swapped
 
 
@@ -81,7 +82,7 @@ class DPModule(torch.nn.Module):
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
                     p.register_post_accumulate_grad_hook(
-                        functools.partial(_after_accumulate, weakref.ref(self), name))
+                        functools.partial(after_accumulate, weakref.ref(self), name))
 
     @property
     def norm_stats(self):
@@ -267,7 +268,7 @@ class DPModule(torch.nn.Module):
         for name, p in self._orig_mod.named_parameters():
             if p.requires_grad and name not in self._grad_guards:
                 self._grad_guards[name] = p.register_hook(functools.partial(
-                    _check_gradient, weakref.ref(backend), name, weakref.ref(self), weakref.ref(p)))
+                    check_gradient, weakref.ref(backend), name, weakref.ref(self), weakref.ref(p)))
         # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
         # any later change of requires_grad, and a parameter added later makes dynamo capture
         # again (then the walk runs again: _after_capture).
@@ -291,64 +292,6 @@ _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 def _remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
-
-
-def _check_gradient(backend_ref, name: str, module_ref, param_ref, grad: torch.Tensor) -> None:
-    backend = backend_ref()
-    if backend is None:
-        return
-    if name not in backend.graph_params:
-        raise PrivacyError(
-            f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read it: "
-            f"it is used outside the dpfx-compiled module (by the loss or another module), or by "
-            f"code that ran outside dpfx's graph. That gradient would be neither clipped nor "
-            f"noised. Use every trainable parameter inside the compiled module's forward, or "
-            f"freeze it (requires_grad=False). Gradients of this backward may be partly written: "
-            f"zero them before the next step.")
-    if torch._C._current_graph_task_id() != backend.last_graph_task:
-        return
-    if backend.produced.pop(name, None) is not grad:
-        raise PrivacyError(
-            f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
-            f"produced: it is also used outside the dpfx-compiled module in this backward (a "
-            f"regularizer on the weight in the loss, or another module sharing it), and autograd "
-            f"would add that plain gradient to the clipped, noised one. Move that use into the "
-            f"compiled module's forward, or detach it. Gradients of this backward may be partly "
-            f"written: zero them before the next step.")
-    module, p = module_ref(), param_ref()
-    if module is not None and p is not None:
-        module._ledger.before_accumulate(name, p)
-
-
-# Note [Clipped sums stay out of p.grad]
-# With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until
-# DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
-# dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
-# finds no gradient at all (it skips the parameter) instead of an un-noised one. Only a backward
-# that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, recorded in the ledger
-# as plain, where DPOptimizer.step() refuses it. With noise="graph" the hook records p.grad as
-# dpfx's release (Note [Only dpfx's gradients reach a private step] in release.py).
-def _after_accumulate(module_ref, name: str, p: torch.Tensor) -> None:
-    module = module_ref()
-    if module is None or p.grad is None:
-        return
-    if torch._C._current_graph_task_id() != module._dpfx_backend.last_graph_task:
-        module._ledger.accumulated_plain(name, p)
-        return
-    if module.dp_config.noise == "graph":
-        module._ledger.released(name, p)
-        return
-    acc = module.clipped_sums.get(name)
-    if acc is None:
-        module.clipped_sums[name] = p.grad
-        module.examples += module._pending_examples
-        module._pending_examples = 0
-    else:
-        acc.add_(p.grad)
-        if module._pending_examples:
-            module.examples += module._pending_examples
-            module._pending_examples = 0
-    p.grad = None
 
 
 # Note [dpfx's own entry frame]

@@ -30,6 +30,7 @@ from .errors import CaptureError, PrivacyError
 from .lowering import INDUCTOR_PATCHES, lower
 from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
+from .release import check_backward_may_run
 from .stats import NormStats
 
 
@@ -206,14 +207,13 @@ class DPBackend:
         positions = {pg.name: pg.output_index for pg in self.param_grads}
 
         def produced(outs):
-            # for api._check_gradient: Note [Every gradient a parameter receives is dpfx's]
+            # for release.check_gradient: Note [Every gradient a parameter receives is dpfx's]
             self.produced = {name: outs[i] for name, i in positions.items()}
             return outs
 
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
-                self._check_loss_released()
-                self._one_forward_per_backward()
+                check_backward_may_run(self)
                 _check_zero_tangents(args, zero_tangents)
                 return produced(compiled(args))
 
@@ -229,8 +229,7 @@ class DPBackend:
         generator = _device_generator(device)
 
         def run_backward(args):
-            self._check_loss_released()
-            self._one_forward_per_backward()
+            check_backward_may_run(self)
             _check_zero_tangents(args, zero_tangents)
             if self._generator is None:
                 step_seed = secrets.randbits(62)
@@ -247,44 +246,6 @@ class DPBackend:
 
         run_backward._boxed_call = True
         return run_backward
-
-    # Note [One forward per backward]
-    # Each backward graph clips the per-example gradients of its own forward. Two forwards that
-    # reach one backward (dp(a) + dp(b), a siamese net, two augmented views of each example)
-    # would be clipped separately: an example in both contributes up to 2C while the noise is
-    # sized for C, a silently weaker guarantee than accounted. Joint clipping needs both uses in
-    # one graph, so the fix is one forward that takes both inputs. dpfx detects the case exactly:
-    # two of its backward graphs running inside one autograd graph task (one .backward() call).
-    # Each check runs before its graph, so the refused second graph has written nothing.
-    # (tests/test_inputs.py::test_two_forwards_one_backward_refused)
-    def _one_forward_per_backward(self) -> None:
-        if not self.release_checked:
-            raise PrivacyError(
-                "dpfx's backward graph ran without its release check (Note [One release per "
-                "forward] in release.py): dpfx could not find its compiled function among the "
-                "autograd nodes of the forward's outputs. Return the model's outputs as tensors "
-                "(or tuples, lists, dicts of them). This backward has written nothing.")
-        self.release_checked = False
-        task = torch._C._current_graph_task_id()
-        if task != -1 and task == self.last_graph_task:
-            raise PrivacyError(
-                "two forwards of one dpfx model reached a single backward (e.g. dp(a) + dp(b), "
-                "a siamese net, two augmented views): each forward would be clipped on its own, "
-                "so an example used in both could contribute up to 2*max_grad_norm while the "
-                "noise is sized for one. Compile one module whose forward takes all the inputs "
-                "(forward(a, b) returning both outputs) so every use of a parameter is clipped "
-                "together, or call backward once per forward (each is then its own DP step). "
-                "Zero the gradients before retrying: the first forward's have been written.")
-        self.last_graph_task = task
-
-    def _check_loss_released(self) -> None:
-        if not self.loss_released:
-            raise PrivacyError(
-                "the backward reached dpfx's graph from a loss dpfx did not check: the model's "
-                "output left dpfx's tracking (a custom autograd.Function, .data, a NumPy round "
-                "trip, a tensor rebuilt from its values), so dpfx cannot prove that the loss "
-                "keeps examples apart. Compute the loss with torch ops on the output dpfx "
-                "returned. dpfx's graph has written no gradient.")
 
     def _checking(self) -> bool:
         return self.config.self_check and self.config.backend == "inductor" \

@@ -472,7 +472,14 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
     for node in gm.graph.nodes:
         if node.op == "placeholder" or node in needed:
             env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in nodes))
+    # a normalizer's own last cast (an int count to float) is left out: eval_scale reads each
+    # value as a Python float anyway, and every op here is paid on every step
+    outs = [env[n] for n in nodes]
+    outs = [o.args[0] if o.target in (prims.convert_element_type.default,
+                                      aten._to_copy.default) and len(o.users) == 0 else o
+            for o in outs]
+    graph.output(tuple(outs))
+    graph.eliminate_dead_code()
     for node in graph.find_nodes(op="call_function", target=prims.convert_element_type.default):
         # the same cast through aten: prims' Python wrapper costs ~15 us a call
         node.target, node.args = aten._to_copy.default, (node.args[0],)

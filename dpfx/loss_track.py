@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 
 from . import loss_check
 from .errors import PrivacyError
+from .release import TWO_FORWARDS
 
 
 class LossScaleWarning(UserWarning):
@@ -229,12 +230,7 @@ def _record(func, args, kwargs, result):
             "float32: call loss.backward() on the unscaled loss and optimizer.step() without "
             "the scaler (bfloat16 autocast needs none).")
     elif len(forwards) > 1:
-        poison = (
-            "two forwards of one dpfx model reached a single loss (e.g. dp(a) + dp(b), a siamese "
-            "net, two augmented views): each forward would be clipped on its own, so an example "
-            "used in both could contribute up to 2*max_grad_norm while the noise is sized for "
-            "one. Compile one module whose forward takes all the inputs (forward(a, b) returning "
-            "both outputs), or call backward once per forward.")
+        poison = TWO_FORWARDS
     if poison or trace.poison:
         poisoned = Trace(trace.backend, trace.batch, trace.param_ids)
         poisoned.poison = poison or trace.poison

@@ -10,7 +10,9 @@ gradients in a private step.
                                       # place or not, and no plain gradient autograd added
 
 The graph proof covers one backward graph. What the user's loop does with it is checked here, at
-run time, before anything is written:
+run time, before anything is written; this module is the one owner of those checks (the
+backward graph's runner, the parameters' gradient hooks, DPOptimizer and the loss tracking call
+into it):
 
 # Note [One release per forward]
 A backward of dpfx's graph is one release: it clips the forward's examples and, with
@@ -49,7 +51,7 @@ the tensor it released into:
   in api.py), a plain gradient if it did not (the raw model, a module sharing the parameter,
   before or after dpfx's backward, in its backward call or another);
 - dpfx's backward, in the parameter's tensor hook that runs just before it accumulates
-  (``_check_gradient`` in api.py), refuses a p.grad that is not None, not all zero, and not the
+  (``check_gradient``), refuses a p.grad that is not None, not all zero, and not the
   tensor holding dpfx's release;
 - ``step()`` refuses the same: a p.grad into which a plain backward accumulated (until
   ``zero_grad()`` or a new release of dpfx's replaces it), or a tensor assigned to p.grad
@@ -158,6 +160,111 @@ def second_backward_error(noise: str) -> PrivacyError:
         f"micro-batches into one step use virtual batches (make_private(..., "
         f"max_physical_batch_size=...) or dpfx.VirtualBatches), which noise the sum once and "
         f"account it as one logical batch. This backward has written nothing.")
+
+
+# Note [One forward per backward]
+# Each backward graph clips the per-example gradients of its own forward. Two forwards that
+# reach one backward (dp(a) + dp(b), a siamese net, two augmented views of each example)
+# would be clipped separately: an example in both contributes up to 2C while the noise is
+# sized for C, a silently weaker guarantee than accounted. Joint clipping needs both uses in
+# one graph, so the fix is one forward that takes both inputs. dpfx detects the case exactly:
+# two of its backward graphs running inside one autograd graph task (one .backward() call), or
+# (loss_track.py) two forwards' outputs meeting in one loss. Each check runs before its graph,
+# so the refused second graph has written nothing.
+# (tests/test_inputs.py::test_two_forwards_one_backward_refused)
+TWO_FORWARDS = (
+    "two forwards of one dpfx model reached a single loss or backward (e.g. dp(a) + dp(b), a "
+    "siamese net, two augmented views): each forward would be clipped on its own, so an example "
+    "used in both could contribute up to 2*max_grad_norm while the noise is sized for one. "
+    "Compile one module whose forward takes all the inputs (forward(a, b) returning both "
+    "outputs) so every use of a parameter is clipped together, or call backward once per "
+    "forward (each is then its own DP step).")
+
+
+def check_backward_may_run(backend) -> None:
+    """Run by the backward graph's runner before it writes anything: the loss was checked
+    (loss_track.py), this forward's release hook ran (Note [One release per forward]), and no
+    other forward's graph ran in this backward (Note [One forward per backward])."""
+    if not backend.loss_released:
+        raise PrivacyError(
+            "the backward reached dpfx's graph from a loss dpfx did not check: the model's "
+            "output left dpfx's tracking (a custom autograd.Function, .data, a NumPy round "
+            "trip, a tensor rebuilt from its values), so dpfx cannot prove that the loss "
+            "keeps examples apart. Compute the loss with torch ops on the output dpfx "
+            "returned. dpfx's graph has written no gradient.")
+    if not backend.release_checked:
+        raise PrivacyError(
+            "dpfx's backward graph ran without its release check (Note [One release per "
+            "forward] in release.py): dpfx could not find its compiled function among the "
+            "autograd nodes of the forward's outputs. Return the model's outputs as tensors "
+            "(or tuples, lists, dicts of them). This backward has written nothing.")
+    backend.release_checked = False
+    task = torch._C._current_graph_task_id()
+    if task != -1 and task == backend.last_graph_task:
+        raise PrivacyError(TWO_FORWARDS + " Zero the gradients before retrying: the first "
+                           "forward's have been written.")
+    backend.last_graph_task = task
+
+
+# -- gradient ownership: the hooks on every trainable parameter ------------------------------
+
+
+def check_gradient(backend_ref, name: str, module_ref, param_ref, grad: torch.Tensor) -> None:
+    backend = backend_ref()
+    if backend is None:
+        return
+    if name not in backend.graph_params:
+        raise PrivacyError(
+            f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read it: "
+            f"it is used outside the dpfx-compiled module (by the loss or another module), or by "
+            f"code that ran outside dpfx's graph. That gradient would be neither clipped nor "
+            f"noised. Use every trainable parameter inside the compiled module's forward, or "
+            f"freeze it (requires_grad=False). Gradients of this backward may be partly written: "
+            f"zero them before the next step.")
+    if torch._C._current_graph_task_id() != backend.last_graph_task:
+        return
+    if backend.produced.pop(name, None) is not grad:
+        raise PrivacyError(
+            f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
+            f"produced: it is also used outside the dpfx-compiled module in this backward (a "
+            f"regularizer on the weight in the loss, or another module sharing it), and autograd "
+            f"would add that plain gradient to the clipped, noised one. Move that use into the "
+            f"compiled module's forward, or detach it. Gradients of this backward may be partly "
+            f"written: zero them before the next step.")
+    module, p = module_ref(), param_ref()
+    if module is not None and p is not None:
+        module._ledger.before_accumulate(name, p)
+
+
+# Note [Clipped sums stay out of p.grad]
+# With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until
+# DPOptimizer adds the noise. A post-accumulate-grad hook moves it from p.grad into
+# dp_model.clipped_sums and sets p.grad back to None, so an optimizer that is not a DPOptimizer
+# finds no gradient at all (it skips the parameter) instead of an un-noised one. Only a backward
+# that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, recorded in the ledger
+# as plain, where DPOptimizer.step() refuses it. With noise="graph" the hook records p.grad as
+# dpfx's release (Note [Only dpfx's gradients reach a private step] ).
+def after_accumulate(module_ref, name: str, p: torch.Tensor) -> None:
+    module = module_ref()
+    if module is None or p.grad is None:
+        return
+    if torch._C._current_graph_task_id() != module._dpfx_backend.last_graph_task:
+        module._ledger.accumulated_plain(name, p)
+        return
+    if module.dp_config.noise == "graph":
+        module._ledger.released(name, p)
+        return
+    acc = module.clipped_sums.get(name)
+    if acc is None:
+        module.clipped_sums[name] = p.grad
+        module.examples += module._pending_examples
+        module._pending_examples = 0
+    else:
+        acc.add_(p.grad)
+        if module._pending_examples:
+            module.examples += module._pending_examples
+            module._pending_examples = 0
+    p.grad = None
 
 
 class GradientLedger:
