@@ -36,12 +36,12 @@ a token count and a constant factor on the whole loss all give the same release;
 example's own positions stays a mean (Opacus's "mean" semantics). Terms may be weighted against
 each other by Python numbers (``ce + 0.3 * mse``): those ratios are the objective's, like any
 constant inside an example's term, and must stay the same from step to step (a ratio that
-changes is refused: it was computed from the batch). Terms whose batch-dependent parts differ
-(a token mean plus a mean over examples) cannot be put on one scale by one factor and are
-refused. dpfx evaluates the removed part on the step's real inputs and multiplies the
-backward's starting gradient by its inverse (times 1/B for loss_reduction="mean", whose graph
-undoes a 1/B); the loss value the user sees is untouched, and a changed scale is warned about
-once (``LossScaleWarning``).
+changes is refused: it was computed from the batch). dpfx evaluates the removed part on the
+step's real inputs and multiplies the backward's starting gradient by its inverse (times 1/B for
+loss_reduction="mean", whose graph undoes a 1/B); terms whose batch-dependent parts differ (a
+token mean plus a mean over examples) each lose their own (Note [Terms on their own scales]).
+The loss value the user sees is untouched, and a changed scale is warned about once
+(``LossScaleWarning``).
 (tests/test_loss_corpus.py::test_one_added_example_moves_the_release_by_at_most_C_over_D)
 """
 from __future__ import annotations
@@ -110,6 +110,17 @@ class Verdict:
     scalar_normalizers: frozenset = frozenset()   # those that are Python numbers
     weights: tuple | None = None            # the terms' relative weights on the first step
     sized: dict = dataclasses.field(default_factory=dict)   # outputs whose size a normalizer reads
+    replayed: fx.GraphModule | None = None  # the loss as replayed, and its terms' nodes: for
+    term_nodes: list = dataclasses.field(default_factory=list)   # Note [Terms on their own scales]
+    _scaled: Callable | None = None
+
+
+@dataclasses.dataclass
+class PerTerm:
+    """eval_scale's answer when the terms' batch-dependent scales differ: each term's own
+    factor, and the factor of the whole (Note [Terms on their own scales])."""
+    ratios: list[float]
+    factor: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +472,8 @@ def _verdict(gm, terms, batch, scalars: set, outputs: set) -> Verdict:
         sized = {i: tuple(ph.meta["val"].shape[1:]) for i, ph in enumerate(phs)
                  if ph in needed and ph in outputs}
     return Verdict(out_terms, evaluate, declared.pop() if len(declared) == 1 else "mixed",
-                   frozenset(i for i, n in enumerate(norm_nodes) if n in scalars), sized=sized)
+                   frozenset(i for i, n in enumerate(norm_nodes) if n in scalars), sized=sized,
+                   replayed=gm, term_nodes=[node.name for _, _, node in terms])
 
 
 def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
@@ -577,11 +589,10 @@ def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
         batch_parts.append(b)
         weights.append(w)
     first = batch_parts[0]
-    if any(abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in batch_parts[1:]):
-        return ("the loss adds terms whose scales depend on the batch differently (for example "
-                "a token mean over the batch's non-ignored tokens plus a mean over examples)")
+    per_term = any(abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in batch_parts[1:])
     top = max(abs(w) for w in weights)
-    if first == 0 or not math.isfinite(first) or top == 0 or not math.isfinite(top):
+    if not per_term and (first == 0 or not math.isfinite(first)) or top == 0 or \
+            not math.isfinite(top):
         return 1.0, False
     relative = tuple(w / top for w in weights)
     if verdict.weights is None:
@@ -592,8 +603,48 @@ def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
                 f"the batch (its size, its labels) would let one example rescale every other "
                 f"example's gradient. Weight the terms with constants, and write the batch "
                 f"size only as a common factor of the whole loss")
-    factor = (1.0 / batch if reduction == "mean" else 1.0) / (first * top)
+    target = 1.0 / batch if reduction == "mean" else 1.0
+    if per_term:
+        return PerTerm([1.0 / (b * top) if b != 0 and math.isfinite(b) else 0.0
+                        for b in batch_parts], target)
+    factor = target / (first * top)
     return factor, abs(factor - 1.0) > 1e-6
+
+
+# Note [Terms on their own scales]
+# A loss whose terms' batch-dependent scales differ (BERT's pre-training loss: a token mean over
+# the masked tokens plus a mean over examples; a token loss plus a distillation term with
+# "batchmean") cannot be put on the per-example scale by one factor on the backward's starting
+# gradient. Its checked program can: ``scaled_terms`` reruns the replayed loss on the step's
+# real values with each term's node multiplied by its own factor (1 / (its batch-dependent part
+# * the largest Python weight)), so the graph computes sum_k (v_k / v) s_k sum_i t_k(z_i)
+# exactly, and differentiates it with respect to the outputs; loss_track then runs the backward
+# from the outputs' autograd edges with those gradients instead of the user's loss. Everything
+# above a term is linear (the terminal rule), so scaling the term's node scales its whole
+# contribution. (tests/test_loss_corpus.py::test_terms_on_their_own_scales)
+def scaled_terms(verdict: Verdict, inputs: list, ratios: list[float]) -> torch.Tensor:
+    """The per-example loss of Note [Terms on their own scales] on the step's values."""
+    if verdict._scaled is None:
+        graph = fx.Graph()
+        env: dict = {}
+        out = graph.graph_copy(verdict.replayed.graph, env)
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            scales = graph.placeholder("dpfx_term_scales")
+        by_name = {n.name: n for n in graph.nodes}
+        old_names = {old.name: new for old, new in env.items()}
+        for k, name in enumerate(verdict.term_nodes):
+            node = old_names.get(name, by_name.get(name))
+            users = list(node.users)
+            with graph.inserting_after(node):
+                factor = graph.call_function(aten.select.int, (scales, 0, k))
+            with graph.inserting_after(factor):
+                scaled = graph.call_function(aten.mul.Tensor, (node, factor))
+            for u in users:
+                u.replace_input_with(node, scaled)
+        graph.output(out)
+        verdict._scaled = fx.GraphModule(verdict.replayed, graph).forward
+    return verdict._scaled(*inputs, torch.tensor(ratios, dtype=torch.float64))
 
 
 def _ratios(weights: tuple) -> str:

@@ -71,6 +71,7 @@ class Trace:
         self.externals: list[torch.Tensor] = []
         self._external_ids: dict[int, int] = {}
         self.stop_nodes: list = []        # autograd nodes of the tracked outputs
+        self.outputs: dict[int, tuple] = {}   # record -> (value, autograd edge) of an output
         self.poison: str | None = None
 
     def external(self, t: torch.Tensor) -> int:
@@ -121,8 +122,11 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
         tracked._dpfx = (trace, len(trace.records) - 1, 0)
         with torch._C.DisableTorchFunctionSubclass():
             grad_fn = tracked.grad_fn
-        if grad_fn is not None:
-            trace.stop_nodes.append(grad_fn)
+            if grad_fn is not None:
+                trace.stop_nodes.append(grad_fn)
+                # for Note [Terms on their own scales] in loss_check.py
+                trace.outputs[len(trace.records) - 1] = (
+                    tracked.detach(), torch.autograd.graph.get_gradient_edge(tracked))
         return tracked
 
     if isinstance(out, torch.Tensor):
@@ -283,6 +287,25 @@ def _release(func, args, kwargs):
     for i, loss in enumerate(losses):
         if isinstance(loss, TrackedTensor):
             factor = _verify(loss)
+            if isinstance(factor, tuple):
+                # Note [Terms on their own scales]: the backward starts at the outputs
+                if func is torch.autograd.grad or len(losses) > 1 or (
+                        grads[i] is not None and float(grads[i]) != 1.0):
+                    raise PrivacyError(
+                        "a loss whose terms' batch-dependent scales differ (a token mean plus "
+                        "a mean over examples) is released with loss.backward() alone: call "
+                        "backward on it, or put its terms on one scale (each per example).")
+                backend = loss._dpfx[0].backend
+                saved = backend.loss_released
+                try:
+                    backend.loss_released = True
+                    edges, start = factor
+                    with torch._C.DisableTorchFunctionSubclass():
+                        keep = {k: v for k, v in (bound.arguments.items() if bound else ())
+                                if k in ("retain_graph", "create_graph", "inputs")}
+                        return torch.autograd.backward(edges, start, **keep)
+                finally:
+                    backend.loss_released = saved
             if factor != 1.0:
                 with torch._C.DisableTorchFunctionSubclass():
                     grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
@@ -310,7 +333,35 @@ _ARGS = {torch.Tensor.backward: ("self", "gradient"),
          torch.autograd.grad: ("outputs", "grad_outputs")}
 
 
-def _verify(loss: TrackedTensor) -> float:
+def _per_term_release(verdict, inputs: list, scale) -> tuple:
+    """The autograd edges of the outputs and the gradients that start the backward there, from
+    the loss's checked program with each term on its own scale (Note [Terms on their own
+    scales] in loss_check.py)."""
+    values, edges, leaves = [], [], []
+    with torch._C.DisableTorchFunctionSubclass():
+        for v in inputs:
+            if isinstance(v, _Output):
+                value, edge = v.trace.outputs.get(v.record, (None, None))
+                if value is None:
+                    raise PrivacyError("the loss's terms need their own scales, and one of the "
+                                       "outputs it reads has no gradient history")
+                value = value.detach().requires_grad_()
+                leaves.append(value)
+                edges.append(edge)
+                values.append(value)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                values.append(v.as_subclass(torch.Tensor) if isinstance(v, TrackedTensor) else v)
+            else:
+                values.append(torch.tensor(v, dtype=torch.int64 if isinstance(v, int)
+                                           else torch.float64))
+        with torch.enable_grad():
+            loss = loss_check.scaled_terms(verdict, values, scale.ratios)
+            grads = torch.autograd.grad(loss * scale.factor, leaves, allow_unused=True)
+    kept = [(e, g) for e, g in zip(edges, grads) if g is not None]
+    return [e for e, _ in kept], [g for _, g in kept]
+
+
+def _verify(loss: TrackedTensor) -> float | tuple:
     trace, index, leaf = loss._dpfx
     if trace.poison:
         raise PrivacyError(trace.poison)
@@ -334,6 +385,8 @@ def _verify(loss: TrackedTensor) -> float:
         raise PrivacyError(f"the loss ({_line(program['lines'][-1])}) cannot be made a sum of "
                            f"per-example terms: {scale}. Compute one per-example loss and take "
                            f"its mean or sum over dim 0.")
+    if isinstance(scale, loss_check.PerTerm):
+        return _per_term_release(verdict, inputs, scale)
     factor, changed = scale
     if changed and not getattr(verdict, "warned", False):
         verdict.warned = True
@@ -397,7 +450,7 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
             else:
                 placeholders.append(full and loss_check.Placeholder(
                     (None, *shape), dtype, device, True))
-                inputs.append(None)
+                inputs.append(_Output(t_rec, k))
                 keys.append(("out", shape, dtype, device))
             calls.append(("in", len(placeholders) - 1))
             lines.append(None)
@@ -453,6 +506,14 @@ def _from_grad_scaler() -> bool:
             return True
         f = f.f_back
     return False
+
+
+class _Output:
+    """An output's place among a program's inputs (its value is read only when needed)."""
+    __slots__ = ("trace", "record")
+
+    def __init__(self, trace: Trace, record: int):
+        self.trace, self.record = trace, record
 
 
 def _followed(t) -> bool:
@@ -618,13 +679,16 @@ def _compiled_nodes(stops: list) -> set:
 
 
 def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
-    stops = set(trace.stop_nodes)
+    # The walk stops at the tracked outputs' own autograd edges (node, output number): an
+    # output retyped in place has the compiled function's node as its grad_fn, and another
+    # output of that node (a weight the forward stored on a module) must still be found.
+    stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()}
     own = _compiled_nodes(trace.stop_nodes)
     with torch._C.DisableTorchFunctionSubclass():
-        stack, seen = [loss.grad_fn], set()
+        stack, seen = [(loss.grad_fn, loss.output_nr)], set()
     while stack:
-        node = stack.pop()
-        if node is None or node in seen or node in stops:
+        node, nr = stack.pop()
+        if node is None or (node, nr) in stops or node in seen:
             continue
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction) and node in own:
@@ -648,7 +712,7 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
                     f"parameter of the dpfx-compiled model: its gradient would be neither "
                     f"clipped nor noised. Detach it, or make it a parameter of the model.")
             continue
-        stack.extend(n for n, _ in node.next_functions)
+        stack.extend(node.next_functions)
 
 
 def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:

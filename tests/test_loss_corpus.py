@@ -284,6 +284,32 @@ def multi_task_sums_over_len(outs, d):
             + 0.3 * F.mse_loss(reg, d["target"], reduction="sum")) / n
 
 
+def bert_pretraining(outs, d):
+    """BertForPreTraining's loss: a masked-LM token mean over the masked tokens plus the
+    next-sentence mean over examples; their batch-dependent scales differ (Note [Terms on their
+    own scales])."""
+    tok, cls, _ = outs
+    mlm = F.cross_entropy(tok.view(-1, V), d["tokens"].view(-1), ignore_index=IGNORE)
+    return mlm + F.cross_entropy(cls, d["labels"])
+
+
+def bert_pretraining_term(outs, d):
+    tok, cls, _ = outs
+    return _all_tokens_sum(tok, d) + F.cross_entropy(cls, d["labels"], reduction="sum")
+
+
+def lm_plus_distillation(tok, d, alpha=0.5):
+    """A token loss with ignore_index plus a distillation term with ``batchmean``."""
+    ce = F.cross_entropy(tok.reshape(-1, V), d["tokens"].reshape(-1), ignore_index=IGNORE)
+    kd = F.kl_div(F.log_softmax(tok, -1), F.softmax(d["teacher"], -1), reduction="batchmean")
+    return (1 - alpha) * ce + alpha * kd
+
+
+def lm_plus_distillation_term(tok, d):
+    kd = F.kl_div(F.log_softmax(tok, -1), F.softmax(d["teacher"], -1), reduction="sum")
+    return _all_tokens_sum(tok, d) + kd
+
+
 def ctc(tok, d):
     """CTC over (T, B, V) log-probabilities (torchaudio / wav2vec2 training code)."""
     log_probs = F.log_softmax(tok, dim=-1).transpose(0, 1)
@@ -365,6 +391,8 @@ CORPUS = {
     "multi_task_sums_over_len": ("all", multi_task_sums_over_len, multi_task_sums_over_len),
     # "ctc": refused, see test_ctc_is_refused_with_the_reason
     "cosine_embedding": ("reg", cosine_embedding, cosine_embedding),
+    "bert_pretraining": ("all", bert_pretraining, bert_pretraining_term),
+    "lm_plus_distillation": ("tok", lm_plus_distillation, lm_plus_distillation_term),
 }
 _OUTPUT = {"tok": 0, "cls": 1, "reg": 2}
 
@@ -541,7 +569,8 @@ def test_coupled_losses_are_refused(name):
 # -- the auditor's test ----------------------------------------------------------------------
 CANARY_IDIOMS = ["sum_over_size0", "sum_over_len", "sum_over_shape0", "plain_cross_entropy",
                  "distillation_batchmean", "hf_causal_lm", "masked_token_mean",
-                 "multi_task_sums_over_len", "times_reciprocal", "token_python_ints"]
+                 "multi_task_sums_over_len", "times_reciprocal", "token_python_ints",
+                 "bert_pretraining", "lm_plus_distillation"]
 
 
 def _neighbours():
@@ -701,3 +730,21 @@ def test_grad_scaler_is_refused_not_silently_undone():
     with pytest.raises(dpfx.PrivacyError, match="GradScaler"):
         scaler.scale(F.cross_entropy(dp(ids)[1], d["labels"])).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_terms_on_their_own_scales():
+    """A token mean plus a mean over examples: each term's batch-dependent scale removed on its
+    own, through the loss's checked program (Note [Terms on their own scales]); a loss that
+    then asks for torch.autograd.grad is refused, not computed another way."""
+    which, loss, term = CORPUS["bert_pretraining"]
+    torch.manual_seed(0)
+    model = Net()
+    dp = dpfx.compile(model, max_grad_norm=1e6, noise_multiplier=0.0)
+    for batch in (3, 1):
+        ids, d = _batch(batch, seed=batch)
+        got = _dpfx_step(dp, model, which, loss, ids, d)
+        _assert_close(f"B={batch}", model, got,
+                      _reference(_per_example(model, which, term, ids, d), 1e6, batch))
+    ids, d = _batch(3)
+    with pytest.raises(dpfx.PrivacyError, match="loss.backward"):
+        torch.autograd.grad(_apply(which, loss, dp(ids), d), list(model.parameters()))
