@@ -39,7 +39,8 @@ from . import batch_branches
 from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
-from .loss_track import TrackedTensor, check_inputs, hf_labels_loss, track, untrack
+from .hf_labels import hf_labels_loss
+from .loss_track import TrackedTensor, check_inputs, track, untrack
 from .modules import check_modules, norm_layers
 from .release import (GradientLedger, after_accumulate, check_gradient, check_loop_inputs,
                       track_release)
@@ -128,7 +129,7 @@ class DPModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         hf_loss = hf_labels_loss(self._orig_mod, kwargs)
         if hf_loss is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+            kwargs = hf_loss[0]
         tensors = _tensor_leaves(args, kwargs)
         if any(isinstance(t, TrackedTensor) for t in tensors):
             # a batch of dpfx's loader: checked, then handed to dynamo as plain tensors

@@ -192,25 +192,6 @@ def _is_model_output(out: Any) -> bool:
         for c in type(out).__mro__)
 
 
-def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
-    """For a Hugging Face causal LM called with ``labels=``: the labels, taken out of the call,
-    and the model's own loss function on the logits. dpfx runs the model without them and
-    computes the loss outside its graph, on the tracked logits, where it is checked like any
-    loss (a token mean: Note [The per-example term] in loss_check.py).
-    None when there are no labels."""
-    labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or not hasattr(model, "loss_function"):
-        return None
-    name = type(model).__name__
-    if not name.endswith(("ForCausalLM", "LMHeadModel")):
-        raise PrivacyError(
-            f"{name} computes its loss from labels= inside its forward, which would mix the "
-            f"batch's examples in dpfx's graph; dpfx computes it outside for causal language "
-            f"models only. Call the model without labels= and compute the loss on out.logits.")
-    vocab = model.config.vocab_size
-    return labels, lambda logits: model.loss_function(logits, labels, vocab_size=vocab)
-
-
 def _record(func, args, kwargs, result):
     if isinstance(result, torch.Tensor):
         out_leaves, out_spec = [result], None

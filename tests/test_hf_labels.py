@@ -5,6 +5,7 @@ own token sum). The loss value equals the non-private one; the gradient equals a
 reference.
 """
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -73,12 +74,93 @@ def test_gpt2_labels_loss_value_and_gradient(backend):
         assert_close(got, _reference(model, ids, mask, labels, 0.5), rtol=1e-4, atol=1e-6)
 
 
-def test_other_hf_models_with_labels_refused():
+def _t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+
+
+def _bert_classifier(num_labels=3, problem_type=None):
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=num_labels, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, problem_type=problem_type))
+
+
+def _bert_mlm():
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _labels_for(kind, batch, g):
+    if kind == "classifier":
+        return torch.randint(0, 3, (batch,), generator=g)
+    if kind == "regression":
+        return torch.randn(batch, 1, generator=g)
+    labels = torch.randint(1, VOCAB, (batch, T), generator=g)
+    labels[: batch // 2 + 1, T // 2:] = -100
+    return labels
+
+
+MODELS = {  # kind: (model, the example's own term on a batch of one, from the model's logits)
+    "t5": (_t5, lambda logits, y: F.cross_entropy(logits.view(-1, VOCAB), y.view(-1),
+                                                  ignore_index=-100, reduction="sum")),
+    "mlm": (_bert_mlm, lambda logits, y: F.cross_entropy(logits.view(-1, VOCAB), y.view(-1),
+                                                         ignore_index=-100, reduction="sum")),
+    "classifier": (_bert_classifier, lambda logits, y: F.cross_entropy(logits, y)),
+    "regression": (lambda: _bert_classifier(1), lambda logits, y: F.mse_loss(logits, y)),
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_hf_heads_with_labels(kind, backend):
+    """Seq2seq, masked LM, sequence classification and regression heads called with labels=:
+    the model's loss value, and each example's gradient of its own term (a token mean's count
+    divided out) against a batch-of-one loop."""
+    make, term = MODELS[kind]
+    torch.manual_seed(0)
+    model = make()
+    model.train()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend=backend)
+    params = dict(model.named_parameters())
+    for batch in (3, 1):
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(1, VOCAB, (batch, T), generator=g)
+        mask = torch.ones(batch, T, dtype=torch.long)
+        labels = _labels_for(kind, batch, g)
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        model.zero_grad(set_to_none=True)
+        out = dp(input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dpfx.LossScaleWarning)
+            out.loss.backward()
+        want = {k: torch.zeros_like(p) for k, p in params.items()}
+        for i in range(batch):
+            one = dict(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
+            if kind == "t5":
+                one["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(
+                    labels=labels[i:i + 1])
+            grads = torch.autograd.grad(term(model(**one).logits, labels[i:i + 1]),
+                                        list(params.values()), allow_unused=True)
+            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
+            norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads)))
+            assert norm > 0.05, "clipping must bite"
+            for k, x in zip(params, grads):
+                want[k] += x * min(1.0, 0.05 / (norm + CLIP_EPS))
+        got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
+        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+
+
+def test_other_hf_heads_with_labels_refused():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=32, num_labels=3)
-    model = transformers.BertForSequenceClassification(config)
+                                     num_attention_heads=2, intermediate_size=32)
+    model = transformers.BertForNextSentencePrediction(config)
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     ids = torch.randint(1, VOCAB, (3, T))
     with pytest.raises(dpfx.PrivacyError, match="without labels= and compute the loss on "
                                                 "out.logits"):
-        dp(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 1, 2]))
+        dp(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 1, 0]))

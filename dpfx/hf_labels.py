@@ -1,0 +1,73 @@
+"""Hugging Face models called with ``labels=``: the loss computed outside dpfx's graph.
+
+    out = dp_model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()        # the model's own loss, on the tracked logits, checked
+
+A Hugging Face model given ``labels=`` computes its loss inside its forward: a mean over the
+batch's tokens or examples, which the forward check would refuse as mixing examples (and
+rightly: the loss is not an output dpfx can clip per example). dpfx takes the labels out of the
+call, runs the model without them, and applies the same loss to the tracked logits after the
+graph, where the loss check proves it a sum of per-example terms and removes its normalizer
+(Note [The per-example term] in loss_check.py). The value in ``out["loss"]`` is the model's.
+
+By the model's head (its class name, or a PEFT wrapper's base model's):
+
+- causal LM (``...ForCausalLM``, ``...LMHeadModel``): the model's own ``loss_function``
+  (shifted tokens, ``ignore_index=-100``, ``num_items_in_batch`` when passed);
+- masked LM (``...ForMaskedLM``) and token classification (``...ForTokenClassification``):
+  cross-entropy over the flattened tokens with ``ignore_index=-100``;
+- sequence-to-sequence (``...ForConditionalGeneration`` with ``config.is_encoder_decoder``):
+  ``decoder_input_ids`` made from the labels by the model's own
+  ``prepare_decoder_input_ids_from_labels`` (a shift within each example) when not given, then
+  the token cross-entropy;
+- sequence classification (``...ForSequenceClassification``): transformers'
+  ``ForSequenceClassificationLoss`` (regression, single- or multi-label by ``problem_type``).
+
+Any other head given ``labels=`` is refused with the fix (call it without labels and compute the
+loss on the logits).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import PrivacyError
+
+_CAUSAL = ("ForCausalLM", "LMHeadModel")
+_TOKENS = ("ForMaskedLM", "ForTokenClassification")
+
+
+def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
+    """None when the call has no ``labels=`` tensor or the model is not a Hugging Face one;
+    else (kwargs for the model without the labels, the loss as a function of the logits)."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or not hasattr(model, "config"):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name, config = type(base).__name__, base.config
+    kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+    if name.endswith(_CAUSAL) and hasattr(base, "loss_function"):
+        extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
+        return kwargs, lambda logits: base.loss_function(
+            logits, labels, vocab_size=config.vocab_size, **extra)
+    if name.endswith(_TOKENS):
+        return kwargs, lambda logits: _token_cross_entropy(logits, labels)
+    if name.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False) \
+            and hasattr(base, "prepare_decoder_input_ids_from_labels"):
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        return kwargs, lambda logits: _token_cross_entropy(logits, labels)
+    if name.endswith("ForSequenceClassification"):
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+        return kwargs, lambda logits: ForSequenceClassificationLoss(labels, logits, config)
+    raise PrivacyError(
+        f"{name} computes its loss from labels= inside its forward, which would mix the batch's "
+        f"examples in dpfx's graph; dpfx computes it outside for causal and masked language "
+        f"models, sequence-to-sequence models, and sequence and token classifiers. Call the "
+        f"model without labels= and compute the loss on out.logits.")
+
+
+def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels.view(-1),
+                           ignore_index=-100)
