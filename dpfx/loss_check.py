@@ -34,10 +34,14 @@ release moves by more than C; a ``sum / len(y)`` clips each gradient at C * B). 
 size written any way (a mean, ``size(0)``, ``len(y)``, a Python int, ``reduction="batchmean"``),
 a token count and a constant factor on the whole loss all give the same release; a mean over an
 example's own positions stays a mean (Opacus's "mean" semantics). Terms may be weighted against
-each other by Python numbers (``ce + 0.3 * mse``): those ratios are the objective's, like any
-constant inside an example's term, and must stay the same from step to step (a ratio that
-changes is refused: it was computed from the batch). dpfx evaluates the removed part on the
-step's real inputs and multiplies the backward's starting gradient by its inverse (times 1/B for
+each other by Python numbers (``ce + 0.3 * mse``, a KL weight annealed by a schedule): those
+ratios are the objective's, taken as given like any constant inside an example's term. Not
+proven: that such a number does not depend on the batch (``ce.sum() / len(y) + aux.sum()``
+weighs the terms by B); a ratio that changes between steps by powers of the batch size's change
+is refused, which catches that only once the batch size has changed. Write the batch size as a
+common factor of the whole loss, or with tensor ops (``.mean()``), where it is removed exactly.
+dpfx evaluates the removed part on the step's real inputs and multiplies the backward's
+starting gradient by its inverse (times 1/B for
 loss_reduction="mean", whose graph undoes a 1/B); terms whose batch-dependent parts differ (a
 token mean plus a mean over examples) each lose their own (Note [Terms on their own scales]).
 The loss value the user sees is untouched, and a changed scale is warned about once
@@ -108,7 +112,7 @@ class Verdict:
     evaluate_normalizers: Callable | None   # real inputs -> tuple of scalar tensors
     declared: str                           # "mean" | "sum": the scale the loss itself has
     scalar_normalizers: frozenset = frozenset()   # those that are Python numbers
-    weights: tuple | None = None            # the terms' relative weights on the first step
+    weights: tuple | None = None            # (the terms' relative weights, B) on the last step
     sized: dict = dataclasses.field(default_factory=dict)   # outputs whose size a normalizer reads
     replayed: fx.GraphModule | None = None  # the loss as replayed, and its terms' nodes: for
     term_nodes: list = dataclasses.field(default_factory=list)   # Note [Terms on their own scales]
@@ -595,14 +599,14 @@ def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
             not math.isfinite(top):
         return 1.0, False
     relative = tuple(w / top for w in weights)
-    if verdict.weights is None:
-        verdict.weights = relative
-    elif any(abs(r - s) > 1e-6 for r, s in zip(relative, verdict.weights)):
-        return (f"the Python numbers weighting its terms changed from one step to the next "
-                f"({_ratios(verdict.weights)} -> {_ratios(relative)}): a weight computed from "
-                f"the batch (its size, its labels) would let one example rescale every other "
-                f"example's gradient. Weight the terms with constants, and write the batch "
-                f"size only as a common factor of the whole loss")
+    if verdict.weights is not None and _follows_batch(verdict.weights, relative, batch):
+        return (f"the Python numbers weighting its terms changed with the batch size "
+                f"({_ratios(verdict.weights[0])} at B = {verdict.weights[1]}, "
+                f"{_ratios(relative)} at B = {batch}): a weight computed from the batch would "
+                f"let one example rescale every other example's gradient. Weight the terms with "
+                f"constants or a schedule, and write the batch size only as a common factor of "
+                f"the whole loss, or with tensor ops (.mean(), out.size(0))")
+    verdict.weights = (relative, batch)
     target = 1.0 / batch if reduction == "mean" else 1.0
     if per_term:
         return PerTerm([1.0 / (b * top) if b != 0 and math.isfinite(b) else 0.0
@@ -645,6 +649,27 @@ def scaled_terms(verdict: Verdict, inputs: list, ratios: list[float]) -> torch.T
         graph.output(out)
         verdict._scaled = fx.GraphModule(verdict.replayed, graph).forward
     return verdict._scaled(*inputs, torch.tensor(ratios, dtype=torch.float64))
+
+
+def _follows_batch(last: tuple, relative: tuple, batch: int) -> bool:
+    """Whether the terms' relative weights changed since the last step by powers of the batch
+    size's change (``ce.sum() / len(y) + aux.sum()``): a Python number computed from the batch.
+    A schedule (a KL weight annealed over steps) changes them otherwise and is the user's.
+    This sees such a weight only once the batch size has changed, after a step was released:
+    Note [The per-example term] says what is and is not proven."""
+    weights, before = last
+    if before == batch or all(abs(r - w) <= 1e-6 for r, w in zip(relative, weights)):
+        return False
+    growth = batch / before
+    powers = [growth ** p for p in (-2, -1, 1, 2)]
+    moved = False
+    for r, w in zip(relative, weights):
+        if abs(r - w) <= 1e-6 * max(abs(r), abs(w)):
+            continue
+        if w == 0 or not any(abs(r / w - q) <= 1e-6 * q for q in powers):
+            return False
+        moved = True
+    return moved
 
 
 def _ratios(weights: tuple) -> str:

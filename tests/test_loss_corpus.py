@@ -748,3 +748,29 @@ def test_terms_on_their_own_scales():
     ids, d = _batch(3)
     with pytest.raises(dpfx.PrivacyError, match="loss.backward"):
         torch.autograd.grad(_apply(which, loss, dp(ids), d), list(model.parameters()))
+
+
+def test_term_weights_follow_a_schedule_but_not_the_batch_size():
+    """A weight annealed over steps (a VAE's KL warm-up) trains; a weight that is the batch size
+    as a Python number (one term divided by len(y), the other not) is refused once the batch
+    size changes, parameters untouched."""
+    torch.manual_seed(0)
+    model = Net()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    for step, batch in enumerate((4, 3, 5)):
+        ids, d = _batch(batch, seed=step)
+        beta = min(1.0, 0.1 * (step + 1))
+        outs = dp(ids)
+        (F.cross_entropy(outs[1], d["labels"]) + beta * outs[2].pow(2).mean()).backward()
+    for step, batch in enumerate((4, 3)):
+        ids, d = _batch(batch, seed=step)
+        outs = dp(ids)
+        loss = F.cross_entropy(outs[1], d["labels"], reduction="sum") / len(d["labels"]) + \
+            outs[2].pow(2).sum()
+        model.zero_grad(set_to_none=True)
+        if step == 0:
+            loss.backward()
+            continue
+        with pytest.raises(dpfx.PrivacyError, match="changed with the batch size"):
+            loss.backward()
+        assert all(p.grad is None for p in model.parameters())
