@@ -58,6 +58,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -189,15 +190,18 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
         def first_use(j: int, call_values: list) -> torch.Tensor:
             if j not in fakes:
                 ph = placeholders[j]
-                for v in (() if j in not_batch else call_values):
-                    if not (isinstance(v, torch.Tensor) and v.dim() and ph.shape):
-                        continue
-                    size = sympy.sympify(sym_expr(v.shape[0]))
+                # the batch in dim 0 of a tracked argument, or in another of its dims (a
+                # time-first (T, B, C) tensor beside (B,) lengths)
+                sizes = [v.shape[d] for v in (() if j in not_batch else call_values)
+                         if isinstance(v, torch.Tensor) and v.dim() and ph.shape
+                         for d in range(v.dim())]
+                for n in sizes:
+                    size = sympy.sympify(sym_expr(n))
                     k = sympy.simplify(size / symbol)
                     if symbol in size.free_symbols and k.is_Integer and int(k) * batch == \
                             ph.shape[0]:
                         factors[j] = int(k)
-                        fakes[j] = torch.empty((v.shape[0], *ph.shape[1:]), dtype=ph.dtype,
+                        fakes[j] = torch.empty((n, *ph.shape[1:]), dtype=ph.dtype,
                                                device=ph.device)
                         break
                 else:
@@ -255,7 +259,7 @@ def run_calls(calls: list, placeholder: Callable, on_record: Callable,
                       if d[0] == "r" else (batch_size(d[1]) if j in taken else d[2])
                       if d[0] == "k" else d[1] for j, d in enumerate(descr)]
             a, kw = unflatten(leaves, spec)
-            return leaves, pytree.tree_leaves(func(*a, **kw))
+            return leaves, pytree.tree_leaves(REPLAYED_AS.get(func, func)(*a, **kw))
 
         try:
             if i not in sizes if sizes is not None else False:
@@ -293,6 +297,46 @@ def _read_sizes(descr: tuple, run: Callable, symbol) -> frozenset:
 
 def _free(size) -> set:
     return sympy.sympify(sym_expr(size)).free_symbols
+
+
+# Note [Losses replayed through a per-example op]
+# Some loss kernels have no form torch can trace with a symbolic batch: CTC's output sizes
+# depend on the targets' values. Such a loss is replayed through ``dpfx::ctc_loss_per_example``,
+# an op whose fake kernel states its result, one loss per example, and whose layout the batch
+# analysis reads off its shape: row i of the result comes from column i of the (T, B, C)
+# log-probabilities and row i of the (B, S) targets and of the lengths, which is what CTC
+# computes (each example's alignment is its own). The reduction is then written out in ATen
+# ("mean": each loss over its target length, then the batch mean), where the check sees it.
+# Only padded (B, S) targets: concatenated 1-D targets locate example i's labels by the other
+# examples' lengths, a layout dpfx cannot prove, and are refused.
+# (tests/test_loss_corpus.py, the "ctc" idiom)
+@torch.library.custom_op("dpfx::ctc_loss_per_example", mutates_args=())
+def _ctc_per_example(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+                     target_lengths: torch.Tensor, blank: int, zero_infinity: bool
+                     ) -> torch.Tensor:
+    return F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=blank,
+                      reduction="none", zero_infinity=zero_infinity)
+
+
+@_ctc_per_example.register_fake
+def _(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return log_probs.new_empty(log_probs.shape[1])
+
+
+def _ctc_replayed(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                  zero_infinity=False):
+    if targets.dim() != 2 or not isinstance(input_lengths, torch.Tensor) or not isinstance(
+            target_lengths, torch.Tensor):
+        raise ValueError("CTC with concatenated targets or list lengths: pass padded (B, S) "
+                         "targets and tensor lengths")
+    losses = _ctc_per_example(log_probs, targets, input_lengths, target_lengths, blank,
+                              zero_infinity)
+    if reduction == "mean":
+        return (losses / target_lengths.clamp(min=1).to(losses.dtype)).mean()
+    return losses.sum() if reduction == "sum" else losses
+
+
+REPLAYED_AS = {F.ctc_loss: _ctc_replayed}
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:

@@ -389,7 +389,7 @@ CORPUS = {
     "negated_log_likelihood": ("cls", negated_log_likelihood, negated_log_likelihood),
     "multi_task": ("all", multi_task, multi_task),
     "multi_task_sums_over_len": ("all", multi_task_sums_over_len, multi_task_sums_over_len),
-    # "ctc": refused, see test_ctc_is_refused_with_the_reason
+    "ctc": ("tok", ctc, ctc),
     "cosine_embedding": ("reg", cosine_embedding, cosine_embedding),
     "bert_pretraining": ("all", bert_pretraining, bert_pretraining_term),
     "lm_plus_distillation": ("tok", lm_plus_distillation, lm_plus_distillation_term),
