@@ -453,13 +453,9 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
         # a sum over the batch that the loss then uses non-linearly: the structure says why
         if node not in exempt and not (structure and node.target in _SUMS | _MEANS):
             refuse(node, reason)
-    for node in gm.graph.nodes:
-        if node.target in _INDEXING and node not in exempt:
-            src = an.layout(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-            idx = node.args[1]
-            if isinstance(src, BatchDim) and src.dim < len(idx) and idx[src.dim] is not None:
-                refuse(node, "picks rows along the batch dim by index (example i would use "
-                             "another example's row)")
+    for node in _rows_by_index(gm, an):
+        if node not in exempt:
+            refuse(node, _BY_INDEX)
     if structure is not None:
         raise structure
     scalars = {ph for ph, p in zip(phs, placeholders) if p.is_scalar}
@@ -480,18 +476,28 @@ def analyze_rows(gm: fx.GraphModule, placeholders: list[Placeholder], record_of:
                                            for ph, k in zip(phs, factors) if k is not None})
     for node, reason in mixing_ops(gm, an, skip=set()):
         raise LossRefused(record_of.get(node), _op_name(node), reason)
-    for node in gm.graph.nodes:
-        if node.target in _INDEXING:
-            src = an.layout(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-            idx = node.args[1]
-            if isinstance(src, BatchDim) and src.dim < len(idx) and idx[src.dim] is not None:
-                raise LossRefused(record_of.get(node), _op_name(node), "picks rows along the "
-                                  "batch dim by index (example i would use another example's row)")
+    for node in _rows_by_index(gm, an):
+        raise LossRefused(record_of.get(node), _op_name(node), _BY_INDEX)
     result = gm.graph.find_nodes(op="output")[0].args[0]
     lay = an.layout(result) if isinstance(result, fx.Node) else None
     if not (isinstance(lay, BatchDim) and lay.dim == 0 and lay.is_plain):
         raise LossRefused(None, "input", "does not carry the batch's examples in dim 0, one row "
                                          "each")
+
+
+_BY_INDEX = "picks rows along the batch dim by index (example i would use another example's row)"
+
+
+def _rows_by_index(gm: fx.GraphModule, an: BatchAnalysis) -> list[fx.Node]:
+    """Indexing ops whose index names the batch dim of a tensor with a proven layout."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.target in _INDEXING:
+            src = an.layout(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            idx = node.args[1]
+            if isinstance(src, BatchDim) and src.dim < len(idx) and idx[src.dim] is not None:
+                found.append(node)
+    return found
 
 
 def _verdict(gm, terms, batch, scalars: set, outputs: set) -> Verdict:
