@@ -774,3 +774,25 @@ def test_term_weights_follow_a_schedule_but_not_the_batch_size():
         with pytest.raises(dpfx.PrivacyError, match="changed with the batch size"):
             loss.backward()
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_auditors_test_through_inductor():
+    """The canary test of a few idioms on the default backend: one Inductor module, the bound
+    set by the eight equal examples' own norm."""
+    torch.manual_seed(0)
+    model = Net()
+    ids, d = _neighbours()
+    names = ["sum_over_len", "token_python_ints", "bert_pretraining"]
+    norms = []
+    for name in names:
+        which, _, term = CORPUS[name]
+        g = _per_example(model, which, term, ids, d)[0]
+        norms.append(float(torch.sqrt(sum(x.pow(2).sum() for x in g))))
+    bound = max(norms) * 1.5
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, loss_reduction="sum")
+    for name in names:
+        which, loss, _ = CORPUS[name]
+        base = _dpfx_step(dp, model, which, loss, ids[:8], _slice_to(d, 8))
+        added = _dpfx_step(dp, model, which, loss, ids, d)
+        moved = float(torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(added, base))))
+        assert moved <= bound * (1 + 1e-4), (name, moved, bound)
