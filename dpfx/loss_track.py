@@ -159,7 +159,7 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
 # ``_DATA_CALLS`` calls of a batch are followed; the results of later ones (a teacher network run
 # on the batch) are plain tensors, taken as per-example data like the tensors of any other
 # loader. (tests/test_loss_corpus.py::test_batch_statistics_of_the_labels_are_refused)
-_DATA_CALLS = 256
+_DATA_CALLS = 64
 
 
 def track_batch(batch: Any) -> Any:
