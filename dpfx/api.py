@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -126,6 +127,14 @@ class DPModule(torch.nn.Module):
     # manager or config.patch. Everything that can differ per call (inputs
     # requiring grad, frozen parameters, a normalization layer switched to training, the
     # release hook, the output tracking) is still checked on every call.
+    #
+    # Note [torch.compile over a dpfx module]
+    # The forward already runs dpfx's compiled graphs; dynamo tracing it from an outer
+    # torch.compile (``torch.compile(dp_model)``, ``TrainingArguments(torch_compile=True)``)
+    # would compile dpfx's own bookkeeping and call one compiled region from inside another.
+    # ``torch._dynamo.disable`` makes the outer compile run it as it is (0.3 us a call): the
+    # outer compile is a no-op over dpfx's module (tests/test_trainer.py).
+    @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")
     def forward(self, *args, **kwargs):
         hf_loss = hf_labels_loss(self._orig_mod, kwargs)
         if hf_loss is not None:
@@ -211,7 +220,7 @@ class DPModule(torch.nn.Module):
             track_release(self, outputs, tensors)
             # Note [The loss inside the proof] in loss_track.py
             out = track(out, backend, batch, self._param_ids, tensors)
-        if hf_loss is not None:
+        if hf_loss is not None and hf_loss[1] is not None:
             out["loss"] = hf_loss[1](out.logits)
         return out
 
@@ -638,4 +647,33 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
-    return DPModule(model, config)
+    return _module_class(model)(model, config)
+
+
+# Note [The wrapped model's signature]
+# Tools read a module's forward signature to decide what to pass it: Hugging Face's Trainer keeps
+# only the dataset columns the forward names (with ``*args, **kwargs`` it keeps none, and the
+# batch arrives empty), and finds the label columns from the class's forward. Each compiled
+# module is therefore an instance of its own subclass of DPModule whose ``forward`` carries the
+# wrapped model's signature (``inspect.signature`` reads ``__signature__``); the call itself is
+# DPModule.forward. (tests/test_trainer.py)
+def _module_class(model: torch.nn.Module) -> type:
+    # a PEFT model forwards ``*args, **kwargs`` to its base model, whose signature Trainer reads
+    named = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        signature = inspect.signature(named.forward)
+    except (TypeError, ValueError):
+        return DPModule
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(signature.parameters.values())
+    if params and params[0].kind is inspect.Parameter.POSITIONAL_ONLY:
+        self_param = self_param.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
+
+    def forward(self, *args, **kwargs):
+        return DPModule.forward(self, *args, **kwargs)
+
+    forward.__signature__ = signature.replace(parameters=[self_param, *params])
+    forward.__doc__ = DPModule.forward.__doc__
+    return type(DPModule.__name__, (DPModule,), {
+        "forward": forward, "__module__": DPModule.__module__,
+        "__qualname__": DPModule.__qualname__, "__doc__": DPModule.__doc__})

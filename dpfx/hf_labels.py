@@ -38,16 +38,26 @@ _TOKENS = ("ForMaskedLM", "ForTokenClassification")
 
 
 def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
-    """None when the call has no ``labels=`` tensor or the model is not a Hugging Face one;
-    else (kwargs for the model without the labels, the loss as a function of the logits)."""
+    """None when the model is not a Hugging Face one or the call has neither ``labels=`` nor
+    Trainer's ``num_items_in_batch``; else (kwargs for the model without them, the loss as a
+    function of the logits, or None without labels)."""
+    if not hasattr(model, "config"):
+        return None
     labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or not hasattr(model, "config"):
+    if not isinstance(labels, torch.Tensor):
+        if "num_items_in_batch" in kwargs:
+            # Trainer's count of the accumulated batch's tokens, for the model's own loss
+            # normalizer: no loss here, and dpfx removes that normalizer from every example's
+            # term anyway (Note [The per-example term] in loss_check.py)
+            return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}, None
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name, config = type(base).__name__, base.config
     kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+    # Trainer's token count of the accumulated batch: the causal LM loss divides by it, every
+    # other head ignores it (its normalizer is removed from each example's term either way)
+    extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
     if name.endswith(_CAUSAL) and hasattr(base, "loss_function"):
-        extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
         return kwargs, lambda logits: base.loss_function(
             logits, labels, vocab_size=config.vocab_size, **extra)
     if name.endswith(_TOKENS):

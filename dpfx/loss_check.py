@@ -85,6 +85,8 @@ _PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten._to_copy.default, aten.detach.default, aten.neg.default,
                  aten.select.int, aten.slice.Tensor, aten.t.default, aten.transpose.int}
 _PRODUCTS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_IN_PLACE_PRODUCTS = {aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+                      aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar}
 _SUMS_OF_TWO = {aten.add.Tensor, aten.sub.Tensor}
 # Ops that pick rows by data: along the batch dim they give example i another example's row.
 _INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default,
@@ -336,7 +338,40 @@ def _ctc_replayed(log_probs, targets, input_lengths, target_lengths, blank=0, re
     return losses.sum() if reduction == "sum" else losses
 
 
-REPLAYED_AS = {F.ctc_loss: _ctc_replayed}
+def _pad_replayed(input: torch.Tensor, pad, mode: str = "constant", value=None):
+    """``F.pad`` with a constant, written as narrow and cat: ATen's constant_pad_nd reads its
+    input's sizes as ints on fake tensors, which would fix the batch symbol to its hint (HF's
+    causal LM loss pads the labels so). The same values as F.pad, and the labels' rows stay
+    visibly each example's own."""
+    if mode != "constant":
+        return F.pad(input, pad, mode=mode, value=value)
+    value = 0 if value is None else value
+    out = input
+    for k in range(len(pad) // 2):
+        d = input.dim() - 1 - k
+        left, right = pad[2 * k], pad[2 * k + 1]
+        if left < 0:
+            out = out.narrow(d, -left, out.shape[d] + left)
+        if right < 0:
+            out = out.narrow(d, 0, out.shape[d] + right)
+        parts = [out]
+        for side, n in ((0, left), (1, right)):
+            if n > 0:
+                shape = list(out.shape)
+                shape[d] = n
+                filler = out.new_full(shape, value)
+                parts.insert(0, filler) if side == 0 else parts.append(filler)
+        if len(parts) > 1:
+            out = torch.cat(parts, d)
+    return out.clone() if out is input else out
+
+
+def _constant_pad_nd_replayed(input: torch.Tensor, pad, value=0):
+    return _pad_replayed(input, pad, "constant", value)
+
+
+REPLAYED_AS = {F.ctc_loss: _ctc_replayed, F.pad: _pad_replayed,
+               torch.constant_pad_nd: _constant_pad_nd_replayed}
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
@@ -381,6 +416,14 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
             return                  # an added constant: no gradient reaches the outputs
         linear.add(node)
         t = node.target
+        if t in _IN_PLACE_PRODUCTS:
+            # ``loss *= k`` (HF Trainer scales its loss so): the product of its operand, sound
+            # only while nothing else aliases the operand (a view taken before would see the
+            # scaled value in the backward but the unscaled one here)
+            if len(node.args[0].users) != 1:
+                refuse(node, "scales in place a value that another op also reads; write the "
+                             "product out of place (`loss = loss * k`)")
+            t = _IN_PLACE_PRODUCTS[t]
         if an.is_batched(node):
             refuse(node, "reaches the loss without a sum or mean over the batch")
         if t in _SUMS or t in _MEANS:

@@ -39,6 +39,7 @@ import linecache
 import os
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -221,6 +222,11 @@ def _record(func, args, kwargs, result):
         poisoned.poison = poison or trace.poison
         trace = poisoned
         index, descr = 0, None
+    elif func in _IN_PLACE and isinstance(args[0], TrackedTensor) and _read_before(args[0]):
+        raise PrivacyError(
+            f"an in-place op ({_where()}) changes a value computed from dpfx's outputs that an "
+            f"earlier op already read (or a view of it aliases): dpfx's check could not tell "
+            f"the value each op saw. Write it out of place (`loss = loss * k`).")
     else:
         # a tracked tensor of another trace (a batch's, in a forward's call) is an external
         # whose own calls _program follows
@@ -236,6 +242,13 @@ def _record(func, args, kwargs, result):
     for i, r in enumerate(out_leaves):
         if isinstance(r, torch.Tensor):
             if id(r) in arg_ids:
+                if not r.requires_grad:
+                    # a detached value accumulated for logging (Trainer's ``tr_loss +=
+                    # loss.detach()``): no gradient flows through it; a loss that later reads
+                    # the tensor is refused (_verify)
+                    _WRITTEN.add(r)
+                    wrapped.append(r)
+                    continue
                 raise PrivacyError(
                     f"an in-place op writes a value computed from dpfx's outputs into a tensor "
                     f"dpfx does not follow ({_where()}): the loss could use it unchecked. Write "
@@ -247,6 +260,25 @@ def _record(func, args, kwargs, result):
             r._dpfx = (trace, index, i)
         wrapped.append(r)
     return wrapped[0] if out_spec is None else pytree.tree_unflatten(wrapped, out_spec)
+
+
+_IN_PLACE = {torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.mul_,
+             torch.Tensor.div_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
+             torch.Tensor.add_, torch.Tensor.sub_}
+
+
+def _read_before(t: TrackedTensor) -> bool:
+    """Whether a recorded call already read the value ``t`` holds (an in-place op on it would
+    then make the replay, which reads one value per record, disagree with what ran)."""
+    trace, index, leaf = t._dpfx
+    return any(d[0] == "t" and d[1] == index and d[2] == leaf
+               for func, _, descr, _ in trace.records[index + 1:] if func is not None
+               for d in descr)
+
+
+# Tensors dpfx does not follow into which a detached value computed from its outputs was written
+# in place: a loss may not read them.
+_WRITTEN: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 
 
 # -- the check at backward --------------------------------------------------------------------------
@@ -352,6 +384,12 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
     program, key, inputs = _program(trace, index, leaf, full=False)
+    if _WRITTEN and any(isinstance(v, torch.Tensor) and v in _WRITTEN for v in inputs):
+        raise PrivacyError(
+            f"the loss ({_line(_program(trace, index, leaf)[0]['lines'][-1])}) reads a tensor "
+            f"into which a value computed from dpfx's outputs was written in place (`buf += "
+            f"out.detach()`): it may carry other examples' outputs into this loss unchecked. "
+            f"Compute the loss from the outputs and the batch's own tensors.")
     verdict = _lookup(key, program["candidates"])
     if verdict is None:
         program = _program(trace, index, leaf)[0]

@@ -75,6 +75,7 @@ optimizer (``opt.original_optimizer.register_step_pre_hook``), which runs in bet
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -143,6 +144,9 @@ def _before_release(module_ref, backend_ref, state):
             optimizer = module._dpfx_optimizer() if module._dpfx_optimizer else None
             if optimizer is not None:
                 optimizer._open_release()
+            elif not module.releases and "transformers" in sys.modules:
+                from .hf import warn_if_plain_trainer
+                warn_if_plain_trainer(module)
             module.releases += 1
         state["released"] = True
         backend = backend_ref()

@@ -1,0 +1,281 @@
+"""DP-SGD through Hugging Face's ``transformers.Trainer``: ``DPTrainer``.
+
+    trainer = dpfx.hf.DPTrainer(
+        model=model, args=TrainingArguments(output_dir="out", per_device_train_batch_size=32,
+                                            gradient_accumulation_steps=8, num_train_epochs=3),
+        train_dataset=train, eval_dataset=test, data_collator=collator,
+        target_epsilon=8.0, target_delta=1e-5, max_grad_norm=1.0)
+    trainer.train()          # logs epsilon with the loss; checkpoints carry the accountant
+
+What changes against a plain Trainer, and nothing else (evaluation, logging, callbacks, LR
+schedules, saving stay Trainer's):
+
+- the model is ``dpfx.compile``'d (noise="optimizer") with the trainer's per-example clipping
+  bound ``max_grad_norm`` and a noise multiplier given or calibrated from ``target_epsilon``
+  over the run's optimizer steps (``privacy.noise_multiplier``);
+- the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
+  column filtering kept): each example joins a logical batch with probability q = (per-device
+  batch size * gradient_accumulation_steps) / N, so batch sizes vary, and may be 0;
+- Note [Gradient accumulation is a virtual batch]: a logical batch runs as physical batches of
+  at most ``per_device_train_batch_size`` examples, whose clipped sums accumulate; the noise is
+  added once per optimizer step, and the accountant counts that step once
+  (``DPOptimizer.signal_skip_step``, as ``dpfx.VirtualBatches``). Trainer itself therefore
+  runs with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip
+  that makes the step private is per example, inside dpfx's graph);
+- the optimizer Trainer builds is wrapped in ``dpfx.DPOptimizer`` holding the accountant, so
+  Trainer's checkpoints (its ``optimizer.pt``) carry the ledger and resuming keeps counting;
+  each checkpoint also gets ``dp_accountant.json``, readable without torch;
+- ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
+- the model's own ``labels=`` loss is taken per example (hf_labels.py), with every scalar
+  applied after the batch reduction removed (Note [The per-example term] in loss_check.py).
+
+A plain ``Trainer`` given a ``dpfx.compile``'d model trains too (one release per optimizer
+step), but samples shuffled fixed-size batches and accounts nothing: dpfx says so once
+(``UnaccountedTrainingWarning``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import warnings
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from . import privacy
+from .api import DPModule, compile as dp_compile
+from .data import expected_batch_size, poisson_loader
+from .errors import PrivacyError
+from .loss_track import TrackedTensor, track_batch, untrack
+from .optim import DPOptimizer, split_batch
+
+ACCOUNTANT_FILE = "dp_accountant.json"
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` that trains with DP-SGD (see the module's docstring).
+
+    ``max_grad_norm``: the per-example clipping bound C (TrainingArguments' own max_grad_norm,
+    a clip of the summed gradient, is turned off). Give exactly one of ``noise_multiplier`` or
+    ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
+    at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
+    tests and replayable runs; by default each run samples afresh). ``dp_kwargs`` go to
+    ``dpfx.compile`` (backend, strategy, seed, self_check)."""
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *,
+                 max_grad_norm: float = 1.0, noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, target_delta: float | None = None,
+                 accountant: str = "pld", secure_mode: bool = False,
+                 sampler_generator: torch.Generator | None = None,
+                 dp_kwargs: dict | None = None, **kwargs):
+        if model is None:
+            raise ValueError("DPTrainer needs the model (model_init is not supported: the "
+                             "compiled model and the accountant are made once)")
+        if isinstance(model, DPModule):
+            raise ValueError("DPTrainer compiles the model itself: pass the model, not the "
+                             "dpfx.compile'd module")
+        train = kwargs.get("train_dataset")
+        if train is None or not hasattr(train, "__len__") or len(train) == 0:
+            raise ValueError("DPTrainer needs a non-empty map-style train_dataset: Poisson "
+                             "sampling draws each example independently")
+        args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        if args.world_size > 1:
+            raise ValueError("DPTrainer runs in one process; for several ranks use "
+                             "dpfx.make_private, which samples and noises across ranks")
+        n = len(train)
+        physical = args.per_device_train_batch_size
+        logical = physical * args.gradient_accumulation_steps
+        if logical > n:
+            raise ValueError(f"the expected logical batch ({physical} x "
+                             f"{args.gradient_accumulation_steps} accumulation steps = "
+                             f"{logical}) exceeds the {n} training examples")
+        self.sample_rate = privacy._check_sample_rate(logical / n)
+        self.steps_per_epoch = max(1, round(1 / self.sample_rate))
+        self.physical_batch_size = physical
+        self.delta = privacy._check_delta(target_delta if target_delta is not None
+                                          else 1 / (10 * n))
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        if target_epsilon is not None:
+            noise_multiplier = privacy.noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=self.delta,
+                sample_rate=self.sample_rate, steps=self.planned_steps(args),
+                accountant=accountant)
+        self.noise_multiplier = privacy._check_noise_multiplier(noise_multiplier)
+        if secure_mode and sampler_generator is not None:
+            raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
+                             "would make them replayable")
+        self.secure_mode = secure_mode
+        self.sampler_generator = sampler_generator
+        self.accountant = privacy.Accountant(accountant)
+        dp_model = dp_compile(model, max_grad_norm=max_grad_norm,
+                              noise_multiplier=self.noise_multiplier,
+                              expected_batch_size=expected_batch_size(n, self.sample_rate),
+                              noise="optimizer", **(dp_kwargs or {}))
+        # Note [Gradient accumulation is a virtual batch]
+        args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0)
+        super().__init__(model=dp_model, args=args, **kwargs)
+        self.dp_optimizer: DPOptimizer | None = None
+        self.add_callback(_CheckpointAccountant(self))
+
+    def planned_steps(self, args: TrainingArguments | None = None) -> int:
+        """The optimizer steps the run will take (Trainer's own count)."""
+        args = args or self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        return math.ceil(args.num_train_epochs * self.steps_per_epoch)
+
+    def get_epsilon(self) -> float:
+        """Epsilon at ``delta`` of the optimizer steps taken so far."""
+        return self.accountant.get_epsilon(self.delta)
+
+    # -- the parts of Trainer that change -----------------------------------------------------
+    def get_train_dataloader(self):
+        """Poisson batches over the training set, with Trainer's collator and column filtering
+        (not passed through accelerate, whose rebuilt loader would sample fixed-size batches)."""
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        return poisson_loader(dataset, self.sample_rate, steps=self.steps_per_epoch,
+                              secure_mode=self.secure_mode, collate_fn=collator,
+                              generator=self.sampler_generator,
+                              num_workers=self.args.dataloader_num_workers)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if not isinstance(optimizer, DPOptimizer):
+            self.dp_optimizer = DPOptimizer(optimizer, self.model, accountant=self.accountant,
+                                            sample_rate=self.sample_rate,
+                                            secure_mode=self.secure_mode)
+            self.optimizer = self.dp_optimizer
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One logical batch: its physical batches' backwards accumulate clipped sums; Trainer's
+        optimizer step after this call noises them once (Note [Gradient accumulation is a
+        virtual batch]). Trainer's ``num_items_in_batch`` (the batch's token count) is not
+        passed on: dpfx removes that normalizer from every example's term anyway."""
+        tracked = any(isinstance(t, TrackedTensor) for t in torch.utils._pytree.tree_leaves(inputs))
+        chunks = split_batch(untrack(inputs) if tracked else inputs, self.physical_batch_size)
+        total, examples = None, 0
+        for i, chunk in enumerate(chunks):
+            if i:
+                # the previous physical batch's step, skipped: the logical step stays open
+                self.dp_optimizer.signal_skip_step(True)
+                self.dp_optimizer.step()
+            size = _batch_size(chunk)
+            loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
+            loss = loss.as_subclass(torch.Tensor) if isinstance(loss, TrackedTensor) else loss
+            if size:
+                total = loss * size if total is None else total + loss * size
+                examples += size
+        if total is None:
+            return torch.zeros((), device=self.args.device)
+        return total / examples
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs:
+            logs["epsilon"] = self.get_epsilon()
+            # Trainer's norm of the summed gradient before its own clip, which DPTrainer turns
+            # off: not computed (0) and not what a DP run clips
+            logs.pop("grad_norm", None)
+        super().log(logs, *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _users_model(self):
+        """Trainer's saving and loading see the user's model (``save_pretrained``-loadable,
+        its tied weights re-tied on load), not dpfx's wrapper around it."""
+        wrapper = self.model
+        self.model = wrapper._orig_mod
+        try:
+            yield
+        finally:
+            self.model = wrapper
+
+    def _save(self, output_dir=None, state_dict=None):
+        with self._users_model():
+            super()._save(output_dir, state_dict=None)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with self._users_model():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ACCOUNTANT_FILE)
+        if not os.path.isfile(path):
+            raise PrivacyError(f"{checkpoint} has no {ACCOUNTANT_FILE}: it was not written by "
+                               f"DPTrainer, and epsilon could not keep counting from it")
+        with open(path) as f:
+            saved = json.load(f)["accountant"]
+        if sum(phase[2] for phase in saved["history"]) > self.accountant.steps:
+            # optimizer.pt counts fewer steps than were released: never count fewer
+            self.accountant.load_state_dict(saved)
+
+
+class _CheckpointAccountant(TrainerCallback):
+    """Writes the accountant next to each checkpoint Trainer saves."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        trainer = self.trainer
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            record = {"accountant": trainer.accountant.state_dict(),
+                      "noise_multiplier": trainer.noise_multiplier,
+                      "sample_rate": trainer.sample_rate, "delta": trainer.delta,
+                      "epsilon": trainer.get_epsilon(), "steps": trainer.accountant.steps}
+            tmp = os.path.join(folder, ACCOUNTANT_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(folder, ACCOUNTANT_FILE))
+        return control
+
+
+def _batch_size(batch) -> int:
+    for t in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.dim():
+            return t.shape[0]
+    return 0
+
+
+class UnaccountedTrainingWarning(UserWarning):
+    """A dpfx model trains in a plain transformers.Trainer: nothing counts epsilon."""
+
+
+def warn_if_plain_trainer(module) -> None:
+    """Called once per model at its first release: a plain Trainer among the callers samples
+    shuffled fixed-size batches (not Poisson) and keeps no accountant."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and not isinstance(owner, DPTrainer):
+            warnings.warn(
+                "a dpfx model is training in a plain transformers.Trainer: each optimizer step "
+                "is a private release, but the batches are shuffled fixed-size ones (not Poisson "
+                "sampling) and nothing counts epsilon. Use dpfx.hf.DPTrainer for Poisson "
+                "batches, the accountant and epsilon in the logs.",
+                UnaccountedTrainingWarning, stacklevel=2)
+            return
+        frame = frame.f_back
