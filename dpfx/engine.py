@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import privacy
+from . import checkpoint_file, privacy
 from .api import DPModule, compile as dp_compile
 from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from .optim import DPOptimizer, VirtualBatches, _rank, _world
@@ -66,13 +66,16 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  secure_mode: bool = False, loss_reduction: str = "mean",
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
-                 process_group=None, **loader_kwargs) -> PrivateTraining:
+                 process_group=None, ledger=None, **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
     ``data``: a map-style dataset, or a DataLoader whose dataset, batch size and loading options
     (workers, pinning, collate_fn) are reused; its own batching is replaced by Poisson sampling.
     Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
     ``epochs``), and one of ``batch_size`` (expected) or ``sample_rate``.
+    ``ledger``: a file path for the write-ahead privacy ledger (``dpfx/ledger.py``): each step is
+    on disk before its update, and a run made again with the same path counts every step the
+    file holds, so a crash after the last checkpoint loses no epsilon.
     """
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
@@ -124,7 +127,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           track_norms=track_norms)
     acc = privacy.Accountant(accountant)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
-                               secure_mode=secure_mode, process_group=process_group)
+                               secure_mode=secure_mode, process_group=process_group,
+                               ledger=ledger)
     loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
                             rank=_rank(process_group) if world > 1 else 0, world_size=world,
                             secure_mode=secure_mode, **loader_kwargs)
@@ -160,24 +164,27 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
 def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
                     loader=None, **extra) -> None:
     """Save model parameters, optimizer state, the accountant's ledger and the seeded generators
-    together, so that epsilon keeps counting after a restart (``load_checkpoint``)."""
+    together, so that epsilon keeps counting after a restart (``load_checkpoint``). The file is
+    replaced atomically: a save that fails or is killed leaves the previous checkpoint as it
+    was (Note [Checkpoint files] in checkpoint_file.py). ``extra``: tensors, numbers, strings,
+    None, and lists, tuples and str-keyed dicts of them."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError("save_checkpoint needs the DPOptimizer, whose state holds the accountant")
+    checkpoint_file.check_extra(extra)
     base = model._orig_mod if isinstance(model, DPModule) else model
     generators = {name: g.get_state() for name, g in _generators(model, loader).items()}
-    torch.save({"format": "dpfx-checkpoint-1", "model": base.state_dict(),
-                "optimizer": optimizer.state_dict(), "generators": generators,
-                "extra": extra}, path)
+    checkpoint_file.write(path, {"model": base.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "generators": generators, "extra": extra})
 
 
 def load_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
                     optimizer=None, loader=None) -> dict:
-    """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``."""
+    """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``. A
+    damaged, truncated or foreign file is a ValueError that says which; with a privacy ledger
+    the accountant counts the larger of the checkpoint's and the ledger's steps."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
-    state = torch.load(path, weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != "dpfx-checkpoint-1":
-        raise ValueError(f"{path} is not a dpfx checkpoint")
+    state = checkpoint_file.read(path)
     base = model._orig_mod if isinstance(model, DPModule) else model
     base.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -21,6 +21,9 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
   the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
   step] in release.py).
+* with ``ledger=`` (a path or a ``dpfx.ledger.PrivacyLedger``): before either of the above
+  touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
+  counts it (Note [Write-ahead privacy ledger] in ledger.py).
 
 # Note [Virtual batches]
 A logical batch too big for memory runs as several physical batches. ``signal_skip_step()``
@@ -49,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PrivacyError
+from .ledger import PrivacyLedger, reconcile
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
 from .release import second_backward_error
@@ -62,7 +66,7 @@ _FIXED_SETTINGS = {"noise_multiplier", "max_grad_norm", "expected_batch_size", "
 class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, dp_model, *,
                  accountant: Accountant | None = None, sample_rate: float | None = None,
-                 secure_mode: bool = False, process_group=None):
+                 secure_mode: bool = False, process_group=None, ledger=None):
         from .api import DPModule
 
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -79,6 +83,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if accountant is not None and not isinstance(accountant, Accountant):
             raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
                             f"{type(accountant).__name__}")
+        if ledger is not None and accountant is None:
+            raise ValueError("ledger: the privacy ledger records the accountant's steps; give "
+                             "an accountant too")
         config = dp_model.dp_config
         if secure_mode and config.noise != "optimizer":
             raise ValueError("secure_mode draws the noise outside the graph: compile the model "
@@ -114,6 +121,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.secure_mode = secure_mode
         self.process_group = process_group
         self.steps = 0
+        # Note [Write-ahead privacy ledger] in ledger.py. Rank 0 keeps it: every rank takes the
+        # same steps, and rank 0 adds the noise.
+        self.privacy_ledger = None
+        if ledger is not None and (self.world <= 1 or _rank(process_group) == 0):
+            self.privacy_ledger = ledger if isinstance(ledger, PrivacyLedger) \
+                else PrivacyLedger(ledger)
+            reconcile(self.privacy_ledger, accountant, self._max_grad_norm())
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._released = False      # a backward ran since the last step() (Note [One release
@@ -182,6 +196,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._open:
             return          # inside a logical batch: keep the clipped sums accumulating
         if self._released and self.dp_model.dp_config.noise == "graph":
+            self._write_ahead()
             self._account()     # a noisy release discarded unstepped still happened
         self._released = False
         self.original_optimizer.zero_grad(set_to_none)
@@ -199,6 +214,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return loss
         # Note [Only dpfx's gradients reach a private step] in release.py
         self.dp_model._ledger.check(self._named)
+        self._write_ahead()     # Note [Write-ahead privacy ledger] in ledger.py
         if self.dp_model.dp_config.noise == "optimizer":
             self._write_private_grads()
         self._released = False
@@ -207,6 +223,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self._account()
         return loss
+
+    def _write_ahead(self) -> None:
+        if self.privacy_ledger is not None:
+            self.privacy_ledger.append(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
+                                       sample_rate=self.sample_rate,
+                                       max_grad_norm=self._max_grad_norm())
+
+    def _max_grad_norm(self):
+        bound = self.dp_model.dp_config.max_grad_norm
+        return dict(bound) if isinstance(bound, tuple) else bound
 
     def _account(self) -> None:
         if self.accountant is not None:
@@ -278,6 +304,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
+        if self.privacy_ledger is not None:     # steps released after the checkpoint count
+            reconcile(self.privacy_ledger, self.accountant, self._max_grad_norm())
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
