@@ -10,7 +10,7 @@ from .api import DPModule, compile
 from .config import FixedSeedWarning
 from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                      save_checkpoint)
-from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
+from .errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
 from .loss_track import LossScaleWarning, track_batch
 from .modules import replace_batchnorm
@@ -20,7 +20,7 @@ from .validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
-    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
+    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "privacy", "stats",
     "FixedSeedWarning", "LossScaleWarning", "track_batch",

@@ -62,6 +62,7 @@ class PrivacyLedger:
             os.fsync(self._fd)
         if os.fstat(self._fd).st_size == 0:
             durable.append_durably(self._fd, _line({"format": FORMAT}), self.path)
+        self._end = os.fstat(self._fd).st_size
 
     @property
     def steps(self) -> int:
@@ -78,6 +79,11 @@ class PrivacyLedger:
         sigma, q = float(noise_multiplier), float(sample_rate)
         records = b"".join(_record({"step": self._steps + i + 1, "sigma": sigma, "q": q,
                                     "C": max_grad_norm}) for i in range(n))
+        if os.fstat(self._fd).st_size != self._end:
+            raise ValueError(f"the privacy ledger {self.path} was written by another writer "
+                             f"since this one read it (another run, or another DPOptimizer in "
+                             f"this process, given the same ledger): each run needs its own "
+                             f"ledger path, and a restarted run's optimizer replaces the old one")
         try:
             durable.append_durably(self._fd, records, self.path)
         except OSError as e:
@@ -87,6 +93,7 @@ class PrivacyLedger:
                                    f"again", self.path) from e
         _add(self._history, sigma, q, n)
         self._steps += n
+        self._end += len(records)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -40,6 +40,15 @@ nothing. Every rank then holds the same noisy sum and takes the same step. The a
 N(0, (sigma * S)^2 / W) on every rank, gives the same distribution only if every rank's
 generator is independent and honest; with one noising rank the guarantee does not depend on the
 other ranks' generators. As in every DP-SGD deployment, the ranks are trusted with the data.
+
+# Note [A dead peer]
+A rank that dies, or hangs, strands the others in the step's all-reduce. gloo notices a closed
+connection at once; a silent peer (and NCCL, without its async error handling) is noticed only
+when the process group's timeout expires, so ``init_process_group(timeout=)`` is the bound on
+the wait. The backend's error becomes a ``dpfx.PeerError`` that says which step failed, that
+this rank did not take it, and how to resume. Rank 0 recorded the step in its privacy ledger
+before the all-reduce (its noise was drawn), so the restarted run counts it
+(tests/test_faults.py).
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .errors import PrivacyError
+from .errors import PeerError, PrivacyError
 from .ledger import PrivacyLedger, reconcile
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
@@ -254,7 +263,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.world > 1:
             count = torch.tensor([float(examples)], device=device)
             both = torch.cat([flat, count])
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
+            try:
+                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
+            except RuntimeError as e:
+                raise _peer_error(self.steps, self.process_group, e) from e
             flat, examples = both[:-1], int(both[-1].item())
         flat /= self._denominator(examples)
         offset = 0
@@ -309,6 +321,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
+
+
+def _peer_error(steps: int, group, cause: Exception) -> PeerError:
+    """Note [A dead peer]."""
+    return PeerError(
+        f"rank {_rank(group)}: the all-reduce of step {steps + 1} failed: a peer rank died, or "
+        f"did not reach the step within the process group's timeout (init_process_group("
+        f"timeout=) bounds the wait). This rank took no step: its parameters are those of step "
+        f"{steps}. Restart every rank from the last checkpoint with the same ledger= "
+        f"(torchrun --max-restarts restarts them all). The backend said: {str(cause)[:300]}")
 
 
 def _check_same_model(model: torch.nn.Module, group) -> None:

@@ -360,11 +360,18 @@ def test_resume_counts_the_larger_of_checkpoint_and_ledger(tmp_path):
     dpfx.load_checkpoint(tmp_path / "model.ckpt", resumed)
     assert resumed.accountant.steps == 5 and resumed.optimizer.steps == 2
     assert resumed.accountant.get_epsilon(1e-5) == private.accountant.get_epsilon(1e-5)
+    next(_steps(resumed, 1))
+    resumed.optimizer.step()
+    with pytest.raises(ValueError, match="written by another writer"):
+        private.optimizer.privacy_ledger.append(noise_multiplier=SIGMA, sample_rate=Q,
+                                                max_grad_norm=C)
+    assert PrivacyLedger(tmp_path / "privacy.ledger").steps == resumed.accountant.steps == 6
     # A ledger given only now (the checkpoint has none) is caught up with the checkpoint.
     os.remove(tmp_path / "privacy.ledger")
     late = _make(tmp_path)
     dpfx.load_checkpoint(tmp_path / "model.ckpt", late)
-    assert late.accountant.steps == 2 == PrivacyLedger(tmp_path / "privacy.ledger").steps
+    assert late.accountant.steps == 2 == late.optimizer.privacy_ledger.steps
+    assert PrivacyLedger(tmp_path / "privacy.ledger").steps == 2
     # Another run's ledger is refused.
     other = PrivacyLedger(tmp_path / "other.ledger")
     other.append(noise_multiplier=3.0, sample_rate=Q, max_grad_norm=C)
@@ -405,3 +412,75 @@ def test_the_inductor_path_writes_the_ledger(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all((r["sigma"], r["q"], r["C"]) == (SIGMA, Q, C) for r in records)
     assert private.accountant.steps == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# A dead or silent peer under torch.distributed (2 gloo ranks on CPU).
+
+def _peer_child(rank, port, workdir, scenario, conn):
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=3))
+    private = _make(workdir)
+    assert private.model.dp_config.noise == "optimizer"
+    steps = _steps(private, 2)
+    next(steps)
+    private.optimizer.step()
+    if rank == 1:
+        if scenario == "dead":
+            os._exit(3)
+        time.sleep(60)                              # alive, silent: a hung peer
+        os._exit(0)
+    next(steps)
+    start = time.monotonic()
+    try:
+        private.optimizer.step()
+        conn.send(("stepped",))
+    except dpfx.PeerError as e:
+        conn.send(("error", str(e), time.monotonic() - start, private.accountant.steps,
+                   private.optimizer.privacy_ledger.steps))
+    os._exit(0)
+
+
+def _peer_fault(tmp_path, scenario):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = _context()
+    reader, writer = ctx.Pipe(duplex=False)
+    ranks = [ctx.Process(target=_peer_child, args=(r, port, str(tmp_path), scenario, writer))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    writer.close()
+    try:
+        assert reader.poll(90), f"rank 0 reported nothing about its {scenario} peer in 90 s"
+        message = reader.recv()
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join(10)
+    assert message[0] == "error", message
+    _, text, waited, counted, recorded = message
+    assert "rank 0: the all-reduce of step 2 failed" in text and "took no step" in text, text
+    assert "--max-restarts" in text and "ledger=" in text
+    # One release (step 1); step 2 is recorded but was not taken: at most one more is counted.
+    assert (counted, recorded) == (1, 2)
+    assert PrivacyLedger(tmp_path / "privacy.ledger").steps == 2
+    return waited
+
+
+def test_a_dead_peer_is_a_clear_error_at_once(tmp_path):
+    assert _peer_fault(tmp_path, "dead") < 2         # not the 3 s timeout: at once
+
+
+@pytest.mark.slow
+def test_a_silent_peer_is_a_clear_error_within_the_timeout(tmp_path):
+    assert 2 < _peer_fault(tmp_path, "silent") < 30
