@@ -159,7 +159,9 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
 # restart, the very noise it added before it: noise an observer of both phases can subtract.
 # Unseeded noise comes from the OS's CSPRNG and secure_mode's from os.urandom: those runs
 # cannot be replayed, by design, and continue with fresh noise (so does a sampler without a
-# generator).
+# generator). The privacy ledger (``make_private(ledger=)``) is not in the checkpoint: it is its
+# own file, written ahead of every step, and may hold steps the checkpoint does not (Note
+# [Write-ahead privacy ledger] in ledger.py).
 
 def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
                     loader=None, **extra) -> None:
