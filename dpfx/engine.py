@@ -187,6 +187,8 @@ def load_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
     the accountant counts the larger of the checkpoint's and the ledger's steps."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
     state = checkpoint_file.read(path)
+    if isinstance(optimizer, DPOptimizer):
+        optimizer._check_loadable(state["optimizer"])       # another run's: refused, nothing lost
     base = model._orig_mod if isinstance(model, DPModule) else model
     base.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -182,12 +182,8 @@ def reconcile(ledger: PrivacyLedger, accountant: Accountant, max_grad_norm) -> N
     ledger]). The ledger lags only when it is newer than the run (given after a checkpoint
     was made without one): it is then caught up with the checkpoint's steps.
     """
+    check_same_run(ledger, accountant)
     mine, theirs = accountant.history, ledger.history
-    if not _is_prefix(mine, theirs) and not _is_prefix(theirs, mine):
-        raise ValueError(
-            f"the privacy ledger {ledger.path} and the accountant record different runs (ledger "
-            f"phases (sigma, q, steps): {theirs[:3]}..., accountant: {mine[:3]}...): give "
-            f"make_private(ledger=) this run's ledger, or a new path for a new run")
     if ledger.steps > accountant.steps:
         accountant.load_state_dict({"version": Accountant.STATE_VERSION,
                                     "accountant": accountant.accountant,
@@ -196,6 +192,16 @@ def reconcile(ledger: PrivacyLedger, accountant: Accountant, max_grad_norm) -> N
         for sigma, q, n in _difference(theirs, mine):
             ledger.append(noise_multiplier=sigma, sample_rate=q, max_grad_norm=max_grad_norm,
                           n=n)
+
+
+def check_same_run(ledger: PrivacyLedger, accountant: Accountant) -> None:
+    """The one of the two that counts fewer steps records the first steps of the other."""
+    mine, theirs = accountant.history, ledger.history
+    if not _is_prefix(mine, theirs) and not _is_prefix(theirs, mine):
+        raise ValueError(
+            f"the privacy ledger {ledger.path} and the accountant record different runs (ledger "
+            f"phases (sigma, q, steps): {theirs[:3]}..., accountant: {mine[:3]}...): give "
+            f"make_private(ledger=) this run's ledger, or a new path for a new run")
 
 
 def _is_prefix(short: list, long: list) -> bool:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerError, PrivacyError
-from .ledger import PrivacyLedger, reconcile
+from .ledger import PrivacyLedger, check_same_run, reconcile
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
 from .release import second_backward_error
@@ -308,11 +308,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 self.dp_model.dp_config.seed is None else self._generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or "optimizer" not in state:
-            raise ValueError("state must come from DPOptimizer.state_dict()")
-        if (state.get("accountant") is None) != (self.accountant is None):
-            raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
-                             "accountant; epsilon would not keep counting")
+        self._check_loadable(state)
         self.original_optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
@@ -321,6 +317,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
+
+    def _check_loadable(self, state: dict) -> None:
+        """Refuse a state, before anything is loaded, that would stop epsilon counting on."""
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise ValueError("state must come from DPOptimizer.state_dict()")
+        if (state.get("accountant") is None) != (self.accountant is None):
+            raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
+                             "accountant; epsilon would not keep counting")
+        if self.privacy_ledger is not None:
+            saved = Accountant()
+            saved.load_state_dict(state["accountant"])
+            check_same_run(self.privacy_ledger, saved)
 
 
 def _peer_error(steps: int, group, cause: Exception) -> PeerError:

@@ -484,3 +484,21 @@ def test_a_dead_peer_is_a_clear_error_at_once(tmp_path):
 @pytest.mark.slow
 def test_a_silent_peer_is_a_clear_error_within_the_timeout(tmp_path):
     assert 2 < _peer_fault(tmp_path, "silent") < 30
+
+
+def test_another_runs_checkpoint_is_refused_before_anything_is_loaded(tmp_path):
+    (tmp_path / "other").mkdir()
+    other = _make(tmp_path / "other", ledger=False)
+    with torch.no_grad():
+        for p in other.model._orig_mod.parameters():
+            p.add_(1.0)
+    other.accountant.step(noise_multiplier=5.0, sample_rate=Q)      # another sigma: another run
+    dpfx.save_checkpoint(tmp_path / "other.ckpt", other)
+    private = _make(tmp_path)
+    for _ in _steps(private, 2):
+        private.optimizer.step()
+    before = (_params(private), private.accountant.history, private.optimizer.steps)
+    with pytest.raises(ValueError, match="record different runs"):
+        dpfx.load_checkpoint(tmp_path / "other.ckpt", private)
+    assert private.accountant.history == before[1] and private.optimizer.steps == before[2]
+    assert all(torch.equal(a, b) for a, b in zip(_params(private), before[0]))
