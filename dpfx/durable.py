@@ -13,8 +13,11 @@ atomic only within one file system), flushes and fsyncs it, renames it over the 
 fsyncs the directory so that the rename itself is on disk. A process killed, or a write that
 fails (a full disk: ENOSPC, a file size limit: EFBIG), at any point before the rename leaves the
 previous file untouched; one killed after it leaves the new file, complete. On a failure that
-Python sees the temporary file is removed; a process killed mid-write leaves its
-``.<name>.*.tmp`` behind, which nothing reads (tests/test_faults.py).
+Python sees the temporary file is removed. A process killed mid-write leaves its temporary file
+behind, named ``.<name>.<host>.<pid>.<random>.tmp``: nothing reads it, and the next write of
+the same target from the same host removes it once that pid is gone (a checkpoint-sized file
+per kill would otherwise fill the disk over many restarts; another host's, or a live process's,
+may be a save in progress and is left alone). tests/test_faults.py kills saves.
 
 # Note [Durable appends]
 ``append_durably`` writes the whole record and fsyncs before it returns. A short write (the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import tempfile
 
 
@@ -42,8 +46,9 @@ def write_atomically(path: str, data: bytes | memoryview) -> None:
     """Replace ``path`` by ``data``, all or nothing (Note [Atomic replacement])."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
+    prefix = f".{os.path.basename(path)}.{socket.gethostname()}."
+    _remove_orphans(directory, prefix)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -57,6 +62,29 @@ def write_atomically(path: str, data: bytes | memoryview) -> None:
             pass
         raise
     fsync_directory(directory)
+
+
+def _remove_orphans(directory: str, prefix: str) -> None:
+    """Remove this host's temporary files of killed writes (Note [Atomic replacement])."""
+    for name in os.listdir(directory):
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                     # someone else's process
+        return True
+    return True
 
 
 def open_for_append(path: str) -> int:

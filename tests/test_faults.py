@@ -103,7 +103,7 @@ def _kill_at_random(workdir, kills: int, seed: int, steps=9, save_every=2):
         mode = rng.choice(["time", "step", "saving"])
         j = rng.randrange(steps // save_every if mode == "saving" else steps)
         target = (j + 1) * save_every - 1 if mode == "saving" else j     # a step's index
-        kill_at, done, killed, finished = None, 0, False, None
+        kill_at, done, killed, finished, last = None, 0, False, None, None
         while True:
             timeout = 60 if kill_at is None else max(0.0, kill_at - time.monotonic())
             if not killed and kill_at is not None and time.monotonic() >= kill_at:
@@ -118,7 +118,7 @@ def _kill_at_random(workdir, kills: int, seed: int, steps=9, save_every=2):
                 message = reader.recv()
             except EOFError:
                 break
-            kind = message[0]
+            kind = last = message[0]
             if kind == "resumed":
                 if counted is not None:
                     assert counted <= message[1] <= counted + 1, (
@@ -147,7 +147,7 @@ def _kill_at_random(workdir, kills: int, seed: int, steps=9, save_every=2):
             f"is above (a checkpoint that does not load?)")
         if child.exitcode == -signal.SIGKILL:       # else it finished before the kill came
             seen_kills += 1
-            where.append((mode, j))
+            where.append((mode, j, last))     # last: what the process was doing when killed
 
 
 def _check_run_dir(workdir, counted_at_least):
@@ -155,6 +155,8 @@ def _check_run_dir(workdir, counted_at_least):
     assert ledger.steps >= counted_at_least
     ledger.close()
     checkpoint_file.read(os.path.join(workdir, "model.ckpt"))
+    # The last process's saves removed the temporary files of the saves that were killed.
+    assert sorted(os.listdir(workdir)) == ["model.ckpt", "privacy.ledger"]
 
 
 def test_kills_at_random_points_lose_no_step(tmp_path):
@@ -166,7 +168,9 @@ def test_kills_at_random_points_lose_no_step(tmp_path):
 @pytest.mark.slow
 def test_fifty_kills_at_random_points_lose_no_step(tmp_path):
     where = _kill_at_random(tmp_path, kills=50, seed=1)
-    assert {mode for mode, _ in where} == {"time", "step", "saving"}
+    assert {mode for mode, _, _ in where} == {"time", "step", "saving"}
+    # Killed inside a step (after "step", before "done") and inside a save, not only between.
+    assert {"step", "saving"} <= {last for _, _, last in where}, where
     _check_run_dir(tmp_path, counted_at_least=9)
 
 
@@ -262,6 +266,24 @@ def test_a_failing_save_keeps_the_previous_checkpoint(saved, monkeypatch):
     assert path.read_bytes() == good
     assert sorted(os.listdir(path.parent)) == ["model.ckpt"]
     assert dpfx.load_checkpoint(path, _make(path.parent, ledger=False)) == {"epoch": 1}
+
+
+def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(saved):
+    import socket
+    import subprocess
+
+    private, path = saved
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    orphan = path.parent / f".model.ckpt.{host}.{dead.pid}.abc.tmp"
+    live = path.parent / f".model.ckpt.{host}.{os.getpid()}.def.tmp"       # a save in progress
+    elsewhere = path.parent / f".model.ckpt.otherhost.{dead.pid}.ghi.tmp"  # maybe, on that host
+    for f in (orphan, live, elsewhere):
+        f.write_bytes(b"half a checkpoint")
+    dpfx.save_checkpoint(path, private, epoch=2)
+    assert not orphan.exists() and live.exists() and elsewhere.exists()
+    assert dpfx.load_checkpoint(path, private) == {"epoch": 2}
 
 
 def test_damaged_truncated_and_foreign_checkpoints_are_named(saved, tmp_path):
