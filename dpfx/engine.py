@@ -18,7 +18,8 @@ calibrates sigma for that budget first. Everything is derived from one place:
   may be 0 (one compiled graph serves them all);
 * ``dpfx.compile(model, expected_batch_size=D, ...)``;
 * ``DPOptimizer`` records (sigma, q) in the accountant at every optimizer step, so epsilon
-  counts exactly the steps taken.
+  counts exactly the steps taken; with ``ledger=path`` it first appends the step to a
+  write-ahead privacy ledger, so that a crash loses no step (``ledger.py``).
 
 Noise goes into the backward graph (fastest) unless the run needs it at the optimizer: virtual
 batches (``max_physical_batch_size``), ``secure_mode``, or torch.distributed with more than one

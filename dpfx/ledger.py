@@ -24,7 +24,8 @@ came from them),
 
 (+1: killed between the record's fsync and its update). The checkpoint's accountant lags
 behind whenever the kill came after the last save; on resume the accountant takes the larger
-of the two counts (``reconcile``), so epsilon counts every release and at most one step more.
+of the two counts (``reconcile``), so epsilon counts every release, and at most one step more
+per crash.
 A step whose inner update raises stays recorded: its noise was drawn. The cost is one small
 write and one fsync per step (tests/test_faults.py kills training processes at random points
 and checks both bounds).
