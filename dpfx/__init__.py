@@ -5,12 +5,12 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()          # every trainable p.grad holds the DP-SGD gradient
 """
-from . import audit, data, privacy, stats
+from . import audit, data, ledger, privacy, stats
 from .api import DPModule, compile
 from .config import FixedSeedWarning
 from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                      save_checkpoint)
-from .errors import CaptureError, DPFXError, PrivacyError, UnsupportedOpError
+from .errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
 from .loss_track import LossScaleWarning, track_batch
 from .modules import replace_batchnorm
@@ -20,9 +20,9 @@ from .validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
-    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "DPOptimizer",
+    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
-    "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "privacy", "stats",
-    "FixedSeedWarning", "LossScaleWarning", "track_batch",
+    "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
+    "stats", "FixedSeedWarning", "LossScaleWarning", "track_batch",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,8 @@ calibrates sigma for that budget first. Everything is derived from one place:
   may be 0 (one compiled graph serves them all);
 * ``dpfx.compile(model, expected_batch_size=D, ...)``;
 * ``DPOptimizer`` records (sigma, q) in the accountant at every optimizer step, so epsilon
-  counts exactly the steps taken.
+  counts exactly the steps taken; with ``ledger=path`` it first appends the step to a
+  write-ahead privacy ledger, so that a crash loses no step (``ledger.py``).
 
 Noise goes into the backward graph (fastest) unless the run needs it at the optimizer: virtual
 batches (``max_physical_batch_size``), ``secure_mode``, or torch.distributed with more than one
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import privacy
+from . import checkpoint_file, privacy
 from .api import DPModule, compile as dp_compile
 from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from .optim import DPOptimizer, VirtualBatches, _rank, _world
@@ -66,13 +67,16 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  secure_mode: bool = False, loss_reduction: str = "mean",
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
-                 process_group=None, **loader_kwargs) -> PrivateTraining:
+                 process_group=None, ledger=None, **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
     ``data``: a map-style dataset, or a DataLoader whose dataset, batch size and loading options
     (workers, pinning, collate_fn) are reused; its own batching is replaced by Poisson sampling.
     Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
     ``epochs``), and one of ``batch_size`` (expected) or ``sample_rate``.
+    ``ledger``: a file path for the write-ahead privacy ledger (``dpfx/ledger.py``): each step is
+    on disk before its update, and a run made again with the same path counts every step the
+    file holds, so a crash after the last checkpoint loses no epsilon.
     """
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
@@ -124,7 +128,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           track_norms=track_norms)
     acc = privacy.Accountant(accountant)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
-                               secure_mode=secure_mode, process_group=process_group)
+                               secure_mode=secure_mode, process_group=process_group,
+                               ledger=ledger)
     loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
                             rank=_rank(process_group) if world > 1 else 0, world_size=world,
                             secure_mode=secure_mode, **loader_kwargs)
@@ -155,29 +160,36 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
 # restart, the very noise it added before it: noise an observer of both phases can subtract.
 # Unseeded noise comes from the OS's CSPRNG and secure_mode's from os.urandom: those runs
 # cannot be replayed, by design, and continue with fresh noise (so does a sampler without a
-# generator).
+# generator). The privacy ledger (``make_private(ledger=)``) is not in the checkpoint: it is its
+# own file, written ahead of every step, and may hold steps the checkpoint does not (Note
+# [Write-ahead privacy ledger] in ledger.py).
 
 def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
                     loader=None, **extra) -> None:
     """Save model parameters, optimizer state, the accountant's ledger and the seeded generators
-    together, so that epsilon keeps counting after a restart (``load_checkpoint``)."""
+    together, so that epsilon keeps counting after a restart (``load_checkpoint``). The file is
+    replaced atomically: a save that fails or is killed leaves the previous checkpoint as it
+    was (Note [Checkpoint files] in checkpoint_file.py). ``extra``: tensors, numbers, strings,
+    None, and lists, tuples and str-keyed dicts of them."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError("save_checkpoint needs the DPOptimizer, whose state holds the accountant")
+    checkpoint_file.check_extra(extra)
     base = model._orig_mod if isinstance(model, DPModule) else model
     generators = {name: g.get_state() for name, g in _generators(model, loader).items()}
-    torch.save({"format": "dpfx-checkpoint-1", "model": base.state_dict(),
-                "optimizer": optimizer.state_dict(), "generators": generators,
-                "extra": extra}, path)
+    checkpoint_file.write(path, {"model": base.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "generators": generators, "extra": extra})
 
 
 def load_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
                     optimizer=None, loader=None) -> dict:
-    """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``."""
+    """Restore what ``save_checkpoint`` wrote into a freshly made run; returns ``extra``. A
+    damaged, truncated or foreign file is a ValueError that says which; with a privacy ledger
+    the accountant counts the larger of the checkpoint's and the ledger's steps."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
-    state = torch.load(path, weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != "dpfx-checkpoint-1":
-        raise ValueError(f"{path} is not a dpfx checkpoint")
+    state = checkpoint_file.read(path)
+    if isinstance(optimizer, DPOptimizer):
+        optimizer._check_loadable(state["optimizer"])       # another run's: refused, nothing lost
     base = model._orig_mod if isinstance(model, DPModule) else model
     base.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -23,3 +23,8 @@ class UnsupportedOpError(DPFXError):
 
 class CaptureError(DPFXError):
     """The model could not be captured as one graph (a graph break, an unsupported input)."""
+
+
+class PeerError(DPFXError, RuntimeError):
+    """A collective of the private step failed: a peer rank died, or stayed silent past the
+    process group's timeout. The rank that raises took no step."""

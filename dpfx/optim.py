@@ -21,6 +21,9 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
   the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
   step] in release.py).
+* with ``ledger=`` (a path or a ``dpfx.ledger.PrivacyLedger``): before either of the above
+  touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
+  counts it (Note [Write-ahead privacy ledger] in ledger.py).
 
 # Note [Virtual batches]
 A logical batch too big for memory runs as several physical batches. ``signal_skip_step()``
@@ -37,6 +40,15 @@ nothing. Every rank then holds the same noisy sum and takes the same step. The a
 N(0, (sigma * S)^2 / W) on every rank, gives the same distribution only if every rank's
 generator is independent and honest; with one noising rank the guarantee does not depend on the
 other ranks' generators. As in every DP-SGD deployment, the ranks are trusted with the data.
+
+# Note [A dead peer]
+A rank that dies, or hangs, strands the others in the step's all-reduce. gloo notices a closed
+connection at once; a silent peer (and NCCL, without its async error handling) is noticed only
+when the process group's timeout expires, so ``init_process_group(timeout=)`` is the bound on
+the wait. The backend's error becomes a ``dpfx.PeerError`` that says which step failed, that
+this rank did not take it, and how to resume. Rank 0 recorded the step in its privacy ledger
+before the all-reduce (its noise was drawn), so the restarted run counts it
+(tests/test_faults.py).
 """
 from __future__ import annotations
 
@@ -48,7 +60,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .errors import PrivacyError
+from .errors import PeerError, PrivacyError
+from .ledger import PrivacyLedger, check_same_run, reconcile
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
 from .release import second_backward_error
@@ -62,7 +75,7 @@ _FIXED_SETTINGS = {"noise_multiplier", "max_grad_norm", "expected_batch_size", "
 class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, dp_model, *,
                  accountant: Accountant | None = None, sample_rate: float | None = None,
-                 secure_mode: bool = False, process_group=None):
+                 secure_mode: bool = False, process_group=None, ledger=None):
         from .api import DPModule
 
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -79,6 +92,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if accountant is not None and not isinstance(accountant, Accountant):
             raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
                             f"{type(accountant).__name__}")
+        if ledger is not None and accountant is None:
+            raise ValueError("ledger: the privacy ledger records the accountant's steps; give "
+                             "an accountant too")
         config = dp_model.dp_config
         if secure_mode and config.noise != "optimizer":
             raise ValueError("secure_mode draws the noise outside the graph: compile the model "
@@ -114,6 +130,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.secure_mode = secure_mode
         self.process_group = process_group
         self.steps = 0
+        # Note [Write-ahead privacy ledger] in ledger.py. Rank 0 keeps it: every rank takes the
+        # same steps, and rank 0 adds the noise.
+        self.privacy_ledger = None
+        if ledger is not None and (self.world <= 1 or _rank(process_group) == 0):
+            self.privacy_ledger = ledger if isinstance(ledger, PrivacyLedger) \
+                else PrivacyLedger(ledger)
+            reconcile(self.privacy_ledger, accountant, self._max_grad_norm())
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._released = False      # a backward ran since the last step() (Note [One release
@@ -182,6 +205,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._open:
             return          # inside a logical batch: keep the clipped sums accumulating
         if self._released and self.dp_model.dp_config.noise == "graph":
+            self._write_ahead()
             self._account()     # a noisy release discarded unstepped still happened
         self._released = False
         self.original_optimizer.zero_grad(set_to_none)
@@ -199,6 +223,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return loss
         # Note [Only dpfx's gradients reach a private step] in release.py
         self.dp_model._ledger.check(self._named)
+        self._write_ahead()     # Note [Write-ahead privacy ledger] in ledger.py
         if self.dp_model.dp_config.noise == "optimizer":
             self._write_private_grads()
         self._released = False
@@ -207,6 +232,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self._account()
         return loss
+
+    def _write_ahead(self) -> None:
+        if self.privacy_ledger is not None:
+            self.privacy_ledger.append(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
+                                       sample_rate=self.sample_rate,
+                                       max_grad_norm=self._max_grad_norm())
+
+    def _max_grad_norm(self):
+        bound = self.dp_model.dp_config.max_grad_norm
+        return dict(bound) if isinstance(bound, tuple) else bound
 
     def _account(self) -> None:
         if self.accountant is not None:
@@ -228,7 +263,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.world > 1:
             count = torch.tensor([float(examples)], device=device)
             both = torch.cat([flat, count])
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
+            try:
+                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
+            except RuntimeError as e:
+                raise _peer_error(self.steps, self.process_group, e) from e
             flat, examples = both[:-1], int(both[-1].item())
         flat /= self._denominator(examples)
         offset = 0
@@ -270,17 +308,37 @@ class DPOptimizer(torch.optim.Optimizer):
                 self.dp_model.dp_config.seed is None else self._generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        self._check_loadable(state)
+        self.original_optimizer.load_state_dict(state["optimizer"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        if self.privacy_ledger is not None:     # steps released after the checkpoint count
+            reconcile(self.privacy_ledger, self.accountant, self._max_grad_norm())
+        self.steps = int(state.get("steps", 0))
+        if state.get("generator") is not None and self._generator is not None:
+            self._generator.set_state(state["generator"])
+
+    def _check_loadable(self, state: dict) -> None:
+        """Refuse a state, before anything is loaded, that would stop epsilon counting on."""
         if not isinstance(state, dict) or "optimizer" not in state:
             raise ValueError("state must come from DPOptimizer.state_dict()")
         if (state.get("accountant") is None) != (self.accountant is None):
             raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
                              "accountant; epsilon would not keep counting")
-        self.original_optimizer.load_state_dict(state["optimizer"])
-        if self.accountant is not None:
-            self.accountant.load_state_dict(state["accountant"])
-        self.steps = int(state.get("steps", 0))
-        if state.get("generator") is not None and self._generator is not None:
-            self._generator.set_state(state["generator"])
+        if self.privacy_ledger is not None:
+            saved = Accountant()
+            saved.load_state_dict(state["accountant"])
+            check_same_run(self.privacy_ledger, saved)
+
+
+def _peer_error(steps: int, group, cause: Exception) -> PeerError:
+    """Note [A dead peer]."""
+    return PeerError(
+        f"rank {_rank(group)}: the all-reduce of step {steps + 1} failed: a peer rank died, or "
+        f"did not reach the step within the process group's timeout (init_process_group("
+        f"timeout=) bounds the wait). This rank took no step: its parameters are those of step "
+        f"{steps}. Restart every rank from the last checkpoint with the same ledger= "
+        f"(torchrun --max-restarts restarts them all). The backend said: {str(cause)[:300]}")
 
 
 def _check_same_model(model: torch.nn.Module, group) -> None:
