@@ -1,4 +1,5 @@
-# The two commands of the README: `make example` (DP training on the digits) and `make test`.
+# The commands of the README: `make example` (DP training on the digits), `make lora-example`
+# (DP LoRA fine-tuning through Hugging Face's Trainer) and `make test`.
 # Both work from a fresh clone with nothing but python3 (3.10+): the first run makes a virtual
 # environment in .venv and installs into it torch pinned to the CPU wheel (an open range could
 # pull a multi-GB CUDA build), then dpfx in editable mode with its test, example and Hugging Face
@@ -9,7 +10,7 @@ PYTHON := $(VENV)/bin/python
 # pytest worker processes for `make test` (pytest-xdist; each test file stays in one worker)
 JOBS ?= 2
 
-.PHONY: install example test test-all bench
+.PHONY: install example lora-example test test-all bench
 
 install: $(VENV)/.stamp-install
 
@@ -23,6 +24,9 @@ $(VENV)/.stamp-install: pyproject.toml Makefile
 
 example: install
 	$(PYTHON) examples/train_digits.py
+
+lora-example: install
+	$(PYTHON) examples/dp_lora_trainer.py
 
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=15

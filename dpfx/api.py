@@ -115,7 +115,7 @@ class DPModule(torch.nn.Module):
 
     # Note [The steady-state call]
     # Every training step pays for this method, and on a small model its Python is as long as
-    # the compiled forward (0.5 ms against 0.4 ms on the 2-core machine for the MLP, session 6).
+    # the compiled forward (0.5 ms against 0.4 ms on the 2-core machine for the MLP).
     # What does not change between steps is read once: the parameters, their ids for the loss
     # check, the normalization layers the mixing check looks at, which batch size routes to
     # which compiled entry, whether every trainable parameter has its gradient guard. Those

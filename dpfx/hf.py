@@ -23,8 +23,10 @@ schedules, saving stay Trainer's):
   runs with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip
   that makes the step private is per example, inside dpfx's graph);
 - the optimizer Trainer builds is wrapped in ``dpfx.DPOptimizer`` holding the accountant, so
-  Trainer's checkpoints (its ``optimizer.pt``) carry the ledger and resuming keeps counting;
-  each checkpoint also gets ``dp_accountant.json``, readable without torch;
+  Trainer's checkpoints (its ``optimizer.pt``) carry the accountant and resuming keeps
+  counting; each checkpoint also gets ``dp_accountant.json``, readable without torch; with
+  checkpoints on, every step is first written to the privacy ledger ``output_dir/
+  privacy.ledger`` (ledger.py), and a resumed run counts the larger of the two;
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
 - the model's own ``labels=`` loss is taken per example (hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss_check.py).
@@ -53,6 +55,7 @@ from .loss_track import TrackedTensor, track_batch, untrack
 from .optim import DPOptimizer, split_batch
 
 ACCOUNTANT_FILE = "dp_accountant.json"
+LEDGER_FILE = "privacy.ledger"
 
 
 class DPTrainer(Trainer):
@@ -62,7 +65,10 @@ class DPTrainer(Trainer):
     a clip of the summed gradient, is turned off). Give exactly one of ``noise_multiplier`` or
     ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
     at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
-    tests and replayable runs; by default each run samples afresh). ``dp_kwargs`` go to
+    tests and replayable runs; by default each run samples afresh). ``ledger``: the privacy
+    ledger's path (Note [Write-ahead privacy ledger] in ledger.py); by default
+    ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
+    two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
     ``dpfx.compile`` (backend, strategy, seed, self_check)."""
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *,
@@ -70,7 +76,7 @@ class DPTrainer(Trainer):
                  target_epsilon: float | None = None, target_delta: float | None = None,
                  accountant: str = "pld", secure_mode: bool = False,
                  sampler_generator: torch.Generator | None = None,
-                 dp_kwargs: dict | None = None, **kwargs):
+                 ledger: str | bool | None = True, dp_kwargs: dict | None = None, **kwargs):
         if model is None:
             raise ValueError("DPTrainer needs the model (model_init is not supported: the "
                              "compiled model and the accountant are made once)")
@@ -111,12 +117,22 @@ class DPTrainer(Trainer):
         self.secure_mode = secure_mode
         self.sampler_generator = sampler_generator
         self.accountant = privacy.Accountant(accountant)
+        checkpointing = _checkpointing_fields(args)
+        if any(getattr(args, f) for f in checkpointing):
+            # enabled on the user's model before compiling (dynamo captures the checkpointed
+            # forward; the wrapper has no such method), and turned off for Trainer
+            _enable_checkpointing(model, args)
         dp_model = dp_compile(model, max_grad_norm=max_grad_norm,
                               noise_multiplier=self.noise_multiplier,
                               expected_batch_size=expected_batch_size(n, self.sample_rate),
                               noise="optimizer", **(dp_kwargs or {}))
+        if ledger is True:
+            ledger = os.path.join(args.output_dir, LEDGER_FILE) \
+                if args.save_strategy != "no" else None
+        self.ledger = ledger or None
         # Note [Gradient accumulation is a virtual batch]
-        args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0)
+        args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0,
+                                   **{f: False for f in checkpointing})
         super().__init__(model=dp_model, args=args, **kwargs)
         self.dp_optimizer: DPOptimizer | None = None
         self.add_callback(_CheckpointAccountant(self))
@@ -154,9 +170,11 @@ class DPTrainer(Trainer):
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         if not isinstance(optimizer, DPOptimizer):
+            if self.ledger is not None:
+                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
             self.dp_optimizer = DPOptimizer(optimizer, self.model, accountant=self.accountant,
                                             sample_rate=self.sample_rate,
-                                            secure_mode=self.secure_mode)
+                                            secure_mode=self.secure_mode, ledger=self.ledger)
             self.optimizer = self.dp_optimizer
         return self.optimizer
 
@@ -249,6 +267,24 @@ class _CheckpointAccountant(TrainerCallback):
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(folder, ACCOUNTANT_FILE))
         return control
+
+
+def _checkpointing_fields(args) -> list[str]:
+    """TrainingArguments' switches of activation (gradient) checkpointing, by version."""
+    names = {f.name for f in dataclasses.fields(args)}
+    return [f for f in ("activation_checkpointing", "gradient_checkpointing") if f in names]
+
+
+def _enable_checkpointing(model, args) -> None:
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={k: v for k, v in kwargs.items()
+                                             if k not in ("every_n_layers", "offload")} or None,
+            every_n_layers=kwargs.get("every_n_layers", 1), offload=kwargs.get("offload", False))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
 
 def _batch_size(batch) -> int:

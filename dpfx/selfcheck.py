@@ -64,6 +64,7 @@ class Half:
     outputs: list[str | None]             # output node names (saved tensors keep them)
     output_vals: list[Any]                # their meta values
     random: bool                          # has random ops besides dpfx's noise
+    low_precision: bool = False           # computes in 16-bit floats somewhere (autocast)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, compiled: Callable) -> "Half":
@@ -73,7 +74,15 @@ class Half:
                    [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
                    [o.name if isinstance(o, fx.Node) else None for o in out],
                    [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out],
-                   _has_random_ops(gm))
+                   _has_random_ops(gm), _computes_in_16_bits(gm))
+
+
+def _computes_in_16_bits(gm: fx.GraphModule) -> bool:
+    """Whether a value of the graph is a 16-bit float: its float32 outputs (norms, clipped sums
+    under bfloat16 autocast) then carry 16-bit rounding, which Inductor's fused kernels and the
+    eager graph accumulate differently."""
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_floating_point()
+               and v.element_size() <= 2 for n in gm.graph.nodes)
 
 
 def _has_random_ops(gm: fx.GraphModule) -> bool:
@@ -136,7 +145,8 @@ class GraphCheck:
         got = _call(self.forward.compiled, fw_args, self.device)
         want = _call(self.forward.reference, fw_args, self.device, boxed=False)
         if not self.forward.random:
-            _compare("forward", b, self.forward.outputs, got, want)
+            _compare("forward", b, self.forward.outputs, got, want,
+                     self.forward.low_precision)
         if b > 1:
             self._check_independence(b, fw_args, got, sizes, generator)
         if self.backward is not None and self.compare_backward and not self.forward.random:
@@ -150,7 +160,8 @@ class GraphCheck:
             mine = _saved_by_backward_name(self.forward, want)
             ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
             want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
-            _compare("backward", b, self.backward.outputs, got_bw, want_bw)
+            _compare("backward", b, self.backward.outputs, got_bw, want_bw,
+                     self.backward.low_precision)
 
     def _synthetic(self, name, meta, real, sizes, generator):
         if isinstance(meta, torch.SymInt):
@@ -237,11 +248,12 @@ class _isolated_rng:
             torch.get_device_module(self.device.type).set_rng_state(self.device_state)
 
 
-def _compare(which: str, b: int, names: list, got: list, want: list) -> None:
+def _compare(which: str, b: int, names: list, got: list, want: list,
+             low_precision: bool = False) -> None:
     scale = _graph_scale(want)
     for name, x, y in zip(names, got, want):
         if isinstance(y, torch.Tensor) and y.is_floating_point():
-            tol = 2e-2 if y.element_size() <= 2 else 1e-3
+            tol = 2e-2 if y.element_size() <= 2 or low_precision else 1e-3
             if not _close(x, y, tol, scale):
                 raise PrivacyError(
                     f"dpfx's self-check: the compiled {which} graph disagrees with dpfx's "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import dpfx
 import dpfx.hf
 
-T = 64               # characters a training example
+T = 64               # characters a training example: the unit of privacy
 
 
 def texts():
@@ -34,11 +34,13 @@ def texts():
     return ([p.read_text() for p in docs[0::2]], [p.read_text() for p in docs[1::2]])
 
 
-def windows(docs, stoi):
+def windows(docs, stoi, stride=T):
+    """Non-overlapping windows: the privacy unit is one window of T characters (overlapping
+    windows would put a character in two examples, and double what one secret can move)."""
     rows = []
     for doc in docs:
         ids = torch.tensor([stoi.get(c, 0) for c in doc])
-        for start in range(0, len(ids) - T, T):
+        for start in range(0, len(ids) - T, stride):
             chunk = ids[start:start + T]
             rows.append({"input_ids": chunk, "labels": chunk.clone()})
     return rows
@@ -74,7 +76,7 @@ def main():
     start = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.stack([r["input_ids"] for r in pub])
-    for step in range(150):                                  # public pre-training, not private
+    for step in range(400):                                  # public pre-training, not private
         batch = ids[torch.randint(0, len(ids), (32,))]
         logits = model(input_ids=batch).logits
         F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),

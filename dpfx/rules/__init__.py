@@ -74,7 +74,13 @@ def gram(emit, x: Rows, y: Rows) -> fx.Node:
         return emit(aten.gather.default, dense, 1, index)
     if y.index is not None:
         return emit(aten.permute.default, gram(emit, y, x), [0, 2, 1])
-    return emit(aten.bmm.default, x.dense, emit(aten.permute.default, y.dense, [0, 2, 1]))
+    a, b = x.dense, y.dense
+    if a.meta["val"].dtype != b.meta["val"].dtype:
+        # a tied weight used under autocast (bfloat16 rows of its Linear use against float32
+        # rows of its Embedding use): the inner products in float32
+        a, b = (emit(torch.ops.prims.convert_element_type.default, t, torch.float32)
+                for t in (a, b))
+    return emit(aten.bmm.default, a, emit(aten.permute.default, b, [0, 2, 1]))
 
 
 # Note [Non-finite examples contribute zero]
