@@ -1,6 +1,6 @@
 # The commands of the README: `make example` (DP training on the digits), `make lora-example`
 # (DP LoRA fine-tuning through Hugging Face's Trainer) and `make test`.
-# Both work from a fresh clone with nothing but python3 (3.10+): the first run makes a virtual
+# All work from a fresh clone with nothing but python3 (3.10+): the first run makes a virtual
 # environment in .venv and installs into it torch pinned to the CPU wheel (an open range could
 # pull a multi-GB CUDA build), then dpfx in editable mode with its test, example and Hugging Face
 # extras. `make PY=python3.12` picks the interpreter; `make VENV=/path` another environment.

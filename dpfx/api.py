@@ -41,6 +41,7 @@ from .backend import DPBackend
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .hf_labels import hf_labels_loss
+from . import loss_track
 from .loss_track import TrackedTensor, check_inputs, track, untrack
 from .modules import check_modules, norm_layers
 from .release import (GradientLedger, after_accumulate, check_gradient, check_loop_inputs,
@@ -146,6 +147,8 @@ class DPModule(torch.nn.Module):
                 check_inputs(tensors)
             args, kwargs = untrack((args, kwargs))
             tensors = _tensor_leaves(args, kwargs)
+        elif loss_track._WRITTEN and torch.is_grad_enabled():
+            check_inputs(tensors)
         batch = _check_batch(tensors)
         if batch == 0:
             # An empty slice such as x[:, :-1].contiguous() keeps its parent's strides (an empty

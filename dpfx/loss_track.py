@@ -28,8 +28,10 @@ autograd.Function's output, ``.data``, a NumPy round trip) releases nothing.
 
 Not seen: computations on the labels outside the loss's calls on tracked tensors (a tensor computed
 from the batch's labels alone is taken as per-example data, a Python number inside an example's
-term as a constant), and numbers taken out of tracked tensors (``.item()``, ``.tolist()``) and
-fed back.
+term as a constant), numbers taken out of tracked tensors (``.item()``, ``.tolist()``) and fed
+back, and tensors computed from a tensor into which a detached value was written in place
+(``buf += out.detach()``: a loss or a model input that reads ``buf`` itself is refused, ``buf * 2``
+is a plain tensor).
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class Trace:
         self.stop_nodes: list = []        # autograd nodes of the tracked outputs
         self.outputs: dict[int, tuple] = {}   # record -> (value, autograd edge) of an output
         self.poison: str | None = None
+        self.released = False     # a loss of this forward's outputs was checked and released
 
     def external(self, t: torch.Tensor) -> int:
         i = self._external_ids.get(id(t))
@@ -246,7 +249,7 @@ def _record(func, args, kwargs, result):
                     # a detached value accumulated for logging (Trainer's ``tr_loss +=
                     # loss.detach()``): no gradient flows through it; a loss that later reads
                     # the tensor is refused (_verify)
-                    _WRITTEN.add(r)
+                    _WRITTEN[id(r)] = r
                     wrapped.append(r)
                     continue
                 raise PrivacyError(
@@ -278,7 +281,12 @@ def _read_before(t: TrackedTensor) -> bool:
 
 # Tensors dpfx does not follow into which a detached value computed from its outputs was written
 # in place: a loss may not read them.
-_WRITTEN: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+# Keyed by id: a tensor's ``==`` is elementwise, so a WeakSet's membership test cannot be used.
+_WRITTEN: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _was_written(t) -> bool:
+    return isinstance(t, torch.Tensor) and _WRITTEN.get(id(t)) is t
 
 
 # -- the check at backward --------------------------------------------------------------------------
@@ -379,12 +387,13 @@ def _verify(loss: TrackedTensor) -> float | tuple:
     if trace.poison:
         raise PrivacyError(trace.poison)
     _check_autograd(loss, trace)
+    trace.released = True
     if trace.batch == 0:
         # No example, nothing to couple or to scale: the release is the noise alone (the graph's
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
     program, key, inputs = _program(trace, index, leaf, full=False)
-    if _WRITTEN and any(isinstance(v, torch.Tensor) and v in _WRITTEN for v in inputs):
+    if _WRITTEN and any(_was_written(v) for v in inputs):
         raise PrivacyError(
             f"the loss ({_line(_program(trace, index, leaf)[0]['lines'][-1])}) reads a tensor "
             f"into which a value computed from dpfx's outputs was written in place (`buf += "
@@ -645,12 +654,24 @@ def check_inputs(tree: Any) -> None:
     """Each tracked batch tensor handed to the model that user code computed (not the loader's
     own tensor) keeps examples apart (``loss_check.analyze_rows``): an input standardized by the
     batch's mean, for one, would carry every example into every other's gradient, past the
-    graph's proof."""
+    graph's proof. The same holds for an input computed from the outputs of a forward whose
+    loss has not been released yet (features of the same batch, ``dp(out.detach())``); one
+    computed from the outputs of a released forward (an earlier step's batch), or one into which
+    such a value was written in place, is refused: those outputs were never made private, and
+    they would carry another batch's examples into this step's gradients past clipping and
+    noise."""
     for t in pytree.tree_leaves(tree):
-        if not _followed(t) or t._dpfx[0].records[t._dpfx[1]][0] is None:
+        if not isinstance(t, TrackedTensor):
+            if _WRITTEN and _was_written(t):
+                raise PrivacyError(_EARLIER_OUTPUTS.format(where=_where()))
             continue
         trace, index, leaf = t._dpfx
-        trace.batch = t.shape[0] if t.dim() else 0
+        if not trace.data and (trace.released or trace.batch != (t.shape[0] if t.dim() else 0)):
+            raise PrivacyError(_EARLIER_OUTPUTS.format(where=_where()))
+        if trace.records[index][0] is None:
+            continue
+        if trace.data:
+            trace.batch = t.shape[0] if t.dim() else 0
         if not trace.batch:
             continue
         program, key, _ = _program(trace, index, leaf)
@@ -668,6 +689,14 @@ def check_inputs(tree: Any) -> None:
                 f"batch (standardized by the batch's mean or std, mixed with other examples) "
                 f"lets one example move every other example's gradient. Compute each example's "
                 f"input from that example alone (statistics from the training set are fine).")
+
+
+_EARLIER_OUTPUTS = (
+    "a model input is computed from the outputs of an earlier step's forward, or from a tensor "
+    "into which such a value was written in place ({where}): those outputs were never made "
+    "private (only the clipped, noised gradient is), and they would let the examples of one "
+    "batch move the gradients of another past clipping and noise. Compute the model's inputs "
+    "from the batch's own data.")
 
 
 def _rows_verdict(program: dict, batch: int):

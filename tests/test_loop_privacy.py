@@ -490,3 +490,32 @@ def test_capture_settings_under_a_compile_stance():
         _sum_xent(dp(x), y).backward()
     want = dp_sgd_grads(model, _sum_xent, x, y, max_grad_norm=C, loss_reduction="sum")
     assert_close({n: p.grad for n, p in model.named_parameters()}, want, rtol=1e-4, atol=1e-6)
+
+
+def test_outputs_fed_back_as_inputs():
+    """An input computed from an earlier step's outputs (never made private) is refused, and so
+    is one into which such a value was written in place; features of this step's own batch that
+    keep rows apart are inputs like any other, and a batch statistic of them is refused."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    first = torch.nn.Linear(4, 4)
+    second = torch.nn.Linear(4, 4)
+    dp = dpfx.compile(first, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    dp2 = dpfx.compile(second, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    x, y = torch.randn(5, 4), torch.randn(5, 4)
+    out = dp(x)
+    F.mse_loss(out, y).backward()
+    with pytest.raises(dpfx.PrivacyError, match="outputs of an earlier step's forward"):
+        dp(x + out.detach().mean(0))
+    buf = torch.zeros(5, 4)
+    out = dp(x)
+    buf += out.detach().mean(0)
+    F.mse_loss(out, y).backward()
+    with pytest.raises(dpfx.PrivacyError, match="written in place"):
+        dp(buf)
+    features = dp(x)
+    first.zero_grad(set_to_none=True)
+    F.mse_loss(dp2(features.detach() * 2), y).backward()
+    assert second.weight.grad is not None and first.weight.grad is None
+    with pytest.raises(dpfx.PrivacyError, match="couples examples"):
+        dp2(features.detach() - features.detach().mean(0))
