@@ -133,10 +133,12 @@ class DPOptimizer(torch.optim.Optimizer):
         # Note [Write-ahead privacy ledger] in ledger.py. Rank 0 keeps it: every rank takes the
         # same steps, and rank 0 adds the noise.
         self.privacy_ledger = None
+        self._ledger_given = ledger is not None
         if ledger is not None and (self.world <= 1 or _rank(process_group) == 0):
             self.privacy_ledger = ledger if isinstance(ledger, PrivacyLedger) \
                 else PrivacyLedger(ledger)
             reconcile(self.privacy_ledger, accountant, self._max_grad_norm())
+        self._share_count()
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._released = False      # a backward ran since the last step() (Note [One release
@@ -314,9 +316,23 @@ class DPOptimizer(torch.optim.Optimizer):
             self.accountant.load_state_dict(state["accountant"])
         if self.privacy_ledger is not None:     # steps released after the checkpoint count
             reconcile(self.privacy_ledger, self.accountant, self._max_grad_norm())
+        self._share_count()
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
+
+    def _share_count(self) -> None:
+        """Under torch.distributed, every rank's accountant takes rank 0's, which the privacy
+        ledger brought level: a rank that resumed from an older checkpoint than the ledger
+        would otherwise count fewer steps than were released (Note [Write-ahead privacy ledger]
+        in ledger.py). Each rank must pass ``ledger=`` alike (rank 0 keeps the file)."""
+        if self.world <= 1 or not self._ledger_given or self.accountant is None:
+            return
+        state = [self.accountant.state_dict()]
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None \
+            else 0
+        dist.broadcast_object_list(state, src=src, group=self.process_group)
+        self.accountant.load_state_dict(state[0])
 
     def _check_loadable(self, state: dict) -> None:
         """Refuse a state, before anything is loaded, that would stop epsilon counting on."""
