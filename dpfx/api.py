@@ -4,40 +4,24 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()        # every trainable p.grad is the DP-SGD gradient
 
-# Note [Why the batch dim is marked unbacked]
-Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
-compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
-symbol that nothing specializes on, so one forward and one backward graph serve every batch size
-including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
-
-Every input is marked with the same ``shape_id``, so all of them share one symbol: ``(x, mask)``
-is one batch of size u0, not two independent sizes u0 and u1 whose equality torch cannot decide
-(``Eq(u1, u0)`` while tracing SDPA with a mask). dynamo adds a run-time check that the sizes agree.
-
-The marks are attributes on the tensor (``_dynamo_unbacked_indices`` and friends), which dynamo's
-guards read at call time. dpfx sets them just before the call and puts the tensor's attributes back
-afterwards, so a caller's tensor leaves a dpfx call as it came (a later plain ``torch.compile``
-would otherwise see dpfx's marks: tests/test_inputs.py).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import inspect
-import itertools
-import logging
-import os
 import weakref
 from typing import Any
 
-import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import batch_branches
 from .backend import DPBackend
+from .capture import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
+                      default_stance, own_entry)
+from .capture_errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .hf_labels import hf_labels_loss
@@ -123,7 +107,7 @@ class DPModule(torch.nn.Module):
     # caches are read again after any capture (``_after_capture``: a module added after compile
     # makes dynamo capture again, where the graph's own verifier sees it first, and a trainable
     # parameter added or replaced is refused there, backend.py). What only a capture reads is
-    # set up only when dynamo captures (Note [Settings only a capture reads]); the swaps
+    # set up only when dynamo captures (Note [Settings only a capture reads] in capture.py); the swaps
     # dynamo's guards check are a plain class with direct assignments, not a generator context
     # manager or config.patch. Everything that can differ per call (inputs
     # requiring grad, frozen parameters, a normalization layer switched to training, the
@@ -177,28 +161,28 @@ class DPModule(torch.nn.Module):
         propagated = [t.__dict__.get(_PROPAGATED) for t in tensors]
         try:
             with swapped():
-                if _default_stance():
+                if default_stance():
                     out = entry.compiled(*args, **kwargs)
-                else:   # Note [Settings only a capture reads]: set up around the whole call
-                    with _DynamoSettings(), _BatchMarked(tensors), \
+                else:   # Note [Settings only a capture reads] in capture.py
+                    with DynamoSettings(), BatchMarked(tensors), \
                             batch_branches.deciding(batch, entry.decisions):
                         out = entry.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
             if isinstance(e.inner_exception, GuardOnDataDependentSymNode):
-                raise _symbolic_batch_error(e.inner_exception) from e
+                raise symbolic_batch_error(e.inner_exception) from e
             raise
         except GuardOnDataDependentSymNode as e:
-            raise _symbolic_batch_error(e) from e
+            raise symbolic_batch_error(e) from e
         except torch._dynamo.exc.UserError as e:
             if "data-dependent" in str(e):
-                raise _symbolic_batch_error(e) from e
+                raise symbolic_batch_error(e) from e
             raise
         except torch._dynamo.exc.Unsupported as e:
-            raise _graph_break_error(e) from e
+            raise graph_break_error(e) from e
         except torch._dynamo.exc.TorchRuntimeError as e:
-            refusal = _refusal_while_capturing(e)
+            refusal = refusal_while_capturing(e)
             if refusal is None:
                 raise
             raise refusal from None
@@ -253,7 +237,7 @@ class DPModule(torch.nn.Module):
                 f"graphs for ({_MAX_ENTRIES}); batch size {batch} needs another. Decisions so "
                 f"far:\n{decided}\nCompute those conditions from something other than the "
                 f"batch size.")
-        compiled, capture = _compile_entry(_own_entry(self._orig_mod), self._dpfx_backend)
+        compiled, capture = compile_entry(own_entry(self._orig_mod), self._dpfx_backend)
         entry = _Entry([], compiled, capture)
         entries.append(entry)
         return entry
@@ -295,7 +279,7 @@ _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config
 class _Entry:
     decisions: list          # batch_branches.Decision: the batch sizes this entry serves
     compiled: Any            # torch.compile of dpfx's own entry function
-    capture: "_CaptureSettings"   # dynamo's callback for it (Note [Settings only a capture reads])
+    capture: "CaptureSettings"   # dynamo's callback (capture.py)
 
 
 _MAX_ENTRIES = 8
@@ -307,223 +291,6 @@ def _remove_hooks(handles: dict) -> None:
         handle.remove()
 
 
-# Note [dpfx's own entry frame]
-# dynamo keeps its compiled code per Python code object and does not tell backends apart when it
-# looks a frame up. Compiled as ``torch.compile(model)``, the first frame dynamo traces is the
-# model class's ``forward``: if a plain torch.compile of another instance of that class ran first
-# (and broke its graph at a layer dpfx makes traceable, nn.LSTM), dynamo served dpfx's call from
-# that entry, ran part of the model in the plain graph (gradients never clipped) and handed dpfx
-# only the frame after the break. dpfx therefore compiles a function whose code object is its own:
-# a copy made for each DPModule, which no other compile has seen, that calls the model. dynamo
-# starts there and, with fullgraph=True, inlines everything below it into dpfx's one graph,
-# consulting no other cache entry
-# (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
-_ENTRIES = itertools.count()
-
-
-def _own_entry(model: torch.nn.Module):
-    def dpfx_forward(*args, **kwargs):
-        return model(*args, **kwargs)
-
-    dpfx_forward.__code__ = dpfx_forward.__code__.replace(
-        co_name=f"dpfx_forward_{next(_ENTRIES)}")
-    return dpfx_forward
-
-
-# Note [Logging inside the forward]
-# A logging.Logger call cannot be put in a graph, and dynamo breaks the graph on it, which dpfx must
-# refuse. Hugging Face models log from their forward (GPT-2 and BERT with gradient checkpointing
-# warn that use_cache is turned off), so while dpfx captures, dynamo skips the standard Logger
-# methods and transformers' ``warning_once`` / ``info_once``: the message is not printed during
-# the compiled run, and nothing else changes (a logging call returns None and computes nothing
-# the model uses). Plain torch.compile calls outside dpfx keep dynamo's default. The methods are
-# read from ``logging.Logger`` at every capture, not once per process: transformers adds its own
-# when it is imported, which may be after dpfx captured another model
-# (tests/test_inputs.py::test_logging_inside_the_forward_across_captures,
-# tests/test_hf.py::test_bert_gradient_checkpointing_after_an_earlier_capture).
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
-                   "warning_once", "info_once", "warning_advice")
-
-
-# Note [Settings only a capture reads]
-# Some of what a dpfx call sets up is read by dynamo only while it captures a frame: its
-# recompile limit (a capture past 64 fails instead of falling back to eager), the Logger methods
-# it skips (Note [Logging inside the forward]), nn.RNN capture (``allow_rnn``, for traceable.py's
-# LSTM), the unbacked batch mark on the inputs (``_BatchMarked``), and the batch-size decisions
-# (batch_branches.deciding). dynamo calls its callback only when a frame has no cached code whose
-# guards pass, that is exactly when it captures; a steady-state call runs the cached code from
-# C and never calls it. So dpfx wraps the callback of its own entry (``_CaptureSettings``) and
-# sets these up inside it, where they are in place for every capture and cost a steady-state
-# step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
-# training loop, where the kernels between two calls evict the interpreter's caches). The
-# wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
-# (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What dynamo checks in its guards on every call stays set up on every call:
-# traceable.py's swaps (the guards check the swapped functions' code).
-# A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
-# (eager_then_compile builds a fresh one from the innermost backend at its second call, which
-# the wrapper would not see); under any such stance the settings are set up around the whole
-# call, as they were for every call before (tests/test_loop_privacy.py::
-# test_capture_settings_only_while_dynamo_captures).
-def _default_stance() -> bool:
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    return stance is not None and stance.stance == "default" and stance.backend is None
-
-
-def _compile_entry(fn, backend) -> tuple[Any, "_CaptureSettings"]:
-    """``torch.compile(fn, backend=backend, fullgraph=True)``, with dynamo's callback wrapped
-    in the capture-time settings."""
-    context = torch._dynamo.optimize(
-        backend=torch._TorchCompileWrapper(backend, "default", None, None), nopython=True)
-    capture = _CaptureSettings(context.callback)
-    context.callback = capture
-    return context(fn), capture
-
-
-class _CaptureSettings:
-    """dynamo's callback for a dpfx entry, run with the settings only a capture reads."""
-
-    __slots__ = ("_callback", "_torchdynamo_orig_backend", "call")
-
-    def __init__(self, callback):
-        self._callback = callback
-        # One step down dynamo's chain, as the CatchErrorsWrapper it stands for: a stance's own
-        # callback reads the compiler two steps below the callback it is given.
-        self._torchdynamo_orig_backend = getattr(callback, "_torchdynamo_orig_backend", callback)
-        self.call = None    # (input tensors, batch size, decisions) of the call in progress
-
-    def __call__(self, *args, **kwargs):
-        if self.call is None:
-            # Not within DPModule.forward (nothing else calls the entry): dynamo with dpfx's
-            # settings still, so that no capture ever runs without them.
-            with _DynamoSettings():
-                return self._callback(*args, **kwargs)
-        tensors, batch, decisions = self.call
-        with _DynamoSettings(), _BatchMarked(tensors), \
-                batch_branches.deciding(batch, decisions):
-            return self._callback(*args, **kwargs)
-
-
-# dynamo's settings while it captures a dpfx entry (Note [Settings only a capture reads]).
-class _DynamoSettings:
-    __slots__ = ("_old",)
-
-    def __enter__(self):
-        config = torch._dynamo.config
-        self._old = (config.recompile_limit, config.fail_on_recompile_limit_hit,
-                     config.ignore_logging_functions, config.allow_rnn)
-        config.recompile_limit = 64
-        config.fail_on_recompile_limit_hit = True
-        config.ignore_logging_functions = _skipped_logging(self._old[2])
-        config.allow_rnn = True
-        return self
-
-    def __exit__(self, *exc):
-        config = torch._dynamo.config
-        (config.recompile_limit, config.fail_on_recompile_limit_hit,
-         config.ignore_logging_functions, config.allow_rnn) = self._old
-        return False
-
-
-def _skipped_logging(current: set) -> set:
-    """dynamo's skipped logging functions with the Logger methods ``logging.Logger`` has now
-    (Note [Logging inside the forward])."""
-    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
-               if hasattr(logging.Logger, name)}
-    return set(current) | methods
-
-
-def _graph_break_error(e: Exception) -> CaptureError:
-    """The graph break as the user needs it: what dynamo could not trace, why (for an exception
-    raised while tracing, the exception itself), and where in the user's code."""
-    lines = str(e).splitlines()
-
-    def field(name: str) -> str:
-        return next((line.split(":", 1)[1].strip() for line in lines
-                     if line.strip().startswith(name + ":")), "")
-
-    what = lines[0].strip() if lines else type(e).__name__
-    why = field("Developer debug context") if what == "Observed exception" else field("Explanation")
-    where = []
-    if "from user code:" in lines:
-        for line in lines[lines.index("from user code:") + 1:]:
-            if not line.strip():
-                break
-            if not set(line.strip()) <= {"^", "~"}:
-                where.append("    " + line.strip())
-    hint = ""
-    if what.startswith("Attempted to call function marked as skipped") and (
-            "pack_padded_sequence" in why or "pad_packed_sequence" in why):
-        hint = (" Call nn.utils.rnn.pack_padded_sequence / pad_packed_sequence through the module "
-                "(a name imported with `from torch.nn.utils.rnn import ...` is torch's own, which "
-                "dynamo cannot trace; dpfx swaps the module's attribute during capture).")
-    return CaptureError(
-        f"the model's forward could not be captured as one graph (a graph break): {what}"
-        + (f": {why.rstrip('.')}" if why else "") + "."
-        + ("\n  in the model's code:\n" + "\n".join(where) + "\n" if where else " ")
-        + "dpfx never runs part of a model outside its private graph; rewrite that construct."
-        + hint)
-
-
-# Note [Refusals raised while capturing]
-# A stand-in of traceable.py that finds an op mixing examples (torch.roll over the batch) raises a
-# PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
-# PrivacyError is in its exception chain). The PrivacyError is raised again, with the model's
-# lines that led to it.
-# (tests/test_loop_privacy.py::test_batch_mixing_norms_and_roll)
-def _refusal_while_capturing(e: Exception) -> DPFXError | None:
-    todo, seen = [e], set()
-    while todo:
-        cause = todo.pop()
-        if cause is None or id(cause) in seen:
-            continue
-        seen.add(id(cause))
-        if isinstance(cause, DPFXError):
-            text = str(e)
-            where = text.split("from user code:", 1)[1].split("\n\n", 1)[0] \
-                if "from user code:" in text else ""
-            lines, own = [], False
-            for line in where.splitlines():
-                if line.strip().startswith("File "):
-                    own = f"{os.sep}dpfx{os.sep}" in line      # dpfx's own frames are noise
-                if line.strip() and not set(line.strip()) <= {"^", "~"} and not own:
-                    lines.append("    " + line.strip())
-            return type(cause)(str(cause) + ("\n  in the model's code:\n" + "\n".join(lines)
-                                             if lines else ""))
-        todo += [cause.__cause__, cause.__context__]
-    return None
-
-
-BATCH_SHAPE_ID = "dpfx_batch"
-
-
-class _BatchMarked:
-    """Dim 0 of every tensor is the one unbacked batch symbol while the compiled call runs."""
-
-    __slots__ = ("_tensors", "_saved")
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self._tensors = tensors
-
-    def __enter__(self):
-        # Shallow copies: mark_unbacked adds to an existing mark set in place.
-        self._saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()})
-                       for t in self._tensors]
-        try:
-            for t in self._tensors:
-                torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
-        except BaseException:
-            self.__exit__()          # the caller's tensors leave as they came
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        for t, attrs in self._saved:
-            for key in [k for k in t.__dict__ if k not in attrs]:
-                delattr(t, key)
-            t.__dict__.update(attrs)
-        return False
-
-
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return list(args)
@@ -532,57 +299,6 @@ def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
-
-
-def _symbolic_batch_error(e: Exception) -> CaptureError:
-    """What torch could not decide about the symbolic batch, where in the model's code, and the
-    fix that applies (Note [Deciding a branch on the batch size] in batch_branches.py says
-    which comparisons dpfx decides itself)."""
-    chain, seen = [], e
-    while seen is not None and seen not in chain:
-        chain.append(seen)
-        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
-    guard = next((x for x in chain if hasattr(x, "dpfx_expr")), None)
-    expr = str(guard.dpfx_expr) if guard is not None else \
-        next((str(x).splitlines()[0] for x in chain
-              if isinstance(x, GuardOnDataDependentSymNode)), str(e).splitlines()[0])
-    stack = guard.dpfx_model_stack if guard is not None else []
-    if not stack:
-        stack = next((frames for x in chain if (frames := _user_code(str(x)))), [])
-    if "Could not extract specialized integer" in expr or (
-            guard is not None and not _is_condition(guard.dpfx_expr)):
-        why = (f"the model's code needs the batch size as a Python number ({expr}): a loop over "
-               f"the examples, a list with one entry per example, int(x.shape[0]). dpfx keeps "
-               f"the batch symbolic so that one graph serves every batch size. Compute over the "
-               f"whole batch with tensor ops instead.")
-    else:
-        why = (f"torch could not decide {expr} for a symbolic batch size. dpfx decides a "
-               f"comparison of the batch size alone, at each call's size; this one also involves "
-               f"a value computed from the data or another dynamic size. Make the condition "
-               f"independent of the batch size, or file an issue with the expression and line.")
-    where = "\n  in the model's code:\n" + "\n".join(f"    {f}" for f in stack) if stack else ""
-    return CaptureError(f"the model cannot be captured with a symbolic batch size: {why}{where}")
-
-
-def _is_condition(expr) -> bool:
-    return bool(expr.is_Relational) or isinstance(expr, sympy.logic.boolalg.BooleanFunction)
-
-
-def _user_code(message: str) -> list[str]:
-    """The "from user code:" frames of a dynamo error message, one line each."""
-    lines = message.splitlines()
-    if "from user code:" not in lines:
-        return []
-    frames = []
-    for line in lines[lines.index("from user code:") + 1:]:
-        if not line.strip():
-            break
-        if line.strip().startswith("File ") and "/dpfx/" not in line:
-            frames.append(line.strip())
-        elif frames and not set(line.strip()) <= {"^", "~"} and not line.strip().startswith(
-                "File "):
-            frames[-1] += ": " + line.strip()
-    return frames
 
 
 def _check_batch(tensors: list[torch.Tensor]) -> int:

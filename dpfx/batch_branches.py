@@ -7,7 +7,7 @@
 
 # Note [Deciding a branch on the batch size]
 dpfx keeps the batch an unbacked symbol u0 (Note [Why the batch dim is marked unbacked] in
-api.py), so code that compares it with a number cannot be traced as is: ``if batch_size !=
+capture.py), so code that compares it with a number cannot be traced as is: ``if batch_size !=
 position_ids.shape[0]`` in transformers' masking code (``Ne(u0, 1)``), ``self.keys.numel() == 0``
 in its cache (``Eq(128*u0, 0)``), a stride test in a torch kernel. Answering every such question
 one way for all sizes (torch's ``guard_or_false``, size-oblivious reasoning) is right only where

@@ -1,6 +1,6 @@
 """Stand-ins for the few torch functions that cannot be traced with a symbolic batch size.
 
-dpfx keeps the batch an unbacked symbol (Note [Why the batch dim is marked unbacked] in api.py),
+dpfx keeps the batch an unbacked symbol (Note [Why the batch dim is marked unbacked] in capture.py),
 and a handful of torch's Python-level functions branch on sizes that contain it. While dpfx
 captures a model, ``swapped()`` swaps them for versions with the same result that do not
 branch on the batch:
@@ -17,7 +17,7 @@ branch on the batch:
 - ``torch.roll``/``Tensor.roll`` over dims without the batch: the two slices concatenated (torch's
   tests numel() == 0). A roll over the batch dim moves one example's values into another's
   output: refused with a ``PrivacyError`` naming the model's line (Note [Refusals raised while
-  capturing] in api.py).
+  capturing] in capture_errors.py).
 - ``F.bilinear`` (``nn.Bilinear``): written as one matmul and a broadcast product (torch's meta
   function for ``_trilinear`` fails with a symbolic batch); the weight's gradient is then an
   ``mm`` and the bias's a sum, both with rules.
@@ -276,7 +276,7 @@ class swapped:
     check the code of the functions it inlined). A plain class with direct assignments: this
     runs on every training step, where ``contextlib`` costs several microseconds (Note [The
     steady-state call] in api.py). dynamo's ``allow_rnn``, which only a capture reads, is set
-    where dpfx's captures run (Note [Settings only a capture reads] in api.py)."""
+    where dpfx's captures run (Note [Settings only a capture reads] in capture.py)."""
 
     __slots__ = ()
 

@@ -373,7 +373,7 @@ class RollBatch(nn.Module):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: RollBatch(), r"torch.roll over the batch dim.*\n  in the model's code:\n.*"
-                          r"test_loop_privacy.py.*\n.*torch.roll\(self.fc\(x\), 1, 0\)"),
+                          r"test_loop_privacy.py.*, in forward: .*torch.roll\(self.fc\(x\), 1, 0\)"),
     (lambda: nn.Sequential(nn.Linear(4, 4),
                            nn.BatchNorm1d(4, track_running_stats=False).eval()),
      r"module '1' \(BatchNorm1d\) has no running statistics .*replace_batchnorm"),
@@ -431,11 +431,11 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
     decisions are in place for every capture, a first one and a later one (a new entry for
     no_grad), and a steady-state call sets none of them up; the user's dynamo config is the same
     after every call."""
-    from dpfx import api
+    from dpfx import api, capture
     from dpfx.backend import DPBackend
 
     seen, entered = [], []
-    real_call, real_enter = DPBackend.__call__, api._DynamoSettings.__enter__
+    real_call, real_enter = DPBackend.__call__, capture.DynamoSettings.__enter__
 
     def spy_call(self, gm, example_inputs):
         config = torch._dynamo.config
@@ -450,7 +450,7 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
         return real_enter(self)
 
     monkeypatch.setattr(DPBackend, "__call__", spy_call)
-    monkeypatch.setattr(api._DynamoSettings, "__enter__", spy_enter)
+    monkeypatch.setattr(capture.DynamoSettings, "__enter__", spy_enter)
     before = (torch._dynamo.config.recompile_limit, torch._dynamo.config.allow_rnn,
               set(torch._dynamo.config.ignore_logging_functions))
     torch.manual_seed(0)

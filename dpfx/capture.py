@@ -1,0 +1,184 @@
+"""How dynamo captures dpfx's entry: its own code object, the settings only a capture reads, and
+the one unbacked batch symbol on every input.
+
+# Note [Why the batch dim is marked unbacked]
+Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
+compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
+symbol that nothing specializes on, so one forward and one backward graph serve every batch size
+including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
+
+Every input is marked with the same ``shape_id``, so all of them share one symbol: ``(x, mask)``
+is one batch of size u0, not two independent sizes u0 and u1 whose equality torch cannot decide
+(``Eq(u1, u0)`` while tracing SDPA with a mask). dynamo adds a run-time check that the sizes agree.
+
+The marks are attributes on the tensor (``_dynamo_unbacked_indices`` and friends), which dynamo's
+guards read at call time. dpfx sets them just before the call and puts the tensor's attributes back
+afterwards, so a caller's tensor leaves a dpfx call as it came (a later plain ``torch.compile``
+would otherwise see dpfx's marks: tests/test_inputs.py).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from . import batch_branches
+
+
+# Note [dpfx's own entry frame]
+# dynamo keeps its compiled code per Python code object and does not tell backends apart when it
+# looks a frame up. Compiled as ``torch.compile(model)``, the first frame dynamo traces is the
+# model class's ``forward``: if a plain torch.compile of another instance of that class ran first
+# (and broke its graph at a layer dpfx makes traceable, nn.LSTM), dynamo served dpfx's call from
+# that entry, ran part of the model in the plain graph (gradients never clipped) and handed dpfx
+# only the frame after the break. dpfx therefore compiles a function whose code object is its own:
+# a copy made for each DPModule, which no other compile has seen, that calls the model. dynamo
+# starts there and, with fullgraph=True, inlines everything below it into dpfx's one graph,
+# consulting no other cache entry
+# (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
+_ENTRIES = itertools.count()
+
+
+def own_entry(model: torch.nn.Module):
+    def dpfx_forward(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    dpfx_forward.__code__ = dpfx_forward.__code__.replace(
+        co_name=f"dpfx_forward_{next(_ENTRIES)}")
+    return dpfx_forward
+
+
+# Note [Logging inside the forward]
+# A logging.Logger call cannot be put in a graph, and dynamo breaks the graph on it, which dpfx must
+# refuse. Hugging Face models log from their forward (GPT-2 and BERT with gradient checkpointing
+# warn that use_cache is turned off), so while dpfx captures, dynamo skips the standard Logger
+# methods and transformers' ``warning_once`` / ``info_once``: the message is not printed during
+# the compiled run, and nothing else changes (a logging call returns None and computes nothing
+# the model uses). Plain torch.compile calls outside dpfx keep dynamo's default. The methods are
+# read from ``logging.Logger`` at every capture, not once per process: transformers adds its own
+# when it is imported, which may be after dpfx captured another model
+# (tests/test_inputs.py::test_logging_inside_the_forward_across_captures,
+# tests/test_hf.py::test_bert_gradient_checkpointing_after_an_earlier_capture).
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+                   "warning_once", "info_once", "warning_advice")
+
+
+# Note [Settings only a capture reads]
+# Some of what a dpfx call sets up is read by dynamo only while it captures a frame: its
+# recompile limit (a capture past 64 fails instead of falling back to eager), the Logger methods
+# it skips (Note [Logging inside the forward]), nn.RNN capture (``allow_rnn``, for traceable.py's
+# LSTM), the unbacked batch mark on the inputs (``BatchMarked``), and the batch-size decisions
+# (batch_branches.deciding). dynamo calls its callback only when a frame has no cached code whose
+# guards pass, that is exactly when it captures; a steady-state call runs the cached code from
+# C and never calls it. So dpfx wraps the callback of its own entry (``CaptureSettings``) and
+# sets these up inside it, where they are in place for every capture and cost a steady-state
+# step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
+# training loop, where the kernels between two calls evict the interpreter's caches). The
+# wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
+# (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What dynamo checks in its guards on every call stays set up on every call:
+# traceable.py's swaps (the guards check the swapped functions' code).
+# A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
+# (eager_then_compile builds a fresh one from the innermost backend at its second call, which
+# the wrapper would not see); under any such stance the settings are set up around the whole
+# call, as they were for every call before (tests/test_loop_privacy.py::
+# test_capture_settings_only_while_dynamo_captures).
+def default_stance() -> bool:
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return stance is not None and stance.stance == "default" and stance.backend is None
+
+
+def compile_entry(fn, backend) -> tuple[Any, "CaptureSettings"]:
+    """``torch.compile(fn, backend=backend, fullgraph=True)``, with dynamo's callback wrapped
+    in the capture-time settings."""
+    context = torch._dynamo.optimize(
+        backend=torch._TorchCompileWrapper(backend, "default", None, None), nopython=True)
+    capture = CaptureSettings(context.callback)
+    context.callback = capture
+    return context(fn), capture
+
+
+class CaptureSettings:
+    """dynamo's callback for a dpfx entry, run with the settings only a capture reads."""
+
+    __slots__ = ("_callback", "_torchdynamo_orig_backend", "call")
+
+    def __init__(self, callback):
+        self._callback = callback
+        # One step down dynamo's chain, as the CatchErrorsWrapper it stands for: a stance's own
+        # callback reads the compiler two steps below the callback it is given.
+        self._torchdynamo_orig_backend = getattr(callback, "_torchdynamo_orig_backend", callback)
+        self.call = None    # (input tensors, batch size, decisions) of the call in progress
+
+    def __call__(self, *args, **kwargs):
+        if self.call is None:
+            # Not within DPModule.forward (nothing else calls the entry): dynamo with dpfx's
+            # settings still, so that no capture ever runs without them.
+            with DynamoSettings():
+                return self._callback(*args, **kwargs)
+        tensors, batch, decisions = self.call
+        with DynamoSettings(), BatchMarked(tensors), \
+                batch_branches.deciding(batch, decisions):
+            return self._callback(*args, **kwargs)
+
+
+# dynamo's settings while it captures a dpfx entry (Note [Settings only a capture reads]).
+class DynamoSettings:
+    __slots__ = ("_old",)
+
+    def __enter__(self):
+        config = torch._dynamo.config
+        self._old = (config.recompile_limit, config.fail_on_recompile_limit_hit,
+                     config.ignore_logging_functions, config.allow_rnn)
+        config.recompile_limit = 64
+        config.fail_on_recompile_limit_hit = True
+        config.ignore_logging_functions = _skipped_logging(self._old[2])
+        config.allow_rnn = True
+        return self
+
+    def __exit__(self, *exc):
+        config = torch._dynamo.config
+        (config.recompile_limit, config.fail_on_recompile_limit_hit,
+         config.ignore_logging_functions, config.allow_rnn) = self._old
+        return False
+
+
+def _skipped_logging(current: set) -> set:
+    """dynamo's skipped logging functions with the Logger methods ``logging.Logger`` has now
+    (Note [Logging inside the forward])."""
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS
+               if hasattr(logging.Logger, name)}
+    return set(current) | methods
+
+
+BATCH_SHAPE_ID = "dpfx_batch"
+
+
+class BatchMarked:
+    """Dim 0 of every tensor is the one unbacked batch symbol while the compiled call runs."""
+
+    __slots__ = ("_tensors", "_saved")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._tensors = tensors
+
+    def __enter__(self):
+        # Shallow copies: mark_unbacked adds to an existing mark set in place.
+        self._saved = [(t, {k: copy.copy(v) for k, v in t.__dict__.items()})
+                       for t in self._tensors]
+        try:
+            for t in self._tensors:
+                torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH_SHAPE_ID)
+        except BaseException:
+            self.__exit__()          # the caller's tensors leave as they came
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for t, attrs in self._saved:
+            for key in [k for k in t.__dict__ if k not in attrs]:
+                delattr(t, key)
+            t.__dict__.update(attrs)
+        return False
