@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import collections.abc
 import fractions
-import math
 import numbers
 import os
 import secrets
@@ -71,16 +70,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from .privacy import _check_sample_rate
+
 __all__ = ["PoissonBatchSampler", "PoissonLoader", "poisson_loader", "expected_batch_size",
            "EmptyBatchCollate"]
-
-
-def _check_sample_rate(q) -> float:
-    if isinstance(q, bool) or not isinstance(q, numbers.Real) or math.isnan(q) or not 0 < q <= 1:
-        raise ValueError(
-            f"sample_rate must be in (0, 1] (the Poisson sampling probability q = expected batch "
-            f"size / dataset size), got {q!r}")
-    return float(q)
 
 
 def _check_count(n, name: str, minimum: int) -> int:

@@ -65,7 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from .passes.batch import BatchAnalysis, BatchDim, sym_expr
+from .passes.batch import BatchAnalysis, BatchDim, _prod, sym_expr
 from .passes.verify import mixing_ops
 
 aten = torch.ops.aten
@@ -602,13 +602,6 @@ def _whole_slice(node: fx.Node) -> bool:
     start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
     return start in (None, 0) and step in (None, 1) and (end is None or (
         isinstance(end, int) and end >= 2**62))
-
-
-def _prod(sizes) -> sympy.Expr:
-    out = sympy.Integer(1)
-    for s in sizes:
-        out = out * s
-    return out
 
 
 def _is_size(node) -> bool:

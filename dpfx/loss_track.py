@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 
 from . import loss_check
 from .errors import PrivacyError
-from .release import TWO_FORWARDS
+from .release import TWO_FORWARDS, compiled_nodes
 
 
 class LossScaleWarning(UserWarning):
@@ -711,27 +711,12 @@ def _rows_verdict(program: dict, batch: int):
         return _replay_refusal(e, program)
 
 
-def _compiled_nodes(stops: list) -> set:
-    """The autograd nodes of dpfx's compiled functions below the tracked outputs."""
-    todo, seen, found = list(stops), set(), set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            found.add(node)
-            continue
-        todo.extend(n for n, _ in node.next_functions)
-    return found
-
-
 def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     # The walk stops at the tracked outputs' own autograd edges (node, output number): an
     # output retyped in place has the compiled function's node as its grad_fn, and another
     # output of that node (a weight the forward stored on a module) must still be found.
     stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()}
-    own = _compiled_nodes(trace.stop_nodes)
+    own = set(compiled_nodes(trace.stop_nodes))
     with torch._C.DisableTorchFunctionSubclass():
         stack, seen = [(loss.grad_fn, loss.output_nr)], set()
     while stack:

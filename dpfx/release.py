@@ -109,12 +109,10 @@ def check_loop_inputs(module, tensors: list[torch.Tensor]) -> None:
                 f"dpfx.compile again after changing requires_grad (and build a new DPOptimizer).")
 
 
-def track_release(module, outputs, inputs) -> None:
-    """Hook the backward of this forward's dpfx graph (Note [One release per forward])."""
-    stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    todo = [t.grad_fn for t in outputs
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, nodes = set(), []
+def compiled_nodes(roots: list, stop: set = frozenset()) -> list:
+    """The autograd nodes of dpfx's compiled functions reachable from ``roots`` (autograd
+    nodes), not walking below them or into ``stop``."""
+    todo, seen, nodes = list(roots), set(), []
     while todo:
         node = todo.pop()
         if node is None or node in seen or node in stop:
@@ -124,6 +122,13 @@ def track_release(module, outputs, inputs) -> None:
             nodes.append(node)
             continue
         todo.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def track_release(module, outputs, inputs) -> None:
+    """Hook the backward of this forward's dpfx graph (Note [One release per forward])."""
+    stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    nodes = compiled_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], stop)
     state = {"released": False}
     for node in nodes:
         node.register_prehook(_before_release(weakref.ref(module),

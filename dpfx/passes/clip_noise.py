@@ -47,7 +47,7 @@ import torch
 
 from .. import cpu_noise, stats  # noqa: F401  (register dpfx::standard_normal, ::observe_norms)
 from ..config import CLIP_EPS, DPConfig
-from ..rules import Clip, at_nominal
+from ..rules import Clip, at_least_float32, at_nominal
 from .batch import BatchDim
 from .emit import Emitter
 from .per_sample import ParamGrad
@@ -216,17 +216,10 @@ def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> to
 def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
     """[B]: the squared norm of each example's gradient of this parameter, in float32 or wider."""
     if pg.strategy == "ghost":
-        return _at_least_float32(pg.ghost.norm_sq, emit)
+        # norms of bf16/fp16 gradients in float32; a float64 parameter's stay float64, so its
+        # clip factor is exact to float64 (the coefficient then promotes the clipped sums too)
+        return at_least_float32(emit, pg.ghost.norm_sq)[0]
     return emit.squared_norm(pg.per_sample, BatchDim(0))
-
-
-def _at_least_float32(node: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
-    # Norms of bf16/fp16 gradients are taken in float32; a float64 parameter's stay float64, so
-    # its clip factor is exact to float64 (the coefficient then promotes the clipped sums too).
-    dtype = torch.promote_types(node.meta["val"].dtype, torch.float32)
-    if node.meta["val"].dtype == dtype:
-        return node
-    return emit(prims.convert_element_type.default, node, dtype)
 
 
 def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter, moved: bool = True) -> torch.fx.Node:

@@ -233,12 +233,12 @@ def _plan_tied_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
         u, w = g.factors()
         sides.append((w, u) if flipped else (u, w))
     norm_sq = None
-    parts = [_widened(g.norm_sq, emit) for g in ghosts]
+    parts = [rules.at_least_float32(emit, g.norm_sq)[0] for g in ghosts]
     for k in range(len(ghosts)):
         for m in range(k + 1, len(ghosts)):
             cross = emit(aten.mul.Tensor, rules.gram(emit, sides[k][0], sides[m][0]),
                          rules.gram(emit, sides[k][1], sides[m][1]))
-            cross = _widened(emit(aten.sum.dim_IntList, cross, [1, 2]), emit)
+            cross = rules.at_least_float32(emit, emit(aten.sum.dim_IntList, cross, [1, 2]))[0]
             parts.append(emit(aten.mul.Tensor, cross, 2.0))
     for part in parts:
         norm_sq = part if norm_sq is None else emit(aten.add.Tensor, norm_sq, part)
@@ -262,13 +262,6 @@ def _plan_tied_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     pg.rules.extend(rule.name for rule, _ in found)
     pg.costs.extend(cost for _, cost in found)
     return True
-
-
-def _widened(node: fx.Node, emit) -> fx.Node:
-    dtype = torch.promote_types(node.meta["val"].dtype, torch.float32)
-    if node.meta["val"].dtype == dtype:
-        return node
-    return emit(prims.convert_element_type.default, node, dtype)
 
 
 def _frontier_rule(node: fx.Node, pg: ParamGrad, ctx: RewriteContext) -> rules.Rule:
