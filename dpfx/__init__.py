@@ -14,7 +14,8 @@ from .errors import CaptureError, DPFXError, PeerError, PrivacyError, Unsupporte
 from .explain import Report, explain
 from .loss_track import LossScaleWarning, track_batch
 from .modules import replace_batchnorm
-from .optim import DPOptimizer, VirtualBatches, split_batch
+from .data import VirtualBatches, split_batch
+from .optim import DPOptimizer
 from .passes import Problem
 from .validate import validate
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import collections.abc
 import fractions
+import math
 import numbers
 import os
 import secrets
@@ -226,3 +227,50 @@ class PoissonLoader(DataLoader):
 
         for batch in super().__iter__():
             yield track_batch(batch)
+
+
+# -- virtual batches: a logical batch as physical ones ---------------------------------------------
+class VirtualBatches:
+    """Iterates ``loader`` and yields each batch as physical batches of at most
+    ``max_physical_batch_size`` examples, signalling ``optimizer`` to skip every step but a
+    logical batch's last (Note [Virtual batches] in optim.py). An empty logical batch yields one empty
+    physical batch, so its (pure-noise) step still happens."""
+
+    def __init__(self, loader, max_physical_batch_size: int, optimizer):
+        if isinstance(max_physical_batch_size, bool) or not isinstance(
+                max_physical_batch_size, int) or max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be an int >= 1, got "
+                             f"{max_physical_batch_size!r}")
+        from .optim import DPOptimizer
+
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError("virtual batches need a dpfx.DPOptimizer to skip the inner steps")
+        self.loader = loader
+        self.max_physical_batch_size = max_physical_batch_size
+        self.optimizer = optimizer
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        from .loss_track import TrackedTensor, track_batch, untrack
+
+        for batch in self.loader:
+            tracked = any(isinstance(t, TrackedTensor)
+                          for t in torch.utils._pytree.tree_leaves(batch))
+            chunks = split_batch(untrack(batch) if tracked else batch,
+                                 self.max_physical_batch_size)
+            for i, chunk in enumerate(chunks):
+                self.optimizer.signal_skip_step(i < len(chunks) - 1)
+                yield track_batch(chunk) if tracked else chunk     # each a batch of its own
+
+
+def split_batch(batch, size: int) -> list:
+    """Split every tensor of a collated batch along dim 0 into pieces of at most ``size``."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return [batch]
+    n = leaves[0].shape[0]
+    pieces = max(1, math.ceil(n / size))
+    return [torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t, i=i: t[i * size:(i + 1) * size], batch) for i in range(pieces)]

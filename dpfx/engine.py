@@ -36,7 +36,9 @@ from torch.utils.data import DataLoader, Dataset
 from . import checkpoint_file, privacy
 from .api import DPModule, compile as dp_compile
 from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
-from .optim import DPOptimizer, VirtualBatches, _rank, _world
+from .data import VirtualBatches
+from .optim import DPOptimizer
+from .ranks import rank_of, world_of
 
 
 @dataclasses.dataclass
@@ -118,7 +120,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             steps=epochs * steps_per_epoch, accountant=accountant)
     privacy._check_noise_multiplier(noise_multiplier)
 
-    world = _world(process_group)
+    world = world_of(process_group)
     noise = "optimizer" if (max_physical_batch_size is not None or secure_mode or world > 1) \
         else "graph"
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
@@ -131,7 +133,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger)
     loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
-                            rank=_rank(process_group) if world > 1 else 0, world_size=world,
+                            rank=rank_of(process_group) if world > 1 else 0, world_size=world,
                             secure_mode=secure_mode, **loader_kwargs)
     if max_physical_batch_size is not None:
         loader = VirtualBatches(loader, max_physical_batch_size, dp_optimizer)

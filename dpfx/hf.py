@@ -52,7 +52,8 @@ from .api import DPModule, compile as dp_compile
 from .data import expected_batch_size, poisson_loader
 from .errors import PrivacyError
 from .loss_track import TrackedTensor, track_batch, untrack
-from .optim import DPOptimizer, split_batch
+from .data import split_batch
+from .optim import DPOptimizer
 
 ACCOUNTANT_FILE = "dp_accountant.json"
 LEDGER_FILE = "privacy.ledger"

@@ -53,17 +53,17 @@ before the all-reduce (its noise was drawn), so the restarted run counts it
 from __future__ import annotations
 
 import collections
-import math
 import secrets
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from .errors import PeerError, PrivacyError
+from .errors import PrivacyError
 from .ledger import PrivacyLedger, check_same_run, reconcile
 from .noise import gaussian, secure_gaussian
 from .privacy import Accountant
+from .ranks import check_same_model, peer_error, rank_of, world_of
 from .release import second_backward_error
 
 # Set once at construction: changing them later would make the noise, the divisor or the
@@ -102,7 +102,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if secure_mode and config.seed is not None:
             raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
                              "subtracted. Compile without seed=")
-        self.world = _world(process_group)
+        self.world = world_of(process_group)
         if self.world > 1 and config.noise != "optimizer":
             raise ValueError("distributed training adds the noise once across ranks, at step(): "
                              "compile the model with dpfx.compile(..., noise='optimizer')")
@@ -118,7 +118,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     raise ValueError("the optimizer updates a parameter that is not a trainable "
                                      "parameter of dp_model; its gradient would not be private")
         if self.world > 1:
-            _check_same_model(dp_model._orig_mod, process_group)
+            check_same_model(dp_model._orig_mod, process_group)
         if dp_model.clipped_sums:
             raise ValueError("dp_model holds clipped sums of backward passes run before this "
                              "DPOptimizer existed; call dp_model.reset_clipped_sums() first, or "
@@ -134,7 +134,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # same steps, and rank 0 adds the noise.
         self.privacy_ledger = None
         self._ledger_given = ledger is not None
-        if ledger is not None and (self.world <= 1 or _rank(process_group) == 0):
+        if ledger is not None and (self.world <= 1 or rank_of(process_group) == 0):
             self.privacy_ledger = ledger if isinstance(ledger, PrivacyLedger) \
                 else PrivacyLedger(ledger)
             reconcile(self.privacy_ledger, accountant, self._max_grad_norm())
@@ -260,7 +260,7 @@ class DPOptimizer(torch.optim.Optimizer):
             (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
             for n, p in self._named])
         examples = model.examples
-        if self.world <= 1 or _rank(self.process_group) == 0:
+        if self.world <= 1 or rank_of(self.process_group) == 0:
             flat += self._noise(flat.numel(), config.noise_std, device)
         if self.world > 1:
             count = torch.tensor([float(examples)], device=device)
@@ -268,7 +268,7 @@ class DPOptimizer(torch.optim.Optimizer):
             try:
                 dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
             except RuntimeError as e:
-                raise _peer_error(self.steps, self.process_group, e) from e
+                raise peer_error(self.steps, self.process_group, e) from e
             flat, examples = both[:-1], int(both[-1].item())
         flat /= self._denominator(examples)
         offset = 0
@@ -329,7 +329,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.world <= 1 or not self._ledger_given or self.accountant is None:
             return
         state = [self.accountant.state_dict()]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None \
+        src = dist.get_globalrank_of(self.process_group, 0) if self.process_group is not None \
             else 0
         dist.broadcast_object_list(state, src=src, group=self.process_group)
         self.accountant.load_state_dict(state[0])
@@ -345,90 +345,3 @@ class DPOptimizer(torch.optim.Optimizer):
             saved = Accountant()
             saved.load_state_dict(state["accountant"])
             check_same_run(self.privacy_ledger, saved)
-
-
-def _peer_error(steps: int, group, cause: Exception) -> PeerError:
-    """Note [A dead peer]."""
-    return PeerError(
-        f"rank {_rank(group)}: the all-reduce of step {steps + 1} failed: a peer rank died, or "
-        f"did not reach the step within the process group's timeout (init_process_group("
-        f"timeout=) bounds the wait). This rank took no step: its parameters are those of step "
-        f"{steps}. Restart every rank from the last checkpoint with the same ledger= "
-        f"(torchrun --max-restarts restarts them all). The backend said: {str(cause)[:300]}")
-
-
-def _check_same_model(model: torch.nn.Module, group) -> None:
-    """Every rank must start from the same parameters, or the ranks' steps diverge (and an
-    all-reduce of differently sized buffers can hang). Compares a fingerprint across ranks."""
-    params = [p.detach() for p in model.parameters() if p.requires_grad]
-    fingerprint = torch.tensor(
-        [len(params), sum(p.numel() for p in params),
-         sum(float(p.double().sum()) for p in params),
-         sum(float(p.double().square().sum()) for p in params)], dtype=torch.float64)
-    device = params[0].device if params else torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = fingerprint.to(device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    if any(not torch.equal(everyone[0], other) for other in everyone[1:]):
-        raise ValueError(
-            f"the ranks hold different models (parameter count, size, sum, sum of squares by "
-            f"rank: {[t.tolist() for t in everyone]}); start every rank from the same "
-            f"parameters (same seed, or broadcast rank 0's state_dict) before DPOptimizer")
-
-
-def _world(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-# -- virtual batches -------------------------------------------------------------------------------
-
-class VirtualBatches:
-    """Iterates ``loader`` and yields each batch as physical batches of at most
-    ``max_physical_batch_size`` examples, signalling ``optimizer`` to skip every step but a
-    logical batch's last (Note [Virtual batches]). An empty logical batch yields one empty
-    physical batch, so its (pure-noise) step still happens."""
-
-    def __init__(self, loader, max_physical_batch_size: int, optimizer: DPOptimizer):
-        if isinstance(max_physical_batch_size, bool) or not isinstance(
-                max_physical_batch_size, int) or max_physical_batch_size < 1:
-            raise ValueError(f"max_physical_batch_size must be an int >= 1, got "
-                             f"{max_physical_batch_size!r}")
-        if not isinstance(optimizer, DPOptimizer):
-            raise TypeError("virtual batches need a dpfx.DPOptimizer to skip the inner steps")
-        self.loader = loader
-        self.max_physical_batch_size = max_physical_batch_size
-        self.optimizer = optimizer
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        from .loss_track import TrackedTensor, track_batch, untrack
-
-        for batch in self.loader:
-            tracked = any(isinstance(t, TrackedTensor)
-                          for t in torch.utils._pytree.tree_leaves(batch))
-            chunks = split_batch(untrack(batch) if tracked else batch,
-                                 self.max_physical_batch_size)
-            for i, chunk in enumerate(chunks):
-                self.optimizer.signal_skip_step(i < len(chunks) - 1)
-                yield track_batch(chunk) if tracked else chunk     # each a batch of its own
-
-
-def split_batch(batch, size: int) -> list:
-    """Split every tensor of a collated batch along dim 0 into pieces of at most ``size``."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    if not leaves:
-        return [batch]
-    n = leaves[0].shape[0]
-    pieces = max(1, math.ceil(n / size))
-    return [torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t, i=i: t[i * size:(i + 1) * size], batch) for i in range(pieces)]

@@ -49,7 +49,7 @@ def _epoch(private) -> None:
 
 def _snapshot(private) -> dict:
     """Everything that must match, read off the objects (not through save_checkpoint)."""
-    loader = private.loader.loader if isinstance(private.loader, dpfx.optim.VirtualBatches) \
+    loader = private.loader.loader if isinstance(private.loader, dpfx.VirtualBatches) \
         else private.loader
     graph_noise = private.model._dpfx_backend._generator
     optimizer_noise = private.optimizer._generator
