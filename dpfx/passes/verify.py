@@ -130,9 +130,63 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
     return found
 
 
+# Note [Ops that read across dims they do not name]
+# The dim check above catches an op that works along the batch dim only where the op names its
+# dims (``softmax(x, 0)``, ``sum(x, [0])``). Normalizations and convolutions read across dims
+# fixed by their meaning instead: a LayerNorm across its last len(normalized_shape) dims, a
+# GroupNorm and a convolution across everything but dim 0, the rows, a pooling across its
+# spatial dims. Their outputs keep the
+# input's shape, so the batch analysis carries the batch's layout through them (Note
+# [Multi-output ops inherit per output] in batch.py), and that is right only where the batch
+# lies in the dims the op keeps apart: HF OPT's LayerNorm on hidden states flattened to (B*T, d)
+# reads each of the B*T rows alone, so example b's rows stay example b's; a convolution whose
+# spatial dim holds the batch (a (B, C) activation transposed to (1, C, B)) slides its kernel
+# across examples and is refused here.
+# (tests/test_merged_batch.py::test_convolution_across_the_batch_is_refused)
+def _conv_dims(node: fx.Node, rank: int) -> set[int]:
+    return set(range(1, rank))
+
+
+def _layer_norm_dims(node: fx.Node, rank: int) -> set[int]:
+    normalized = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", [])
+    return set(range(rank - len(normalized), rank))
+
+
+def _layer_norm_backward_dims(node: fx.Node, rank: int) -> set[int]:
+    normalized = node.args[2] if len(node.args) > 2 else node.kwargs.get("normalized_shape", [])
+    return set(range(rank - len(normalized), rank))
+
+
+def _last(k: int):
+    """Pooling over the last k (spatial) dims."""
+    return lambda node, rank: set(range(max(rank - k, 0), rank))
+
+
+_READS_ACROSS = {
+    **{op: _last(k) for k, ops in (
+        (1, [aten.avg_pool1d.default, aten.adaptive_max_pool1d.default]),
+        (2, [aten.avg_pool2d.default, aten.max_pool2d_with_indices.default,
+             aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool2d.default,
+             aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+             aten._adaptive_avg_pool2d_backward.default]),
+        (3, [aten.avg_pool3d.default, aten.max_pool3d_with_indices.default,
+             aten._adaptive_avg_pool3d.default])) for op in ops},
+    aten.convolution.default: _conv_dims,
+    aten.convolution_backward.default: _conv_dims,
+    aten.native_group_norm.default: _conv_dims,
+    aten.native_group_norm_backward.default: _conv_dims,
+    aten.native_layer_norm.default: _layer_norm_dims,
+    aten.native_layer_norm_backward.default: _layer_norm_backward_dims,
+}
+
+
 def _named_dims(node: fx.Node, rank: int) -> set[int]:
-    """The dims an op's ``dim``/``dims`` arguments name; an omitted or empty one means all."""
+    """The dims an op's ``dim``/``dims`` arguments name; an omitted or empty one means all. Ops
+    that read across dims they do not name add those (Note [Ops that read across dims they do
+    not name])."""
     named = set()
+    if node.target in _READS_ACROSS:
+        named |= _READS_ACROSS[node.target](node, rank)
     for dims in _dim_args(node):
         if dims == "default" or dims is None or dims == []:
             dims = list(range(rank))
