@@ -39,6 +39,9 @@ branch on the batch:
   pools: on a 4-D/5-D input, ``input.contiguous()`` first (Note [Channels-last strides made
   inside the model]).
 
+- dynamo's ``setattr`` on tensors: ``t.requires_grad = True`` inside the forward is skipped
+  (``requires_grad_skip.py``: Note [Setting requires_grad inside the forward]).
+
 - ``nn.RNN``/``nn.GRU``/``nn.LSTM``'s ``forward``, ``pack_padded_sequence`` and
   ``pad_packed_sequence``: the recurrence written out step by step in ``F.linear`` and pointwise
   gates, packed batches as padded data and lengths (``dpfx/rnn.py``); dynamo's ``allow_rnn`` is
@@ -55,7 +58,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.utils import rnn as rnn_utils
 
-from . import rnn
+from . import requires_grad_skip, rnn
 from .errors import PrivacyError
 
 _verify_batch_size = F._verify_batch_size
@@ -311,6 +314,7 @@ _SWAPS = [
     (rnn_utils, "pad_packed_sequence", rnn.pad_packed_sequence),
     *[(F, name, _reads_contiguous(getattr(F, name), name.startswith("adaptive_")))
       for name in _STRIDE_KEEPING],
+    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside ...]
 ]
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 from .. import cpu_noise, stats  # noqa: F401  (dpfx::standard_normal, ::observe_norms)
 from ..config import DPConfig
 from ..errors import PrivacyError
-from .batch import Ambiguous, BatchAnalysis, BatchDim
+from .batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -125,9 +125,37 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
         src = an.layout(batched_in[0])
         if not isinstance(src, BatchDim) or batched_in[0] is not node.args[0]:
             continue
-        if src.dim in _named_dims(node, batched_in[0].meta["val"].dim()):
+        if src.dim in _named_dims(node, batched_in[0].meta["val"].dim()) and \
+                not _whole_range(node, an, src.dim):
             found.append((node, f"works along the batch dim {src.dim}"))
     return found
+
+
+# Note [A slice over the whole batch dim]
+# ``x[:, None]`` slices dim 0 from 0 to the end; dynamo drops the no-op slice from the forward, but
+# its backward is ``slice_scatter(zeros, g, 0, 0, INT64_MAX)``, an op with a dim argument that
+# names the batch dim. A slice or slice_scatter from 0, step 1, to at least the dim's size (for
+# every value of the size symbols, or INT64_MAX, which ATen clamps) copies example i's entries to example i's: slice returns its
+# input, slice_scatter returns src, overwriting the whole base. (nn.Embedding and
+# nn.EmbeddingBag reading the same ids, tests/test_inductor_sweep.py)
+def _whole_range(node: fx.Node, an: BatchAnalysis, dim: int) -> bool:
+    if node.target is aten.slice.Tensor:
+        names, rest = ("dim", "start", "end", "step"), node.args[1:]
+    elif node.target is aten.slice_scatter.default:
+        names, rest = ("dim", "start", "end", "step"), node.args[2:]
+    else:
+        return False
+    given = dict(zip(names, rest)) | {k: v for k, v in node.kwargs.items() if k in names}
+    size = an.shape(node.args[0].meta["val"])[dim]
+    end = given.get("end")
+    end = end.meta.get("val") if isinstance(end, fx.Node) else end
+    return given.get("dim", 0) % node.args[0].meta["val"].dim() == dim and \
+        given.get("start") in (None, 0) and given.get("step", 1) == 1 and \
+        (end is None or end == _TO_THE_END or (isinstance(end, (int, torch.SymInt)) and
+                                                _nonnegative(an.size(end) - size)))
+
+
+_TO_THE_END = 2 ** 63 - 1     # ATen clamps a slice's end to the dim's size
 
 
 # Note [Ops that read across dims they do not name]
