@@ -29,9 +29,10 @@ C = 0.05
 TOL = {"rtol": 2e-4, "atol": 1e-6}
 
 
-def check(model, make, loss_fn, batches, *, clip=C, backend="inductor"):
-    """dpfx through ``backend`` equals the reference at every batch size, one capture for all
-    (the first batch size compiles); returns {parameter: rules}."""
+def check(model, make, loss_fn, batches, *, clip=C, backend="inductor", graphs=1):
+    """dpfx through ``backend`` equals the reference at every batch size, in ``graphs`` captures
+    (one serves every size unless the model branches on the batch size); returns {parameter:
+    rules}."""
     dp = dpfx.compile(model, max_grad_norm=clip, noise_multiplier=0.0, backend=backend)
     for b in batches:
         inputs, y = make(b)
@@ -41,11 +42,11 @@ def check(model, make, loss_fn, batches, *, clip=C, backend="inductor"):
             assert_close(got, want, **TOL)
         except AssertionError as e:
             raise AssertionError(f"batch size {b}: {e}") from None
-    assert dp.compile_count == 2
+    assert dp.compile_count == 2 * graphs
     return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
 
 
-# -- HF OPT: LayerNorm on (B*T, d) ------------------------------------------------------------------
+# -- HF OPT: LayerNorm on (B*T, d) -----------------------------------------------------------------
 T, VOCAB = 6, 40
 
 
@@ -79,7 +80,7 @@ def test_opt_layer_norm_on_flattened_hidden_states():
     assert rules["model.model.decoder.layers.0.fc1.weight"] == ["mm"], rules
 
 
-# -- augmentation multiplicity: conv + GroupNorm on (B*K, C, H, W) ----------------------------------
+# -- augmentation multiplicity: conv + GroupNorm on (B*K, C, H, W) ---------------------------------
 K = 2
 
 
@@ -157,7 +158,7 @@ def test_view_major_rows_are_refused_by_the_conv_rule():
         run_dpfx_multi(dp, model, views_loss, inputs, y)
 
 
-# -- ops that read across the batch stay refused ----------------------------------------------------
+# -- ops that read across the batch stay refused ---------------------------------------------------
 ACROSS = {
     "conv": lambda s, h: s.conv(h.t()[None]).squeeze(0).t(),            # kernel slides over B
     "group_norm": lambda s, h: s.norm(h.t()[None]).squeeze(0).t(),      # statistics over B
@@ -210,7 +211,7 @@ def test_merged_dim_split_otherwise_is_refused():
         dp(torch.randn(3, 5, 4))
 
 
-# -- HF ConvNeXt: channels-last strides made inside the model ---------------------------------------
+# -- HF ConvNeXt: channels-last strides made inside the model --------------------------------------
 class ConvNextLogits(nn.Module):
     def __init__(self):
         super().__init__()
@@ -239,3 +240,166 @@ def test_convnext_channels_last_inside_the_model_eager():
     torch.manual_seed(0)
     model = ConvNextLogits()
     check(model, _images, F.cross_entropy, [3, 1], backend="eager")
+
+
+class PermutedLinearPool(nn.Module):
+    """A Linear on the channels-last permute of a conv's output, permuted back and pooled to 2x2:
+    the pooling read channels-last strides and its traced output strides were not eager's, so the
+    next view failed on real tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 6)
+        self.head = nn.Linear(6 * 4, 3)
+
+    def forward(self, x):
+        h = self.fc(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(F.adaptive_avg_pool2d(h, 2).flatten(1))
+
+
+def test_pooling_of_a_permuted_activation():
+    torch.manual_seed(0)
+    make = lambda b: ((torch.randn(b, 3, 5, 5),), torch.randint(0, 3, (b,)))  # noqa: E731
+    check(PermutedLinearPool(), make, F.cross_entropy, [3, 1, 6], backend="eager")
+
+
+# -- Swin: window partition over (B * windows) rows ------------------------------------------------
+def _swin_window_partition_model():
+    """torchvision's Swin-T layout at toy size (shifted windows, patch merging, a permute before
+    the pooled head), written out as torchvision writes it (torchvision is not a dependency)."""
+    from swin import TinySwin
+    return TinySwin()
+
+
+@pytest.mark.slow
+def test_swin_windows():
+    torch.manual_seed(0)
+    make = lambda b: ((torch.randn(b, 3, 8, 8),), torch.randint(0, 3, (b,)))  # noqa: E731
+    # B = 1 gets its own graph: the pooled head's permuted input has strides eager reads
+    # differently at B = 1 (tests/test_model_families.py::test_linear_on_permuted_activation_...)
+    rules = check(_swin_window_partition_model(), make, F.cross_entropy, [3, 1, 4], graphs=2)
+    assert rules["blocks.1.qkv.weight"] == ["mm"] and rules["blocks.1.bias"] == ["sum"], rules
+
+
+class HFSwinLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = transformers.SwinConfig(
+            image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1],
+            num_heads=[2, 2], window_size=2, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=3)
+        self.model = transformers.SwinForImageClassification(config)
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+@pytest.mark.slow
+def test_hf_swin():
+    torch.manual_seed(0)
+    make = lambda b: ((torch.randn(b, 3, 8, 8),), torch.randint(0, 3, (b,)))  # noqa: E731
+    check(HFSwinLogits(), make, F.cross_entropy, [3, 1, 4])
+
+
+# -- Wav2Vec2: requires_grad = True inside the forward ---------------------------------------------
+class Wav2Vec2Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = transformers.Wav2Vec2Config(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_feat_extract_layers=2,
+            num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+            final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, num_labels=3)
+        self.model = transformers.Wav2Vec2ForSequenceClassification(config)
+        with torch.no_grad():   # transformers installs its output hooks once, under a lock that
+            self.model(torch.randn(1, 64))  # dynamo cannot enter: let the first call be eager's
+
+    def forward(self, x):
+        return self.model(input_values=x).logits
+
+
+def _audio(b):
+    return (torch.randn(b, 64),), torch.randint(0, 3, (b,))
+
+
+def test_wav2vec2_requires_grad_inside_the_forward():
+    """Note [Setting requires_grad inside the forward] (dpfx/requires_grad_skip.py): the feature
+    encoder's ``hidden_states.requires_grad = True`` is skipped during capture."""
+    torch.manual_seed(0)
+    model = Wav2Vec2Logits().train()
+    assert model.model.wav2vec2.feature_extractor._requires_grad
+    rules = check(model, _audio, F.cross_entropy, [3, 1, 4], backend="eager")
+    assert rules["model.wav2vec2.feature_extractor.conv_layers.0.conv.weight"] == ["convolution"]
+
+
+@pytest.mark.slow
+def test_wav2vec2_inductor():
+    torch.manual_seed(0)
+    check(Wav2Vec2Logits().train(), _audio, F.cross_entropy, [3, 1, 4])
+
+
+class SetsRequiresGrad(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.fc, self.value = nn.Linear(4, 3), value
+
+    def forward(self, x):
+        h = x * 2
+        h.requires_grad = self.value if isinstance(self.value, bool) else bool(x.sum() > 0)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("value", [False, "computed"])
+def test_other_requires_grad_assignments_are_refused(value):
+    """Only the constant True is skipped: False detaches (gradients change), and a value computed
+    from the data is not known at capture."""
+    dp = dpfx.compile(SetsRequiresGrad(value), max_grad_norm=C, noise_multiplier=0.0,
+                      backend="eager")
+    with pytest.raises(dpfx.CaptureError):
+        dp(torch.randn(3, 4))
+
+
+def test_requires_grad_true_is_a_no_op_for_the_gradients():
+    torch.manual_seed(0)
+    make = lambda b: ((torch.randn(b, 4),), torch.randint(0, 3, (b,)))  # noqa: E731
+    check(SetsRequiresGrad(True), make, F.cross_entropy, [3, 1], backend="eager")
+
+
+# -- slices over the batch dim ----------------------------------------------------------------------
+class EmbeddingAndBag(nn.Module):
+    """nn.Embedding and nn.EmbeddingBag on the same ids: ``bag(ids)[:, None]`` slices dim 0 whole,
+    and its backward is a slice_scatter over the batch dim (Note [A slice over the whole batch
+    dim] in dpfx/passes/verify.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 8, padding_idx=0)
+        self.bag = nn.EmbeddingBag(12, 8, mode="mean")
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(torch.cat([self.emb(ids), self.bag(ids)[:, None]], 1).mean(1))
+
+
+def test_embedding_and_bag_on_the_same_ids():
+    torch.manual_seed(0)
+    make = lambda b: ((torch.randint(0, 12, (b, 8)),), torch.randint(0, 3, (b,)))  # noqa: E731
+    rules = check(EmbeddingAndBag(), make, F.cross_entropy, [8, 2, 1], backend="eager")
+    assert rules["emb.weight"] == ["embedding"] and rules["bag.weight"] == ["embedding"], rules
+
+
+class ShiftedByOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h[1:], h[:1]])     # example i's output is example i + 1's
+
+
+def test_partial_slice_over_the_batch_is_refused():
+    dp = dpfx.compile(ShiftedByOne(), max_grad_norm=C, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(dpfx.PrivacyError, match="mixes the batch|works along the batch"):
+        dp(torch.randn(3, 4))

@@ -135,9 +135,10 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
 # ``x[:, None]`` slices dim 0 from 0 to the end; dynamo drops the no-op slice from the forward, but
 # its backward is ``slice_scatter(zeros, g, 0, 0, INT64_MAX)``, an op with a dim argument that
 # names the batch dim. A slice or slice_scatter from 0, step 1, to at least the dim's size (for
-# every value of the size symbols, or INT64_MAX, which ATen clamps) copies example i's entries to example i's: slice returns its
-# input, slice_scatter returns src, overwriting the whole base. (nn.Embedding and
-# nn.EmbeddingBag reading the same ids, tests/test_inductor_sweep.py)
+# every value of the size symbols; or INT64_MAX, which ATen clamps) copies example i's entries to
+# example i's: slice returns its input, slice_scatter returns src, overwriting the whole base.
+# (nn.Embedding and nn.EmbeddingBag reading the same ids, tests/test_inductor_sweep.py;
+# tests/test_merged_batch.py::test_partial_slice_over_the_batch_is_refused)
 def _whole_range(node: fx.Node, an: BatchAnalysis, dim: int) -> bool:
     if node.target is aten.slice.Tensor:
         names, rest = ("dim", "start", "end", "step"), node.args[1:]

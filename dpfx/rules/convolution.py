@@ -120,13 +120,14 @@ def _same_rows(args: "ConvArgs", ctx) -> str | None:
 # layout, BatchDim(0, inner=K), through the flatten). Example b's weight gradient is the sum of
 # its K rows' gradients, so the per-sample product is taken per row, over the B*K rows, and
 # summed over each example's K rows: (B*K*groups, ...) -> (B, K, *weight.shape) -> sum(1). The
-# bias likewise sums each example's rows and positions. A time-major K*B (outer != 1) and
+# bias likewise sums each example's rows and positions. A view-major K*B (outer != 1) and
 # operands with different layouts are refused; the ghost form is not offered (its Grams would
 # have to span K*P positions), so these convolutions materialize.
 # (tests/test_merged_batch.py::test_augmentation_multiplicity)
 def _rows_per_example(ctx, args: "ConvArgs"):
     """K, the rows of dim 0 each example owns (1 for a plain batch), a sympy expression."""
-    return ctx.layout(args.grad_out).inner
+    lay = ctx.layout(args.grad_out)
+    return lay.inner if isinstance(lay, BatchDim) else 1
 
 
 def _rows(ctx, args: "ConvArgs"):
@@ -486,7 +487,7 @@ def _gram_pays_off(ctx, args: ConvArgs) -> bool:
 
 def cost_convolution(node, ctx) -> dict:
     args = ConvArgs.of(node.args[0])
-    batch = ctx.analysis.batch
+    batch = ctx.analysis.batch * _rows_per_example(ctx, args)   # the rows the product runs over
     if node.args[1] == BIAS:
         channels = int(args.grad_out.meta["val"].shape[1])
         return {"form": f"sum of [B, {channels}, ...] over its spatial dims",
