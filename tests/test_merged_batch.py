@@ -136,6 +136,35 @@ def test_augmentation_multiplicity_ghost_falls_back_to_materialize():
     assert_close(got, loop_dp_sgd_grads(model, views_loss, inputs, y, max_grad_norm=C), **TOL)
 
 
+class ViewsPermutedPool(nn.Module):
+    """K views as B*K images, a Linear on the channels-last permute, permuted back and pooled to
+    one position: Inductor restrides the pooled mean with as_strided, whose backward scatters
+    into a flat (4*B*K,) buffer (Note [as_strided reads storage] in dpfx/passes/batch.py), each
+    example's K rows in its own block."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 4), \
+            nn.Linear(4, 3)
+
+    def forward(self, x):
+        b, k = x.shape[:2]
+        h = self.fc(self.conv(x.flatten(0, 1)).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1).view(b, k, 4).mean(1))
+
+
+def test_as_strided_scatter_over_merged_rows():
+    torch.manual_seed(0)
+    model = ViewsPermutedPool()
+    make = lambda b: ((torch.randn(b, K, 3, 4, 4),), torch.randint(0, 3, (b,)))  # noqa: E731
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager")
+    for b in (3, K, 1):
+        inputs, y = make(b)
+        assert_close(run_dpfx_multi(dp, model, F.cross_entropy, inputs, y),
+                     loop_dp_sgd_grads(model, F.cross_entropy, inputs, y, max_grad_norm=C), **TOL)
+    assert "aten.as_strided_scatter(" in dp._dpfx_backend.stages.graphs["backward.private"]
+
+
 class TimeMajorViews(nn.Module):
     """K views flattened view-major, (K, B, ...) -> (K*B, ...): each example's rows are not
     together, so the convolution rule refuses rather than sum the wrong rows."""
@@ -403,3 +432,24 @@ def test_partial_slice_over_the_batch_is_refused():
     dp = dpfx.compile(ShiftedByOne(), max_grad_norm=C, noise_multiplier=0.0, backend="eager")
     with pytest.raises(dpfx.PrivacyError, match="mixes the batch|works along the batch"):
         dp(torch.randn(3, 4))
+
+
+# -- tensors the model holds -----------------------------------------------------------------------
+def test_causal_mask_held_in_a_closure():
+    """Note [Tensors the model holds are not inputs] (dpfx/backend.py): the decoder layer's causal
+    mask is read from a closure cell, a constant to the graph, not a batch input."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.fc = layer, nn.Linear(8, 3)
+
+        def forward(self, x, memory):
+            return self.fc(self.layer(x, memory, tgt_mask=causal).mean(1))
+
+    def make(b):
+        return (torch.randn(b, 4, 8), torch.randn(b, 5, 8)), torch.randint(0, 3, (b,))
+    check(Decoder(), make, F.cross_entropy, [4, 1, 5], backend="eager")

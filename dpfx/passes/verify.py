@@ -161,17 +161,16 @@ _TO_THE_END = 2 ** 63 - 1     # ATen clamps a slice's end to the dim's size
 
 # Note [Ops that read across dims they do not name]
 # The dim check above catches an op that works along the batch dim only where the op names its
-# dims (``softmax(x, 0)``, ``sum(x, [0])``). Normalizations and convolutions read across dims
-# fixed by their meaning instead: a LayerNorm across its last len(normalized_shape) dims, a
-# GroupNorm and a convolution across everything but dim 0, the rows, a pooling across its
-# spatial dims. Their outputs keep the
-# input's shape, so the batch analysis carries the batch's layout through them (Note
-# [Multi-output ops inherit per output] in batch.py), and that is right only where the batch
-# lies in the dims the op keeps apart: HF OPT's LayerNorm on hidden states flattened to (B*T, d)
-# reads each of the B*T rows alone, so example b's rows stay example b's; a convolution whose
-# spatial dim holds the batch (a (B, C) activation transposed to (1, C, B)) slides its kernel
-# across examples and is refused here.
-# (tests/test_merged_batch.py::test_convolution_across_the_batch_is_refused)
+# dims (``softmax(x, 0)``, ``sum(x, [0])``). Normalizations, convolutions and poolings read
+# across dims fixed by their meaning instead: a LayerNorm across its last len(normalized_shape)
+# dims, a GroupNorm and a convolution across everything but dim 0 (the rows), a pooling across its
+# spatial dims. Their outputs keep the batch dim's size, so the batch analysis carries the
+# batch's layout through them (Note [Multi-output ops inherit per output] in batch.py), and
+# that is right only where the batch lies in the dims the op keeps apart: HF OPT's LayerNorm on
+# hidden states flattened to (B*T, d) reads each of the B*T rows alone, so example b's rows stay
+# example b's; a convolution whose spatial dim holds the batch (a (B, C) activation transposed
+# to (1, C, B)) slides its kernel across examples and is refused here, even when it is frozen
+# and no rule would look at it. (tests/test_merged_batch.py::test_ops_across_the_batch_are_refused)
 def _conv_dims(node: fx.Node, rank: int) -> set[int]:
     return set(range(1, rank))
 
