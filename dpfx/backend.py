@@ -64,7 +64,10 @@ class DPBackend:
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         self._check_same_parameters()
-        self._input_kinds = [self._kind(x) for x in example_inputs]
+        sources = [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
+        if len(sources) != len(example_inputs):
+            sources = [None] * len(example_inputs)
+        self._input_kinds = [self._kind(x, s) for x, s in zip(example_inputs, sources)]
         self.graph_params = {k[len("param:"):] for k in self._input_kinds
                              if k.startswith("param:")}
         # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
@@ -98,13 +101,15 @@ class DPBackend:
                 f"new DPOptimizer).")
         self.buffer_ids = self._constants(model)
 
-    def _kind(self, x: Any) -> str:
+    def _kind(self, x: Any, source: str | None) -> str:
         if not isinstance(x, torch.Tensor):
             return "symint"
         if id(x) in self.param_names:
             return "param:" + self.param_names[id(x)]
         if id(x) in self.buffer_ids or isinstance(x, torch.nn.Parameter):
             return "constant"
+        if source is not None and not source.startswith(_CALL_ARGUMENTS):
+            return "constant"   # Note [Tensors the model holds are not inputs]
         return "input"
 
     # -- inner compiler: one call for the forward, one for the backward --------------------------
@@ -278,6 +283,28 @@ def _check_zero_tangents(args, positions: list[int]) -> None:
                 "the module's forward from the data, or use "
                 "torch.nn.utils.parametrizations.weight_norm. dpfx's graph has written no "
                 "gradient.")
+
+
+# Note [Tensors the model holds are not inputs]
+# Every tensor the dpfx call receives carries the batch in dim 0 (api.py marks it unbacked). A
+# tensor the model reads from elsewhere, a closure's cell (a causal mask built once and captured
+# by a lambda: ``lambda x, mem: layer(x, mem, tgt_mask=causal)``), a global, an attribute that is
+# not a registered buffer, reaches dynamo's graph as an input too, with the same size on every
+# call; it used to be taken for a batch input and refused as "specialized". dynamo names where
+# each graph input comes from (its grapharg's source): those not read from the call's own
+# arguments are constants to the graph, like buffers, the same on every call whatever the batch
+# (dynamo guards on them). An input without a recorded source stays a batch input.
+# (tests/test_inductor_sweep.py, the decoder layer's causal mask)
+_CALL_ARGUMENTS = ("L['args']", "L['kwargs']")
+
+
+def _source_name(node: fx.Node) -> str | None:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    try:
+        return source.name if isinstance(source.name, str) else source.name()
+    except AttributeError:
+        return None
 
 
 def _input_index(node: fx.Node) -> int | None:

@@ -35,6 +35,13 @@ branch on the batch:
   ``input * weight.squeeze(1)``, since mm's backward tests the (B, 1) input's strides against
   the batch.
 
+- ``F.conv2d``/``F.conv3d`` (and transposed), ``F.avg_pool*``/``F.max_pool*`` and the adaptive
+  pools: on a 4-D/5-D input, ``input.contiguous()`` first (Note [Channels-last strides made
+  inside the model]).
+
+- dynamo's ``setattr`` on tensors: ``t.requires_grad = True`` inside the forward is skipped
+  (``requires_grad_skip.py``: Note [Setting requires_grad inside the forward]).
+
 - ``nn.RNN``/``nn.GRU``/``nn.LSTM``'s ``forward``, ``pack_padded_sequence`` and
   ``pad_packed_sequence``: the recurrence written out step by step in ``F.linear`` and pointwise
   gates, packed batches as padded data and lengths (``dpfx/rnn.py``); dynamo's ``allow_rnn`` is
@@ -51,7 +58,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.utils import rnn as rnn_utils
 
-from . import rnn
+from . import requires_grad_skip, rnn
 from .errors import PrivacyError
 
 _verify_batch_size = F._verify_batch_size
@@ -251,6 +258,44 @@ def _reshape_explicit(self, *sizes):
     return _reshape(self, _explicit_sizes(self, sizes))
 
 
+# Note [Channels-last strides made inside the model]
+# A model that permutes inside its blocks (HF ConvNeXt: dwconv, permute to (B, H, W, C),
+# LayerNorm and Linear layers, permute back) hands the next convolution or pooling a tensor with
+# channels-last strides. ATen's kernels for those return channels-last outputs for such inputs,
+# but with the batch an unbacked symbol torch's shape functions trace them as contiguous, so the
+# graph's next view fails on real tensors (in the eager backend and in the self-check's
+# reference run) and the convolution would be refused (Note [Channels-last convolutions are
+# refused] in passes/__init__.py). During capture these functions read ``input.contiguous()``
+# instead: the same values, and on a 4-D or 5-D input that is not contiguous one ``clone`` in
+# the graph, an elementwise copy that the batch analysis carries the layout through and the
+# proofs see like any other op. A contiguous input costs nothing (``contiguous`` returns it), and
+# neither does an adaptive pool to one position per channel (``_pooled_to_one``). A
+# channels-last *weight* (``model.to(memory_format=torch.channels_last)``) is still refused.
+# (tests/test_merged_batch.py::test_convnext_channels_last_inside_the_model)
+def _reads_contiguous(fn, adaptive: bool):
+    def stand_in(input, *args, **kwargs):
+        if isinstance(input, torch.Tensor) and input.dim() in (4, 5) and \
+                not (adaptive and _pooled_to_one(args, kwargs)):
+            input = input.contiguous()
+        return fn(input, *args, **kwargs)
+    stand_in.__name__ = stand_in.__qualname__ = getattr(fn, "__name__", "stand_in")
+    return stand_in
+
+
+def _pooled_to_one(args, kwargs) -> bool:
+    """An adaptive pool to one position per channel: its (B, C, 1, 1) output is read right
+    whatever its strides, and Inductor restrides it with an ``as_strided`` the proof reads
+    (Note [as_strided reads storage] in passes/batch.py), with no copy of the input."""
+    size = args[0] if args else kwargs.get("output_size")
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size]
+    return all(isinstance(s, int) and s == 1 for s in sizes)
+
+
+_STRIDE_KEEPING = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d", "avg_pool2d",
+                   "avg_pool3d", "max_pool2d", "max_pool3d", "adaptive_avg_pool2d",
+                   "adaptive_avg_pool3d", "adaptive_max_pool2d", "adaptive_max_pool3d"]
+
+
 # (object, attribute, dpfx's stand-in) for every swap; the originals are read when the module loads.
 _SWAPS = [
     (F, "_verify_batch_size", _verify_batch_size_if_known),
@@ -267,6 +312,9 @@ _SWAPS = [
     *[(cls, "forward", rnn.rnn_forward) for cls in _rnn_forwards],
     (rnn_utils, "pack_padded_sequence", rnn.pack_padded_sequence),
     (rnn_utils, "pad_packed_sequence", rnn.pad_packed_sequence),
+    *[(F, name, _reads_contiguous(getattr(F, name), name.startswith("adaptive_")))
+      for name in _STRIDE_KEEPING],
+    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside ...]
 ]
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 

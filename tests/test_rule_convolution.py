@@ -313,25 +313,33 @@ def test_per_sample_conv2d_chunks_through_inductor(monkeypatch):
             assert "dpfx.conv2d_per_sample_grad" in backward, backward
 
 
-@pytest.mark.parametrize("which", ["input", "weight"])
-def test_channels_last_is_refused_clearly(which):
+def test_channels_last_weight_is_refused_clearly():
     """Note [Channels-last convolutions are refused] (dpfx/passes/__init__.py): the traced
     layouts would not be the real ones; a CaptureError names the module and the fix, and the
     model is left as it was."""
     torch._dynamo.reset()
     x, y = torch.randn(3, 2, 6, 6), labels(3)
     model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)
-    if which == "weight":
-        model = model.to(memory_format=torch.channels_last)
-    else:
-        x = x.contiguous(memory_format=torch.channels_last)
+    model = model.to(memory_format=torch.channels_last)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
-    with pytest.raises(dpfx.CaptureError, match=rf"'conv' \(Conv2d\) reads its {which} in "
+    with pytest.raises(dpfx.CaptureError, match=r"'conv' \(Conv2d\) reads its weight in "
                                                r"channels-last(.|\n)*contiguous_format"):
         dp(x)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_channels_last_input_is_made_contiguous():
+    """Note [Channels-last strides made inside the model] (dpfx/traceable.py): a channels-last
+    input is copied contiguous in the graph before the convolution, and trains exactly."""
+    torch._dynamo.reset()
+    x, y = torch.randn(3, 2, 6, 6).contiguous(memory_format=torch.channels_last), labels(3)
+    model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)
+    dp = dpfx.compile(model, max_grad_norm=1e-2, noise_multiplier=0.0, backend="eager")
+    assert_close(run_dpfx(dp, model, xent, x, y),
+                 dp_sgd_grads(model, xent, x, y, max_grad_norm=1e-2))
+    assert "aten.clone(" in dp._dpfx_backend.stages.graphs["forward"]
 
 
 # -- ghost norm and book-keeping (strategy="ghost" | "auto") ---------------------------------------

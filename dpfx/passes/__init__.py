@@ -102,7 +102,10 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 # channels-last memory format): the graph's next view then fails on real tensors, in the eager
 # backend and in the self-check's reference run, and only Inductor's own copies hide it. Rather
 # than run a graph whose traced layouts are not the real ones, such convolutions are refused
-# with the fix. (tests/test_rule_convolution.py::test_channels_last_is_refused_clearly)
+# with the fix. The input reaches here channels-last only when a model calls torch's convolution
+# by a name dpfx does not swap: ``F.conv2d`` and ``F.conv3d`` read ``input.contiguous()`` during
+# capture (Note [Channels-last strides made inside the model] in traceable.py); a channels-last
+# weight is refused. (tests/test_rule_convolution.py::test_channels_last_weight_is_refused_clearly)
 def _check_convolution_layouts(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default):
         for operand, what in zip(node.args[:2], ("input", "weight")):

@@ -142,6 +142,23 @@ def _prod(exprs) -> sympy.Expr:
 _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 
 
+# Note [Multi-output ops inherit per output]
+# A merged dim k*B is a batch layout like any other once a view proves it: HF OPT flattens its
+# hidden states (B, T, d) -> (B*T, d) before the last LayerNorm, augmentation multiplicity flattens
+# (B, K, C, H, W) -> (B*K, C, H, W) before a convolution and a GroupNorm. Single-output ops
+# already inherit BatchDim(0, inner=T) from the input dim of the same size (``_inherit``); the
+# ops that return tuples (native_layer_norm's (out, mean, rstd), native_group_norm, their
+# backwards, convolution_backward, max_pool2d_with_indices) now do the same for each output,
+# where they used to read the shape, which can only say "B" or "mixes the batch with other dims".
+# Inheriting says where the rows are, not that the op keeps them apart: that is the forward
+# check's (mixing_ops in verify.py), which refuses an op working along the batch's dim, whether
+# the op names the dim or, like a LayerNorm, a GroupNorm, a convolution or a pooling, reads
+# across dims fixed by its meaning (Note [Ops that read across dims they do not name]). The
+# views that split the merged dim back must split it as it was merged (``_through_view``), and
+# the per-sample rules sum each example's rows (Note [A convolution over K rows per example]).
+# (tests/test_merged_batch.py)
+
+
 class BatchAnalysis:
     """Layouts of every node of ``graph``. ``seeds`` gives layouts of placeholders by name."""
 
@@ -222,8 +239,8 @@ class BatchAnalysis:
         if isinstance(val, (tuple, list)):
             if node.op == "placeholder":
                 return None
-            return tuple(
-                self.from_shape(v) if isinstance(v, torch.Tensor) else None for v in val
+            return tuple(   # Note [Multi-output ops inherit per output]
+                self._inherit(node, v) if isinstance(v, torch.Tensor) else None for v in val
             )
         if not isinstance(val, torch.Tensor) or not self._batched_val(val):
             return None

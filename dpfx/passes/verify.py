@@ -41,7 +41,7 @@ import torch.fx as fx
 from .. import cpu_noise, stats  # noqa: F401  (dpfx::standard_normal, ::observe_norms)
 from ..config import DPConfig
 from ..errors import PrivacyError
-from .batch import Ambiguous, BatchAnalysis, BatchDim
+from .batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -125,14 +125,96 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
         src = an.layout(batched_in[0])
         if not isinstance(src, BatchDim) or batched_in[0] is not node.args[0]:
             continue
-        if src.dim in _named_dims(node, batched_in[0].meta["val"].dim()):
+        if src.dim in _named_dims(node, batched_in[0].meta["val"].dim()) and \
+                not _whole_range(node, an, src.dim):
             found.append((node, f"works along the batch dim {src.dim}"))
     return found
 
 
+# Note [A slice over the whole batch dim]
+# ``x[:, None]`` slices dim 0 from 0 to the end; dynamo drops the no-op slice from the forward, but
+# its backward is ``slice_scatter(zeros, g, 0, 0, INT64_MAX)``, an op with a dim argument that
+# names the batch dim. A slice or slice_scatter from 0, step 1, to at least the dim's size (for
+# every value of the size symbols; or INT64_MAX, which ATen clamps) copies example i's entries to
+# example i's: slice returns its input, slice_scatter returns src, overwriting the whole base.
+# (nn.Embedding and nn.EmbeddingBag reading the same ids, tests/test_inductor_sweep.py;
+# tests/test_merged_batch.py::test_partial_slice_over_the_batch_is_refused)
+def _whole_range(node: fx.Node, an: BatchAnalysis, dim: int) -> bool:
+    if node.target is aten.slice.Tensor:
+        names, rest = ("dim", "start", "end", "step"), node.args[1:]
+    elif node.target is aten.slice_scatter.default:
+        names, rest = ("dim", "start", "end", "step"), node.args[2:]
+    else:
+        return False
+    given = dict(zip(names, rest)) | {k: v for k, v in node.kwargs.items() if k in names}
+    size = an.shape(node.args[0].meta["val"])[dim]
+    end = given.get("end")
+    end = end.meta.get("val") if isinstance(end, fx.Node) else end
+    return given.get("dim", 0) % node.args[0].meta["val"].dim() == dim and \
+        given.get("start") in (None, 0) and given.get("step", 1) == 1 and \
+        (end is None or end == _TO_THE_END or (isinstance(end, (int, torch.SymInt)) and
+                                                _nonnegative(an.size(end) - size)))
+
+
+_TO_THE_END = 2 ** 63 - 1     # ATen clamps a slice's end to the dim's size
+
+
+# Note [Ops that read across dims they do not name]
+# The dim check above catches an op that works along the batch dim only where the op names its
+# dims (``softmax(x, 0)``, ``sum(x, [0])``). Normalizations, convolutions and poolings read
+# across dims fixed by their meaning instead: a LayerNorm across its last len(normalized_shape)
+# dims, a GroupNorm and a convolution across everything but dim 0 (the rows), a pooling across its
+# spatial dims. Their outputs keep the batch dim's size, so the batch analysis carries the
+# batch's layout through them (Note [Multi-output ops inherit per output] in batch.py), and
+# that is right only where the batch lies in the dims the op keeps apart: HF OPT's LayerNorm on
+# hidden states flattened to (B*T, d) reads each of the B*T rows alone, so example b's rows stay
+# example b's; a convolution whose spatial dim holds the batch (a (B, C) activation transposed
+# to (1, C, B)) slides its kernel across examples and is refused here, even when it is frozen
+# and no rule would look at it. (tests/test_merged_batch.py::test_ops_across_the_batch_are_refused)
+def _conv_dims(node: fx.Node, rank: int) -> set[int]:
+    return set(range(1, rank))
+
+
+def _layer_norm_dims(node: fx.Node, rank: int) -> set[int]:
+    normalized = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", [])
+    return set(range(rank - len(normalized), rank))
+
+
+def _layer_norm_backward_dims(node: fx.Node, rank: int) -> set[int]:
+    normalized = node.args[2] if len(node.args) > 2 else node.kwargs.get("normalized_shape", [])
+    return set(range(rank - len(normalized), rank))
+
+
+def _last(k: int):
+    """Pooling over the last k (spatial) dims."""
+    return lambda node, rank: set(range(max(rank - k, 0), rank))
+
+
+_READS_ACROSS = {
+    **{op: _last(k) for k, ops in (
+        (1, [aten.avg_pool1d.default, aten.adaptive_max_pool1d.default]),
+        (2, [aten.avg_pool2d.default, aten.max_pool2d_with_indices.default,
+             aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool2d.default,
+             aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+             aten._adaptive_avg_pool2d_backward.default]),
+        (3, [aten.avg_pool3d.default, aten.max_pool3d_with_indices.default,
+             aten._adaptive_avg_pool3d.default])) for op in ops},
+    aten.convolution.default: _conv_dims,
+    aten.convolution_backward.default: _conv_dims,
+    aten.native_group_norm.default: _conv_dims,
+    aten.native_group_norm_backward.default: _conv_dims,
+    aten.native_layer_norm.default: _layer_norm_dims,
+    aten.native_layer_norm_backward.default: _layer_norm_backward_dims,
+}
+
+
 def _named_dims(node: fx.Node, rank: int) -> set[int]:
-    """The dims an op's ``dim``/``dims`` arguments name; an omitted or empty one means all."""
+    """The dims an op's ``dim``/``dims`` arguments name; an omitted or empty one means all. Ops
+    that read across dims they do not name add those (Note [Ops that read across dims they do
+    not name])."""
     named = set()
+    if node.target in _READS_ACROSS:
+        named |= _READS_ACROSS[node.target](node, rank)
     for dims in _dim_args(node):
         if dims == "default" or dims is None or dims == []:
             dims = list(range(rank))

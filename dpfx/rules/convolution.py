@@ -96,11 +96,43 @@ def _constants_ok(args: ConvArgs) -> str | None:
     return None
 
 
-def _plain_batch(node, ctx, what: str) -> str | None:
+def _batch_rows(node, ctx, what: str) -> str | None:
+    """None if ``node`` carries the batch in dim 0 as B or as B*K batch-major rows (Note [A
+    convolution over K rows per example]), else the reason."""
     lay = ctx.layout(node)
-    if not (isinstance(lay, BatchDim) and lay.is_plain and lay.dim == 0):
-        return f"the {what} must carry the batch as plain dim 0, its layout is {lay}"
+    if not (isinstance(lay, BatchDim) and lay.dim == 0 and lay.outer == 1):
+        return (f"the {what} must carry the batch in dim 0 (B, or B*K with each example's K rows "
+                f"together), its layout is {lay}")
     return None
+
+
+def _same_rows(args: "ConvArgs", ctx) -> str | None:
+    a, b = ctx.layout(args.grad_out), ctx.layout(args.input)
+    if a != b:
+        return f"the output gradient's batch layout {a} is not the input's {b}"
+    return None
+
+
+# Note [A convolution over K rows per example]
+# A model that flattens K views of each example into the batch dim before a convolution
+# (augmentation multiplicity: (B, K, C, H, W) -> (B*K, C, H, W), De et al. 2022) runs the
+# convolution on B*K rows, example b owning rows [b K, (b + 1) K) (the batch analysis proves that
+# layout, BatchDim(0, inner=K), through the flatten). Example b's weight gradient is the sum of
+# its K rows' gradients, so the per-sample product is taken per row, over the B*K rows, and
+# summed over each example's K rows: (B*K*groups, ...) -> (B, K, *weight.shape) -> sum(1). The
+# bias likewise sums each example's rows and positions. A view-major K*B (outer != 1) and
+# operands with different layouts are refused; the ghost form is not offered (its Grams would
+# have to span K*P positions), so these convolutions materialize.
+# (tests/test_merged_batch.py::test_augmentation_multiplicity)
+def _rows_per_example(ctx, args: "ConvArgs"):
+    """K, the rows of dim 0 each example owns (1 for a plain batch), a sympy expression."""
+    lay = ctx.layout(args.grad_out)
+    return lay.inner if isinstance(lay, BatchDim) else 1
+
+
+def _rows(ctx, args: "ConvArgs"):
+    """The number of rows of dim 0, B*K, as an int or a SymInt node."""
+    return ctx.emit.size(ctx.analysis.batch * _rows_per_example(ctx, args))
 
 
 def check_convolution(node, ctx) -> str | None:
@@ -111,9 +143,9 @@ def check_convolution(node, ctx) -> str | None:
         return f"output {index} of convolution_backward is the input gradient, not a parameter's"
     args = ConvArgs.of(node.args[0])
     if index == BIAS:
-        return _plain_batch(args.grad_out, ctx, "output gradient")
-    return (_constants_ok(args) or _plain_batch(args.grad_out, ctx, "output gradient")
-            or _plain_batch(args.input, ctx, "input"))
+        return _batch_rows(args.grad_out, ctx, "output gradient")
+    return (_constants_ok(args) or _batch_rows(args.grad_out, ctx, "output gradient")
+            or _batch_rows(args.input, ctx, "input") or _same_rows(args, ctx))
 
 
 def _size(ctx, node, dim: int):
@@ -356,20 +388,21 @@ def _per_sample_product(ctx, args: ConvArgs):
 
 
 def _response(ctx, args: ConvArgs):
-    """The response as (B*groups, C_resp/groups, P)."""
+    """The response as (B*K*groups, C_resp/groups, P)."""
     g, n = args.groups, len(args.kernel)
     c_resp = int(args.weight.meta["val"].shape[0])
-    batch_groups = _product(ctx, [ctx.emit.batch_size(), g])
+    batch_groups = _product(ctx, [_rows(ctx, args), g])
     num_positions = _product(ctx, [_size(ctx, args.response, 2 + i) for i in range(n)])
     return ctx.emit(aten.reshape.default, args.response, [batch_groups, c_resp // g, num_positions])
 
 
 def _unfolded(ctx, args: ConvArgs):
-    """The two operands of the per-sample product, groups folded into the batch:
-    response (B*groups, C_resp/groups, P) and patches (B*groups, P, C_img/groups * K)."""
+    """The two operands of the per-sample product, groups folded into the rows:
+    response (B*groups, C_resp/groups, P) and patches (B*groups, P, C_img/groups * K), B*K rows
+    in place of B for K rows per example."""
     g, n = args.groups, len(args.kernel)
     c_img = int(args.weight.meta["val"].shape[1])
-    batch = ctx.emit.batch_size()
+    batch = _rows(ctx, args)
     batch_groups = _product(ctx, [batch, g])
     positions = [_size(ctx, args.response, 2 + i) for i in range(n)]
     num_positions = _product(ctx, positions)
@@ -394,16 +427,27 @@ def _unfolded(ctx, args: ConvArgs):
 
 
 def per_sample_weight(ctx, args: ConvArgs):
-    """(B, *weight.shape): bmm over B*groups of the response against the unfolded patches."""
+    """(B, *weight.shape): bmm over B*groups of the response against the unfolded patches,
+    summed over each example's rows (Note [A convolution over K rows per example])."""
     c_resp, c_img = (int(c) for c in args.weight.meta["val"].shape[:2])
     grad = _per_sample_product(ctx, args)
-    return ctx.emit(aten.view.default, grad, [ctx.emit.batch_size(), c_resp, c_img, *args.kernel])
+    rows = _rows_per_example(ctx, args)
+    if rows == 1:
+        return ctx.emit(aten.view.default, grad,
+                        [ctx.emit.batch_size(), c_resp, c_img, *args.kernel])
+    grad = ctx.emit(aten.view.default, grad, [ctx.emit.batch_size(), ctx.emit.size(rows), c_resp,
+                                              c_img, *args.kernel])
+    return ctx.emit(aten.sum.dim_IntList, grad, [1], False)
 
 
 def per_sample_bias(ctx, args: ConvArgs):
-    """(B, C): the output gradient summed over its spatial dims."""
+    """(B, C): the output gradient summed over its spatial dims (and each example's rows)."""
     rank = args.grad_out.meta["val"].dim()
-    return ctx.emit(aten.sum.dim_IntList, args.grad_out, list(range(2, rank)), False)
+    lay = ctx.layout(args.grad_out)
+    if lay.is_plain:
+        return ctx.emit(aten.sum.dim_IntList, args.grad_out, list(range(2, rank)), False)
+    front = ctx.emit.batch_to_front(args.grad_out, lay)    # (B, K, C, *spatial)
+    return ctx.emit(aten.sum.dim_IntList, front, [1, *range(3, rank + 1)], False)
 
 
 def rewrite_convolution(node, ctx):
@@ -443,7 +487,7 @@ def _gram_pays_off(ctx, args: ConvArgs) -> bool:
 
 def cost_convolution(node, ctx) -> dict:
     args = ConvArgs.of(node.args[0])
-    batch = ctx.analysis.batch
+    batch = ctx.analysis.batch * _rows_per_example(ctx, args)   # the rows the product runs over
     if node.args[1] == BIAS:
         channels = int(args.grad_out.meta["val"].shape[1])
         return {"form": f"sum of [B, {channels}, ...] over its spatial dims",
@@ -490,6 +534,8 @@ def cost_convolution(node, ctx) -> dict:
 def check_ghost_convolution(node, ctx) -> str | None:
     if node.args[1] == BIAS:
         return "the bias gradient is a sum over positions; its per-sample form is only (B, C)"
+    if _rows_per_example(ctx, ConvArgs.of(node.args[0])) != 1:
+        return "each example owns several rows (Note [A convolution over K rows per example])"
     if ctx.strategy == "auto" and not _gram_pays_off(ctx, ConvArgs.of(node.args[0])):
         return "the Gram matrices would cost more flops than the per-sample product"
     return None
