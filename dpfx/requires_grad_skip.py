@@ -10,7 +10,7 @@ models copied from them) begin with
 dynamo breaks the graph on a ``setattr`` of ``requires_grad`` (aot_autograd cannot turn a tensor
 into a leaf in the middle of a graph), which dpfx must refuse: it never runs part of a model
 outside its private graph. Like the logging calls dpfx skips (Note [Logging inside the forward]
-in api.py), the statement is dropped from the capture.
+in capture.py), the statement is dropped from the capture.
 
 # Note [Setting requires_grad inside the forward]
 # Only ``t.requires_grad = True`` with the constant True is skipped; False (which detaches, and so
