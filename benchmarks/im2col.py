@@ -124,7 +124,7 @@ def step_table(against: str, batch: int, rounds: int) -> str:
             native.library = own
 
     @contextlib.contextmanager
-    def other_im2col_and_aten_copies():    # both of session 18's kernels undone
+    def other_im2col_and_aten_copies():    # both kernels undone (im2col and layout transpose)
         from conv_layout import aten_layout_copies
         with other_im2col(), aten_layout_copies():
             yield

@@ -6,8 +6,8 @@ non-private baseline, interleaved in one process.
     python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
 
 torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
-session 18), and a kernel timed alone in a loop runs on warm caches and awake threads that a
-step does not give it. This script times each call where the step makes it, with
+"Measured and not taken"), and a kernel timed alone in a loop runs on warm caches and awake
+threads that a step does not give it. This script times each call where the step makes it, with
 ``time.perf_counter`` around:
 
 - every C++ kernel of every Inductor output module loaded in the process (``cpp_fused_*``),

@@ -1,4 +1,4 @@
-"""The report of a benchmark run: results.md (a summary of dpfx against issue 18's targets, then
+"""The report of a benchmark run: results.md (a summary of dpfx against its targets, then
 one table per model), the ratios every row carries, and ratio.png. Used by run.py's driver.
 
     add_ratios("lstm", rows)                     # x base, x compiled, x eager, first x, mem x
@@ -6,7 +6,7 @@ one table per model), the ratios every row carries, and ratio.png. Used by run.p
 """
 from __future__ import annotations
 
-# issue 18's targets for dpfx: steady step / the model's baseline, first step, step memory
+# dpfx's targets (BENCHMARKS.md): steady step / the model's baseline, first step, step memory
 STEP_TARGET = {"mlp": 1.10, "gpt": 1.10, "hf_gpt2": 1.10, "hf_llama": 1.10, "cnn": 1.25,
                "embedding": 1.25, "lstm": 1.5}
 FIRST_STEP_TARGET, MEMORY_TARGET = 1.3, 1.2
@@ -87,7 +87,7 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
 
 
 def summary(results: list[dict]) -> list[str]:
-    """dpfx's ratios to the baseline beside issue 18's targets, and the fastest private peer."""
+    """dpfx's ratios to the baseline beside its targets, and the fastest private peer."""
     lines = ["## Summary: dpfx against its targets", "",
              "| model | B | step x base (target) | noise alone, x base | fastest peer, x base "
              f"| first step x (target {FIRST_STEP_TARGET}) | warm first step, dpfx / base (s) "

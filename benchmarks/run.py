@@ -31,7 +31,7 @@ Measurements, per (model, batch, method):
   torch.compile, except for the LSTM, whose baseline is the same recurrence unrolled as dpfx
   captures it, compiled without DP (Note [The LSTM's baseline] in models.py). first x and mem x:
   first step and step memory over the same baseline's. The summary at the top of results.md
-  sets dpfx's ratios beside issue 18's targets.
+  sets dpfx's ratios beside its targets (BENCHMARKS.md).
 - noise alone: dpfx's noise call (``dpfx::add_noise_`` over the model's trainable parameters,
   one N(0, 1) sample per coordinate) timed by itself between dpfx's timed blocks, as many times
   as dpfx's steps, over the baseline's median step. DP-SGD cannot skip it, so it bounds from

@@ -1,9 +1,12 @@
 """The independent reference every differential test compares against: torch.func per-example
 gradients (vmap of grad over the batch), flat clipping over all parameters, sum, divide.
 
-Nothing here shares code with dpfx's compiler.
+Nothing here shares code with dpfx's compiler. ``check_every_batch_size`` at the end is the
+differential check the rule tests share: dpfx against this reference at every batch size.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.func import functional_call, grad, vmap
@@ -108,3 +111,34 @@ def run_dpfx_multi(dp_model, model, loss_fn, inputs: tuple, targets, loss_reduct
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def check_every_batch_size(model, loss_fn, x, y, *, max_grad_norm, reduction="mean",
+                           expected=None, backend="eager", strategy="auto",
+                           first_call=contextlib.nullcontext):
+    """One compiled graph serves every batch size: for B = 0..len(x) (B = 0 only where the
+    divisor D is known: "sum" or an expected_batch_size), dpfx with sigma = 0 on the first B
+    examples equals ``dp_sgd_grads``, and clipping bites on the full batch. ``first_call``: a
+    context manager around the first step (where dpfx compiles). Returns the compiled module."""
+    import dpfx
+
+    torch._dynamo.reset()  # conftest's fresh dynamo, per hypothesis example (see conftest.py)
+    assert clip_fraction(model, loss_fn, x, y, max_grad_norm) > 0
+    dp = dpfx.compile(model, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+                      loss_reduction=reduction, expected_batch_size=expected, backend=backend,
+                      strategy=strategy)
+    # Inductor's parallel CPU reductions may sum in another order than eager: 1e-4 relative.
+    tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {}
+    first = 0 if reduction == "sum" or expected else 1
+    for batch in range(first, x.shape[0] + 1):
+        xb, yb = x[:batch], y[:batch]
+        with first_call() if batch == first else contextlib.nullcontext():
+            got = run_dpfx(dp, model, loss_fn, xb, yb, reduction)
+        want = dp_sgd_grads(model, loss_fn, xb, yb, max_grad_norm=max_grad_norm,
+                            loss_reduction=reduction, expected_batch_size=expected)
+        try:
+            assert_close(got, want, **tol)
+        except AssertionError as e:
+            raise AssertionError(f"batch size {batch}: {e}") from None
+    assert dp.compile_count == 2, "one forward and one backward graph for every batch size"
+    return dp

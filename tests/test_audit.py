@@ -52,7 +52,7 @@ def test_bad_arguments():
 @pytest.mark.slow
 @pytest.mark.parametrize("control", [None, "no-clip", "sigma/4"])
 def test_long_audit_through_inductor(control):
-    """The issue's setting: 16000 trials a side through the default backend, an MLP, a batch of
+    """The long audit: 16000 trials a side through the default backend, an MLP, a batch of
     8 beside the canary; sigma/4 is a weaker breakage than the default test's sigma/10."""
     model, batch, canary = builtin_setup("mlp", 8)
     result = audit.run(model, batch, canary, max_grad_norm=1.0, noise_multiplier=1.0,

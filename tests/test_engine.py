@@ -185,11 +185,16 @@ def test_plain_optimizer_never_sees_unnoised_sums():
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, backend="eager",
                       noise="optimizer")
     plain = torch.optim.SGD(model.parameters(), lr=1.0)
+    private = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), dp)
     before = [p.detach().clone() for p in model.parameters()]
     _backward(dp, torch.randn(4, 8), torch.randn(4, 4))
+    assert set(dp.clipped_sums) == {k for k, _ in model.named_parameters()}
     plain.step()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
+    # The positive control: the sums were there, and dpfx's optimizer applies them with noise.
+    private.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_foreign_gradient_is_refused_at_step():

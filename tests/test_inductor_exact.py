@@ -17,7 +17,8 @@ from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
 
 class MHAHead(nn.Module):
-    """The issue's reproduction: batch_first MHA, mean over time, a Linear head."""
+    """A model Inductor miscompiled before the fix: batch_first MHA, mean over time, a Linear
+    head."""
 
     def __init__(self, d=16, heads=2):
         super().__init__()

@@ -367,8 +367,8 @@ def test_frozen_parameters_take_no_part():
        strategy=st.sampled_from(["auto", "materialize", "ghost"]))
 def test_width_one_hidden_layer_matches_reference(d_in, d_out, extra, batch, bias, reduction,
                                                   strategy):
-    """A Linear fed one feature that needs a gradient used to fail capture on Eq(u0, 1) (issue
-    #11, Note [A Linear with one input feature] in traceable.py): fc2 is written as a broadcast
+    """A Linear fed one feature that needs a gradient used to fail capture on Eq(u0, 1) (Note
+    [A Linear with one input feature] in traceable.py): fc2 is written as a broadcast
     product, so its weight takes the sum rule; fc1, on data that needs no gradient, is untouched."""
     torch._dynamo.reset()
     model = MLP(d_in, 1, d_out, bias)

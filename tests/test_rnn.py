@@ -330,6 +330,18 @@ def test_dropout_between_layers_trains_privately():
     grads = run(dp, model, (x,), y, "mean")
     total = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
     assert 0 < total <= C + 1e-6
+    # every weight and bias of both layers gets a gradient through the dropout between them
+    for name in model.rnn._flat_weights_names:
+        assert grads[f"rnn.{name}"].abs().sum() > 0, name
+    # one SGD step on dpfx's gradient; the stock module computes with the stepped weights
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p -= grads[k]
+    assert all(w is getattr(model.rnn, n)
+               for w, n in zip(model.rnn._flat_weights, model.rnn._flat_weights_names))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(dp(x), model(x))
 
 
 @pytest.mark.slow

@@ -536,7 +536,7 @@ def test_auto_takes_the_ghost_where_it_pays():
     assert ghost["conv2.weight"].form.startswith("<Gram")
 
 
-# -- issue #11: a one-channel conv into a Linear; float64 ------------------------------------------
+# -- a one-channel conv into a Linear; float64 -----------------------------------------------------
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(dim=st.sampled_from([1, 2]), in_ch=st.integers(1, 3), size=st.integers(2, 3),
        batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
@@ -564,7 +564,7 @@ F64 = dict(rtol=1e-9, atol=1e-12)   # float32 norms or clip factors are off by ~
 
 def float64_cnn() -> nn.Module:
     """Conv2d + GroupNorm + Linear in float64 on (B, 2, 6, 6): conv2 has P = 4 output positions,
-    where "auto" takes its ghost form (the book-keeping path issue #11 failed on)."""
+    where "auto" takes its ghost form (the book-keeping path that once failed here)."""
     return nn.Sequential(OrderedDict(
         conv1=nn.Conv2d(2, 4, 3, padding=1), norm=nn.GroupNorm(2, 4), relu=nn.ReLU(),
         conv2=nn.Conv2d(4, 8, 3, stride=2), flat=nn.Flatten(),

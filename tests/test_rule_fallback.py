@@ -15,7 +15,8 @@ from hypothesis import Phase, example, given, settings, strategies as st
 
 import dpfx
 from dpfx.rules.fallback import FallbackWarning
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from reference import (assert_close, check_every_batch_size, clip_fraction, dp_sgd_grads,
+                       run_dpfx)
 
 # Few examples (each compiles twice); no shrinking, which would recompile for minutes.
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
@@ -33,27 +34,12 @@ def xent(out, y):
 def check(model, x, y, *, config, backend="eager", strategy="auto"):
     """For B = 0..len(x) (B = 0 where D is known), dpfx equals the reference; clipping bites.
     Returns {parameter: rules fired}; asserts the fallback warned."""
-    torch._dynamo.reset()
     reduction, expected = config
-    assert clip_fraction(model, xent, x, y, C) > 0
-    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend=backend, strategy=strategy)
-    tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {}
-    first = 0 if reduction == "sum" or expected else 1
-    for batch in range(first, x.shape[0] + 1):
-        xb, yb = x[:batch], y[:batch]
-        if batch == first:
-            with pytest.warns(FallbackWarning, match=r"parameter 'w'.*aten\.bmm\.default"):
-                got = run_dpfx(dp, model, xent, xb, yb, reduction)
-        else:
-            got = run_dpfx(dp, model, xent, xb, yb, reduction)
-        want = dp_sgd_grads(model, xent, xb, yb, max_grad_norm=C, loss_reduction=reduction,
-                            expected_batch_size=expected)
-        try:
-            assert_close(got, want, **tol)
-        except AssertionError as e:
-            raise AssertionError(f"batch size {batch}: {e}") from None
-    assert dp.compile_count == 2
+    warned = lambda: pytest.warns(FallbackWarning,  # noqa: E731
+                                  match=r"parameter 'w'.*aten\.bmm\.default")
+    dp = check_every_batch_size(model, xent, x, y, max_grad_norm=C, reduction=reduction,
+                                expected=expected, backend=backend, strategy=strategy,
+                                first_call=warned)
     return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 import dpfx
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from reference import check_every_batch_size
 
 aten = torch.ops.aten
 
@@ -42,28 +42,11 @@ def xent_over_positions(out, y):
 
 
 def check(model, loss_fn, x, y, *, config, backend="eager"):
-    """One compiled graph serves every batch size: for B = 0..len(x) (B = 0 only where the
-    divisor D is known: "sum" or an expected_batch_size), dpfx with sigma = 0 on the first B
-    examples equals the reference DP-SGD gradient, and clipping bites on the full batch.
+    """``reference.check_every_batch_size`` at ``config`` = (reduction, expected batch size).
     Returns {parameter: frontier rules fired} and {parameter: its ParamGrad}."""
-    torch._dynamo.reset()  # conftest's fresh dynamo, per hypothesis example (see conftest.py)
     reduction, expected = config
-    assert clip_fraction(model, loss_fn, x, y, C) > 0
-    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend=backend)
-    first = 0 if reduction == "sum" or expected else 1
-    for batch in range(first, x.shape[0] + 1):
-        xb, yb = x[:batch], y[:batch]
-        got = run_dpfx(dp, model, loss_fn, xb, yb, reduction)
-        want = dp_sgd_grads(model, loss_fn, xb, yb, max_grad_norm=C, loss_reduction=reduction,
-                            expected_batch_size=expected)
-        # Inductor's parallel CPU reductions may sum in another order than eager: 1e-4 relative.
-        tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {}
-        try:
-            assert_close(got, want, **tol)
-        except AssertionError as e:
-            raise AssertionError(f"batch size {batch}: {e}") from None
-    assert dp.compile_count == 2, "one forward and one backward graph for every batch size"
+    dp = check_every_batch_size(model, loss_fn, x, y, max_grad_norm=C, reduction=reduction,
+                                expected=expected, backend=backend)
     grads = {pg.name: pg for pg in dp._dpfx_backend.param_grads}
     return {name: pg.rules for name, pg in grads.items()}, grads
 

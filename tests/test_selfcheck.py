@@ -64,20 +64,37 @@ def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, 
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def _spy_on_comparisons(monkeypatch) -> list:
+    """The graphs the self-check compares, in order ("forward", "backward"), as it compares them."""
+    real_compare, compared = dpfx.selfcheck._compare, []
+
+    def compare(which, *args, **kwargs):
+        compared.append(which)
+        return real_compare(which, *args, **kwargs)
+
+    monkeypatch.setattr(dpfx.selfcheck, "_compare", compare)
+    return compared
+
+
 def test_opt_out(monkeypatch):
     _miscompile(monkeypatch, "backward", _nudge_gradients)
+    compared = _spy_on_comparisons(monkeypatch)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check=False)
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert model.fc1.weight.grad is not None
+    assert compared == []
 
 
-def test_passes_a_correct_graph_with_noise():
-    """Graph noise on CPU: the compiled and the eager backward draw the same seeded normals."""
+def test_passes_a_correct_graph_with_noise(monkeypatch):
+    """Graph noise on CPU: the compiled and the eager backward draw the same seeded normals, so
+    the self-check compares the noisy backward and accepts it."""
+    compared = _spy_on_comparisons(monkeypatch)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0)
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
-    assert model.fc1.weight.grad is not None
+    assert "forward" in compared and "backward" in compared, compared
+    assert model.fc1.weight.grad is not None and model.fc1.weight.grad.abs().sum() > 0
 
 
 def test_self_check_leaves_the_users_random_stream():

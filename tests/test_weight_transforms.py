@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize, parametrizations
 
 import dpfx
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from reference import (assert_close, check_every_batch_size, clip_fraction, dp_sgd_grads,
+                       run_dpfx)
 
 C = 0.05
 
@@ -26,22 +27,8 @@ def xent(out, y):
 
 
 def check(model, x, y, *, reduction="mean", expected=None, backend="eager"):
-    torch._dynamo.reset()
-    assert clip_fraction(model, xent, x, y, C) > 0
-    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
-                      expected_batch_size=expected, backend=backend)
-    tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5,
-                                                                       "atol": 1e-6}
-    first = 0 if reduction == "sum" or expected else 1
-    for batch in range(first, x.shape[0] + 1):
-        got = run_dpfx(dp, model, xent, x[:batch], y[:batch], reduction)
-        want = dp_sgd_grads(model, xent, x[:batch], y[:batch], max_grad_norm=C,
-                            loss_reduction=reduction, expected_batch_size=expected)
-        try:
-            assert_close(got, want, **tol)
-        except AssertionError as e:
-            raise AssertionError(f"batch size {batch}: {e}") from None
-    assert dp.compile_count == 2
+    dp = check_every_batch_size(model, xent, x, y, max_grad_norm=C, reduction=reduction,
+                                expected=expected, backend=backend)
     return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
 
 
