@@ -139,6 +139,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 else PrivacyLedger(ledger)
             reconcile(self.privacy_ledger, accountant, self._max_grad_norm())
         self._share_count()
+        # Where the noise is added, fixed with the compiled model: in its backward graph (p.grad
+        # is private when step() runs) or here, once per logical step
+        self._noised_in_graph = config.noise == "graph"
+        self._privatize = (lambda: None) if self._noised_in_graph else self._write_private_grads
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._released = False      # a backward ran since the last step() (Note [One release
@@ -198,7 +202,7 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------------
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` and ``zero_grad()`` no-ops (Note [Virtual batches])."""
-        if do_skip and self.dp_model.dp_config.noise != "optimizer":
+        if do_skip and self._noised_in_graph:
             raise ValueError("virtual batches accumulate clipped sums across backward passes and "
                              "noise them once: compile the model with noise='optimizer'")
         self._skip_next = do_skip
@@ -206,7 +210,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._open:
             return          # inside a logical batch: keep the clipped sums accumulating
-        if self._released and self.dp_model.dp_config.noise == "graph":
+        if self._released and self._noised_in_graph:
             self._write_ahead()
             self._account()     # a noisy release discarded unstepped still happened
         self._released = False
@@ -226,8 +230,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # Note [Only dpfx's gradients reach a private step] in release.py
         self.dp_model._ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in ledger.py
-        if self.dp_model.dp_config.noise == "optimizer":
-            self._write_private_grads()
+        self._privatize()
         self._released = False
         self.original_optimizer.step()
         self._open = False
