@@ -9,6 +9,7 @@ causal LM loss), clipped with a bound that bites, summed, divided by the expecte
 import contextlib
 import copy
 import json
+import math
 import os
 import warnings
 
@@ -195,8 +196,8 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
         trainer = hf.DPTrainer(
             model=gpt2(), args=args(out, per_device_train_batch_size=2, max_steps=6,
                                     save_strategy="steps", save_steps=3),
-            train_dataset=lm_data(20), target_epsilon=4.0, target_delta=1e-5,
-            dp_kwargs={"backend": "eager"})
+            train_dataset=lm_data(20), eval_dataset=lm_data(6, seed=9), target_epsilon=4.0,
+            target_delta=1e-5, dp_kwargs={"backend": "eager"})
         if stop_at is not None:
             trainer.add_callback(_StopAt(stop_at))
         with quiet():
@@ -205,6 +206,10 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
 
     whole = run(tmp_path / "whole")
     assert whole.accountant.steps == 6
+    # evaluation is Trainer's own: the model's labels= loss, no release, nothing accounted
+    releases = whole.model.releases
+    assert math.isfinite(whole.evaluate()["eval_loss"])
+    assert whole.accountant.steps == 6 and whole.model.releases == releases
     want = dpfx.privacy.epsilon(noise_multiplier=whole.noise_multiplier,
                                 sample_rate=whole.sample_rate, steps=6, delta=1e-5)
     assert whole.get_epsilon() == pytest.approx(want)
