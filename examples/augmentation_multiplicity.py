@@ -47,13 +47,17 @@ def views_loss(logits, y):
     return per_view.view(-1, k).mean(1).mean()
 
 
-def augment(x, k, background, generator, noise=0.1):
-    """(B, 1, 8, 8) -> (B, K, 1, 8, 8): each view shifted by -1, 0 or +1 pixel along each axis
-    (the uncovered border filled with the background) plus Gaussian noise."""
+def augment(x, k, background, generator, shift_prob, noise):
+    """(B, 1, 8, 8) -> (B, K, 1, 8, 8): each view, with probability ``shift_prob``, shifted by one
+    pixel in one of the 8 directions (the uncovered border filled with the background), plus
+    Gaussian noise of standard deviation ``noise``."""
     b = x.shape[0]
     padded = F.pad(x, (1, 1, 1, 1), value=background)
     shifts = torch.stack([padded[..., i:i + 8, j:j + 8] for i in range(3) for j in range(3)], 1)
-    pick = torch.randint(0, 9, (b, k, 1, 1, 1), generator=generator)
+    direction = torch.randint(0, 8, (b, k, 1, 1, 1), generator=generator)
+    direction = direction + (direction >= 4).long()              # 4 is the unshifted image
+    shifted = torch.rand(b, k, 1, 1, 1, generator=generator) < shift_prob
+    pick = torch.where(shifted, direction, torch.full_like(direction, 4))
     views = shifts.gather(1, pick.expand(b, k, 1, 8, 8))      # each example picks its own shifts
     return views + noise * torch.randn(views.shape, generator=generator)
 
@@ -82,7 +86,8 @@ def train(k, args):
     for _ in range(args.epochs):
         for x, y in loader:
             opt.zero_grad(set_to_none=True)
-            out = step_model(augment(x, k, background, augmentations))
+            out = step_model(augment(x, k, background, augmentations, args.shift_prob,
+                                             args.noise))
             loss = views_loss(out, y) if x.shape[0] else out.sum() * 0.0
             loss.backward()
             opt.step()
@@ -105,6 +110,9 @@ def main() -> None:
     ap.add_argument("--max-grad-norm", type=float, default=0.5)
     ap.add_argument("--target-epsilon", type=float, default=3.0)
     ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--shift-prob", type=float, default=0.5,
+                    help="probability that a view is shifted by one pixel")
+    ap.add_argument("--noise", type=float, default=0.1, help="std of the noise added to a view")
     ap.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
