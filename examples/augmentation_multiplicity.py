@@ -10,7 +10,8 @@ returns (B, K, 10) logits; each example's loss is the mean of its K views' losse
 each example's gradient of that mean (its K rows summed, not each view on its own), so K views
 cost no privacy: every K runs the same number of steps at the same sample rate and the same
 noise, and spends the same epsilon. The averaged views lower the variance of each example's
-clipped gradient, which the noise does not.
+clipped gradient (not the noise). On these 1437 training images and 60 steps, K = 4 is not
+reliably better than K = 1: over seeds 0-2 the two differ by -2.5 to +0.3 points of accuracy.
 """
 from __future__ import annotations
 
