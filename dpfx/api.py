@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -17,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from . import batch_branches
+from . import batch_branches, fsdp
 from .backend import DPBackend
 from .capture import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                       default_stance, own_entry)
@@ -41,6 +42,8 @@ class DPModule(torch.nn.Module):
         self._orig_mod = model
         backend = DPBackend(model, config)
         object.__setattr__(self, "_dpfx_backend", backend)
+        # Note [Sharded DP-SGD] in fsdp.py: set by compile() for a model sharded with fully_shard
+        object.__setattr__(self, "_sharding", None)
         # Note [Deciding a branch on the batch size] (batch_branches.py): one compiled entry per
         # set of decisions; a model that never branches on the batch has one.
         object.__setattr__(self, "_dpfx_entries", [])
@@ -159,8 +162,11 @@ class DPModule(torch.nn.Module):
         # aot_autograd's runtime marks the inputs' dynamic dims on every call; a later plain
         # torch.compile of the caller's tensors must not see dpfx's batch dim there.
         propagated = [t.__dict__.get(_PROPAGATED) for t in tensors]
+        sharding = self._sharding
+        if sharding is not None:
+            sharding.gather()
         try:
-            with swapped():
+            with swapped(), (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if default_stance():
                     out = entry.compiled(*args, **kwargs)
                 else:   # Note [Settings only a capture reads] in capture.py
@@ -283,6 +289,7 @@ class _Entry:
 
 
 _MAX_ENTRIES = 8
+_NOTHING = contextlib.nullcontext()
 _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 
 
@@ -358,7 +365,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     if noise is None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        noise = "optimizer" if distributed else "graph"
+        noise = "optimizer" if distributed or fsdp.units(model) else "graph"
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
                       allow_input_grads=allow_input_grads)
@@ -366,7 +373,23 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
-    return _module_class(model)(model, config)
+    units = fsdp.units(model)
+    if not units:
+        return _module_class(model)(model, config)
+    # Note [Sharded DP-SGD] in fsdp.py: the module is built over FSDP's unsharded parameters
+    # (the objects its graph and gradient guards bind to), then the units go back to shards.
+    if config.noise != "optimizer":
+        raise ValueError("a model sharded with fully_shard is noised shard by shard at the "
+                         "optimizer's step: compile it with noise='optimizer' and step it with "
+                         "dpfx.DPOptimizer")
+    sharding = fsdp.Sharding(model, units)
+    sharding.gather()
+    try:
+        dp_model = _module_class(model)(model, config)
+    finally:
+        sharding.release()
+    object.__setattr__(dp_model, "_sharding", sharding)
+    return dp_model
 
 
 # Note [The wrapped model's signature]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint_file, privacy
+from . import checkpoint_file, fsdp, privacy
 from .api import DPModule, compile as dp_compile
 from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from .data import VirtualBatches
@@ -121,8 +121,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     privacy._check_noise_multiplier(noise_multiplier)
 
     world = world_of(process_group)
-    noise = "optimizer" if (max_physical_batch_size is not None or secure_mode or world > 1) \
-        else "graph"
+    noise = "optimizer" if (max_physical_batch_size is not None or secure_mode or world > 1
+                            or fsdp.units(module)) else "graph"
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(n, q), seed=seed,

@@ -110,6 +110,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 and config.expected_batch_size is None:
             raise ValueError("distributed training needs expected_batch_size (the global "
                              "expected batch size q*N) to divide by")
+        sharding = dp_model._sharding
+        if sharding is not None:
+            # Note [Sharded DP-SGD] in fsdp.py: the optimizer holds the shards
+            sharding.release()
+            if process_group is not None and world_of(process_group) != sharding.world:
+                raise ValueError(
+                    f"process_group has {world_of(process_group)} ranks and the model is "
+                    f"sharded over {sharding.world}; pass the mesh's group, or none")
         trainable = {id(p): n for n, p in dp_model._orig_mod.named_parameters()
                      if p.requires_grad}
         for group in optimizer.param_groups:
@@ -117,7 +125,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in trainable:
                     raise ValueError("the optimizer updates a parameter that is not a trainable "
                                      "parameter of dp_model; its gradient would not be private")
-        if self.world > 1:
+        if sharding is not None:
+            sharding.bind([(n, p) for n, p in dp_model._orig_mod.named_parameters()
+                           if p.requires_grad])
+            if sharding.world > 1:
+                sharding.check_same_structure()
+        elif self.world > 1:
             check_same_model(dp_model._orig_mod, process_group)
         if dp_model.clipped_sums:
             raise ValueError("dp_model holds clipped sums of backward passes run before this "
@@ -142,7 +155,8 @@ class DPOptimizer(torch.optim.Optimizer):
         # Where the noise is added, fixed with the compiled model: in its backward graph (p.grad
         # is private when step() runs) or here, once per logical step
         self._noised_in_graph = config.noise == "graph"
-        self._privatize = (lambda: None) if self._noised_in_graph else self._write_private_grads
+        self._privatize = (lambda: None) if self._noised_in_graph else \
+            self._write_private_grads if sharding is None else self._write_sharded_grads
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._released = False      # a backward ran since the last step() (Note [One release
@@ -152,6 +166,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._generator = None
         if config.noise == "optimizer" and not secure_mode:
             seed = secrets.randbits(62) if config.seed is None else config.seed
+            if sharding is not None and config.seed is not None:
+                seed = sharding.seed(seed)
             self._generator = torch.Generator().manual_seed(seed)
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
@@ -280,6 +296,23 @@ class DPOptimizer(torch.optim.Optimizer):
             p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
             model._ledger.released(name, p)     # the inner step's pre-hooks may edit it
             offset += n
+        model.reset_clipped_sums()
+
+    def _write_sharded_grads(self) -> None:
+        """Note [Sharded DP-SGD] in fsdp.py: one reduce-scatter of the clipped sums; this rank
+        noises and writes the coordinates it owns."""
+        model, sharding = self.dp_model, self.dp_model._sharding
+        sharding.release()
+        if not self._named:
+            return
+        device = self._named[0][1].device
+        try:
+            mine, examples = sharding.reduce_scatter(model.clipped_sums, model.examples, device)
+        except RuntimeError as e:
+            raise peer_error(self.steps, sharding.group, e) from e
+        mine += self._noise(mine.numel(), model.dp_config.noise_std, device)
+        mine /= self._denominator(examples)
+        sharding.write_grads(mine, model._ledger)
         model.reset_clipped_sums()
 
     def _noise(self, n: int, std: float, device) -> torch.Tensor:

@@ -1,0 +1,320 @@
+"""DP-SGD over models sharded with FSDP2's ``fully_shard`` (gloo, processes spawned by the test).
+
+At sigma = 0, after every step each rank's unsharded gradient (``p.grad.full_tensor()``) and
+parameters equal an independent batch-of-one clipped reference over the union of the ranks'
+batches (batch sizes differ across ranks, some are empty), through Inductor with the self-check
+on: an MLP sharded per layer on 2 and 4 ranks, an HF Llama sharded per decoder layer with a tied
+head, and LoRA adapters on a sharded frozen base. At sigma > 0 every coordinate's noise has
+std sigma*C/D, measured per coordinate: a coordinate noised by two ranks would show sqrt(2) times
+that, a shard noised by none 0; shards of different ranks draw independent noise even from one
+fixed seed. Parameters, gradients and optimizer state stay DTensor shards. Configurations dpfx
+does not support are refused on every rank with what to change (Note [Sharded DP-SGD] in
+dpfx/fsdp.py).
+"""
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpfx
+from models import MLP
+from noise_stats import (Z, assert_gaussian_scale, assert_uncorrelated, detectable_std_error,
+                         rms_standard_error)
+from reference import clip_fraction, loop_dp_sgd_grads
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
+
+C, LR, SIGMA = 0.3, 0.5, 2.0
+# Each step, each rank's batch size: they differ across ranks, and some are empty.
+SIZES = {2: [(3, 2), (4, 0), (1, 5)],
+         4: [(3, 2, 0, 1), (0, 0, 4, 2), (1, 5, 2, 0)]}
+NOISE_STEPS = 200
+VOCAB, T = 61, 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- models and data ---------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return MLP(8, 16, 4)
+
+
+def _mlp_data(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    n = SIZES[world][step][rank]
+    return torch.randn(n, 8, generator=g) * 3, torch.randn(n, 4, generator=g)
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).flatten(1).mean(1)
+
+
+class LM(nn.Module):
+    """An HF Llama whose logits are the output (the loss is the test's)."""
+
+    def __init__(self, lora: bool):
+        super().__init__()
+        import transformers
+        torch.manual_seed(0)
+        self.m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16,
+            tie_word_embeddings=True))
+        assert self.m.lm_head.weight is self.m.model.embed_tokens.weight
+        if lora:
+            import peft
+            self.m = peft.get_peft_model(self.m, peft.LoraConfig(
+                r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+    def layers(self):
+        base = self.m.get_base_model() if hasattr(self.m, "get_base_model") else self.m
+        return base.model.layers
+
+
+def _lm_data(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    n = SIZES[world][step][rank]
+    return torch.randint(0, VOCAB, (n, T), generator=g), torch.randint(0, VOCAB, (n, T),
+                                                                        generator=g)
+
+
+def _token_ce(logits, y):
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def _setup(name: str):
+    """(model, its per-example loss, its data, its clipping bound)."""
+    if name == "mlp":
+        return _mlp(), _mse, _mlp_data, C
+    return LM(lora=name == "lora"), _token_ce, _lm_data, 0.05
+
+
+def _shard(model: nn.Module, name: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    if name == "mlp":
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+    else:
+        for layer in model.layers():
+            fully_shard(layer)
+    fully_shard(model)
+
+
+# -- what each rank runs -----------------------------------------------------------------------
+def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empty=False):
+    """A sharded private run on this rank: (parameters after it, every step's unsharded p.grad,
+    the types of parameters, gradients and optimizer state)."""
+    model, per_example, data, bound = _setup(name)
+    _shard(model, name)
+    D = 6
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=sigma,
+                      expected_batch_size=D, loss_reduction=reduction, seed=7)
+    assert dp.dp_config.noise == "optimizer"
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5), dp)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = {n: [] for n, _ in trainable}
+    for step in range(steps):
+        x, y = data(step % 3, dist.get_rank(), world)
+        if empty:
+            x, y = x[:0], y[:0]
+        opt.zero_grad()
+        terms = per_example(dp(x), y)
+        (terms.mean() if reduction == "mean" else terms.sum()).backward()
+        opt.step()
+        for n, p in trainable:
+            grads[n].append(p.grad.full_tensor())
+    kinds = {type(p).__name__ for _, p in model.named_parameters()} \
+        | {type(p.grad).__name__ for _, p in trainable} \
+        | {type(v).__name__ for s in opt.state.values() for v in s.values()}
+    return ({n: p.full_tensor().detach() for n, p in model.named_parameters()},
+            {n: torch.stack(g) for n, g in grads.items()}, kinds)
+
+
+def _refusals() -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    said = {}
+
+    def refused(what, make):
+        try:
+            make()
+        except ValueError as e:
+            said[what] = str(e)
+        else:
+            said[what] = "not refused"
+
+    def mixed():
+        model = _mlp()
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6)
+
+    def graph_noise():
+        model = _mlp()
+        fully_shard(model)
+        dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6,
+                     noise="graph")
+
+    def grouped():
+        model = _mlp()
+        fully_shard([model.fc1, model.fc2])
+        fully_shard(model)
+        dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6)
+
+    def untouched():            # a refused compile leaves the model as it was: sharded
+        model = _mlp()
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        try:
+            dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6)
+        except ValueError:
+            pass
+        kinds = {type(p).__name__ for p in model.parameters()}
+        raise ValueError(f"kinds {sorted(kinds)}")
+
+    refused("mixed", mixed)
+    refused("graph_noise", graph_noise)
+    refused("grouped", grouped)
+    refused("untouched", untouched)
+    return said
+
+
+def _worker(rank, world, port, out_dir, scenario, args):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        sys.path.insert(0, os.path.dirname(__file__))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        if scenario == "train":
+            result = _train(*args)
+        else:
+            result = _refusals()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except Exception:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world, scenario, *args, deadline=480):
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), scenario, args),
+                             nprocs=world, join=False, start_method="spawn")
+    start = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - start > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"sharded run {scenario}{args} did not finish in {deadline}s")
+    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world)
+              if (tmp_path / f"rank{r}.err").exists()}
+    assert not errors, errors
+    return {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)}
+
+
+# -- the reference -----------------------------------------------------------------------------
+def _reference(name: str, world: int, reduction: str):
+    """SGD with momentum on the union of the ranks' batches, with the batch-of-one clipped
+    gradient (sigma = 0), in this process: (parameters after the run, every step's gradient).
+    Shares no code with dpfx."""
+    model, per_example, data, bound = _setup(name)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
+                          momentum=0.5)
+    grads = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for step in range(3):
+        batches = [data(step, r, world) for r in range(world)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        assert clip_fraction(model, lambda o, t: per_example(o, t).sum(), x, y, bound) > 0 \
+            if name == "mlp" else True
+        want = loop_dp_sgd_grads(model, lambda o, t: per_example(o, t).sum(), (x,), y,
+                                 max_grad_norm=bound, loss_reduction="sum")
+        scale = 1 / 6 if reduction == "mean" else 1.0          # D = 6, the expected batch size
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.grad = want[n] * scale
+                grads[n].append(p.grad.clone())
+        opt.step()
+    return ({n: p.detach() for n, p in model.named_parameters()},
+            {n: torch.stack(g) for n, g in grads.items()})
+
+
+def _check_exact(results, name, world, reduction, tol):
+    want_params, want_grads = _reference(name, world, reduction)
+    for rank in range(world):
+        params, grads, kinds = results[rank]
+        assert kinds == {"DTensor"}, kinds        # parameters, gradients, momentum: shards
+        assert grads.keys() == want_grads.keys()
+        for n in want_grads:
+            torch.testing.assert_close(grads[n], want_grads[n], **tol,
+                                       msg=lambda m: f"rank {rank} gradient {n}: {m}")
+        for n in want_params:
+            torch.testing.assert_close(params[n], want_params[n], **tol,
+                                       msg=lambda m: f"rank {rank} parameter {n}: {m}")
+
+
+# -- the tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("world,reduction", [(2, "mean"), pytest.param(4, "sum",
+                                                                      marks=pytest.mark.slow)])
+def test_sharded_mlp_equals_the_reference_on_the_union(tmp_path, world, reduction):
+    results = _spawn(tmp_path, world, "train", "mlp", world, reduction, 0.0, 3)
+    _check_exact(results, "mlp", world, reduction, dict(rtol=1e-4, atol=1e-6))
+
+
+@pytest.mark.parametrize("name", ["llama", "lora"])
+def test_sharded_llama_with_tied_head_and_lora(tmp_path, name):
+    pytest.importorskip("transformers")
+    if name == "lora":
+        pytest.importorskip("peft")
+    results = _spawn(tmp_path, 2, "train", name, 2, "mean", 0.0, 3)
+    _check_exact(results, name, 2, "mean", dict(rtol=1e-4, atol=1e-6))
+
+
+def test_every_coordinate_is_noised_once(tmp_path):
+    """Empty batches: every step's gradient is the noise alone, N(0, (sigma C / D)^2) per
+    coordinate."""
+    results = _spawn(tmp_path, 2, "train", "mlp", 2, "mean", SIGMA, NOISE_STEPS, True)
+    _, noise, _ = results[0]
+    for n in noise:     # one gradient, whichever rank gathers it
+        assert torch.equal(noise[n], results[1][1][n])
+    std = SIGMA * C / 6
+    flat = torch.cat([d.flatten(1) for d in noise.values()], 1)     # (steps, coordinates)
+    assert_gaussian_scale(flat, std, "all coordinates")
+    # Each coordinate on its own: noised by two ranks it would have sqrt(2) times the std,
+    # by none 0. The check resolves that at NOISE_STEPS draws a coordinate.
+    tolerance = Z * rms_standard_error(NOISE_STEPS)
+    assert detectable_std_error(NOISE_STEPS) < 2 ** 0.5 - 1
+    rms = flat.double().pow(2).mean(0).sqrt() / std
+    worst = int((rms - 1).abs().argmax())
+    assert float((rms - 1).abs().max()) < tolerance, \
+        f"coordinate {worst}: std {float(rms[worst]):.3f} x sigma C / D"
+    # Rank 0 owns rows 0-7 of fc1.weight, rank 1 rows 8-15: both shards start their rank's
+    # noise stream, which one fixed seed must not make equal.
+    w = noise["fc1.weight"]
+    assert_uncorrelated(w[:, :8], w[:, 8:], "the two ranks' shards of fc1.weight")
+    assert_uncorrelated(flat[:-1], flat[1:], "consecutive steps")
+
+
+def test_unsupported_sharding_is_refused_with_the_fix(tmp_path):
+    results = _spawn(tmp_path, 2, "refusals")
+    for rank in range(2):
+        said = results[rank]
+        assert "MixedPrecisionPolicy" in said["mixed"] and "autocast" in said["mixed"], said
+        assert "noise='optimizer'" in said["graph_noise"], said
+        assert "fully_shard on each" in said["grouped"], said
+        assert said["untouched"] == "kinds ['DTensor']", said
