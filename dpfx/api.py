@@ -137,6 +137,10 @@ class DPModule(torch.nn.Module):
         elif loss_track._WRITTEN and torch.is_grad_enabled():
             check_inputs(tensors)
         batch = _check_batch(tensors)
+        if not all(t.is_contiguous() for t in tensors):
+            # Note [Inputs enter row-major]
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major, (args, kwargs))
+            tensors = _tensor_leaves(args, kwargs)
         if batch == 0:
             # An empty slice such as x[:, :-1].contiguous() keeps its parent's strides (an empty
             # tensor counts as contiguous), which would fail dynamo's stride guard and recompile.
@@ -302,6 +306,17 @@ def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return list(args)
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+# Note [Inputs enter row-major]
+# A graph captured on a contiguous batch and called later with a strided one (``ids[:, :-1]``, a
+# window of ``unfold``) passed dynamo's guards (the stride is a symbol) and then failed
+# Inductor's stride assertion with the unbacked batch (torch 2.13). dpfx's graphs only ever see
+# row-major inputs: a strided one is copied (the same values; ``contiguous`` is differentiable
+# for an input that requires grad), a contiguous one costs a flag read.
+# (tests/test_inputs.py::test_strided_input_after_a_contiguous_one)
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
 
 
 def _row_major_empty(t: torch.Tensor) -> torch.Tensor:

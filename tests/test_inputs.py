@@ -239,3 +239,39 @@ def test_second_use_outside_the_graph_refused(backend):
     model.zero_grad(set_to_none=True)
     F.cross_entropy(dp(x), y).backward()      # and dpfx's next step is fine
     assert all(p.grad is not None for p in model.parameters())
+
+
+class TokenModel(nn.Module):
+    def __init__(self, vocab=30, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.fc(torch.tanh(self.emb(ids)))
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1).sum()
+
+
+def test_strided_input_after_a_contiguous_one():
+    """Note [Inputs enter row-major] in dpfx/api.py: a graph captured on a contiguous batch
+    serves ``ids[:, :-1]`` and an ``unfold`` window (overlapping rows) through Inductor, in
+    training (exact against the batch-of-one loop) and under no_grad."""
+    torch.manual_seed(0)
+    model = TokenModel()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum")
+    ids = torch.randint(0, 30, (6, 9))
+    run_dpfx_multi(dp, model, _token_loss, (ids[:, :-1].contiguous(),), ids[:, 1:],
+                   loss_reduction="sum")
+    windows = torch.randint(0, 30, (80,)).unfold(0, 9, 3)[:5]       # rows overlap in storage
+    for x in (ids[:, :-1], windows[:, :-1]):
+        assert not x.is_contiguous()
+        y = x.roll(1, 1).contiguous()
+        got = run_dpfx_multi(dp, model, _token_loss, (x,), y, loss_reduction="sum")
+        want = loop_dp_sgd_grads(model, _token_loss, (x,), y, max_grad_norm=0.05,
+                                 loss_reduction="sum")
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(dp(x), model(x))
