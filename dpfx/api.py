@@ -203,6 +203,8 @@ class DPModule(torch.nn.Module):
                     t.__dict__.pop(_PROPAGATED, None)
                 else:
                     t.__dict__[_PROPAGATED] = mark
+        if sharding is not None and not training:
+            sharding.release()      # nothing will read the gathered parameters again
         if training and not backend.forward_ran:
             raise PrivacyError(
                 "the forward did not run through dpfx's compiled graph (torch.compile fell back "

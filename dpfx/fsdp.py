@@ -13,7 +13,8 @@ the self-check runs) and moves FSDP's collectives out of it:
   dynamo captures the model as if it were not sharded, and FSDP neither reshards nor
   reduce-scatters anything behind dpfx's back. The gathered parameters are FSDP's own unsharded
   ``nn.Parameter`` objects, the same objects every step (FSDP frees and refills their storage),
-  so dpfx's gradient guards and the captured graph stay bound to them.
+  so dpfx's gradient guards and the captured graph stay bound to them. A forward without grad
+  (evaluation) reshards right after the call.
 - **Backward**: dpfx's graph leaves sum_i clip(g_i) of the rank's examples, one full-size tensor
   per parameter, in ``dp_model.clipped_sums`` (noise="optimizer" is required).
 - **Step** (``DPOptimizer.step()``): the units are resharded (the gathered storage is freed and
@@ -130,7 +131,7 @@ class Sharding:
     def bind(self, named: list) -> None:
         """The sharded trainable parameters, in the optimizer's order, and their layouts."""
         self._named = named
-        self._layouts = [_Layout(name, p, self.world) for name, p in named]
+        self._layouts = [_Layout(name, p, self.world, self.rank) for name, p in named]
         self._structure = hashlib.sha256(repr([
             (name, tuple(p.shape), str(p.dtype), repr(p.placements)) for name, p in named])
             .encode()).hexdigest()
@@ -179,7 +180,7 @@ class _Layout:
     """Where one sharded parameter's coordinates go: its chunk per rank (FSDP's ``Shard(dim)``:
     ``torch.chunk`` along dim, empty chunks at the end), padded to its largest chunk."""
 
-    def __init__(self, name: str, p, world: int):
+    def __init__(self, name: str, p, world: int, rank: int):
         from torch.distributed.tensor import Shard
 
         (placement,) = p.placements
@@ -196,12 +197,18 @@ class _Layout:
                 rest *= size
         size = self.shape[self.dim] if self.shape else 1
         self.padded = -(-size // world) * rest
+        mine = self.chunks(torch.empty(self.shape, device="meta"))
+        expected = tuple(mine[rank].shape) if rank < len(mine) else None
+        if expected != self.local_shape and not (expected is None and self.local_numel == 0):
+            raise ValueError(f"parameter '{name}': this rank's shard has shape "
+                             f"{self.local_shape}, dpfx's layout expects {expected}; this FSDP "
+                             f"version shards differently from torch.chunk along dim {self.dim}")
 
     def chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
         if tuple(full.shape) != self.shape:
             raise ValueError(f"the clipped sum of '{self.name}' has shape {tuple(full.shape)}, "
                              f"the parameter {self.shape}")
-        return list(torch.chunk(full.to(torch.float32), self.world, dim=self.dim))
+        return list(torch.chunk(full.to(torch.float32), self.world, dim=self.dim))[:self.world]
 
 
 def _named_units(model: torch.nn.Module, found: list):

@@ -140,6 +140,8 @@ def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empt
         opt.step()
         for n, p in trainable:
             grads[n].append(p.grad.full_tensor())
+        with torch.no_grad():           # evaluation gathers, computes and goes back to shards
+            dp(x)
     kinds = {type(p).__name__ for _, p in model.named_parameters()} \
         | {type(p.grad).__name__ for _, p in trainable} \
         | {type(v).__name__ for s in opt.state.values() for v in s.values()}
