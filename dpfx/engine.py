@@ -178,6 +178,9 @@ def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None,
         raise TypeError("save_checkpoint needs the DPOptimizer, whose state holds the accountant")
     checkpoint_file.check_extra(extra)
     base = model._orig_mod if isinstance(model, DPModule) else model
+    sharding = getattr(model, "_sharding", None)
+    if sharding is not None:
+        sharding.check_own_path(path)
     generators = {name: g.get_state() for name, g in _generators(model, loader).items()}
     checkpoint_file.write(path, {"model": base.state_dict(), "optimizer": optimizer.state_dict(),
                                  "generators": generators, "extra": extra})

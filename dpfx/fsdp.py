@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,17 @@ class Sharding:
             raise ValueError("the ranks shard different models (parameter names, shapes or "
                              "placements differ); build and fully_shard the same model on every "
                              "rank before DPOptimizer")
+
+    def check_own_path(self, path) -> None:
+        """A checkpoint of a sharded model holds this rank's shards: every rank writes its own
+        file (``torch.save`` of DTensors keeps the local shard and its placement)."""
+        self.release()
+        paths = [None] * self.world
+        dist.all_gather_object(paths, os.path.abspath(os.fspath(path)), group=self.group)
+        if len(set(paths)) != self.world:
+            raise ValueError("every rank saves its own shards of a sharded model: give each rank "
+                             "its own checkpoint path (e.g. f'ckpt.rank{rank}.pt') and load each "
+                             "rank's file on the same rank, with the same sharding")
 
     def bind(self, named: list) -> None:
         """The sharded trainable parameters, in the optimizer's order, and their layouts."""

@@ -123,8 +123,11 @@ class DPOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and id(p) not in trainable:
-                    raise ValueError("the optimizer updates a parameter that is not a trainable "
-                                     "parameter of dp_model; its gradient would not be private")
+                    raise ValueError(
+                        "the optimizer updates a parameter that is not a trainable parameter of "
+                        "dp_model; its gradient would not be private" + (
+                            "" if sharding is None else ". With fully_shard, build the "
+                            "optimizer after sharding, over the sharded model.parameters()"))
         if sharding is not None:
             sharding.bind([(n, p) for n, p in dp_model._orig_mod.named_parameters()
                            if p.requires_grad])

@@ -7,9 +7,10 @@ on: an MLP sharded per layer on 2 and 4 ranks, an HF Llama sharded per decoder l
 head, and LoRA adapters on a sharded frozen base. At sigma > 0 every coordinate's noise has
 std sigma*C/D, measured per coordinate: a coordinate noised by two ranks would show sqrt(2) times
 that, a shard noised by none 0; shards of different ranks draw independent noise even from one
-fixed seed. Parameters, gradients and optimizer state stay DTensor shards. Configurations dpfx
-does not support are refused on every rank with what to change (Note [Sharded DP-SGD] in
-dpfx/fsdp.py).
+fixed seed. Parameters, gradients and optimizer state stay DTensor shards, evaluation reshards
+after its forward, and each rank's checkpoint of its shards loads into a fresh sharded run.
+Configurations dpfx does not support are refused on every rank with what to change (Note
+[Sharded DP-SGD] in dpfx/fsdp.py).
 """
 import datetime
 import os
@@ -142,11 +143,41 @@ def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empt
             grads[n].append(p.grad.full_tensor())
         with torch.no_grad():           # evaluation gathers, computes and goes back to shards
             dp(x)
+    if name == "mlp" and sigma == 0:
+        _checkpoint_round_trip(model, dp, opt)
     kinds = {type(p).__name__ for _, p in model.named_parameters()} \
         | {type(p.grad).__name__ for _, p in trainable} \
         | {type(v).__name__ for s in opt.state.values() for v in s.values()}
     return ({n: p.full_tensor().detach() for n, p in model.named_parameters()},
             {n: torch.stack(g) for n, g in grads.items()}, kinds)
+
+
+def _checkpoint_round_trip(model, dp, opt) -> None:
+    """Each rank saves its shards and the optimizer's; a fresh sharded run loads them; one path
+    for every rank is refused."""
+    import tempfile
+    rank = dist.get_rank()
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = os.path.join(tmp, "..", "dpfx-one-path-for-all.pt")
+        try:
+            dpfx.save_checkpoint(shared, model=dp, optimizer=opt)
+        except ValueError as e:
+            assert "its own checkpoint path" in str(e), e
+        else:
+            raise AssertionError("one checkpoint path for every rank was not refused")
+        path = os.path.join(tmp, f"ckpt.rank{rank}.pt")
+        dpfx.save_checkpoint(path, model=dp, optimizer=opt)
+        fresh = _mlp()
+        _shard(fresh, "mlp")
+        dp2 = dpfx.compile(fresh, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=6,
+                           backend="eager")
+        opt2 = dpfx.DPOptimizer(torch.optim.SGD(fresh.parameters(), lr=LR, momentum=0.5), dp2)
+        dpfx.load_checkpoint(path, model=dp2, optimizer=opt2)
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), n
+        assert torch.equal(opt.state[p]["momentum_buffer"].full_tensor(),
+                           opt2.state[q]["momentum_buffer"].full_tensor()), n
+    assert opt2.steps == opt.steps
 
 
 def _refusals() -> dict:
@@ -188,6 +219,14 @@ def _refusals() -> dict:
         kinds = {type(p).__name__ for p in model.parameters()}
         raise ValueError(f"kinds {sorted(kinds)}")
 
+    def optimizer_first():
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        fully_shard(model)
+        dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6)
+        dpfx.DPOptimizer(opt, dp)
+
+    refused("optimizer_first", optimizer_first)
     refused("mixed", mixed)
     refused("graph_noise", graph_noise)
     refused("grouped", grouped)
@@ -318,5 +357,6 @@ def test_unsupported_sharding_is_refused_with_the_fix(tmp_path):
         said = results[rank]
         assert "MixedPrecisionPolicy" in said["mixed"] and "autocast" in said["mixed"], said
         assert "noise='optimizer'" in said["graph_noise"], said
+        assert "optimizer after sharding" in said["optimizer_first"], said
         assert "fully_shard on each" in said["grouped"], said
         assert said["untouched"] == "kinds ['DTensor']", said
