@@ -142,26 +142,37 @@ class GraphCheck:
         sizes = {**sizes, **{s: b for s in self.batch_symbols}}
         fw_args = [self._synthetic(name, meta, a, sizes, generator)
                    for (name, meta), a in zip(self.forward.inputs, args)]
+        # Note [The self-check holds two runs at a time]
+        # Each forward output set holds the activations saved for the backward (GPT-2 small at
+        # B = 5, T = 128: about 0.6 GB), so the order bounds the check's peak: the independence
+        # run before the eager forward, and each side's forward outputs dropped once its
+        # backward has its inputs. At most two forwards' outputs, or one forward's and the
+        # gradients, are alive at once.
         got = _call(self.forward.compiled, fw_args, self.device)
+        if b > 1:
+            self._check_independence(b, fw_args, got, sizes, generator)
         want = _call(self.forward.reference, fw_args, self.device, boxed=False)
         if not self.forward.random:
             _compare("forward", b, self.forward.outputs, got, want,
                      self.forward.low_precision)
-        if b > 1:
-            self._check_independence(b, fw_args, got, sizes, generator)
-        if self.backward is not None and self.compare_backward and not self.forward.random:
-            saved = _saved_by_backward_name(self.forward, got)
-            bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
-                       for name, meta in self.backward.inputs]
-            got_bw = _call(self.backward.compiled, bw_args, self.device)
-            # Each backward gets its own forward's saved tensors: the eager graph may read a
-            # saved view through its base (as_strided over the packed q/k/v projection), and
-            # Inductor's forward lays its outputs out for its own backward.
-            mine = _saved_by_backward_name(self.forward, want)
-            ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
-            want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
-            _compare("backward", b, self.backward.outputs, got_bw, want_bw,
-                     self.backward.low_precision)
+        del fw_args
+        if self.backward is None or not self.compare_backward or self.forward.random:
+            return
+        saved = _saved_by_backward_name(self.forward, got)
+        bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
+                   for name, meta in self.backward.inputs]
+        # Each backward gets its own forward's saved tensors: the eager graph may read a saved
+        # view through its base (as_strided over the packed q/k/v projection), and Inductor's
+        # forward lays its outputs out for its own backward.
+        mine = _saved_by_backward_name(self.forward, want)
+        ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
+        del got, want, saved, mine
+        got_bw = _call(self.backward.compiled, bw_args, self.device)
+        del bw_args
+        want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
+        del ref_args
+        _compare("backward", b, self.backward.outputs, got_bw, want_bw,
+                 self.backward.low_precision)
 
     def _synthetic(self, name, meta, real, sizes, generator):
         if isinstance(meta, torch.SymInt):
