@@ -55,8 +55,9 @@ Measurements, per (model, batch, method):
 
 --realistic runs the rows of ``models.REALISTIC`` (each model at the batch size DP users train
 at) instead of every model's batch sizes. ``--realistic --quick`` is the short form: 3 timed
-steps after 1 warm-up, no warm-cache process and no variable-batch check; it takes about
-8 minutes on 2 idle cores, most of it GPT-2 small's first steps.
+steps and no warm-up steps (the untimed step that opens each method's turn warms it), no
+warm-cache process and no variable-batch check; most of its time is the compiling methods'
+first steps (GPT-2 small's dpfx first step alone is over a minute on 2 idle cores).
 """
 from __future__ import annotations
 
@@ -553,7 +554,7 @@ def main() -> None:
                     help="default: models.DEFAULT_MODELS (--realistic: models.REALISTIC's)")
     ap.add_argument("--realistic", action="store_true",
                     help="the rows of models.REALISTIC: each model at the batch size DP users "
-                         "train at (with --quick: 3 steps, no variable-batch check)")
+                         "train at (no variable-batch check; with --quick: 3 steps, no warm-up)")
     ap.add_argument("--methods", nargs="+", default=None, choices=METHOD_ORDER,
                     help="default: all (--quick: eager, compile, compile_unrolled, opacus_ghost, "
                          "dpfx)")
@@ -561,7 +562,8 @@ def main() -> None:
                     help="override the batch sizes (default: each model's two, one with --quick; "
                          "not with --realistic)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 5)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 1)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up steps (default 3, quick 1, realistic quick 0)")
     ap.add_argument("--block", type=int, default=5,
                     help="timed steps per method per round-robin turn (default 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -587,7 +589,7 @@ def main() -> None:
     if args.steps is None:
         args.steps = (3 if args.realistic else 5) if args.quick else 20
     if args.warmup is None:
-        args.warmup = 1 if args.quick else 3
+        args.warmup = (0 if args.realistic else 1) if args.quick else 3
     if args.methods is None:
         args.methods = QUICK_METHODS if args.quick else METHOD_ORDER
     if args.worker:
