@@ -10,7 +10,7 @@ PYTHON := $(VENV)/bin/python
 # pytest worker processes for `make test` (pytest-xdist; each test file stays in one worker)
 JOBS ?= 2
 
-.PHONY: install example lora-example test test-all bench
+.PHONY: install example lora-example test test-all bench bench-realistic
 
 install: $(VENV)/.stamp-install
 
@@ -37,3 +37,8 @@ test-all: install
 bench: install
 	$(PYTHON) -m pip install --quiet -e ".[bench]"
 	$(PYTHON) benchmarks/run.py
+
+# the rows at the sizes DP users train at, short form (benchmarks/README.md)
+bench-realistic: install
+	$(PYTHON) -m pip install --quiet -e ".[bench]"
+	$(PYTHON) benchmarks/run.py --realistic --quick

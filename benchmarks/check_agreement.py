@@ -25,7 +25,8 @@ import models  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=list(models.MODELS), choices=list(models.MODELS))
+    ap.add_argument("--models", nargs="+", default=list(models.DEFAULT_MODELS),
+                    choices=list(models.MODELS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--methods", nargs="+", default=["loop_eager", "func_eager", "opacus_hooks",
                                                      "opacus_ghost", "func_compile", "dpfx",

@@ -31,7 +31,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MODELS, build, forward, loss_fn  # noqa: E402
+from models import DEFAULT_MODELS, MODELS, build, forward, loss_fn  # noqa: E402
 
 
 def step_flops(name: str, B: int) -> int:
@@ -73,7 +73,7 @@ def _at(expr, B: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", choices=list(MODELS),
-                    default=[m for m in MODELS if m not in ("embedding", "lstm")])
+                    default=[m for m in DEFAULT_MODELS if m not in ("embedding", "lstm")])
     ap.add_argument("--out")
     args = ap.parse_args()
     lines = ["| model | B | non-private step (MFLOP) | DP norms and sums (MFLOP) | extra "

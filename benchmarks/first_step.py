@@ -4,16 +4,17 @@
     python benchmarks/first_step.py --models mlp_d2 mlp_d4 mlp_d8 mlp_d16   # depth scaling
     python benchmarks/first_step.py --models gpt --repeats 3 --json out.json
     python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
+    python benchmarks/first_step.py --models hf_gpt2_256 --cold-only  # a realistic size, cold
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
 (for the LSTM, its recurrence unrolled as dpfx captures it: run.py's baseline for that row),
-dpfx cold (and each ``--dpfx`` variant), then the same warm. "Cold" is an empty Inductor cache
-directory; "warm" is
-a second process on the directory its cold run filled (what a user's second run of the same
-script pays). Each process first compiles a throwaway function in another cache directory, as
-run.py's workers do: Inductor's compile workers and C++ toolchain probe are per-process costs
-that both methods pay alike, kept out of the comparison.
+dpfx cold (and each ``--dpfx`` variant), then the same warm (unless ``--cold-only``). "Cold" is
+an empty Inductor cache directory; "warm" is a second process on the directory its cold run
+filled (what a user's second run of the same script pays). Each process first compiles a
+throwaway function in another cache directory, as run.py's workers do: Inductor's compile
+workers and C++ toolchain probe are per-process costs that both methods pay alike, kept out of
+the comparison.
 
 The split comes from Inductor's own timers (``torch._dynamo.utils.compilation_time_metrics``)
 and from timers this script wraps around dpfx's functions (each phase's own time, without the
@@ -231,7 +232,7 @@ def driver(args) -> None:
     for model in args.models:
         for rep in range(args.repeats):
             dirs = {m: tempfile.mkdtemp(prefix="dpfx-first-") for m in sources}
-            for warm in (False, True):
+            for warm in (False,) if args.cold_only else (False, True):
                 for method, source in sources.items():
                     r = run_one(model, method, dirs[method], warm, source)
                     r.update(method=method, repeat=rep)
@@ -256,7 +257,7 @@ def _line(r: dict) -> str:
 
 def table(rows: list[dict], variants: list[str]) -> str:
     """Medians over repeats: first step cold and warm per method, x torch.compile's, the split
-    of each dpfx variant's cold first step."""
+    of torch.compile's and each dpfx variant's first step, in seconds and as shares of it."""
     head = "| model | compile cold (s) | compile warm (s) |"
     rule = "|---|---:|---:|"
     for v in variants:
@@ -275,10 +276,15 @@ def table(rows: list[dict], variants: list[str]) -> str:
         for v in variants:
             dc, dw = med(v, False), med(v, True)
             line += f" {dc:.2f} | {dc / cc:.2f} | {dw:.2f} | {dw / cw:.2f} |"
+        for v in ["compile", *variants]:
             for warm in (False, True):
-                split = ", ".join(f"{p} {med(v, warm, p):.2f}" for p in PHASES
-                                  if med(v, warm, p) >= 0.005)
-                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'}: {split}")
+                total = med(v, warm)
+                if total != total:   # not run (--cold-only) or failed
+                    continue
+                split = ", ".join(f"{p} {med(v, warm, p):.2f} ({med(v, warm, p) / total:.0%})"
+                                  for p in PHASES if med(v, warm, p) >= 0.005)
+                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'} ({total:.2f} s): "
+                              f"{split}")
         out.append(line)
     return "\n".join(out + [""] + splits)
 
@@ -287,6 +293,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--cold-only", action="store_true",
+                    help="skip the warm runs (the second process on the filled cache)")
     ap.add_argument("--json", default=None, help="write every run's figures here")
     ap.add_argument("--dpfx", action="append", default=[], metavar="NAME=PATH",
                     help="also run dpfx imported from the source tree PATH, as method NAME")

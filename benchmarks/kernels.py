@@ -4,6 +4,7 @@ non-private baseline, interleaved in one process.
     python benchmarks/kernels.py cnn                 # the model's quick batch size, 200 steps
     python benchmarks/kernels.py hf_gpt2 --batch 8 --steps 300 --top 40
     python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
+    python benchmarks/kernels.py noise               # the noise kernel against the memory bound
 
 torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
 "Measured and not taken"), and a kernel timed alone in a loop runs on warm caches and awake
@@ -28,6 +29,15 @@ op inside a timed op, kernels inside a graph's Python), so the rows add up, and 
 what no row covers (the loss's own computation, tensor methods called outside them). Each
 wrapper adds about a microsecond per call; the Python rows carry most of that. Figures are per
 step: the mean over the steps of the summed own time of a row's calls.
+
+``noise`` times the noise alone, in ns per sample on 1 and on 2 threads at n = 10M and 100M
+floats (``--sizes``), the median of 5 calls after one untimed: dpfx's kernel as the step calls
+it (``dpfx::add_noise_``, in place on a parameter-sized buffer: a read and a write per float)
+and as ``dpfx::standard_normal`` (a fresh buffer), against ``torch.randn`` (fresh) and
+``Tensor.normal_`` (in place), and the machine's memory bounds: ``fill_(1.0)`` and ``zero_()``
+on a buffer already written (a write per float), ``add_(1.0)`` (a read and a write, the bound of
+the in-place noise) and ``torch.empty(n).fill_(1.0)`` (a write to fresh pages, the page faults
+included: the bound of a call that returns a new buffer).
 """
 from __future__ import annotations
 
@@ -260,15 +270,67 @@ def report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, str]
     return "\n".join(lines), decompose(model_name, batch, steps, totals, baseline)
 
 
+def noise_table(sizes: list[int], threads=(1, 2), repeats: int = 5) -> str:
+    """ns per sample of the noise kernels and the memory bounds (see the module doc)."""
+    import dpfx.cpu_noise  # noqa: F401  (registers the dpfx ops)
+
+    buf = torch.zeros(max(sizes))
+    cases = [
+        ("dpfx::add_noise_ (in place)", lambda v: torch.ops.dpfx.add_noise_([v], 1.0, 1.0, 1)),
+        ("dpfx::standard_normal (fresh buffer)",
+         lambda v: torch.ops.dpfx.standard_normal(v.numel(), "cpu")),
+        ("torch.randn (fresh buffer)", lambda v: torch.randn(v.numel())),
+        ("Tensor.normal_ (in place)", lambda v: v.normal_()),
+        ("bound: fill_(1.0), written buffer", lambda v: v.fill_(1.0)),
+        ("bound: zero_(), written buffer", lambda v: v.zero_()),
+        ("bound: add_(1.0), read and write", lambda v: v.add_(1.0)),
+        ("bound: torch.empty(n).fill_(1.0), fresh pages",
+         lambda v: torch.empty(v.numel()).fill_(1.0)),
+    ]
+    cols = [(n, t) for n in sizes for t in threads]
+    ns = {}
+    before = torch.get_num_threads()
+    for n, t in cols:
+        torch.set_num_threads(t)
+        view = buf[:n]
+        for label, fn in cases:
+            fn(view)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn(view)
+                times.append(time.perf_counter() - start)
+            ns[label, n, t] = statistics.median(times) / n * 1e9
+    torch.set_num_threads(before)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    head = " | ".join(f"n={n / 1e6:g}M, {t} thr" for n, t in cols)
+    lines = [f"## The noise kernel against the memory bound (ns per sample; median of {repeats}; "
+             f"load average {load} at the end)", "",
+             f"| kernel | {head} |", "|---|" + "---:|" * len(cols)]
+    lines += [f"| {label} | " + " | ".join(f"{ns[label, n, t]:.2f}" for n, t in cols) + " |"
+              for label, _ in cases]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="+", choices=sorted(models.MODELS) + ["all"])
+    ap.add_argument("models", nargs="+", choices=sorted(models.MODELS) + ["all", "noise"])
     ap.add_argument("--batch", type=int, help="batch size (default: each model's first)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", help="write the markdown here too")
+    ap.add_argument("--sizes", nargs="+", type=float, default=[1e7, 1e8],
+                    help="noise: the buffer sizes in floats (default 1e7 1e8)")
     args = ap.parse_args()
-    names = list(models.MODELS) if "all" in args.models else args.models
+    if args.models == ["noise"]:
+        text = noise_table([int(n) for n in args.sizes])
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return
+    names = list(models.DEFAULT_MODELS) if "all" in args.models else args.models
     parts, rows = [], []
     for name in names:
         text, row = report(name, args.batch or models.MODELS[name][2][0], args.steps, args.top)

@@ -4,11 +4,17 @@ Every model returns logits; the loss is cross-entropy, the mean over the batch o
 losses (for the GPT model, each example's loss is the mean over its T positions, so the mean over
 all B*T tokens is the mean over the batch of per-example losses, the contract of dpfx and Opacus).
 
-The Hugging Face language models (``hf_gpt2``, ``hf_llama``) are called as users call them:
-``model(input_ids=ids, attention_mask=mask).logits``. Their input ``x`` is that dict of keyword
-arguments; ``forward(model, x)`` is the one place that knows the difference.
+The Hugging Face language models (``hf_gpt2``, ``hf_llama`` and their larger sizes) are called as
+users call them: ``model(input_ids=ids, attention_mask=mask).logits``. Their input ``x`` is that
+dict of keyword arguments; ``forward(model, x)`` is the one place that knows the difference.
+
+``REALISTIC`` names the (model, batch size) rows at the sizes DP users train at: an MNIST-sized
+MLP, a GroupNorm ResNet on CIFAR-sized images, the LSTM at B=256, small and GPT-2-small language
+models at T=128.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -16,13 +22,13 @@ import torch.nn.functional as F
 
 
 class MLP(nn.Module):
-    """64-512-512-10."""
+    """d_in-hidden-hidden-10: 64-512-512-10, or 784-1024-1024-10 for ``mlp_1024``."""
 
-    def __init__(self):
+    def __init__(self, d_in=64, hidden=512):
         super().__init__()
-        self.fc1 = nn.Linear(64, 512)
-        self.fc2 = nn.Linear(512, 512)
-        self.fc3 = nn.Linear(512, 10)
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, 10)
 
     def forward(self, x):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
@@ -47,6 +53,47 @@ class CNN(nn.Module):
         x = torch.relu(self.gn2(self.conv2(x)))
         x = torch.relu(self.gn3(self.conv3(x)))
         return self.fc(x.flatten(1))
+
+
+class ResidualBlockGN(nn.Module):
+    """Two 3x3 convolutions with GroupNorm, ReLU and a skip connection (a 1x1 convolution and
+    GroupNorm where the block changes the width or the resolution)."""
+
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(8, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.gn2 = nn.GroupNorm(8, c_out)
+        self.skip = None
+        if stride != 1 or c_in != c_out:
+            self.skip = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                                      nn.GroupNorm(8, c_out))
+
+    def forward(self, x):
+        out = self.gn2(self.conv2(torch.relu(self.gn1(self.conv1(x)))))
+        return torch.relu(out + (x if self.skip is None else self.skip(x)))
+
+
+class ResNetGN(nn.Module):
+    """ResNet-style CNN with GroupNorm (no BatchNorm: DP-SGD needs per-example independence) on
+    3x32x32: a 3x3 stem 3->16, one residual block per stage at widths 16, 32, 64 (32 -> 16 -> 8),
+    global average pooling, Linear(64, 10). 9 convolutions, 78k parameters."""
+
+    def __init__(self, widths=(16, 32, 64), n_classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, widths[0], 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(8, widths[0])
+        blocks, c = [], widths[0]
+        for i, w in enumerate(widths):
+            blocks.append(ResidualBlockGN(c, w, stride=1 if i == 0 else 2))
+            c = w
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(c, n_classes)
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.gn(self.stem(x))))
+        return self.fc(x.mean((2, 3)))
 
 
 class Block(nn.Module):
@@ -117,41 +164,40 @@ class LSTMClassifier(nn.Module):
         return self.fc(h[-1])
 
 
-HF_T = 32   # sequence length of the Hugging Face models
-
-
-def _hf_gpt2():
-    """GPT2LMHeadModel from a config: d=64, 2 layers, 4 heads, vocab 256, LM head tied to the
-    token embedding, dropout 0 (so that every method computes the same function)."""
+def _hf_gpt2(d=64, layers=2, heads=4, vocab=256, T=32):
+    """GPT2LMHeadModel from a config (default d=64, 2 layers, 4 heads, vocab 256), LM head tied
+    to the token embedding, dropout 0 (so that every method computes the same function)."""
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256,
-                                     n_positions=HF_T, resid_pdrop=0.0, embd_pdrop=0.0,
+    config = transformers.GPT2Config(n_layer=layers, n_head=heads, n_embd=d, vocab_size=vocab,
+                                     n_positions=T, resid_pdrop=0.0, embd_pdrop=0.0,
                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
-def _hf_llama():
-    """LlamaForCausalLM from a config of the same size: d=64, 2 layers, 4 heads, SwiGLU 176,
-    RMSNorm, rotary positions, vocab 256, untied head."""
+def _hf_llama(d=64, ffn=176, layers=2, heads=4, vocab=256, T=32):
+    """LlamaForCausalLM from a config (default d=64, 2 layers, 4 heads, SwiGLU 176): RMSNorm,
+    rotary positions, untied head."""
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4,
-                                      vocab_size=256, max_position_embeddings=HF_T,
-                                      bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(hidden_size=d, intermediate_size=ffn,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads, vocab_size=vocab,
+                                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
     return transformers.LlamaForCausalLM(config)
 
 
-def _hf_data(B, g):
-    """Token ids, an attention mask with each example's last 0-15 positions padded, and the
-    next-token labels (every position counts, so each example's loss is its own mean)."""
-    ids = torch.randint(0, 256, (B, HF_T + 1), generator=g)
-    lengths = HF_T - torch.randint(0, HF_T // 2, (B,), generator=g)
-    mask = (torch.arange(HF_T) < lengths[:, None]).long()
-    x = torch.empty(B, HF_T, dtype=ids.dtype).copy_(ids[:, :-1])
-    y = torch.empty(B, HF_T, dtype=ids.dtype).copy_(ids[:, 1:])
-    return {"input_ids": x, "attention_mask": mask}, y
+def _hf_data(B, g, vocab=256, T=32, mask=True):
+    """Token ids and the next-token labels (every position counts, so each example's loss is its
+    own mean); with ``mask``, an attention mask with each example's last 0 to T/2 - 1 positions
+    padded."""
+    ids = torch.randint(0, vocab, (B, T + 1), generator=g)
+    x = torch.empty(B, T, dtype=ids.dtype).copy_(ids[:, :-1])
+    y = torch.empty(B, T, dtype=ids.dtype).copy_(ids[:, 1:])
+    if not mask:
+        return {"input_ids": x}, y
+    lengths = T - torch.randint(0, T // 2, (B,), generator=g)
+    return {"input_ids": x, "attention_mask": (torch.arange(T) < lengths[:, None]).long()}, y
 
 
 def forward(model, x):
@@ -161,8 +207,8 @@ def forward(model, x):
     return model(x)
 
 
-def _mlp_data(B, g):
-    return torch.randn(B, 64, generator=g), torch.randint(0, 10, (B,), generator=g)
+def _mlp_data(B, g, d_in=64):
+    return torch.randn(B, d_in, generator=g), torch.randint(0, 10, (B,), generator=g)
 
 
 def _cnn_data(B, g):
@@ -200,6 +246,33 @@ MODELS = {
     "hf_llama": (_hf_llama, _hf_data, (8, 32),
                  "Hugging Face LlamaForCausalLM, d=64, 2 layers, vocab 256, T=32, attention mask"),
 }
+# what run.py and kernels.py run unless told otherwise; the models below run with --realistic
+DEFAULT_MODELS = tuple(MODELS)
+
+MODELS.update({
+    "mlp_1024": (partial(MLP, 784, 1024), partial(_mlp_data, d_in=784), (1024,),
+                 "MLP 784-1024-1024-10, input (B, 784)"),
+    "resnet_gn": (ResNetGN, _cnn_data, (256,),
+                  "ResNet-style GroupNorm CNN on 3x32x32: stem and 3 residual blocks at widths "
+                  "16, 32, 64, 9 convolutions"),
+    "hf_gpt2_256": (partial(_hf_gpt2, d=256, layers=4, heads=4, vocab=8192, T=128),
+                    partial(_hf_data, vocab=8192, T=128, mask=False), (16,),
+                    "Hugging Face GPT2LMHeadModel, d=256, 4 layers, 4 heads, vocab 8192 (tied "
+                    "head), T=128, no attention mask"),
+    "hf_llama_256": (partial(_hf_llama, d=256, ffn=688, layers=4, heads=4, vocab=8192, T=128),
+                     partial(_hf_data, vocab=8192, T=128), (16,),
+                     "Hugging Face LlamaForCausalLM, d=256, 4 layers, 4 heads, SwiGLU 688, vocab "
+                     "8192, T=128, attention mask"),
+    "hf_gpt2_124m": (partial(_hf_gpt2, d=768, layers=12, heads=12, vocab=50257, T=128),
+                     partial(_hf_data, vocab=50257, T=128, mask=False), (4,),
+                     "Hugging Face GPT-2 small (124M; GPT2Config's sizes: d=768, 12 layers, 12 "
+                     "heads, vocab 50257, tied head; n_positions 128), T=128, no attention mask"),
+})
+
+# (model, batch size): the sizes DP users train at, run by ``run.py --realistic``; the heaviest
+# last, so that an interrupted run keeps the others.
+REALISTIC = [("mlp_1024", 1024), ("resnet_gn", 256), ("lstm", 256), ("hf_gpt2_256", 16),
+             ("hf_llama_256", 16), ("hf_gpt2_124m", 4)]
 
 # The non-private step each model's DP step is measured against (Note [The LSTM's baseline]).
 BASELINE = {"lstm": "compile_unrolled"}

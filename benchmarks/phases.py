@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import methods  # noqa: E402
-from models import MODELS, build, forward, loss_fn  # noqa: E402
+from models import DEFAULT_MODELS, MODELS, build, forward, loss_fn  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "step")
 
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", help="write the table (markdown) here too")
     args = ap.parse_args()
-    names = list(MODELS) if args.model == "all" else [args.model]
+    names = list(DEFAULT_MODELS) if args.model == "all" else [args.model]
     lines = [f"Phase medians (ms) of {args.steps} interleaved steps, torch threads "
              f"{torch.get_num_threads()}; base: non-private torch.compile.", "",
              "| model | B | method | " + " | ".join(PHASES) + " | total |",

@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # full run (30-40 min on 2 cores, estimated)
     python benchmarks/run.py --quick         # one batch size per model, few steps, 5 methods
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
+    python benchmarks/run.py --realistic --quick   # the sizes DP users train at (under 10 min)
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
 method side by side: first step and warm-up per method, then the timed steps round-robin over
@@ -37,6 +38,12 @@ Measurements, per (model, batch, method):
   as dpfx's steps, over the baseline's median step. DP-SGD cannot skip it, so it bounds from
   below what any private step costs over the baseline on this machine: a row whose target minus
   1 is smaller than this figure cannot meet it with exact per-coordinate Gaussian noise.
+- first-step RSS: the growth of the process's peak resident memory (VmHWM, reset through
+  /proc/self/clear_refs before the method is built) over its resident memory then, during the
+  method's setup and first step: what compiling and the first step ask of the machine. Methods
+  share the worker process, so memory an earlier method freed but glibc kept can serve a later
+  one: read it as the method's own peak within a few MB on the small models, and as a lower
+  bound where earlier methods held much more. results.json also has the worker's peak RSS.
 - step memory: peak bytes of tensor memory live during one steady-state step above what was
   live when the step began, from the CPU allocator's own accounting (torch.profiler with
   profile_memory=True records every allocation and free of the c10 CPU allocator, Inductor's
@@ -44,7 +51,13 @@ Measurements, per (model, batch, method):
   created during the step are included. RSS is not used: ru_maxrss is monotonic over a process
   and includes compile-time memory, and glibc keeps freed pages.
 - dpfx variable batch: after the timed steps, 10 steps with Poisson-like batch sizes (0 and 1
-  included); dpfx's compile count must stay 2.
+  included); dpfx's compile count must stay 2 (on by default, off with --realistic).
+
+--realistic runs the rows of ``models.REALISTIC`` (each model at the batch size DP users train
+at) instead of every model's batch sizes. ``--realistic --quick`` is the short form: 3 timed
+steps and no warm-up steps (the untimed step that opens each method's turn warms it), no
+warm-cache process and no variable-batch check; most of its time is the compiling methods'
+first steps (GPT-2 small's dpfx first step alone is over a minute on 2 idle cores).
 """
 from __future__ import annotations
 
@@ -124,6 +137,24 @@ def method_cache(root: str, method: str):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
+def _proc_status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak_rss() -> float:
+    """Reset the process's peak resident memory to its current RSS; returns that RSS (MB)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _proc_status_mb("VmRSS")
+
+
 def warm_inductor():
     """Start Inductor's compile workers and probe the C++ toolchain once, outside any method."""
     import torch
@@ -189,6 +220,7 @@ def worker(args) -> None:
         res = results[method] = {"model": name, "batch": B, "method": method,
                                  "label": methods.METHODS[method][0]}
         progress.mark(method, "setup")
+        rss_before = reset_peak_rss()
         try:
             # a fresh, empty Inductor cache per method: no FX-graph or kernel cache hits
             with method_cache(args.cache_dir, method):
@@ -197,6 +229,7 @@ def worker(args) -> None:
                 t0 = time.perf_counter()
                 m.step(x, y)
                 res["first_step_s"] = time.perf_counter() - t0
+                res["first_step_rss_mb"] = _proc_status_mb("VmHWM") - rss_before
                 for _ in range(args.warmup):
                     m.step(x, y)
             res["compiles"] = m.compiles() if m.compiles else None
@@ -253,7 +286,7 @@ def worker(args) -> None:
             res["dynamo_graphs_compiled_during_timing"] = graphs_during_timing
             if hasattr(m, "dp_model"):
                 res["compiles_after_timing"] = m.compiles()
-            if method == "dpfx":
+            if method == "dpfx" and args.varbatch:
                 progress.mark(method, "variable batch")
                 res["varbatch"] = dpfx_variable_batch(m, name, B)
             res["status"] = "ok"
@@ -262,9 +295,17 @@ def worker(args) -> None:
         print(f"  {name} B={B} {method:13s} median {res['median_ms']:9.2f} ms  {res['status']}",
               flush=True)
 
+    peak = max_rss_mb()
     with open(args.jsonl, "w") as f:
         for method in args.methods:
+            results[method]["worker_peak_rss_mb"] = peak
             f.write(json.dumps(results[method]) + "\n")
+
+
+def max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def noise_draw(model):
@@ -422,7 +463,7 @@ def _run_worker(model, B, todo, args, base, cache_dir, *extra) -> tuple:
            "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--block", str(args.block),
            "--threads", str(args.threads), "--jsonl", jsonl, "--progress", progress,
-           "--cache-dir", cache_dir, *extra]
+           "--cache-dir", cache_dir, *(["--no-varbatch"] if not args.varbatch else []), *extra]
     try:
         with open(base + ".log", "a") as err:   # warnings and profiler chatter
             rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
@@ -454,33 +495,25 @@ def _add_warm_cache_first_steps(model, B, rows, args, base, cache_dir) -> None:
 
 def driver(args) -> None:
     import methods
-    import models
 
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "machine": machine_info(args.threads), "steps": args.steps,
             "warmup": args.warmup, "block": args.block, "quick": args.quick,
-            "warm_cache": args.warm_cache}
+            "warm_cache": args.warm_cache, "realistic": args.realistic}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
     results = []
-    for name in args.models:
-        batches = models.MODELS[name][2]
-        if args.batches:
-            batches = args.batches
-        elif args.quick:
-            batches = batches[:1]
-        for B in batches:
-            load = _loadavg()
-            rows = run_config(name, B, [m for m in args.methods if methods.applies(m, name)],
-                              args)
-            for r in rows:
-                r["loadavg_before"] = load
-            add_ratios(name, rows)
-            results += rows
-            meta["total_s"] = time.perf_counter() - t_start
-            _write(results, meta, args.out)   # partial results survive an interrupted run
+    for name, B in configs(args):
+        load = _loadavg()
+        rows = run_config(name, B, [m for m in args.methods if methods.applies(m, name)], args)
+        for r in rows:
+            r["loadavg_before"] = load
+        add_ratios(name, rows)
+        results += rows
+        meta["total_s"] = time.perf_counter() - t_start
+        _write(results, meta, args.out)   # partial results survive an interrupted run
     meta["total_s"] = time.perf_counter() - t_start
     meta["loadavg_at_end"] = _loadavg()
     text = _write(results, meta, args.out)
@@ -488,6 +521,21 @@ def driver(args) -> None:
     print(text)
     print(f"total run time {meta['total_s'] / 60:.1f} min; wrote {args.out}/results.md, "
           f"results.json, ratio.png")
+
+
+def configs(args) -> list[tuple[str, int]]:
+    """The (model, batch size) rows to run: --realistic's (of the --models named, if any), or
+    each model's batch sizes (--batches, or the first with --quick)."""
+    import models
+
+    if args.realistic:
+        return [(name, B) for name, B in models.REALISTIC
+                if args.models is None or name in args.models]
+    out = []
+    for name in args.models or models.DEFAULT_MODELS:
+        batches = args.batches or models.MODELS[name][2][:1 if args.quick else None]
+        out += [(name, B) for B in batches]
+    return out
 
 
 def _write(results, meta, out) -> str:
@@ -502,14 +550,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: first batch size per model, 5 steps after 1 warm-up")
-    ap.add_argument("--models", nargs="+", default=list(models.MODELS), choices=list(models.MODELS))
+    ap.add_argument("--models", nargs="+", default=None, choices=list(models.MODELS),
+                    help="default: models.DEFAULT_MODELS (--realistic: models.REALISTIC's)")
+    ap.add_argument("--realistic", action="store_true",
+                    help="the rows of models.REALISTIC: each model at the batch size DP users "
+                         "train at (no variable-batch check; with --quick: 3 steps, no warm-up)")
     ap.add_argument("--methods", nargs="+", default=None, choices=METHOD_ORDER,
                     help="default: all (--quick: eager, compile, compile_unrolled, opacus_ghost, "
                          "dpfx)")
     ap.add_argument("--batches", nargs="+", type=int, default=None,
-                    help="override the batch sizes (default: each model's two, one with --quick)")
+                    help="override the batch sizes (default: each model's two, one with --quick; "
+                         "not with --realistic)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 5)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 1)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up steps (default 3, quick 1, realistic quick 0)")
     ap.add_argument("--block", type=int, default=5,
                     help="timed steps per method per round-robin turn (default 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -518,6 +572,9 @@ def main() -> None:
     ap.add_argument("--warm-cache", action=argparse.BooleanOptionalAction, default=None,
                     help="time the compiling methods' first step again in a second process on "
                          "the caches the first filled (default: on, off with --quick)")
+    ap.add_argument("--varbatch", action=argparse.BooleanOptionalAction, default=None,
+                    help="dpfx's variable-batch check after the timed steps (default: on, off "
+                         "with --realistic)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--jsonl", help=argparse.SUPPRESS)
@@ -527,10 +584,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.warm_cache is None:
         args.warm_cache = not args.quick
+    if args.varbatch is None:
+        args.varbatch = not args.realistic
     if args.steps is None:
-        args.steps = 5 if args.quick else 20
+        args.steps = (3 if args.realistic else 5) if args.quick else 20
     if args.warmup is None:
-        args.warmup = 1 if args.quick else 3
+        args.warmup = (0 if args.realistic else 1) if args.quick else 3
     if args.methods is None:
         args.methods = QUICK_METHODS if args.quick else METHOD_ORDER
     if args.worker:
