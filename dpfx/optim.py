@@ -114,10 +114,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if sharding is not None:
             # Note [Sharded DP-SGD] in fsdp.py: the optimizer holds the shards
             sharding.release()
-            if process_group is not None and world_of(process_group) != sharding.world:
+            if self.world != sharding.world:
                 raise ValueError(
-                    f"process_group has {world_of(process_group)} ranks and the model is "
-                    f"sharded over {sharding.world}; pass the mesh's group, or none")
+                    f"the process group has {self.world} ranks and the model is sharded over "
+                    f"{sharding.world}: shard over every rank of the group (HSDP and sub-meshes "
+                    f"are not supported), or pass the mesh's group as process_group")
         trainable = {id(p): n for n, p in dp_model._orig_mod.named_parameters()
                      if p.requires_grad}
         for group in optimizer.param_groups:
