@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import loss_check
+from . import loss_check, loss_steady
 from .errors import PrivacyError
 from .release import TWO_FORWARDS, compiled_nodes
 
@@ -75,6 +75,8 @@ class Trace:
         self._external_ids: dict[int, int] = {}
         self.stop_nodes: list = []        # autograd nodes of the tracked outputs
         self.outputs: dict[int, tuple] = {}   # record -> (value, autograd edge) of an output
+        self.nodes: dict[int, Any] = {}     # record -> its result's grad_fn, for a token mean's
+                                            # count (Note [A token mean's count] in loss_steady)
         self.poison: str | None = None
         self.released = False     # a loss of this forward's outputs was checked and released
 
@@ -239,6 +241,8 @@ def _record(func, args, kwargs, result):
                       else ("c", a) for a in leaves)
         index = len(trace.records)
         trace.records.append((func, spec, descr, _caller()))
+        if func in loss_steady.NLL_CALLS and isinstance(result, torch.Tensor):
+            trace.nodes[index] = result.grad_fn
     arg_ids = {id(a) for a in leaves if isinstance(a, torch.Tensor)
                and not isinstance(a, TrackedTensor)}
     wrapped = []
@@ -392,6 +396,14 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         # No example, nothing to couple or to scale: the release is the noise alone (the graph's
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
+    reduction = trace.backend.config.loss_reduction
+    # Note [The steady-state key] in loss_steady.py
+    steady = None if _WRITTEN else loss_steady.key(trace, index, leaf)
+    found = steady and loss_steady.lookup(steady, trace)
+    if found:
+        scale = loss_check.eval_scale(found[0], trace.batch, found[1], reduction)
+        if type(scale) is tuple and not (scale[1] and not getattr(found[0], "warned", False)):
+            return scale[0]
     program, key, inputs = _program(trace, index, leaf, full=False)
     if _WRITTEN and any(_was_written(v) for v in inputs):
         raise PrivacyError(
@@ -406,8 +418,8 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         _store(key, choice, verdict)
     if isinstance(verdict, loss_check.LossRefused):
         raise _refusal(verdict, _program(trace, index, leaf)[0])
-    reduction = trace.backend.config.loss_reduction
-    scale = loss_check.eval_scale(verdict, trace.batch, inputs, reduction)
+    values = loss_check.normalizer_values(verdict, trace.batch, inputs)
+    scale = loss_check.eval_scale(verdict, trace.batch, values, reduction)
     if isinstance(scale, str):
         program = _program(trace, index, leaf)[0]
         raise PrivacyError(f"the loss ({_line(program['lines'][-1])}) cannot be made a sum of "
@@ -420,6 +432,8 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         verdict.warned = True
         warnings.warn(_scale_message(verdict, reduction, _program(trace, index, leaf)[0]),
                       LossScaleWarning, stacklevel=4)
+    if steady:
+        loss_steady.store(steady, verdict, program, values, trace)
     return factor
 
 
@@ -474,7 +488,8 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                 placeholders.append(full and loss_check.Placeholder(
                     shape, dtype, device, False, is_data=True))
                 inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
-                keys.append(("data", _dim0_key(inputs[-1], batch), shape[1:], dtype, device))
+                keys.append(("data", loss_steady.dim0_key(inputs[-1], batch), shape[1:], dtype,
+                             device))
             else:
                 placeholders.append(full and loss_check.Placeholder(
                     (None, *shape), dtype, device, True))
@@ -501,8 +516,8 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
-                    keys.append(("ext", _dim0_key(t, batch), tuple(t.shape[1:]), t.dtype,
-                                 t.device, t.requires_grad))
+                    keys.append(("ext", loss_steady.dim0_key(t, batch), tuple(t.shape[1:]),
+                                 t.dtype, t.device, t.requires_grad))
                 descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])
             elif arith and pos < 2 and _is_number(d[1]):
@@ -521,7 +536,7 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
         keys.append((func, spec, tuple(key)))
         lines.append(line)
     program = {"calls": calls, "placeholders": placeholders, "loss": (len(order) - 1, leaf),
-               "lines": lines, "candidates": candidates}
+               "lines": lines, "candidates": candidates, "order": order}
     return program, (tuple(keys), position[(id(trace), index)], leaf), inputs
 
 
@@ -789,15 +804,6 @@ def _line(loc) -> str:
         return "in the loss"
     text = linecache.getline(loc[0], loc[1]).strip()
     return f"{os.path.basename(loc[0])}:{loc[1]}" + (f" `{text}`" if text else "")
-
-
-def _dim0_key(t: torch.Tensor, batch: int):
-    """dim 0 as a multiple of the batch where it is one (Note [Which inputs of the loss carry
-    the batch] in loss_check.py), so that one verdict serves every batch size."""
-    if t.dim() == 0:
-        return ()
-    n = t.shape[0]
-    return ("kB", n // batch) if batch and n % batch == 0 else ("n", n) if batch else ("B=0", n)
 
 
 def _const_key(v):
