@@ -377,10 +377,16 @@ REPLAYED_AS = {F.ctc_loss: _ctc_replayed, F.pad: _pad_replayed,
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
     """pytree's flatten, with a cheaper form for the common call without containers."""
-    if not any(isinstance(a, (list, tuple, dict)) for a in args) and not any(
-            isinstance(v, (list, tuple, dict)) for v in kwargs.values()):
-        return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
-    return pytree.tree_flatten((args, kwargs))
+    for a in args:
+        if isinstance(a, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    for a in kwargs.values():
+        if isinstance(a, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def unflatten(leaves: list, spec) -> tuple[tuple, dict]:
@@ -675,6 +681,16 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
     the backward graph undoes."""
     if batch == 0 or not verdict.terms:
         return 1.0, False
+    target = 1.0 / batch if reduction == "mean" else 1.0
+    if len(verdict.terms) == 1 and not verdict.scalar_normalizers:
+        # the steady state's common case, what the loop below computes for one term
+        b = float(batch) ** verdict.terms[0].weight_power
+        for i, q in verdict.terms[0].normalizers:
+            b *= float(values[i]) ** q
+        if b == 0 or not math.isfinite(b):
+            return 1.0, False
+        verdict.weights = ((1.0,), batch)
+        return target / b, abs(target / b - 1.0) > 1e-6
     batch_parts, weights = [], []
     for term in verdict.terms:
         b, w = float(batch) ** term.weight_power, 1.0
@@ -700,7 +716,6 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
                 f"constants or a schedule, and write the batch size only as a common factor of "
                 f"the whole loss, or with tensor ops (.mean(), out.size(0))")
     verdict.weights = (relative, batch)
-    target = 1.0 / batch if reduction == "mean" else 1.0
     if per_term:
         return PerTerm([1.0 / (b * top) if b != 0 and math.isfinite(b) else 0.0
                         for b in batch_parts], target)

@@ -83,23 +83,22 @@ def key(trace, index: int, leaf: int) -> tuple | None:
         shape, dtype, device = leaves
         externals.append(("data", dim0_key(shape, batch), shape[1:], dtype, device))
     found = (tuple(trace.records), index, leaf, tuple(externals))
-    try:
-        hash(found)
-    except TypeError:           # a constant without a hash (a slice: `out[:, :-1]`)
+    if any(type(d[1]) is slice for func, _, descr, _ in trace.records if func is not None
+           for d in descr if d[0] == "c"):
+        # a constant without a hash (`out[:, :-1]`)
         found = (tuple((func, spec, tuple(("c", _hashable(d[1])) if d[0] == "c" else d
                                           for d in descr), line) if func is not None else
                        (func, spec, descr, line) for func, spec, descr, line in trace.records),
                  *found[1:])
-        try:
-            hash(found)
-        except TypeError:
-            return None
     return found
 
 
 def lookup(found: tuple, trace) -> tuple | None:
     """The verdict and this step's normalizer values, or None (take the full path)."""
-    entry = _STEADY.get(found)
+    try:
+        entry = _STEADY.get(found)
+    except TypeError:           # another constant without a hash: the full path, every step
+        return None
     if entry is None:
         return None
     verdict, sources = entry
@@ -127,7 +126,10 @@ def store(found: tuple, verdict, program: dict, values: tuple, trace) -> None:
         if _total_weight(trace.nodes.get(k)) != float(value):
             return
         sources.append(k)
-    _STEADY[found] = (verdict, tuple(sources))
+    try:
+        _STEADY[found] = (verdict, tuple(sources))
+    except TypeError:
+        return
     _STEADY.move_to_end(found)
     while len(_STEADY) > _CACHE_SIZE:
         _STEADY.popitem(last=False)

@@ -57,6 +57,7 @@ class LossScaleWarning(UserWarning):
 
 
 _ENTRIES = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+_GradientEdge = torch.autograd.graph.GradientEdge
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
@@ -131,8 +132,9 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
             if grad_fn is not None:
                 trace.stop_nodes.append(grad_fn)
                 # for Note [Terms on their own scales] in loss_check.py
+                # (get_gradient_edge's own checks cost more than the rest of the wrapping)
                 trace.outputs[len(trace.records) - 1] = (
-                    tracked.detach(), torch.autograd.graph.get_gradient_edge(tracked))
+                    tracked.detach(), _GradientEdge(grad_fn, tracked.output_nr))
         return tracked
 
     if isinstance(out, torch.Tensor):
@@ -206,11 +208,17 @@ def _record(func, args, kwargs, result):
     else:
         return result
     leaves, spec = loss_check.flatten(args, kwargs)
-    traces = {id(a._dpfx[0]): a._dpfx[0] for a in leaves if isinstance(a, TrackedTensor)}
-    if not traces:
+    first = forward = None       # the first trace among the arguments, the first forward's
+    forwards = 0
+    for a in leaves:
+        if isinstance(a, TrackedTensor):
+            t = a._dpfx[0]
+            first = first or t
+            if not t.data and t is not forward:
+                forward, forwards = forward or t, forwards + 1
+    if first is None:
         return result
-    forwards = [t for t in traces.values() if not t.data]
-    trace = forwards[0] if forwards else next(iter(traces.values()))
+    trace = forward or first
     poison = None
     if forwards and func in loss_check.SCALING and _from_grad_scaler():
         poison = (
@@ -220,7 +228,7 @@ def _record(func, args, kwargs, result):
             "divides out, and every step would be 1/scale too small. dpfx clips and noises in "
             "float32: call loss.backward() on the unscaled loss and optimizer.step() without "
             "the scaler (bfloat16 autocast needs none).")
-    elif len(forwards) > 1:
+    elif forwards > 1:
         poison = TWO_FORWARDS
     if poison or trace.poison:
         poisoned = Trace(trace.backend, trace.batch, trace.param_ids)
@@ -243,12 +251,10 @@ def _record(func, args, kwargs, result):
         trace.records.append((func, spec, descr, _caller()))
         if func in loss_steady.NLL_CALLS and isinstance(result, torch.Tensor):
             trace.nodes[index] = result.grad_fn
-    arg_ids = {id(a) for a in leaves if isinstance(a, torch.Tensor)
-               and not isinstance(a, TrackedTensor)}
     wrapped = []
     for i, r in enumerate(out_leaves):
         if isinstance(r, torch.Tensor):
-            if id(r) in arg_ids:
+            if not isinstance(r, TrackedTensor) and _among(r, leaves):
                 if not r.requires_grad:
                     # a detached value accumulated for logging (Trainer's ``tr_loss +=
                     # loss.detach()``): no gradient flows through it; a loss that later reads
@@ -267,6 +273,13 @@ def _record(func, args, kwargs, result):
             r._dpfx = (trace, index, i)
         wrapped.append(r)
     return wrapped[0] if out_spec is None else pytree.tree_unflatten(wrapped, out_spec)
+
+
+def _among(r: torch.Tensor, leaves: list) -> bool:
+    for a in leaves:
+        if a is r:
+            return True
+    return False
 
 
 _IN_PLACE = {torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.mul_,
@@ -731,7 +744,6 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     # output retyped in place has the compiled function's node as its grad_fn, and another
     # output of that node (a weight the forward stored on a module) must still be found.
     stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()}
-    own = set(compiled_nodes(trace.stop_nodes))
     with torch._C.DisableTorchFunctionSubclass():
         stack, seen = [(loss.grad_fn, loss.output_nr)], set()
     while stack:
@@ -739,7 +751,8 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
         if node is None or (node, nr) in stops or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and node in own:
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                node in compiled_nodes(trace.stop_nodes):
             raise PrivacyError(
                 f"the loss ({_where()}) reads a tensor that dpfx's compiled forward produced "
                 f"but did not return (a module attribute set during the forward, such as the "
@@ -790,9 +803,21 @@ def _scale_message(verdict, reduction: str, program: dict) -> str:
 
 def _caller():
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_DIRS):
+    while f is not None and _skipped(f.f_code):
         f = f.f_back
     return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+
+
+def _skipped(code) -> bool:
+    skip = _SKIPPED.get(code)
+    if skip is None:
+        skip = _SKIPPED[code] = code.co_filename.startswith(_SKIP_DIRS)
+        if len(_SKIPPED) > 4096:
+            _SKIPPED.clear()
+    return skip
+
+
+_SKIPPED: dict = {}     # code object -> in torch or dpfx (the frames _caller walks past)
 
 
 def _where() -> str:
