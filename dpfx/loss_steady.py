@@ -17,10 +17,12 @@ each external tensor its dim 0 as a multiple of the batch, its other sizes, dtyp
 whether it requires grad (a batch tensor of dpfx's loader as such, only where it is the loader's
 own tensor; one user code computed from it has calls of its own, and the step takes the full
 path). Two steps with equal keys record the same calls on the same kinds of tensors, so they
-have the same program up to its scalars' values and the batch size; the program cache's key is
-a function of this one (it drops records the loss does not need, the Python numbers' values and
-each size int but its multiple of the batch), and its verdict holds for every batch size. The
-key is finer than the program's: a step that misses takes the full path, which proves or refuses
+have the same program up to its Python numbers' values and the batch size: the program cache's
+key is a function of this one and the batch size (it drops the records the loss does not need
+and the numbers' values, and writes a size int that is a multiple of the batch as that
+multiple), and the proof holds for every value of the batch symbol. A verdict is kept here only
+if no size int was a multiple of the batch when it was proven, so it read each as written, which
+is the call the user makes at any batch size. The key is finer than the program's: a step that misses takes the full path, which proves or refuses
 as before. So a loss changed on step 100 (a batch statistic added, another label tensor, the
 same calls on another line) is checked on step 100. What is not in the key is checked on every
 step as before: the autograd walk (loss_track._check_autograd), a poisoned trace (two forwards,

@@ -17,7 +17,9 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
    gradient other than the model's own parameters (which invariant 4 in api.py watches);
 2. the recorded calls, replayed with a symbolic batch, are a per-example sum
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
-   shapes with the batch written as a symbol), so a steady-state step only rebuilds that key;
+   shapes with the batch written as a symbol), and a step whose trace records what an earlier
+   one did finds it by the trace's records alone (Note [The steady-state key] in
+   loss_steady.py);
 3. the scalars applied after the batch reduction (the batch size written any way, a token count,
    a constant factor) are evaluated on the step's inputs and divided out of the backward's
    starting gradient (Note [The per-example term] in loss_check.py).
