@@ -84,23 +84,16 @@ def key(trace, index: int, leaf: int) -> tuple | None:
             return None
         shape, dtype, device = leaves
         externals.append(("data", dim0_key(shape, batch), shape[1:], dtype, device))
-    found = (tuple(trace.records), index, leaf, tuple(externals))
-    if any(type(d[1]) is slice for func, _, descr, _ in trace.records if func is not None
-           for d in descr if d[0] == "c"):
-        # a constant without a hash (`out[:, :-1]`)
-        found = (tuple((func, spec, tuple(("c", _hashable(d[1])) if d[0] == "c" else d
-                                          for d in descr), line) if func is not None else
-                       (func, spec, descr, line) for func, spec, descr, line in trace.records),
-                 *found[1:])
-    return found
+    return (tuple(trace.records), index, leaf, tuple(externals))
 
 
 def lookup(found: tuple, trace) -> tuple | None:
     """The verdict and this step's normalizer values, or None (take the full path)."""
     try:
         entry = _STEADY.get(found)
-    except TypeError:           # another constant without a hash: the full path, every step
-        return None
+    except TypeError:           # a constant without a hash (a slice: `out[:, :-1]`)
+        found = _hashable_key(found)
+        entry = _STEADY.get(found) if found is not None else None
     if entry is None:
         return None
     verdict, sources = entry
@@ -129,9 +122,12 @@ def store(found: tuple, verdict, program: dict, values: tuple, trace) -> None:
             return
         sources.append(k)
     try:
-        _STEADY[found] = (verdict, tuple(sources))
+        hash(found)
     except TypeError:
-        return
+        found = _hashable_key(found)
+        if found is None:
+            return
+    _STEADY[found] = (verdict, tuple(sources))
     _STEADY.move_to_end(found)
     while len(_STEADY) > _CACHE_SIZE:
         _STEADY.popitem(last=False)
@@ -171,8 +167,15 @@ def dim0_key(t, batch: int):
     return ("kB", n // batch) if batch and n % batch == 0 else ("n", n) if batch else ("B=0", n)
 
 
-def _hashable(v):
-    if isinstance(v, slice):
-        return ("slice", v.start, v.stop, v.step)
-    hash(v)
-    return v
+def _hashable_key(found: tuple) -> tuple | None:
+    """``found`` with its slices as tuples; None if another constant has no hash."""
+    records = tuple((func, spec, tuple(("c", ("slice", d[1].start, d[1].stop, d[1].step))
+                                       if d[0] == "c" and type(d[1]) is slice else d
+                                       for d in descr), line) if func is not None else
+                    (func, spec, descr, line) for func, spec, descr, line in found[0])
+    found = (records, *found[1:])
+    try:
+        hash(found)
+    except TypeError:
+        return None
+    return found
