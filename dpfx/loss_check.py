@@ -119,6 +119,7 @@ class Verdict:
     sized: dict = dataclasses.field(default_factory=dict)   # outputs whose size a normalizer reads
     replayed: fx.GraphModule | None = None  # the loss as replayed, and its terms' nodes: for
     term_nodes: list = dataclasses.field(default_factory=list)   # Note [Terms on their own scales]
+    normalizer_calls: tuple = ()            # the call each normalizer was computed in
     _scaled: Callable | None = None
 
 
@@ -376,10 +377,16 @@ REPLAYED_AS = {F.ctc_loss: _ctc_replayed, F.pad: _pad_replayed,
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
     """pytree's flatten, with a cheaper form for the common call without containers."""
-    if not any(isinstance(a, (list, tuple, dict)) for a in args) and not any(
-            isinstance(v, (list, tuple, dict)) for v in kwargs.values()):
-        return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
-    return pytree.tree_flatten((args, kwargs))
+    for a in args:
+        if isinstance(a, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    for a in kwargs.values():
+        if isinstance(a, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def unflatten(leaves: list, spec) -> tuple[tuple, dict]:
@@ -502,7 +509,7 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
     if structure is not None:
         raise structure
     scalars = {ph for ph, p in zip(phs, placeholders) if p.is_scalar}
-    return _verdict(gm, terms, batch, scalars, outputs)
+    return _verdict(gm, terms, batch, scalars, outputs, record_of)
 
 
 def analyze_rows(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict,
@@ -543,7 +550,7 @@ def _rows_by_index(gm: fx.GraphModule, an: BatchAnalysis) -> list[fx.Node]:
     return found
 
 
-def _verdict(gm, terms, batch, scalars: set, outputs: set) -> Verdict:
+def _verdict(gm, terms, batch, scalars: set, outputs: set, record_of: dict) -> Verdict:
     norm_nodes: list[fx.Node] = []
     out_terms, declared = [], set()
     for scale, norms, node in terms:
@@ -570,7 +577,8 @@ def _verdict(gm, terms, batch, scalars: set, outputs: set) -> Verdict:
                  if ph in needed and ph in outputs}
     return Verdict(out_terms, evaluate, declared.pop() if len(declared) == 1 else "mixed",
                    frozenset(i for i, n in enumerate(norm_nodes) if n in scalars), sized=sized,
-                   replayed=gm, term_nodes=[node.name for _, _, node in terms])
+                   replayed=gm, term_nodes=[node.name for _, _, node in terms],
+                   normalizer_calls=tuple(record_of.get(n) for n in norm_nodes))
 
 
 def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:
@@ -654,20 +662,35 @@ def _op_name(node: fx.Node) -> str:
     return str(getattr(target, "__name__", target)).replace(".default", "")
 
 
-def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
+def normalizer_values(verdict: Verdict, batch: int, inputs: list) -> tuple:
+    """The normalizers N_j on the step's inputs (empty where eval_scale reads none)."""
+    if batch == 0 or not verdict.terms or not verdict.evaluate_normalizers:
+        return ()
+    return verdict.evaluate_normalizers(*(
+        torch.tensor(v) if isinstance(v, (int, float)) else
+        torch.empty(()).expand(batch, *verdict.sized[i]) if i in verdict.sized else v
+        for i, v in enumerate(inputs)))
+
+
+def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
                ) -> tuple[float, bool] | str:
     """The factor by which the backward's starting gradient is multiplied on this step so that
     each example's gradient is that of its own term (Note [The per-example term]), and whether
-    it differs from 1; or why the terms cannot be put on one scale. ``reduction="mean"``
-    targets 1/B, which the backward graph undoes."""
+    it differs from 1; or why the terms cannot be put on one scale. ``values`` are the
+    normalizers on this step (``normalizer_values``). ``reduction="mean"`` targets 1/B, which
+    the backward graph undoes."""
     if batch == 0 or not verdict.terms:
         return 1.0, False
-    values = ()
-    if verdict.evaluate_normalizers:
-        values = verdict.evaluate_normalizers(*(
-            torch.tensor(v) if isinstance(v, (int, float)) else
-            torch.empty(()).expand(batch, *verdict.sized[i]) if i in verdict.sized else v
-            for i, v in enumerate(inputs)))
+    target = 1.0 / batch if reduction == "mean" else 1.0
+    if len(verdict.terms) == 1 and not verdict.scalar_normalizers:
+        # the steady state's common case, what the loop below computes for one term
+        b = float(batch) ** verdict.terms[0].weight_power
+        for i, q in verdict.terms[0].normalizers:
+            b *= float(values[i]) ** q
+        if b == 0 or not math.isfinite(b):
+            return 1.0, False
+        verdict.weights = ((1.0,), batch)
+        return target / b, abs(target / b - 1.0) > 1e-6
     batch_parts, weights = [], []
     for term in verdict.terms:
         b, w = float(batch) ** term.weight_power, 1.0
@@ -693,7 +716,6 @@ def eval_scale(verdict: Verdict, batch: int, inputs: list, reduction: str
                 f"constants or a schedule, and write the batch size only as a common factor of "
                 f"the whole loss, or with tensor ops (.mean(), out.size(0))")
     verdict.weights = (relative, batch)
-    target = 1.0 / batch if reduction == "mean" else 1.0
     if per_term:
         return PerTerm([1.0 / (b * top) if b != 0 and math.isfinite(b) else 0.0
                         for b in batch_parts], target)

@@ -17,7 +17,9 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
    gradient other than the model's own parameters (which invariant 4 in api.py watches);
 2. the recorded calls, replayed with a symbolic batch, are a per-example sum
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
-   shapes with the batch written as a symbol), so a steady-state step only rebuilds that key;
+   shapes with the batch written as a symbol), and a step whose trace records what an earlier
+   one did finds it by the trace's records alone (Note [The steady-state key] in
+   loss_steady.py);
 3. the scalars applied after the batch reduction (the batch size written any way, a token count,
    a constant factor) are evaluated on the step's inputs and divided out of the backward's
    starting gradient (Note [The per-example term] in loss_check.py).
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import loss_check
+from . import loss_check, loss_steady
 from .errors import PrivacyError
 from .release import TWO_FORWARDS, compiled_nodes
 
@@ -57,6 +59,7 @@ class LossScaleWarning(UserWarning):
 
 
 _ENTRIES = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+_GradientEdge = torch.autograd.graph.GradientEdge
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
@@ -75,6 +78,8 @@ class Trace:
         self._external_ids: dict[int, int] = {}
         self.stop_nodes: list = []        # autograd nodes of the tracked outputs
         self.outputs: dict[int, tuple] = {}   # record -> (value, autograd edge) of an output
+        self.nodes: dict[int, Any] = {}     # record -> its result's grad_fn, for a token mean's
+                                            # count (Note [A token mean's count] in loss_steady)
         self.poison: str | None = None
         self.released = False     # a loss of this forward's outputs was checked and released
 
@@ -129,8 +134,9 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
             if grad_fn is not None:
                 trace.stop_nodes.append(grad_fn)
                 # for Note [Terms on their own scales] in loss_check.py
+                # (get_gradient_edge's own checks cost more than the rest of the wrapping)
                 trace.outputs[len(trace.records) - 1] = (
-                    tracked.detach(), torch.autograd.graph.get_gradient_edge(tracked))
+                    tracked.detach(), _GradientEdge(grad_fn, tracked.output_nr))
         return tracked
 
     if isinstance(out, torch.Tensor):
@@ -204,11 +210,17 @@ def _record(func, args, kwargs, result):
     else:
         return result
     leaves, spec = loss_check.flatten(args, kwargs)
-    traces = {id(a._dpfx[0]): a._dpfx[0] for a in leaves if isinstance(a, TrackedTensor)}
-    if not traces:
+    first = forward = None       # the first trace among the arguments, the first forward's
+    forwards = 0
+    for a in leaves:
+        if isinstance(a, TrackedTensor):
+            t = a._dpfx[0]
+            first = first or t
+            if not t.data and t is not forward:
+                forward, forwards = forward or t, forwards + 1
+    if first is None:
         return result
-    forwards = [t for t in traces.values() if not t.data]
-    trace = forwards[0] if forwards else next(iter(traces.values()))
+    trace = forward or first
     poison = None
     if forwards and func in loss_check.SCALING and _from_grad_scaler():
         poison = (
@@ -218,7 +230,7 @@ def _record(func, args, kwargs, result):
             "divides out, and every step would be 1/scale too small. dpfx clips and noises in "
             "float32: call loss.backward() on the unscaled loss and optimizer.step() without "
             "the scaler (bfloat16 autocast needs none).")
-    elif len(forwards) > 1:
+    elif forwards > 1:
         poison = TWO_FORWARDS
     if poison or trace.poison:
         poisoned = Trace(trace.backend, trace.batch, trace.param_ids)
@@ -239,12 +251,12 @@ def _record(func, args, kwargs, result):
                       else ("c", a) for a in leaves)
         index = len(trace.records)
         trace.records.append((func, spec, descr, _caller()))
-    arg_ids = {id(a) for a in leaves if isinstance(a, torch.Tensor)
-               and not isinstance(a, TrackedTensor)}
+        if func in loss_steady.NLL_CALLS and isinstance(result, torch.Tensor):
+            trace.nodes[index] = result.grad_fn
     wrapped = []
     for i, r in enumerate(out_leaves):
         if isinstance(r, torch.Tensor):
-            if id(r) in arg_ids:
+            if not isinstance(r, TrackedTensor) and _among(r, leaves):
                 if not r.requires_grad:
                     # a detached value accumulated for logging (Trainer's ``tr_loss +=
                     # loss.detach()``): no gradient flows through it; a loss that later reads
@@ -263,6 +275,13 @@ def _record(func, args, kwargs, result):
             r._dpfx = (trace, index, i)
         wrapped.append(r)
     return wrapped[0] if out_spec is None else pytree.tree_unflatten(wrapped, out_spec)
+
+
+def _among(r: torch.Tensor, leaves: list) -> bool:
+    for a in leaves:
+        if a is r:
+            return True
+    return False
 
 
 _IN_PLACE = {torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.mul_,
@@ -392,6 +411,14 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         # No example, nothing to couple or to scale: the release is the noise alone (the graph's
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
+    reduction = trace.backend.config.loss_reduction
+    # Note [The steady-state key] in loss_steady.py
+    steady = None if _WRITTEN else loss_steady.key(trace, index, leaf)
+    found = steady and loss_steady.lookup(steady, trace)
+    if found:
+        scale = loss_check.eval_scale(found[0], trace.batch, found[1], reduction)
+        if type(scale) is tuple and not (scale[1] and not getattr(found[0], "warned", False)):
+            return scale[0]
     program, key, inputs = _program(trace, index, leaf, full=False)
     if _WRITTEN and any(_was_written(v) for v in inputs):
         raise PrivacyError(
@@ -406,8 +433,8 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         _store(key, choice, verdict)
     if isinstance(verdict, loss_check.LossRefused):
         raise _refusal(verdict, _program(trace, index, leaf)[0])
-    reduction = trace.backend.config.loss_reduction
-    scale = loss_check.eval_scale(verdict, trace.batch, inputs, reduction)
+    values = loss_check.normalizer_values(verdict, trace.batch, inputs)
+    scale = loss_check.eval_scale(verdict, trace.batch, values, reduction)
     if isinstance(scale, str):
         program = _program(trace, index, leaf)[0]
         raise PrivacyError(f"the loss ({_line(program['lines'][-1])}) cannot be made a sum of "
@@ -420,6 +447,8 @@ def _verify(loss: TrackedTensor) -> float | tuple:
         verdict.warned = True
         warnings.warn(_scale_message(verdict, reduction, _program(trace, index, leaf)[0]),
                       LossScaleWarning, stacklevel=4)
+    if steady:
+        loss_steady.store(steady, verdict, program, values, trace)
     return factor
 
 
@@ -474,7 +503,8 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                 placeholders.append(full and loss_check.Placeholder(
                     shape, dtype, device, False, is_data=True))
                 inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
-                keys.append(("data", _dim0_key(inputs[-1], batch), shape[1:], dtype, device))
+                keys.append(("data", loss_steady.dim0_key(inputs[-1], batch), shape[1:], dtype,
+                             device))
             else:
                 placeholders.append(full and loss_check.Placeholder(
                     (None, *shape), dtype, device, True))
@@ -501,8 +531,8 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
-                    keys.append(("ext", _dim0_key(t, batch), tuple(t.shape[1:]), t.dtype,
-                                 t.device, t.requires_grad))
+                    keys.append(("ext", loss_steady.dim0_key(t, batch), tuple(t.shape[1:]),
+                                 t.dtype, t.device, t.requires_grad))
                 descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])
             elif arith and pos < 2 and _is_number(d[1]):
@@ -521,7 +551,7 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
         keys.append((func, spec, tuple(key)))
         lines.append(line)
     program = {"calls": calls, "placeholders": placeholders, "loss": (len(order) - 1, leaf),
-               "lines": lines, "candidates": candidates}
+               "lines": lines, "candidates": candidates, "order": order}
     return program, (tuple(keys), position[(id(trace), index)], leaf), inputs
 
 
@@ -716,7 +746,6 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     # output retyped in place has the compiled function's node as its grad_fn, and another
     # output of that node (a weight the forward stored on a module) must still be found.
     stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()}
-    own = set(compiled_nodes(trace.stop_nodes))
     with torch._C.DisableTorchFunctionSubclass():
         stack, seen = [(loss.grad_fn, loss.output_nr)], set()
     while stack:
@@ -724,7 +753,8 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
         if node is None or (node, nr) in stops or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and node in own:
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                node in compiled_nodes(trace.stop_nodes):
             raise PrivacyError(
                 f"the loss ({_where()}) reads a tensor that dpfx's compiled forward produced "
                 f"but did not return (a module attribute set during the forward, such as the "
@@ -775,9 +805,21 @@ def _scale_message(verdict, reduction: str, program: dict) -> str:
 
 def _caller():
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_DIRS):
+    while f is not None and _skipped(f.f_code):
         f = f.f_back
     return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+
+
+def _skipped(code) -> bool:
+    skip = _SKIPPED.get(code)
+    if skip is None:
+        skip = _SKIPPED[code] = code.co_filename.startswith(_SKIP_DIRS)
+        if len(_SKIPPED) > 4096:
+            _SKIPPED.clear()
+    return skip
+
+
+_SKIPPED: dict = {}     # code object -> in torch or dpfx (the frames _caller walks past)
 
 
 def _where() -> str:
@@ -789,15 +831,6 @@ def _line(loc) -> str:
         return "in the loss"
     text = linecache.getline(loc[0], loc[1]).strip()
     return f"{os.path.basename(loc[0])}:{loc[1]}" + (f" `{text}`" if text else "")
-
-
-def _dim0_key(t: torch.Tensor, batch: int):
-    """dim 0 as a multiple of the batch where it is one (Note [Which inputs of the loss carry
-    the batch] in loss_check.py), so that one verdict serves every batch size."""
-    if t.dim() == 0:
-        return ()
-    n = t.shape[0]
-    return ("kB", n // batch) if batch and n % batch == 0 else ("n", n) if batch else ("B=0", n)
 
 
 def _const_key(v):

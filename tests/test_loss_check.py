@@ -296,3 +296,92 @@ def test_token_mean_neighbours_move_at_most_C():
 
     before, after = coupled(8), coupled(9)
     assert torch.sqrt(sum((after[k] - before[k]).pow(2).sum() for k in before)) > bound
+
+
+# Note [The steady-state key] in dpfx/loss_steady.py: a loss proven once is not proven again
+# while its recorded calls stay the same; a loss that changes is proven (or refused) again.
+SWITCHED = {   # name: (the private loss, the leaking one it turns into, the op refused)
+    "batch_centering": (lambda o, y, d: F.cross_entropy(o, y),
+                        lambda o, y, d: F.cross_entropy(o - o.mean(0), y), "mean.dim"),
+    # one line, one constant changed: a logsumexp over each example's classes, then over
+    # the batch
+    "same_line_dim": (lambda o, y, d: F.cross_entropy(o, y) + o.logsumexp(d).mean(),
+                      None, "amax"),
+    # the loader's labels, then a class histogram of them as weights
+    "label_histogram": (lambda o, y, d: F.cross_entropy(o, y),
+                        lambda o, y, d: F.cross_entropy(o, y, weight=torch.bincount(
+                            y, minlength=4).float() + 1), "cross_entropy"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHED))
+def test_steady_state_switch_to_a_leaking_loss_is_refused(name):
+    """A private loss for N steps (all but the first in the steady state), then a leaking one:
+    refused at the switch, before anything is written."""
+    from dpfx import loss_steady
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    private, leaking, op = SWITCHED[name]
+    leaking = leaking or (lambda o, y, d: private(o, y, 0))
+    hits = loss_steady.counters["hit"]
+    for step in range(6):
+        batch = (5, 3, 4)[step % 3]
+        labels = dpfx.track_batch(y[:batch]) if name == "label_histogram" else y[:batch]
+        model.zero_grad(set_to_none=True)
+        loss = private if step < 5 else leaking
+        if step < 5:
+            loss(dp(x[:batch]), labels, 1).backward()
+            continue
+        with pytest.raises(dpfx.PrivacyError, match=f"op {op}"):
+            loss(dp(x[:batch]), labels, 1).backward()
+        assert all(p.grad is None for p in model.parameters())
+    assert loss_steady.counters["hit"] - hits == 4
+
+
+def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
+    """A token mean whose count of ignored labels changes every step, at changing batch sizes:
+    the count read from nll_loss's node (Note [A token mean's count]) gives the full path's
+    release (up to the order of the kernels' sums)."""
+    from dpfx import loss_steady
+    torch.manual_seed(0)
+    model = Tokens()
+    ids, y, w = _data(6, seed=5)
+    labels = y.masked_fill(torch.rand(y.shape, generator=torch.Generator().manual_seed(1)) < 0.4,
+                           -100)
+    bound = _median_norm(model, LOSSES["ignore_index"][1], ids, y, w)
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0)
+
+    def run():
+        grads = []
+        for batch in (6, 4, 3, 6, 4, 3):
+            start = 6 - batch
+            grads.append(_step(dp, model, lambda o, a, y, w: _ce_tokens(o, y), ids[start:],
+                               labels[start:], w[start:]))
+        return grads
+
+    hits = loss_steady.counters["hit"]
+    steady = run()
+    assert loss_steady.counters["hit"] - hits >= 4
+    monkeypatch.setattr(loss_steady, "lookup", lambda *a: None)
+    full = run()
+    for a, b in zip(steady, full):     # a count off by one would move them by 1/N
+        assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_steady_state_cache_is_bounded(monkeypatch):
+    """Many distinct losses: the steady-state cache keeps the most recent _CACHE_SIZE, and a
+    loss dropped from it takes the full path again."""
+    from dpfx import loss_steady
+    monkeypatch.setattr(loss_steady, "_CACHE_SIZE", 4)
+    loss_steady._STEADY.clear()
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    for k in range(10):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(dp(x), y, ignore_index=-1 - k).backward()
+        assert len(loss_steady._STEADY) <= 4
+    hits = loss_steady.counters["hit"]
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(dp(x), y, ignore_index=-1).backward()
+    assert loss_steady.counters["hit"] == hits
