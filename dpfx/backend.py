@@ -275,10 +275,10 @@ class DPBackend:
                                    self.stages)
         except graph_cache.ShapeFactsChanged:
             raise
-        except Exception:
+        except Exception as e:
             # Anything an entry can do wrong, from a malformed node to a graph that fails the
             # proof (PrivacyError), leaves the capture untouched: it is rewritten afresh.
-            graph_cache.rejected()
+            graph_cache.rejected(key, e)
             return None
         graph_cache.hit()
         return result

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import operator
 import os
 
@@ -50,6 +51,8 @@ from torch.utils._sympy import functions as sympy_functions
 
 from .durable import write_atomically
 from .errors import CaptureError
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 _OPERATORS = {name: getattr(operator, name) for name in (
@@ -111,11 +114,11 @@ def read(key: str) -> dict | None:
     except FileNotFoundError:
         counters["dpfx"]["graph_cache_miss"] += 1
         return None
-    except (OSError, ValueError):
-        counters["dpfx"]["graph_cache_rejected"] += 1
+    except (OSError, ValueError) as e:
+        rejected(key, e)
         return None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        counters["dpfx"]["graph_cache_rejected"] += 1
+        rejected(key, CacheEntryError("not an entry of this format"))
         return None
     return body
 
@@ -141,8 +144,10 @@ def write(key: str, gm: fx.GraphModule) -> None:
     counters["dpfx"]["graph_cache_stored"] += 1
 
 
-def rejected() -> None:
+def rejected(key: str, why: BaseException) -> None:
     counters["dpfx"]["graph_cache_rejected"] += 1
+    log.warning("dpfx graph cache: entry %s not used, the graph is rewritten instead: %s: %s",
+                key, type(why).__name__, why)
 
 
 def hit() -> None:
