@@ -7,10 +7,12 @@
     graph_cache.write(key, gm)
 
 Only Inductor-backend compiles use it (``dpfx.explain`` compiles with backend="eager" and reads
-each rewrite's rules and costs, which an entry does not keep). Entries live under ``$DPFX_GRAPH_CACHE`` (``DPFX_GRAPH_CACHE=off`` turns the cache off), by
-default ``dpfx/graphs`` in Inductor's cache directory, next to the compiled code they lead to.
-Counters: ``torch._dynamo.utils.counters["dpfx"]`` ``graph_cache_hit``, ``graph_cache_miss``,
-``graph_cache_rejected`` (read but refused: unreadable, or failed the proof).
+each rewrite's rules and costs, which an entry does not keep), and not with ``track_norms`` (its
+graph names a per-process sink) or under ``dpfx.validate``. Entries live under
+``$DPFX_GRAPH_CACHE`` (``off`` turns the cache off), by default ``dpfx/graphs`` in Inductor's
+cache directory, next to the compiled code they lead to. Counters:
+``torch._dynamo.utils.counters["dpfx"]``: ``graph_cache_hit``, ``graph_cache_miss``,
+``graph_cache_stored``, ``graph_cache_rejected`` (read but not used, logged with the reason).
 
 # Note [The graph cache trusts nothing it reads]
 An entry is JSON, never pickle (unpickling runs code). It holds the rewritten graph's nodes
@@ -24,9 +26,12 @@ graph then passes the same proof as a freshly rewritten one (``verify_backward``
 parameter's gradient clipped to its group's C and noised with sigma * C), and the self-check
 then compares what Inductor compiled against it. An entry that fails to parse, to rebuild or
 the proof is counted as rejected and the graph is rewritten from the capture: a cache entry can
-only cost time, never privacy. What the proof does not cover is exactness: an entry edited to
-compute other, still clipped and noised, gradients would pass; the cache directory is trusted
-for correctness as Inductor's own is (tests/test_warm_cache.py).
+only cost time, never privacy. One thing cannot be undone: an op run on fake tensors that
+teaches the shape environment a fact about a size (a runtime assert, a narrowed range). A
+rebuild that changed those facts raises ``ShapeFactsChanged`` rather than compile under them.
+What the proof does not cover is exactness: an entry edited to compute other, still clipped and
+noised, gradients would pass; the cache directory is trusted for correctness as Inductor's own
+is (tests/test_warm_cache.py).
 
 The key hashes the captured backward graph's code and placeholder values (shapes, strides,
 dtypes, symbolic sizes), the forward's batch layouts, which outputs are which parameters'
