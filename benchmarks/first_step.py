@@ -22,8 +22,7 @@ timed calls nested in it):
 - aot_autograd: the backend call less what is listed below (joint trace, decompositions,
   partitioner); torch.compile compiles its backward at the first backward, dpfx at the forward
   (force_non_lazy_backward_lowering), so dpfx's figure also holds the backward's share;
-- dpfx passes: the graph cache (its key, reading and rebuilding an entry, writing one), batch
-  analysis (``BatchAnalysis`` construction and reruns, sympy), the rewrite
+- dpfx passes: batch analysis (``BatchAnalysis`` construction and reruns, sympy), the rewrite
   (stacking over time, per-sample rewrite, clip and noise), the proofs (``check_forward``,
   ``verify_backward``), the readable stage texts (``Stages.record``), and "passes other", the
   rest of ``compile_forward`` / ``compile_backward``;
@@ -53,8 +52,7 @@ sys.path.insert(0, str(HERE))
 
 DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
 PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
-          "passes other", "graph cache", "lowering fw", "lowering bw", "C++ compile", "self-check",
-          "other")
+          "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
 
 
 def build(name: str):
@@ -134,10 +132,6 @@ def instrument_dpfx(timers: Timers) -> None:
     timers.wrap(passes.Stages, "record", "stage texts")
     timers.wrap(backend, "compile_forward", "passes")
     timers.wrap(backend, "compile_backward", "passes")
-    if hasattr(backend, "load_backward"):   # a dpfx with the graph cache
-        timers.wrap(backend, "load_backward", "passes")
-        for fn in ("key_of", "read", "rebuild", "write"):
-            timers.wrap(backend.graph_cache, fn, "graph cache")
     timers.wrap(backend, "lower", "lowering",
                 by_args=lambda a: "lowering bw" if a[2].get("is_backward") else "lowering fw")
     timers.wrap(selfcheck.Half, "of", "self-check copy")
@@ -195,13 +189,12 @@ def worker(args) -> None:
               "dynamo graphs": len(compilation_time_metrics.get("_compile.compile_inner", [])),
               "fxgraph hits": counters["inductor"]["fxgraph_cache_hit"],
               "fxgraph misses": counters["inductor"]["fxgraph_cache_miss"],
-              "fxgraph bypasses": counters["inductor"]["fxgraph_cache_bypass"],
-              "graph cache hits": counters["dpfx"]["graph_cache_hit"]}
+              "fxgraph bypasses": counters["inductor"]["fxgraph_cache_bypass"]}
     backend_call = metric.get("OutputGraph.call_user_compiler", 0.0)
     phases = {"dynamo": metric.get("_compile.compile_inner", 0.0) - backend_call,
               "C++ compile": metric.get("compile_file", 0.0)}
     if args.method == "dpfx":
-        passes = ("batch analysis", "rewrite", "verify", "stage texts", "graph cache")
+        passes = ("batch analysis", "rewrite", "verify", "stage texts")
         phases.update({p: spent.get(p, 0.0) for p in passes})
         phases["lowering fw"] = spent.get("lowering fw", 0.0)
         phases["lowering bw"] = spent.get("lowering bw", 0.0)
@@ -217,7 +210,7 @@ def worker(args) -> None:
         phases["lowering bw"] = sum(lowerings[1:])
         phases["aot_autograd"] = backend_call - phases["lowering fw"]
     counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check",
-               "batch analysis", "rewrite", "verify", "stage texts", "passes other", "graph cache")
+               "batch analysis", "rewrite", "verify", "stage texts", "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
     result["phases"] = phases
     print("RESULT " + json.dumps(result), flush=True)

@@ -25,12 +25,11 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
-from . import graph_cache
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
 from .lowering import INDUCTOR_PATCHES, lower
 from .selfcheck import GraphCheck, Half
-from .passes import ForwardInfo, Stages, compile_backward, compile_forward, load_backward
+from .passes import ForwardInfo, Stages, compile_backward, compile_forward
 from .release import check_backward_may_run
 from .stats import NormStats
 
@@ -176,20 +175,9 @@ class DPBackend:
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         device = _device_of(example_inputs)
         sink = self.norm_stats.sink if self.norm_stats is not None else None
-        # Note [The graph cache trusts nothing it reads] in graph_cache.py
-        cacheable = self.problems is None and sink is None \
-            and self.config.backend == "inductor" and graph_cache.directory()
-        key = graph_cache.key_of(gm, fw, param_outputs, tangents, self.config, device) \
-            if cacheable else None
-        self.last_backward = self._cached_backward(key, gm, fw, param_outputs, tangents,
-                                                   fake_mode) if key else None
-        if self.last_backward is None:
-            self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
-                                                  fake_mode, device, self.stages, self.problems,
-                                                  norm_sink=sink)
-            if key and self.last_backward.grads and not self.problems:
-                graph_cache.write(key, gm)
-        gm = self.last_backward.gm
+        self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
+                                              fake_mode, device, self.stages, self.problems,
+                                              norm_sink=sink)
         self.param_grads = self.last_backward.grads
         if self.problems:
             return _refuse_to_run
@@ -263,25 +251,6 @@ class DPBackend:
 
         run_backward._boxed_call = True
         return run_backward
-
-    def _cached_backward(self, key, gm, fw, param_outputs, tangents, fake_mode):
-        """The cached rewrite of ``gm`` once it passes the proof, else None (rewrite it)."""
-        body = graph_cache.read(key)
-        if body is None:
-            return None
-        try:
-            loaded = graph_cache.rebuild(body, gm, fake_mode)
-            result = load_backward(loaded, gm, fw, param_outputs, tangents, self.config,
-                                   self.stages)
-        except graph_cache.ShapeFactsChanged:
-            raise
-        except Exception as e:
-            # Anything an entry can do wrong, from a malformed node to a graph that fails the
-            # proof (PrivacyError), leaves the capture untouched: it is rewritten afresh.
-            graph_cache.rejected(key, e)
-            return None
-        graph_cache.hit()
-        return result
 
     def _checking(self) -> bool:
         return self.config.self_check and self.config.backend == "inductor" \

@@ -6,10 +6,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# dpfx's graph cache would hand one test's rewrite to the next test of the same model, past the
-# passes a test patches; tests/test_warm_cache.py turns it on for itself.
-os.environ["DPFX_GRAPH_CACHE"] = "off"
-
 # Tests run on 2 cores: keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

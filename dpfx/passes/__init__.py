@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..config import DPConfig
-from ..errors import CaptureError, PrivacyError
+from ..errors import CaptureError
 from ..printer import format_graph
 from .batch import BatchAnalysis, BatchDim, Layout
 from .clip_noise import insert_clip_and_noise
@@ -176,42 +176,6 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
     return BackwardResult(gm, an, grads, private, zero_tangents)
 
 
-def load_backward(gm: fx.GraphModule, captured: fx.GraphModule, fw: ForwardInfo,
-                  param_outputs: dict[int, str], tangent_outputs: dict[str, int],
-                  config: DPConfig, stages: Stages) -> BackwardResult:
-    """A rewritten backward graph read back from dpfx's graph cache (``graph_cache.rebuild``:
-    ``captured``'s placeholders, the entry's other nodes), proven as ``compile_backward`` proves
-    its own rewrite: a ``PrivacyError`` if it is not private. Which output is which parameter's
-    gradient and the tangents checked zero at run time come from ``captured``, never from the
-    entry (Note [The graph cache trusts nothing it reads] in graph_cache.py)."""
-    names = {i: f"grad[{n}]" for i, n in param_outputs.items()}
-    stages.record("backward.captured", captured, fw.batch_symbols, names)
-    seeds = dict(fw.layouts)
-    for ph, out_idx in tangent_outputs.items():
-        seeds[ph] = fw.output_layouts[out_idx] if out_idx < len(fw.output_layouts) else None
-    copy = fx.GraphModule(captured, fx.Graph())
-    copy.graph.output(copy.graph.graph_copy(captured.graph, {}))
-    zero_tangents = _assume_zero_tangents(copy, {ph for ph in tangent_outputs
-                                                 if seeds[ph] is None})
-    an = BatchAnalysis(gm.graph, fw.batch_symbols, seeds,
-                       data_sources={n for n in gm.graph.find_nodes(op="placeholder")
-                                     if n.name in tangent_outputs})
-    outs = list(gm.graph.find_nodes(op="output")[0].args[0])
-    if len(outs) != len(captured.graph.find_nodes(op="output")[0].args[0]):
-        raise PrivacyError("the cached backward graph has other outputs than the captured one")
-    private = {}
-    for i, name in param_outputs.items():
-        if not isinstance(outs[i], fx.Node):
-            raise PrivacyError(f"the cached backward graph has no gradient for '{name}'")
-        private[name] = outs[i]
-    grads = [ParamGrad(name, i, outs[i]) for i, name in sorted(param_outputs.items())]
-    verify_backward(gm, an, private, config)
-    gm.graph.lint()
-    gm.recompile()
-    stages.record("backward.private", gm, fw.batch_symbols, names)
-    return BackwardResult(gm, an, grads, private, zero_tangents)
-
-
 # Note [Batch-free forward outputs: gradient zero or refused]
 # A forward output without a batch dim that is computed from parameters (the weight that the
 # deprecated nn.utils.weight_norm hook stores on its module each forward, which dynamo returns so
@@ -307,7 +271,7 @@ def _input_gradients_channels_last(graph: fx.Graph, fake_mode) -> None:
 
 
 def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:
-    from ..errors import CaptureError, PrivacyError
+    from ..errors import CaptureError
     from .batch import sym_expr
     import sympy
 
