@@ -57,10 +57,19 @@ PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stag
 
 
 def build(name: str):
-    """(model, x, y, B) for a benchmark model or a depth variant: mlp_d<n> (n hidden layers of
-    512) or gpt_l<n> (n blocks)."""
+    """(model, x, y, B) for a benchmark model, a depth variant: mlp_d<n> (n hidden layers of
+    512) or gpt_l<n> (n blocks), or mlp_mnist (784-1024-1024-10 at B = 1024, FACTS' MLP)."""
     import torch
     import models
+
+    if name == "mlp_mnist":
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 10))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(1024, 784, generator=g), torch.randint(0, 10, (1024,), generator=g)
+        return model, x, y, 1024
 
     if name.startswith("mlp_d"):
         depth = int(name[len("mlp_d"):])

@@ -181,3 +181,21 @@ def test_non_contiguous_input_is_checked(batch):
     dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0)
     assert_close(run_dpfx(dp, model, F.cross_entropy, x, y),
                  dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.1))
+
+
+def test_comparison_lines_up_nans_and_infinities():
+    """Note [The self-check's comparisons are few passes over the data]: finite outputs take the
+    short path, an output holding a NaN or an infinity the one that lines them up."""
+    from dpfx.selfcheck import _close
+
+    want = torch.randn(64, 32) * 1e-3
+    near = want + 1e-9 * torch.randn(64, 32)
+    assert _close(near, want, 1e-3, 1e-3) and not _close(want * 1.01, want, 1e-3, 1e-3)
+    for bad in (float("nan"), float("inf")):
+        y, x = want.clone(), near.clone()
+        y[3, 4] = x[3, 4] = bad
+        assert _close(x, y, 1e-3, 1e-3) and not _close(x, want, 1e-3, 1e-3)
+    elsewhere = y.clone()
+    elsewhere[3, 4], elsewhere[5, 6] = 0.0, float("nan")
+    y[3, 4] = float("nan")
+    assert not _close(elsewhere, y, 1e-3, 1e-3)
