@@ -26,6 +26,7 @@ from .capture_errors import graph_break_error, refusal_while_capturing, symbolic
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .hf_labels import hf_labels_loss
+from .loss_graph import TARGETS, captured, loss_entry
 from . import loss_track
 from .loss_track import TrackedTensor, check_inputs, track, untrack
 from .modules import check_modules, norm_layers
@@ -37,7 +38,7 @@ from .traceable import swapped
 class DPModule(torch.nn.Module):
     """A compiled private view of ``model``; it shares the model's parameters."""
 
-    def __init__(self, model: torch.nn.Module, config: DPConfig):
+    def __init__(self, model: torch.nn.Module, config: DPConfig, loss=None):
         super().__init__()
         self._orig_mod = model
         backend = DPBackend(model, config)
@@ -47,6 +48,8 @@ class DPModule(torch.nn.Module):
         # Note [Deciding a branch on the batch size] (batch_branches.py): one compiled entry per
         # set of decisions; a model that never branches on the batch has one.
         object.__setattr__(self, "_dpfx_entries", [])
+        object.__setattr__(self, "_dpfx_loss_entries", [])
+        object.__setattr__(self, "_loss_fn", loss)
         # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
         # (Note [Clipped sums stay out of p.grad]).
         self.clipped_sums: dict[str, torch.Tensor] = {}
@@ -127,6 +130,47 @@ class DPModule(torch.nn.Module):
         hf_loss = hf_labels_loss(self._orig_mod, kwargs)
         if hf_loss is not None:
             kwargs = hf_loss[0]
+        out = self._run(args, kwargs, None)
+        if hf_loss is not None and hf_loss[1] is not None:
+            out["loss"] = hf_loss[1](out.logits)
+        return out
+
+    @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")
+    def loss(self, inputs, *targets) -> torch.Tensor:
+        """``fn(model(inputs), *targets)`` for the ``fn`` given to ``dpfx.compile(model,
+        loss=fn)``, as one compiled graph whose proof covers the loss (Note [The loss inside
+        the graph] in loss_graph.py). ``inputs``: the model's input (a tensor), its positional
+        inputs (a tuple or list), or its keyword inputs (a dict). Every target carries the
+        batch in dim 0. Call ``backward()`` on the result (or on a positive multiple of it)."""
+        if self._loss_fn is None:
+            raise ValueError("dp_model.loss(...) needs the loss function: dpfx.compile(model, "
+                             "loss=fn, ...), fn(output, *targets) -> the loss")
+        if isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        elif isinstance(inputs, (tuple, list)):
+            args, kwargs = tuple(inputs), {}
+        else:
+            args, kwargs = (inputs,), {}
+        targets = list(targets)
+        if _check_batch(_tensor_leaves(args, kwargs) + _tensor_leaves(tuple(targets), {})):
+            return self._run(args, kwargs, targets)
+        return self._empty_loss(args, kwargs, targets)
+
+    def _empty_loss(self, args: tuple, kwargs: dict, targets: list) -> torch.Tensor:
+        """Note [An empty batch and the captured loss] in loss_graph.py."""
+        out = untrack(self._run(args, kwargs, None))
+        with torch.no_grad():
+            value = self._loss_fn(out, *targets)
+        leaves = [t for t in pytree.tree_leaves(out)
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not leaves:
+            return value
+        zero = sum(t.sum() * 0.0 for t in leaves)
+        return captured(zero + (value.to(zero.dtype) - zero.detach()), self._dpfx_backend)
+
+    def _run(self, args: tuple, kwargs: dict, targets: list | None):
+        if targets is not None:
+            kwargs[TARGETS] = targets
         tensors = _tensor_leaves(args, kwargs)
         if any(isinstance(t, TrackedTensor) for t in tensors):
             # a batch of dpfx's loader: checked, then handed to dynamo as plain tensors
@@ -159,7 +203,7 @@ class DPModule(torch.nn.Module):
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
         backend.forward_ran = False
-        entry = self._entry_for(batch)
+        entry = self._entry_for(batch, targets is not None)
         backend.decisions = entry.decisions
         capture = entry.capture
         capture.call = (tensors, batch, entry.decisions)
@@ -217,10 +261,10 @@ class DPModule(torch.nn.Module):
                 self._guard_gradients()
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
             track_release(self, outputs, tensors)
+            if targets is not None:
+                return captured(out, backend)     # Note [The loss inside the graph]
             # Note [The loss inside the proof] in loss_track.py
             out = track(out, backend, batch, self._param_ids, tensors)
-        if hf_loss is not None and hf_loss[1] is not None:
-            out["loss"] = hf_loss[1](out.logits)
         return out
 
     def _after_capture(self) -> None:
@@ -231,16 +275,17 @@ class DPModule(torch.nn.Module):
         self._norm_layers = norm_layers(self._orig_mod)
         self._all_guarded = False
 
-    def _entry_for(self, batch: int) -> "_Entry":
-        """The compiled entry whose batch-size decisions hold at ``batch``, else a new one."""
-        memo = self._entry_by_batch.get(batch)
+    def _entry_for(self, batch: int, with_loss: bool = False) -> "_Entry":
+        """The compiled entry whose batch-size decisions hold at ``batch``, else a new one
+        (``with_loss``: of the model with its loss, Note [The loss inside the graph])."""
+        memo = self._entry_by_batch.get((batch, with_loss))
         if memo is not None and len(memo[0].decisions) == memo[1]:
             return memo[0]
-        entries = self._dpfx_entries
+        entries = self._dpfx_loss_entries if with_loss else self._dpfx_entries
         for entry in entries:
             if batch_branches.holds(entry.decisions, batch):
                 # Valid while the entry's decisions stay as they are (a capture appends to them).
-                self._entry_by_batch[batch] = (entry, len(entry.decisions))
+                self._entry_by_batch[batch, with_loss] = (entry, len(entry.decisions))
                 return entry
         if len(entries) >= _MAX_ENTRIES:
             decided = "\n".join(f"    {d}" for e in entries for d in e.decisions)
@@ -249,7 +294,9 @@ class DPModule(torch.nn.Module):
                 f"graphs for ({_MAX_ENTRIES}); batch size {batch} needs another. Decisions so "
                 f"far:\n{decided}\nCompute those conditions from something other than the "
                 f"batch size.")
-        compiled, capture = compile_entry(own_entry(self._orig_mod), self._dpfx_backend)
+        fn = loss_entry(self._orig_mod, self._loss_fn) if with_loss else \
+            own_entry(self._orig_mod)
+        compiled, capture = compile_entry(fn, self._dpfx_backend)
         entry = _Entry([], compiled, capture)
         entries.append(entry)
         return entry
@@ -344,7 +391,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False, self_check: bool = True,
-            allow_input_grads: bool = False) -> DPModule:
+            allow_input_grads: bool = False, loss=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -369,7 +416,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     synthetic batches against dpfx's verified graph and check that examples stay independent
     (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor.
     ``allow_input_grads``: accept inputs that require grad; their gradients are not private
-    (refused by default). ``seed`` is for tests: it warns (``dpfx.FixedSeedWarning``).
+    (refused by default). ``loss``: ``fn(output, *targets)``, captured and proven with the model
+    and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
+    inside the graph] in loss_graph.py); ``dp_model(x)`` keeps working beside it. ``seed`` is for tests: it warns (``dpfx.FixedSeedWarning``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
@@ -392,7 +441,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
     if not units:
-        return _module_class(model)(model, config)
+        return _module_class(model)(model, config, loss)
     # Note [Sharded DP-SGD] in fsdp.py: the module is built over FSDP's unsharded parameters
     # (the objects its graph and gradient guards bind to), then the units go back to shards.
     if config.noise != "optimizer":
@@ -402,7 +451,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     sharding = fsdp.Sharding(model, units)
     sharding.gather()
     try:
-        dp_model = _module_class(model)(model, config)
+        dp_model = _module_class(model)(model, config, loss)
     finally:
         sharding.release()
     object.__setattr__(dp_model, "_sharding", sharding)

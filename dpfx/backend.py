@@ -27,7 +27,9 @@ from torch._inductor.compile_fx import compile_fx
 
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
+from .loss_graph import split_loss
 from .lowering import INDUCTOR_PATCHES, lower
+from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
 from .release import check_backward_may_run
@@ -70,12 +72,26 @@ class DPBackend:
         self._input_kinds = [self._kind(x, s) for x, s in zip(example_inputs, sources)]
         self.graph_params = {k[len("param:"):] for k in self._input_kinds
                              if k.startswith("param:")}
+        # Note [The loss inside the graph] in loss_graph.py
+        batch = next((v.shape[0] for v, k in zip(
+            (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")),
+            self._input_kinds) if k == "input" and isinstance(v, torch.Tensor) and v.dim()), None)
+        loss = None if batch is None else split_loss(gm, self.config.loss_reduction,
+                                                     sym_expr(batch), example_inputs)
         # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
         # at the first forward, not suppressed until (or skipped before) the first backward.
         with torch._functorch.config.patch(enable_autograd_cache=False,
                                            force_non_lazy_backward_lowering=True):
-            return compile_fx(gm, example_inputs, inner_compile=self._inner,
-                              config_patches=INDUCTOR_PATCHES)
+            model = compile_fx(gm, example_inputs, inner_compile=self._inner,
+                               config_patches=INDUCTOR_PATCHES)
+            if loss is None:
+                return model
+            compiled_loss, positions = loss.compile(self.config.backend), loss.positions
+
+        def model_and_loss(*args):
+            return compiled_loss(*model(*args), *[args[i] for i in positions])
+
+        return model_and_loss
 
     @staticmethod
     def _constants(model: torch.nn.Module) -> set[int]:

@@ -58,7 +58,24 @@ Layout = BatchDim | Ambiguous | None
 def sym_expr(size: Any) -> sympy.Expr:
     if isinstance(size, torch.SymInt):
         return sympy.sympify(size.node.expr)
+    if isinstance(size, torch.SymFloat):
+        return _plain(sympy.sympify(size.node.expr))
+    if isinstance(size, float):
+        return sympy.nsimplify(size)
     return sympy.Integer(int(size))
+
+
+def _plain(expr: sympy.Expr) -> sympy.Expr:
+    """A float expression of sizes (``1.0 / len(y)``) in plain sympy arithmetic: torch's own
+    functions for Python's division, conversion and powers replaced by sympy's."""
+    from torch.utils._sympy import functions as F
+
+    rules = {F.ToFloat: lambda a: a, F.FloatTrueDiv: lambda a, b: a / b,
+             F.IntTrueDiv: lambda a, b: a / b, F.FloatPow: lambda a, b: a ** b,
+             F.PowByNatural: lambda a, b: a ** b}
+    for cls, rule in rules.items():
+        expr = expr.replace(lambda e, c=cls: isinstance(e, c), lambda e, r=rule: r(*e.args))
+    return expr
 
 
 # Note [Size arithmetic is memoized]

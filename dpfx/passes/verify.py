@@ -432,7 +432,7 @@ def _walk_clipped_side(stack: list, noise: list, refuse) -> None:
     while stack:
         x = stack.pop()
         if not isinstance(x, fx.Node):
-            refuse(f"{node.name} adds a constant to the noise")
+            refuse(f"the constant {x!r} is added to the noise")
         if x.meta.get("dpfx") == "clipped_sum":
             if x in reached:
                 refuse(f"the clipped sum {x.name} is added twice")

@@ -1,0 +1,327 @@
+"""The loss captured with the model: ``dpfx.compile(model, loss=fn)``, ``dp.loss(x, *targets)``
+(Note [The loss inside the graph] in dpfx/loss_graph.py).
+
+The plain loop's loss corpus (tests/test_loss_corpus.py: losses as libraries and scripts write
+them) is run again in the captured form: each per-example loss against the same batch-of-one
+reference, each coupled one refused with the op and the user's line at the first call, and the
+auditor's canary. Then what only the captured form has: the release (a positive multiple of the
+loss, nothing else), dynamo's guards re-proving a loss that changes, the batch sizes that
+collide, Inductor cold and warm, and Hugging Face models with their token losses.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpfx
+import test_loss_corpus as corpus
+from reference import CLIP_EPS
+
+KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
+# CTC's kernel has an output size that depends on the data: dynamo cannot capture it with a
+# symbolic batch (the plain loop replays it through a per-example op and trains it).
+CAPTURED = sorted(set(corpus.CORPUS) - {"ctc"})
+
+
+def _fn(which, f):
+    def loss(outs, *targets):
+        return corpus._apply(which, f, outs, dict(zip(KEYS, targets)))
+    return loss
+
+
+def _step(dp, model, ids, d):
+    model.zero_grad(set_to_none=True)
+    dp.loss(ids, *[d[k] for k in KEYS]).backward()
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+
+
+def _compile(model, which, f, **kwargs):
+    kwargs.setdefault("noise_multiplier", 0.0)
+    return dpfx.compile(model, loss=_fn(which, f), **kwargs)
+
+
+@pytest.mark.parametrize("name", CAPTURED)
+def test_captured_losses_match_reference(name):
+    """Batch sizes 1, 3 and 4 (= T), both reductions, a bound that bites, the FX backend; an
+    empty batch releases zeros."""
+    which, loss, term = corpus.CORPUS[name]
+    for batch, reduction in ((3, "mean"), (1, "mean"), (4, "sum")):
+        torch.manual_seed(0)
+        model = corpus.Net()
+        ids, d = corpus._batch(batch, seed=batch)
+        grads = corpus._per_example(model, which, term, ids, d)
+        bound = corpus._bites(grads)
+        dp = _compile(model, which, loss, max_grad_norm=bound, loss_reduction=reduction,
+                      backend="eager")
+        got = _step(dp, model, ids, d)
+        corpus._assert_close(f"{name} B={batch} {reduction}", model, got,
+                             corpus._reference(grads, bound, batch if reduction == "mean" else 1))
+    ids, d = corpus._batch(0)
+    if not _runs_empty(which, loss, model, ids, d):
+        return
+    got = _step(dp, model, ids, d)
+    assert all(float(g.abs().max()) == 0 for g in got)
+
+
+def _runs_empty(which, loss, model, ids, d) -> bool:
+    """Whether the idiom itself runs on an empty batch (``1.0 / len(y)`` does not)."""
+    try:
+        corpus._apply(which, loss, model(ids), d)
+    except (ZeroDivisionError, RuntimeError):
+        return False
+    return True
+
+
+INDUCTOR = ["plain_cross_entropy", "hf_causal_lm", "masked_token_mean", "times_reciprocal",
+            "half_the_loss", "bert_pretraining", "token_python_ints", "distillation_batchmean"]
+
+
+@pytest.mark.parametrize("name", INDUCTOR + [pytest.param(n, marks=pytest.mark.slow)
+                                             for n in CAPTURED if n not in INDUCTOR])
+def test_captured_losses_through_inductor(name):
+    """Through Inductor with the self-check on, B = 3, 1, 0 and 4 (= T) with one graph pair
+    for the loss and one for the empty batch (Note [An empty batch and the captured loss]):
+    with a bound no example reaches (each gradient's scale) and one every example exceeds (its
+    direction). The eight by default cover a token count, a size, a size as a float, a Python
+    number, a per-term scale and batchmean; the rest are slow."""
+    which, loss, term = corpus.CORPUS[name]
+    torch.manual_seed(0)
+    model = corpus.Net()
+    for bound in (1e6, 1e-4):
+        dp = _compile(model, which, loss, max_grad_norm=bound, loss_reduction="sum")
+        for batch in (3, 1, 0, 4):
+            ids, d = corpus._batch(batch, seed=batch)
+            if batch == 0 and not _runs_empty(which, loss, model, ids, d):
+                continue
+            got = _step(dp, model, ids, d)
+            if batch == 0:
+                assert all(float(g.abs().max()) == 0 for g in got)
+                continue
+            grads = corpus._per_example(model, which, term, ids, d)
+            corpus._assert_close(f"{name} B={batch} C={bound}", model, got,
+                                 corpus._reference(grads, bound, 1))
+        assert dp.compile_count in (2, 4), dp.compile_count
+
+
+@pytest.mark.parametrize("name", sorted(corpus.COUPLED))
+def test_coupled_losses_are_refused_at_the_first_call(name):
+    """Refused while compiling, with the op (or dpfx's own refusal of the op) and the line,
+    before anything is written."""
+    which, loss, op = corpus.COUPLED[name]
+    torch.manual_seed(0)
+    model = corpus.Net()
+    dp = _compile(model, which, loss, max_grad_norm=1.0, backend="eager")
+    ids, d = corpus._batch(5)
+    with pytest.raises(dpfx.PrivacyError) as info:
+        dp.loss(ids, *[d[k] for k in KEYS])
+    message = str(info.value)
+    assert "test_loss_corpus.py" in message, message
+    if op is not None and name != "in_batch_negatives":     # torch.roll: dpfx's own refusal
+        assert f"op {op}" in message, message
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("name", corpus.CANARY_IDIOMS)
+def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction):
+    """The auditor's canary of tests/test_loss_corpus.py, in the captured form."""
+    which, loss, term = corpus.CORPUS[name]
+    torch.manual_seed(0)
+    model = corpus.Net()
+    ids, d = corpus._neighbours()
+    grads = corpus._per_example(model, which, term, ids, d)
+    norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads[0])))
+    bound, expected = norm * 1.5, 6
+    dp = _compile(model, which, loss, max_grad_norm=bound, loss_reduction=reduction,
+                  expected_batch_size=expected if reduction == "mean" else None,
+                  backend="eager")
+    base = _step(dp, model, ids[:8], corpus._slice_to(d, 8))
+    added = _step(dp, model, ids, d)
+    moved = float(torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(added, base))))
+    limit = bound / (expected if reduction == "mean" else 1)
+    assert moved <= limit * (1 + 1e-4), (moved, limit)
+
+
+# -- the release -------------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(n=5):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_positive_multiple_releases_the_same_and_the_value_is_the_users():
+    """``loss / accum`` and Trainer's ``loss *= k`` release what ``loss`` releases (the scalar
+    is removed like every scalar after the batch reduction); the value is fn's; the plain loop
+    on the same module releases the same."""
+    model = _mlp()
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, backend="eager",
+                      loss=F.cross_entropy)
+    x, y = _data()
+    loss = dp.loss(x, y)
+    torch.testing.assert_close(loss.detach(), F.cross_entropy(model(x), y).detach())
+    loss.backward()
+    want = _grads(model)
+    for scaled in (lambda l: l / 4, lambda l: 2.5 * l, lambda l: l.mul_(3)):
+        model.zero_grad(set_to_none=True)
+        scaled(dp.loss(x, y)).backward()
+        for g, w in zip(_grads(model), want):
+            torch.testing.assert_close(g, w)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(dp(x), y).backward()
+    for g, w in zip(_grads(model), want):
+        torch.testing.assert_close(g, w)
+    model.zero_grad(set_to_none=True)
+    grads = torch.autograd.grad(dp.loss(x, y), list(model.parameters()))
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_other_uses_of_the_loss_release_nothing():
+    """A negative multiple, a sum with another tensor, a second backward: refused, and the
+    refused backward writes nothing."""
+    model = _mlp()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager",
+                      loss=F.cross_entropy)
+    x, y = _data()
+    with pytest.raises(dpfx.PrivacyError, match="multiplied by -1"):
+        (-dp.loss(x, y)).backward()
+    with pytest.raises(dpfx.PrivacyError, match="did not check"):
+        (dp.loss(x, y) + model(x).sum()).backward()
+    # one Linear: its backward saves only the input, so torch allows retain_graph=True
+    model = nn.Linear(6, 3)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager",
+                      loss=F.cross_entropy)
+    loss = dp.loss(x, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(dpfx.PrivacyError, match="second backward"):
+        loss.backward()
+
+
+def test_a_loss_reading_a_parameter_is_refused():
+    """A regularizer on the weights inside the loss would reach p.grad unclipped."""
+    model = _mlp()
+
+    def loss(out, y):
+        return F.cross_entropy(out, y) + 1e-3 * model[0].weight.pow(2).sum()
+
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager", loss=loss)
+    with pytest.raises(dpfx.PrivacyError, match="parameter"):
+        dp.loss(*_data())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_that_changes_is_proven_again():
+    """dynamo guards on what the loss reads: a switch to a coupled loss after two steps captures
+    again, and the new graph is refused."""
+    model = _mlp()
+    state = {"center": False}
+
+    def loss(out, y):
+        if state["center"]:
+            out = out - out.mean(0)
+        return F.cross_entropy(out, y)
+
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager", loss=loss)
+    x, y = _data()
+    for _ in range(2):
+        dp.loss(x, y).backward()
+        model.zero_grad(set_to_none=True)
+    state["center"] = True
+    with pytest.raises(dpfx.PrivacyError, match="mean"):
+        dp.loss(x, y)
+
+
+def test_batch_sizes_compile_once_and_match_through_inductor_cold_and_warm(tmp_path,
+                                                                          monkeypatch):
+    """B = 5, 1, 3 (the classes' count), 6 (the input width): one forward and one backward
+    graph, self-check on, exact against torch.func; B = 0 adds the model's own pair (Note [An
+    empty batch and the captured loss]); then a new process's view: dynamo reset, a new
+    module, Inductor's FX graph cache warm, the same gradients."""
+    from torch.func import functional_call, grad, vmap
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    bound, expected = 0.05, 4
+
+    def reference(model, x, y):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def one(p, xi, yi):
+            return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+        g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+        f = (bound / (norms + CLIP_EPS)).clamp(max=1.0)
+        return [(g[k] * f.view(-1, *[1] * (g[k].dim() - 1))).sum(0) / expected
+                for k, _ in model.named_parameters()]
+
+    for run in ("cold", "warm"):
+        torch._dynamo.reset()
+        model = _mlp()
+        dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0,
+                          expected_batch_size=expected, loss=F.cross_entropy)
+        empty_seen = False
+        for batch in (5, 1, 3, 6, 0, 2):
+            empty_seen = empty_seen or not batch
+            x, y = _data(batch)
+            model.zero_grad(set_to_none=True)
+            dp.loss(x, y).backward()
+            want = reference(model, x, y) if batch else [torch.zeros_like(p)
+                                                         for p in model.parameters()]
+            for p, w in zip(model.parameters(), want):
+                torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-7,
+                                           msg=lambda m: f"{run} B={batch}: {m}")
+            assert dp.compile_count == (4 if empty_seen else 2), (run, batch, dp.compile_count)
+
+
+def test_noise_is_added_once_per_step():
+    """sigma > 0: the released gradient of an empty batch is the noise alone, std sigma*C/D."""
+    model = nn.Linear(200, 50)
+    dp = dpfx.compile(model, max_grad_norm=2.0, noise_multiplier=1.5, expected_batch_size=10,
+                      backend="eager", loss=lambda out, y: F.mse_loss(out, y))
+    x, y = torch.zeros(0, 200), torch.zeros(0, 50)
+    dp.loss(x, y).backward()
+    std = float(model.weight.grad.std())
+    assert abs(std - 1.5 * 2.0 / 10) < 0.02, std
+
+
+# -- Hugging Face models, their outputs and token losses -------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["gpt2-shifted", "llama"])
+def test_hf_token_loss_exact_through_inductor(name):
+    """A Hugging Face causal LM returns a ModelOutput; the loss reads its logits. Exact against
+    the batch-of-one reference at B = 3 and 1 through Inductor, the self-check on."""
+    import test_hf_token_loss as hf
+
+    make, loss, term = hf.CASES[name]
+    torch.manual_seed(0)
+    model = make()
+    model.train()
+    ids, mask, labels = hf._batch(3)
+    want, bound = hf._reference(model, term, ids, mask, labels)
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0,
+                      loss=lambda out, y: loss(out.logits, y))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for batch in (3, 1):
+        one = (ids[:batch], mask[:batch], labels[:batch])
+        if batch != 3:
+            want, _ = hf._reference(model, term, *one, bound=bound)
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dp.loss(dict(input_ids=one[0], attention_mask=one[1], use_cache=False),
+                    one[2]).backward()
+        for p, w in zip(params, want):
+            got = torch.zeros_like(p) if p.grad is None else p.grad
+            torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-6)
