@@ -27,7 +27,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
-from .loss_graph import split_loss
+from .loss_graph import capture_loss
 from .lowering import INDUCTOR_PATCHES, lower
 from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
@@ -76,22 +76,14 @@ class DPBackend:
         batch = next((v.shape[0] for v, k in zip(
             (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")),
             self._input_kinds) if k == "input" and isinstance(v, torch.Tensor) and v.dim()), None)
-        loss = None if batch is None else split_loss(gm, self.config.loss_reduction,
-                                                     sym_expr(batch), example_inputs)
+        if batch is not None:
+            capture_loss(gm, self.config.loss_reduction, sym_expr(batch))
         # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
         # at the first forward, not suppressed until (or skipped before) the first backward.
         with torch._functorch.config.patch(enable_autograd_cache=False,
                                            force_non_lazy_backward_lowering=True):
-            model = compile_fx(gm, example_inputs, inner_compile=self._inner,
-                               config_patches=INDUCTOR_PATCHES)
-            if loss is None:
-                return model
-            compiled_loss, positions = loss.compile(self.config.backend), loss.positions
-
-        def model_and_loss(*args):
-            return compiled_loss(*model(*args), *[args[i] for i in positions])
-
-        return model_and_loss
+            return compile_fx(gm, example_inputs, inner_compile=self._inner,
+                              config_patches=INDUCTOR_PATCHES)
 
     @staticmethod
     def _constants(model: torch.nn.Module) -> set[int]:
@@ -152,7 +144,10 @@ class DPBackend:
         check = None
         if reference is not None:
             reference.compiled = compiled
-            check = GraphCheck(reference, info.output_layouts, info.batch_symbols,
+            # the captured loss's value: a sum over the batch by design (loss_graph.py)
+            layouts = ["loss" if i in info.loss_outputs else lay
+                       for i, lay in enumerate(info.output_layouts)]
+            check = GraphCheck(reference, layouts, info.batch_symbols,
                                set(batch_inputs), _device_of(example_inputs), self.decisions)
             self._checks[kwargs.get("graph_id")] = check
 
@@ -190,6 +185,7 @@ class DPBackend:
                 tangents[node.name] = out_idx
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         device = _device_of(example_inputs)
+        _loss_tangent_is_one(gm, [ph for ph, i in tangents.items() if i in fw.loss_outputs])
         sink = self.norm_stats.sink if self.norm_stats is not None else None
         self.last_backward = compile_backward(gm, fw, param_outputs, tangents, self.config,
                                               fake_mode, device, self.stages, self.problems,
@@ -283,6 +279,21 @@ class DPBackend:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", stage)
         with open(os.path.join(directory, f"{self.compiles:03d}_{safe}.txt"), "w") as f:
             f.write(text)
+
+
+def _loss_tangent_is_one(gm: fx.GraphModule, names: list[str]) -> None:
+    """The captured loss's tangent is 1: CapturedLoss's backward starts there with exactly that
+    (Note [The loss inside the graph] in loss_graph.py). Read as the constant, it is no input
+    whose value the proof would have to follow."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph.name in names and ph.users:
+            first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+            with gm.graph.inserting_before(first):
+                one = gm.graph.call_function(torch.ops.aten.full.default, ([], 1.0), {
+                    "dtype": ph.meta["val"].dtype, "device": ph.meta["val"].device})
+            one.meta["val"] = ph.meta["val"]
+            ph.replace_all_uses_with(one)
+    gm.recompile()
 
 
 def _check_zero_tangents(args, positions: list[int]) -> None:

@@ -104,30 +104,22 @@ def _mark(out):
     return out
 
 
-class LossGraph:
-    """The captured loss cut from dynamo's graph: ``gm`` computes the loss (scaled for the
-    release) from the model's outputs and ``positions``, the graph inputs it reads."""
-
-    def __init__(self, gm: fx.GraphModule, positions: list[int], example_inputs: list):
-        self.gm, self.positions, self.example_inputs = gm, positions, example_inputs
-
-    def compile(self, backend: str):
-        if backend != "inductor":
-            return self.gm.forward
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(self.gm, self.example_inputs)
+TAG = "dpfx_loss"
 
 
-def split_loss(gm: fx.GraphModule, reduction: str, batch_symbol,
-               example_inputs: list) -> LossGraph | None:
-    """Note [The loss inside the graph], steps 1-4: ``gm`` becomes the model's graph, returning
-    the model's outputs; the loss is returned as its own graph. None where dynamo's graph has no
-    loss (a plain dpfx forward). ``batch_symbol``: dynamo's symbol of the batch."""
+def is_tagged(node: fx.Node) -> bool:
+    """A node of the captured loss's gradient program (Note [The loss inside the graph])."""
+    custom = node.meta.get("custom")
+    return isinstance(custom, dict) and bool(custom.get(TAG))
+
+
+def capture_loss(gm: fx.GraphModule, reduction: str, batch_symbol) -> bool:
+    """Note [The loss inside the graph], steps 1-4, on dynamo's graph in place; whether it had a
+    loss (a plain dpfx forward has none). ``batch_symbol``: dynamo's symbol of the batch."""
     graph = gm.graph
     marks = list(graph.find_nodes(op="call_function", target=torch.ops.dpfx.model_output.default))
     if not marks:
-        return None
+        return False
     output = graph.find_nodes(op="output")[0]
     outs = output.args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
@@ -158,21 +150,41 @@ def split_loss(gm: fx.GraphModule, reduction: str, batch_symbol,
             f"the loss given to dpfx.compile(loss=...) is not a sum of per-example terms: op "
             f"{e.op}{where} {e.reason}. Compute one loss per example from its own output "
             f"and targets, and take the mean or sum over dim 0.") from None
-    # step 3: the loss's own graph
-    scaling = _Scaling(verdict, program, reduction)
-    loss_gm = scaling.graph(gm, tail, loss)
-    # the model's graph: the marked outputs
+    # step 3: the scaled loss, and its gradient with respect to the outputs
+    scaled = _Scaling(verdict, program, reduction).graph(gm, tail, loss)
     marked = [m for m in marks if m in inputs]
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    positions = [placeholders.index(n) for n in inputs if n not in marks]
-    examples = [_value(m.args[0]) for m in marked] + [example_inputs[i] for i in positions]
-    output.args = (tuple(m.args[0] for m in marked),)
+    gradient = program.gradient(scaled, len(marked))
+    # step 4: in place of dynamo's tail
+    env = {ph: (n.args[0] if n in marks else n)
+           for ph, n in zip(gradient.graph.find_nodes(op="placeholder"), inputs)}
+    with graph.inserting_before(output):
+        before = set(graph.nodes)
+        for node in gradient.graph.nodes:
+            if node.op in ("call_function", "get_attr"):
+                env[node] = _copy(gm, gradient, node, env)
+        value, *grads = [env[n] for n in gradient.graph.find_nodes(op="output")[0].args[0]]
+        dot = None
+        for mark, g in zip(marked, grads):
+            term = graph.call_function(aten.sum.default, (graph.call_function(
+                aten.mul.Tensor, (mark.args[0], g)),))
+            dot = term if dot is None else graph.call_function(aten.add.Tensor, (dot, term))
+        shown = value if dot is None else graph.call_function(aten.add.Tensor, (
+            value, graph.call_function(aten.sub.Tensor, (
+                dot, graph.call_function(aten.detach.default, (dot,))))))
+        for node in graph.nodes:
+            if node not in before:
+                for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
+                    node.meta.pop(key, None)
+                custom = dict(node.meta.get("custom") or {})
+                custom[TAG] = True
+                node.meta["custom"] = custom
+    output.args = ((shown,) if isinstance(output.args[0], (tuple, list)) else shown,)
     for mark in marks:
         mark.replace_all_uses_with(mark.args[0])
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code()     # the marks and dynamo's tail
     graph.lint()
     gm.recompile()
-    return LossGraph(loss_gm, positions, examples)
+    return True
 
 
 def _value(node: fx.Node):
@@ -239,7 +251,22 @@ class _Program:
                                     tracing_mode="real")(*fakes)
         self.replayed.graph.eliminate_dead_code()
         self.lines = {n: _line(n) for n in self.replayed.graph.nodes}
-        self.inputs = inputs
+        self.inputs, self.mode, self.fakes = inputs, mode, fakes[:len(inputs)]
+
+    def gradient(self, scaled: fx.GraphModule, outputs: int) -> fx.GraphModule:
+        """The program (value, d scaled / d output_j for the first ``outputs`` inputs), traced
+        in ATen ops with autograd's own backward formulas."""
+        def program(*xs):
+            with torch.enable_grad():
+                xs = [x.detach().requires_grad_() if i < outputs else x
+                      for i, x in enumerate(xs)]
+                value = scaled(*xs)[0]
+                grads = torch.autograd.grad(value, xs[:outputs], allow_unused=True)
+            return (value.detach(), *[torch.zeros_like(x) if g is None else g.detach()
+                                      for x, g in zip(xs, grads)])
+
+        with self.mode:
+            return make_fx(program, tracing_mode="real")(*self.fakes)
 
     def value_of(self, placeholder_index: int):
         """The Python number a scalar placeholder stands for (None for another input)."""

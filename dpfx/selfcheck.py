@@ -9,8 +9,8 @@ of an unbacked batch has had bugs the graph cannot show (Note [Inductor must not
 cannot check] in lowering.py: a head split that mixed examples). So before a compiled forward and
 backward pair first runs on the user's data, dpfx runs both on synthetic batches of SIZES examples
 (not 1, not the sizes of the first call) built like the user's inputs (floats with the inputs'
-mean and spread, integers within the inputs' range, boolean rows copied from the inputs) and with
-the real parameters, and checks:
+mean and spread, integers drawn from the values the inputs hold, boolean rows copied from the
+inputs) and with the real parameters, and checks:
 
 1. **Exact**: every output of the compiled forward, and every gradient output of the compiled
    backward (fed the compiled forward's saved tensors and random output gradients), matches the
@@ -186,9 +186,14 @@ class GraphCheck:
         elif real.dtype == torch.bool:
             rows = torch.randint(real.shape[0], (shape[0],), generator=generator)
             x = real[rows.to(real.device)]
+        elif real.numel():
+            # values the input holds, drawn element by element: token ids and class labels stay
+            # valid (a label tensor holds -100 beside 0..K-1, and the values between are not
+            # labels: a captured loss would index out of range, loss_graph.py)
+            flat = real.reshape(-1)
+            x = flat[torch.randint(flat.numel(), shape, generator=generator).to(real.device)]
         else:
-            low, high = int(real.min()), int(real.max())
-            x = torch.randint(low, high + 1, shape, generator=generator).to(real)
+            x = torch.zeros(shape, dtype=real.dtype)
         return _laid_out(x, meta, sizes)
 
     def _check_independence(self, b, fw_args, got, sizes, generator) -> None:

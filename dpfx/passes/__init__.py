@@ -48,6 +48,8 @@ class ForwardInfo:
     batch_symbols: set
     layouts: dict[str, Layout]  # forward node name -> layout (saved tensors keep their names)
     output_layouts: list[Layout]
+    # outputs of a captured loss without a batch dim: its value, its normalizers (loss_graph.py)
+    loss_outputs: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -83,16 +85,25 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
     seeds = {name: BatchDim(d) for name, d in batch_inputs.items()}
     an = BatchAnalysis(gm.graph, symbols, seeds)
     stages.record("forward", gm, symbols)
+    # Note [The loss inside the graph] in loss_graph.py: the captured loss's gradient program
+    # was proven before aot_autograd, by the loss check's rules
+    from ..loss_graph import is_tagged
+
+    for node in gm.graph.nodes:
+        if is_tagged(node):
+            node.meta["dpfx"] = "loss"
     if problems is not None:
-        problems.extend(Problem("privacy", m) for m in forward_problems(gm, an))
+        problems.extend(Problem("privacy", m) for m in forward_problems(gm, an, skip={"loss"}))
     elif check:
-        check_forward(gm, an)
+        check_forward(gm, an, skip={"loss"})
     out = gm.graph.find_nodes(op="output")[0]
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     return ForwardInfo(
         batch_symbols=symbols,
         layouts={n.name: an.layout(n) for n in gm.graph.nodes},
         output_layouts=[an.layout(o) if isinstance(o, fx.Node) else None for o in outs],
+        loss_outputs={i for i, o in enumerate(outs) if isinstance(o, fx.Node) and is_tagged(o)
+                      and an.layout(o) is None},
     )
 
 

@@ -98,9 +98,10 @@ def _dim_args(node: fx.Node) -> list:
     return found
 
 
-def forward_problems(gm: fx.GraphModule, an: BatchAnalysis) -> list[str]:
+def forward_problems(gm: fx.GraphModule, an: BatchAnalysis, skip: set = frozenset()
+                     ) -> list[str]:
     return [f"op {node.target} in {module_of(node)} {reason}. {_fix_for(node)}"
-            for node, reason in mixing_ops(gm, an, skip=set())]
+            for node, reason in mixing_ops(gm, an, skip=skip)]
 
 
 def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tuple]:
@@ -223,8 +224,8 @@ def _named_dims(node: fx.Node, rank: int) -> set[int]:
     return named
 
 
-def check_forward(gm: fx.GraphModule, an: BatchAnalysis) -> None:
-    problems = forward_problems(gm, an)
+def check_forward(gm: fx.GraphModule, an: BatchAnalysis, skip: set = frozenset()) -> None:
+    problems = forward_problems(gm, an, skip)
     if problems:
         raise PrivacyError("the forward pass mixes examples, so per-example clipping would not "
                            "bound any example's influence:\n  - " + "\n  - ".join(problems))
