@@ -1,11 +1,14 @@
-"""What the loss check (dpfx/loss_track.py, loss_check.py) costs a step of the README loop.
+"""What the loss check costs a step: the plain loop (dpfx/loss_track.py, loss_check.py) and the
+loss captured with the model (dpfx/loss_graph.py).
 
     python benchmarks/loss_check.py
 
-One process, the two variants interleaved step by step so that other load on the machine hits
-both alike: the README loop (``F.cross_entropy(dp(x), y).backward()``) on the benchmark MLP
-(64-512-512-10, batch 256, Inductor), and the same step with the output handed back untracked and
-the release flag set by hand (what the step cost before the check). Prints the medians.
+One process, three variants interleaved step by step so that other load on the machine hits
+all alike, on the benchmark MLP (64-512-512-10, batch 256, Inductor): the README's plain loop
+(``F.cross_entropy(dp(x), y).backward()``); the same step with the output handed back untracked
+and the release flag set by hand (what the step cost before the check, the reference); and the
+captured form (``dpfx.compile(model, loss=F.cross_entropy)``, ``dp.loss(x, y).backward()``).
+Prints the medians and each variant's difference from the reference.
 """
 import statistics
 import time
@@ -22,7 +25,7 @@ def main(steps: int = 400) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                           nn.Linear(512, 10))
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, loss=F.cross_entropy)
     x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
     checked = dpfx.api.track
 
@@ -30,24 +33,31 @@ def main(steps: int = 400) -> None:
         backend.loss_released = True
         return out
 
-    def step(track):
-        dpfx.api.track = track
+    def step(variant):
+        dpfx.api.track = unchecked if variant == "unchecked" else checked
         start = time.perf_counter()
-        F.cross_entropy(dp(x), y).backward()
+        if variant == "captured":
+            dp.loss(x, y).backward()
+        else:
+            F.cross_entropy(dp(x), y).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for track in (checked, unchecked) * 5:
-        step(track)
-    times = {checked: [], unchecked: []}
+    variants = ("plain loop", "unchecked", "captured")
+    for variant in variants * 5:
+        step(variant)
+    times = {v: [] for v in variants}
     for _ in range(steps):
-        for track in (checked, unchecked):
-            times[track].append(step(track))
+        for variant in variants:
+            times[variant].append(step(variant))
     dpfx.api.track = checked
     dp._dpfx_backend.loss_released = False
-    with_check, without = (statistics.median(times[t]) for t in (checked, unchecked))
-    print(f"step with the loss check {with_check * 1e3:.3f} ms, without {without * 1e3:.3f} ms: "
-          f"{(with_check - without) * 1e6:+.0f} us ({(with_check / without - 1) * 100:+.1f}%)")
+    without = statistics.median(times["unchecked"])
+    print(f"the step without the check (reference): {without * 1e3:.3f} ms")
+    for variant in ("plain loop", "captured"):
+        t = statistics.median(times[variant])
+        print(f"{variant}: {t * 1e3:.3f} ms, {(t - without) * 1e6:+.0f} us "
+              f"({(t / without - 1) * 100:+.1f}%)")
 
 
 if __name__ == "__main__":

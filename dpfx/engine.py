@@ -69,7 +69,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  secure_mode: bool = False, loss_reduction: str = "mean",
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
-                 process_group=None, ledger=None, **loader_kwargs) -> PrivateTraining:
+                 process_group=None, ledger=None, loss=None,
+                 **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
     ``data``: a map-style dataset, or a DataLoader whose dataset, batch size and loading options
@@ -79,6 +80,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``ledger``: a file path for the write-ahead privacy ledger (``dpfx/ledger.py``): each step is
     on disk before its update, and a run made again with the same path counts every step the
     file holds, so a crash after the last checkpoint loses no epsilon.
+    ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
+    ``dp_model.loss(x, y)``).
     """
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
@@ -127,7 +130,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(n, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
-                          track_norms=track_norms)
+                          track_norms=track_norms, loss=loss)
     acc = privacy.Accountant(accountant)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,

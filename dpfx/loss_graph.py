@@ -1,4 +1,5 @@
-"""The loss captured with the model: proven in the graph, scaled in the graph, no check per step.
+"""The loss captured with the model: proven at capture, its gradient in the graph, no check per
+step.
 
     dp = dpfx.compile(model, loss=F.cross_entropy, max_grad_norm=1.0, noise_multiplier=1.1)
     loss = dp.loss(x, y)       # fn(model(x), y), one compiled graph
@@ -6,33 +7,42 @@
 
 # Note [The loss inside the graph]
 The plain loop computes the loss outside dpfx's graph, so loss_track.py follows it call by call
-and proves it at every backward: 0.14 ms a step on the benchmark MLP, paid in Python right after
-the kernels. With ``dpfx.compile(model, loss=fn)``, dynamo captures ``fn(model(*inputs),
+and proves it at every backward: about 0.15 ms a step on the benchmark MLP, Python paid right
+after the kernels. With ``dpfx.compile(model, loss=fn)``, dynamo captures ``fn(model(*inputs),
 *targets)`` as one graph, the targets marked with the batch symbol like every input, so
-``len(y)``, ``y.shape`` and ``x.size(0)`` are symbols and every Python number in ``fn`` is a
-constant dynamo guards on (a new value captures again, and the new graph is proven again). The
-model's outputs pass through ``dpfx::model_output``, an identity that marks where the model ends.
-Before Inductor's aot_autograd sees the graph, ``capture_loss``:
+``len(y)``, ``y.shape`` and ``y.size(0)`` are symbols, and every other Python value ``fn`` reads
+is a constant dynamo guards on (a new value captures again, and the new graph is proven again).
+The model's outputs pass through ``dpfx::model_output``, an identity that marks where the model
+ends. Before Inductor's aot_autograd sees the graph, ``capture_loss``:
 
-1. cuts the tail, every node computed from the marked outputs, with what it reads from outside
-   (the marked outputs, the targets, sizes of the batch); a tail that reads a parameter or
-   another value of the model is refused (its gradient would not be clipped);
-2. replays the tail under ``make_fx`` with Inductor's decompositions on fake tensors with one
-   batch symbol and proves it with the loss check's own proof (``loss_check.analyze``, the
-   Python numbers kept apart as each term's v_k): no op mixes examples and ``loss = sum_k c_k
-   sum_i t_k(z_i)``, ``c_k = s_k v_k B^p prod_j N_j^q``;
-3. scales each term in the graph by ``f_k = target / (B^p prod_j N_j^q max_j |v_j|)``
-   (target 1/B for loss_reduction "mean", which the backward graph undoes, else 1), computed
-   from the graph's own normalizer nodes and the batch symbol, so the gradient is that of the
-   per-example term of Note [The per-example term] in loss_check.py, as in the plain loop; the
-   value returned is the unscaled loss (``L_g + detach(L - L_g)``): the user sees what ``fn``
-   computed;
-4. puts the proven, scaled tail in place of dynamo's, each node tagged ``dpfx_loss`` in its
-   ``custom`` metadata, which aot_autograd carries onto the ATen nodes it makes from it. The
-   forward check exempts exactly the tagged nodes from its mixing rules (they were proven in
-   step 2), the self-check exempts the tail's batch-free outputs from its independence check,
-   and the backward graph reads the loss's tangent as the constant 1 (the only gradient the
-   release below lets reach it).
+1. cuts the tail: what the loss computes outside the model (from the marked outputs, the
+   targets, sizes of the batch); a tail that reads a parameter or another value of the model
+   is refused (a regularizer's gradient would reach p.grad unclipped);
+2. replays it under ``make_fx`` with Inductor's decompositions on fake tensors with one batch
+   symbol, each Python number that multiplies or divides a tensor as a scalar input (as the
+   plain loop's check does), and proves it with the loss check's own proof
+   (``loss_check.analyze``): no op mixes examples, and ``loss = sum_k c_k sum_i t_k(z_i)``,
+   ``c_k = s_k w_k B^p prod_j N_j^q``;
+3. builds the loss whose gradient is the per-example term's (Note [The per-example term] in
+   loss_check.py, the plain loop's semantics): each term times ``f_k = target / (B^p prod_j
+   N_j^q max_j |w_j|)`` (target 1/B for loss_reduction "mean", which the backward graph
+   undoes, else 1), in graph nodes computed from the normalizers and the batch symbol; where
+   every term has the same batch-dependent part, dynamo's own tail times one factor, else the
+   replayed tail with each term scaled. Its value stays ``fn``'s (``L_g + detach(L - L_g)``);
+4. traces that loss's *gradient program* with make_fx and autograd's own formulas: the value
+   and ``G_j = d L_g / d out_j``, and puts it in place of dynamo's tail, returning
+   ``value + (S - detach(S))``, ``S = sum_j sum(out_j * detach(G_j))``: the value is ``fn``'s and
+   the gradient reaching the model's outputs is exactly G, a batched tensor the forward saves.
+   Computing G in the forward keeps the loss's normalizers out of the backward graph, whose
+   per-sample rules refuse a gradient that depends on a reduction over the batch (a token
+   count N enters G as ``f N / N``: per example, but not visibly so to the rules). Each of its
+   nodes is tagged ``dpfx_loss`` in its ``custom`` metadata, which aot_autograd carries onto the
+   ATen nodes it makes from them: the forward check exempts exactly the tagged nodes from its
+   mixing rules (proven in step 2), the self-check exempts the loss's batch-free outputs from
+   its independence check, and the backward graph reads the loss's tangent as the constant 1
+   (the only gradient the release lets reach it).
+
+An empty batch takes the model's own graph (Note [An empty batch and the captured loss]).
 
 ``dp.loss`` returns a ``CapturedLoss``. Its backward (``loss.backward()``,
 ``torch.autograd.backward``, ``torch.autograd.grad``) sets the release flag the backward graph
@@ -545,38 +555,40 @@ class CapturedLoss(torch.Tensor):
         if func in _ENTRIES_BACKWARD:
             return _release(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
+            if func is _T.__repr__:
+                return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
             result = func(*args, **kwargs)
         if func in _SCALING and isinstance(result, torch.Tensor) and result.requires_grad:
-            k = _multiple_of(func, args)
+            loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
+            k = _multiple_of(func, args, loss)
             if k is not None:
-                result = result.as_subclass(CapturedLoss) if result is not args[0] else result
-                if result is args[0]:
-                    result.__class__ = CapturedLoss
-                result._dpfx_loss = (args[0]._dpfx_loss[0], args[0]._dpfx_loss[1] * k)
+                result.__class__ = CapturedLoss     # fresh, or the loss itself (in place)
+                result._dpfx_loss = (loss._dpfx_loss[0], loss._dpfx_loss[1] * k)
         return result
 
 
 _T = torch.Tensor
 _ENTRIES_BACKWARD = {_T.backward, torch.autograd.backward, torch.autograd.grad}
-_SCALING = {_T.__mul__, _T.__rmul__, _T.__truediv__, _T.__imul__, _T.__itruediv__, _T.mul,
-            _T.div, _T.mul_, _T.div_, torch.mul, torch.div, _T.__neg__, _T.neg, torch.neg}
+_NEGATIONS = {_T.__neg__, _T.neg, torch.neg}
+_DIVISIONS = {_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div}
+_SCALING = {_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul} | _NEGATIONS | \
+    _DIVISIONS
 
 
-def _multiple_of(func, args) -> float | None:
-    if func in (_T.__neg__, _T.neg, torch.neg):
-        return -1.0
-    if len(args) != 2 or not isinstance(args[0], CapturedLoss):
-        if len(args) == 2 and isinstance(args[1], CapturedLoss) and func is _T.__rmul__:
-            pass
-        else:
-            return None
-    other = args[1] if isinstance(args[0], CapturedLoss) else args[0]
-    if isinstance(other, bool) or not isinstance(other, (int, float)):
+def _multiple_of(func, args, loss) -> float | None:
+    """The Python number ``func`` multiplies the captured ``loss`` by; None for anything else
+    (a product with a tensor, a number divided by the loss)."""
+    if loss is None:
         return None
-    divide = func in (_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div)
-    if divide:
-        return 1.0 / other if other else None
-    return float(other)
+    if func in _NEGATIONS:
+        return -1.0
+    if len(args) != 2:
+        return None
+    other = args[1] if args[0] is loss else args[0]
+    if isinstance(other, bool) or not isinstance(other, (int, float)) or (
+            func in _DIVISIONS and (args[0] is not loss or other == 0)):
+        return None
+    return 1.0 / other if func in _DIVISIONS else float(other)
 
 
 def captured(loss: torch.Tensor, backend) -> CapturedLoss:
@@ -588,6 +600,15 @@ def captured(loss: torch.Tensor, backend) -> CapturedLoss:
 
 
 def _release(func, args, kwargs):
+    if func is _T.backward and len(args) == 1 and not kwargs and args[0]._dpfx_loss[1] == 1.0:
+        # loss.backward(): the common call, without inspect's binding
+        backend = args[0]._dpfx_loss[0]
+        saved, backend.loss_released = backend.loss_released, True
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(args[0])
+        finally:
+            backend.loss_released = saved
     bound = _SIGNATURES[func].bind(*args, **kwargs)
     params = bound.arguments
     loss_name, grad_name = _ARGS[func]
@@ -608,7 +629,6 @@ def _release(func, args, kwargs):
             f"example's gradient of its own term, so only a positive multiple can be released "
             f"(its size is removed anyway). Put the sign inside the loss function.")
     with torch._C.DisableTorchFunctionSubclass():
-        params[loss_name] = root.as_subclass(torch.Tensor)
         # the gradient that reaches the captured loss is exactly 1, which the backward graph
         # reads as the constant it is (Note [The loss inside the graph], step 4)
         params[grad_name] = torch.full((), 1.0 / root._dpfx_loss[1], dtype=root.dtype,

@@ -293,6 +293,31 @@ def test_noise_is_added_once_per_step():
     assert abs(std - 1.5 * 2.0 / 10) < 0.02, std
 
 
+def test_make_private_with_a_captured_loss():
+    """dpfx's Poisson loader yields tracked batches; its labels train as targets, one accounted
+    step per optimizer step, and a target computed from the whole batch's labels is refused."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 6, generator=g), torch.randint(0, 3, (48,), generator=g))
+    model = _mlp()
+    dp, opt, loader, accountant = dpfx.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8,
+        max_grad_norm=1.0, noise_multiplier=1.0, backend="eager", loss=F.cross_entropy,
+        generator=torch.Generator().manual_seed(1))
+    steps = 0
+    for x, y in loader:
+        opt.zero_grad()
+        dp.loss(x, y).backward()
+        opt.step()
+        steps += 1
+    assert steps == 6 and dp.releases == 6
+    assert accountant.get_epsilon(1e-5) > 0
+    x, y = next(iter(loader))
+    with pytest.raises(dpfx.PrivacyError):
+        dp.loss(x, y.float() - y.float().mean())
+
+
 # -- Hugging Face models, their outputs and token losses -------------------------------------
 transformers = pytest.importorskip("transformers")
 
