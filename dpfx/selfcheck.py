@@ -310,10 +310,12 @@ def _graph_scale(outs: list, norms: list | None = None) -> float:
 # checks 4M gradient entries per size: 4.7 of its 10 s check). The norms accumulate in float64
 # without a float64 copy, the difference is taken once in the outputs' own precision (float32
 # at least), and NaNs, which must sit at the same places on both sides, are cleared only from
-# the difference, or from a side whose norm came out NaN. Where both sides' norms are finite
-# (neither holds a NaN or an infinity, the common case) there is nothing to line up or clear:
-# three passes (the two norms, the difference's norm, the expected side's norm taken once for
-# the graph's scale too) where the NaN masks, their comparison and the clearing took seven.
+# the difference, or from a side whose norm came out NaN. Where the expected side's norm and the
+# difference's are finite (then neither side holds a NaN or an infinity, the common case) there
+# is nothing to line up or clear: two passes (the difference's norm, and the expected side's,
+# taken once for the graph's scale too) where the NaN masks, their comparison and the clearing
+# took seven. A NaN or an infinity on the compiled side alone makes the difference's norm
+# non-finite and takes the path that lines them up.
 def _raw_norm(t: torch.Tensor) -> float:
     """The Euclidean norm of ``t`` accumulated in float64: NaN if ``t`` holds a NaN."""
     return float(torch.linalg.vector_norm(t, dtype=torch.float64))
@@ -340,8 +342,9 @@ def _close(x, y, tol: float, scale: float = 1.0, y_norm: float | None = None) ->
         return False
     if x.is_floating_point() and x.element_size() >= 4 and y.dtype == x.dtype:
         y_norm = _raw_norm(y) if y_norm is None else y_norm
-        if math.isfinite(y_norm) and math.isfinite(_raw_norm(x)):
-            return _raw_norm(x - y) <= tol * (y_norm + y.numel() ** 0.5 * scale)
+        gap = _raw_norm(x - y) if math.isfinite(y_norm) else math.nan
+        if math.isfinite(gap):    # y finite and x - y finite: x is finite too
+            return gap <= tol * (y_norm + y.numel() ** 0.5 * scale)
     if not torch.equal(torch.isnan(x), torch.isnan(y)):
         return False
     if not x.is_floating_point() or x.element_size() < 4:
