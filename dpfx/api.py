@@ -418,7 +418,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     ``allow_input_grads``: accept inputs that require grad; their gradients are not private
     (refused by default). ``loss``: ``fn(output, *targets)``, captured and proven with the model
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
-    inside the graph] in loss_graph.py); ``dp_model(x)`` keeps working beside it. ``seed`` is for tests: it warns (``dpfx.FixedSeedWarning``).
+    inside the graph] in loss_graph.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
+    for tests: it warns (``dpfx.FixedSeedWarning``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")

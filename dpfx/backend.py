@@ -27,7 +27,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
-from .loss_graph import capture_loss
+from .loss_graph import TARGETS, capture_loss
 from .lowering import INDUCTOR_PATCHES, lower
 from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
@@ -70,6 +70,7 @@ class DPBackend:
         if len(sources) != len(example_inputs):
             sources = [None] * len(example_inputs)
         self._input_kinds = [self._kind(x, s) for x, s in zip(example_inputs, sources)]
+        self._targets = {i for i, s in enumerate(sources) if s and TARGETS in s}
         self.graph_params = {k[len("param:"):] for k in self._input_kinds
                              if k.startswith("param:")}
         # Note [The loss inside the graph] in loss_graph.py
@@ -147,8 +148,11 @@ class DPBackend:
             # the captured loss's value: a sum over the batch by design (loss_graph.py)
             layouts = ["loss" if i in info.loss_outputs else lay
                        for i, lay in enumerate(info.output_layouts)]
+            targets = {n.name for n in gm.graph.find_nodes(op="placeholder")
+                       if _input_index(n) in self._targets}
             check = GraphCheck(reference, layouts, info.batch_symbols,
-                               set(batch_inputs), _device_of(example_inputs), self.decisions)
+                               set(batch_inputs), _device_of(example_inputs), self.decisions,
+                               targets)
             self._checks[kwargs.get("graph_id")] = check
 
         def run_forward(args):

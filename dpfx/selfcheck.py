@@ -9,8 +9,9 @@ of an unbacked batch has had bugs the graph cannot show (Note [Inductor must not
 cannot check] in lowering.py: a head split that mixed examples). So before a compiled forward and
 backward pair first runs on the user's data, dpfx runs both on synthetic batches of SIZES examples
 (not 1, not the sizes of the first call) built like the user's inputs (floats with the inputs'
-mean and spread, integers drawn from the values the inputs hold, boolean rows copied from the
-inputs) and with the real parameters, and checks:
+mean and spread, integers within the inputs' range (a captured loss's integer targets: drawn
+from the values they hold), boolean rows copied from the inputs) and with the real parameters,
+and checks:
 
 1. **Exact**: every output of the compiled forward, and every gradient output of the compiled
    backward (fed the compiled forward's saved tensors and random output gradients), matches the
@@ -104,8 +105,9 @@ def _dropout_p(node: fx.Node):
 
 class GraphCheck:
     def __init__(self, forward: Half, layouts: list, batch_symbols: set, batch_inputs: set,
-                 device: torch.device, decisions: list = ()):
+                 device: torch.device, decisions: list = (), targets: set = frozenset()):
         self.forward = forward
+        self.targets = targets        # a captured loss's targets (loss_graph.py)
         self.backward: Half | None = None
         self.compare_backward = True
         self.layouts = layouts
@@ -186,14 +188,15 @@ class GraphCheck:
         elif real.dtype == torch.bool:
             rows = torch.randint(real.shape[0], (shape[0],), generator=generator)
             x = real[rows.to(real.device)]
-        elif real.numel():
-            # values the input holds, drawn element by element: token ids and class labels stay
-            # valid (a label tensor holds -100 beside 0..K-1, and the values between are not
-            # labels: a captured loss would index out of range, loss_graph.py)
+        elif name in self.targets:
+            # a captured loss's integer targets: values they hold, drawn element by element, so
+            # that class labels stay labels (a label tensor holds -100 beside 0..K-1, and the
+            # values between would index out of range in the loss, loss_graph.py)
             flat = real.reshape(-1)
             x = flat[torch.randint(flat.numel(), shape, generator=generator).to(real.device)]
         else:
-            x = torch.zeros(shape, dtype=real.dtype)
+            low, high = int(real.min()), int(real.max())
+            x = torch.randint(low, high + 1, shape, generator=generator).to(real)
         return _laid_out(x, meta, sizes)
 
     def _check_independence(self, b, fw_args, got, sizes, generator) -> None:
