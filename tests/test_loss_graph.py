@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -142,6 +143,72 @@ def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction
     moved = float(torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(added, base))))
     limit = bound / (expected if reduction == "mean" else 1)
     assert moved <= limit * (1 + 1e-4), (moved, limit)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(batch=st.integers(0, 7), width=st.integers(1, 5), classes=st.integers(2, 5),
+       reduction=st.sampled_from(["mean", "sum"]), kind=st.sampled_from(["ce", "mse_len"]))
+def test_captured_losses_against_torch_func(batch, width, classes, reduction, kind):
+    """Shapes, batch sizes 0 to 7 (1 and ones equal to other dims among them), both
+    reductions, a bound that bites on the full batch: the captured loss against torch.func's
+    per-example gradients (tests/reference.py, which shares no code with dpfx)."""
+    from reference import dp_sgd_grads, per_example_grads
+
+    torch.manual_seed(batch * 31 + width)
+    model = nn.Sequential(nn.Linear(width, 6), nn.Tanh(), nn.Linear(6, classes))
+    x = torch.randn(batch, width)
+    if kind == "ce":
+        y = torch.randint(0, classes, (batch,))
+
+        def loss(out, y):                          # a token-free mean cross-entropy
+            return F.cross_entropy(out, y, reduction="mean")
+
+        def per_example(out, y):
+            return F.cross_entropy(out, y)
+    else:
+        y = torch.randn(batch, classes)
+
+        def loss(out, y):                          # a sum over len(y): the batch as a size
+            return (out - y).pow(2).sum() / len(y)
+
+        def per_example(out, y):
+            return (out - y).pow(2).sum()
+    bound, expected = 0.05, 4
+    if batch:       # a bound that clips about half the examples: a wrong scale then shows
+        g = per_example_grads(model, per_example, x, y)
+        bound = float(torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values())).median())
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, backend="eager",
+                      loss_reduction=reduction, expected_batch_size=expected, loss=loss)
+    model.zero_grad(set_to_none=True)
+    if batch == 0 and kind == "mse_len":
+        return                                     # 1 / len(y) fails on an empty batch in eager
+    dp.loss(x, y).backward()
+    want = dp_sgd_grads(model, per_example, x, y, max_grad_norm=bound, loss_reduction=reduction,
+                        expected_batch_size=expected)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-4, atol=1e-7)
+
+
+def test_the_auditor_catches_a_batch_size_kept_in_each_term():
+    """The canary's positive control in the captured form: with a bound that g/8 escapes and g
+    does not, keeping the 1/B of ``sum / len(y)`` in each term would move the release by more
+    than C (tests/test_loss_corpus.py computes that); the captured loss moves it by at most C
+    and releases exactly the clipped sum of the per-example terms."""
+    which, loss, term = corpus.CORPUS["sum_over_len"]
+    torch.manual_seed(0)
+    model = corpus.Net()
+    ids, d = corpus._neighbours()
+    grads = corpus._per_example(model, which, term, ids, d)
+    norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads[0])))
+    bound = norm / 8 * 1.01
+    dp = _compile(model, which, loss, max_grad_norm=bound, loss_reduction="sum",
+                  backend="eager")
+    base = _step(dp, model, ids[:8], corpus._slice_to(d, 8))
+    added = _step(dp, model, ids, d)
+    assert float(torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(added, base)))) <= \
+        bound * (1 + 1e-4)
+    for g, w in zip(added, corpus._clipped_sum(grads, bound, 1.0)):
+        torch.testing.assert_close(g, w, rtol=2e-4, atol=1e-6)
 
 
 # -- the release -------------------------------------------------------------------------------
