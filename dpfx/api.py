@@ -152,8 +152,10 @@ class DPModule(torch.nn.Module):
         else:
             args, kwargs = (inputs,), {}
         targets = list(targets)
-        if _check_batch(_tensor_leaves(args, kwargs) + _tensor_leaves(tuple(targets), {})):
-            return self._run(args, kwargs, targets)
+        # in the order _run's own reading of (args, kwargs + the targets) gives them
+        tensors = _tensor_leaves(args, kwargs) + _tensor_leaves(tuple(targets), {})
+        if _check_batch(tensors):
+            return self._run(args, kwargs, targets, tensors)
         return self._empty_loss(args, kwargs, targets)
 
     def _empty_loss(self, args: tuple, kwargs: dict, targets: list) -> torch.Tensor:
@@ -168,10 +170,13 @@ class DPModule(torch.nn.Module):
         zero = sum(t.sum() * 0.0 for t in leaves)
         return captured(zero + (value.to(zero.dtype) - zero.detach()), self._dpfx_backend)
 
-    def _run(self, args: tuple, kwargs: dict, targets: list | None):
+    def _run(self, args: tuple, kwargs: dict, targets: list | None,
+             tensors: list[torch.Tensor] | None = None):
+        """``tensors``: the tensor leaves of (args, kwargs, targets), where the caller has them."""
         if targets is not None:
             kwargs[TARGETS] = targets
-        tensors = _tensor_leaves(args, kwargs)
+        if tensors is None:
+            tensors = _tensor_leaves(args, kwargs)
         if any(isinstance(t, TrackedTensor) for t in tensors):
             # a batch of dpfx's loader: checked, then handed to dynamo as plain tensors
             if torch.is_grad_enabled():

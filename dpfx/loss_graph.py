@@ -600,13 +600,15 @@ def captured(loss: torch.Tensor, backend) -> CapturedLoss:
 
 
 def _release(func, args, kwargs):
-    if func is _T.backward and len(args) == 1 and not kwargs and args[0]._dpfx_loss[1] == 1.0:
-        # loss.backward(): the common call, without inspect's binding
+    if func is _T.backward and len(args) == 1 and kwargs.get("gradient") is None and \
+            args[0]._dpfx_loss[1] == 1.0 and kwargs.keys() <= _BACKWARD_KWARGS:
+        # loss.backward(): the common call, without inspect's binding (Tensor.backward hands
+        # its defaults on as keywords). The implicit gradient of a scalar is the 1 given below.
         backend = args[0]._dpfx_loss[0]
         saved, backend.loss_released = backend.loss_released, True
         try:
             with torch._C.DisableTorchFunctionSubclass():
-                return func(args[0])
+                return func(args[0], **kwargs)
         finally:
             backend.loss_released = saved
     bound = _SIGNATURES[func].bind(*args, **kwargs)
@@ -642,6 +644,7 @@ def _release(func, args, kwargs):
 
 
 _SIGNATURES = {f: inspect.signature(f) for f in _ENTRIES_BACKWARD}
+_BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 _ARGS = {_T.backward: ("self", "gradient"), torch.autograd.backward: ("tensors", "grad_tensors"),
          torch.autograd.grad: ("outputs", "grad_outputs")}
 

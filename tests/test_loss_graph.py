@@ -243,6 +243,16 @@ def test_a_positive_multiple_releases_the_same_and_the_value_is_the_users():
         scaled(dp.loss(x, y)).backward()
         for g, w in zip(_grads(model), want):
             torch.testing.assert_close(g, w)
+    # the keyword forms: Tensor.backward hands its defaults on as keywords (the fast path),
+    # an explicit positive gradient is a positive multiple, and so is autograd.backward's
+    for backward in (lambda l: l.backward(retain_graph=None, create_graph=False),
+                     lambda l: l.backward(gradient=torch.tensor(2.0)),
+                     lambda l: l.backward(torch.tensor(0.5)),
+                     lambda l: torch.autograd.backward(l)):
+        model.zero_grad(set_to_none=True)
+        backward(dp.loss(x, y))
+        for g, w in zip(_grads(model), want):
+            torch.testing.assert_close(g, w)
     model.zero_grad(set_to_none=True)
     F.cross_entropy(dp(x), y).backward()
     for g, w in zip(_grads(model), want):
@@ -262,6 +272,9 @@ def test_other_uses_of_the_loss_release_nothing():
     x, y = _data()
     with pytest.raises(dpfx.PrivacyError, match="multiplied by -1"):
         (-dp.loss(x, y)).backward()
+    with pytest.raises(dpfx.PrivacyError, match="multiplied by -2"):
+        dp.loss(x, y).backward(gradient=torch.tensor(-2.0))
+    assert all(p.grad is None for p in model.parameters())
     with pytest.raises(dpfx.PrivacyError, match="did not check"):
         (dp.loss(x, y) + model(x).sum()).backward()
     # the graph saves the loss's gradient for its backward (a donated buffer): torch refuses
