@@ -5,6 +5,7 @@
     python benchmarks/first_step.py --models gpt --repeats 3 --json out.json
     python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
     python benchmarks/first_step.py --models hf_gpt2_256 --cold-only  # a realistic size, cold
+    python benchmarks/first_step.py --models mlp_mnist --loss-captured  # and the loss captured
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
@@ -23,6 +24,7 @@ timed calls nested in it):
 - aot_autograd: the backend call less what is listed below (joint trace, decompositions,
   partitioner); torch.compile compiles its backward at the first backward, dpfx at the forward
   (force_non_lazy_backward_lowering), so dpfx's figure also holds the backward's share;
+- loss capture: with ``--loss-captured``, cutting, proving and tracing the loss (capture_loss);
 - dpfx passes: batch analysis (``BatchAnalysis`` construction and reruns, sympy), the rewrite
   (stacking over time, per-sample rewrite, clip and noise), the proofs (``check_forward``,
   ``verify_backward``), the readable stage texts (``Stages.record``), and "passes other", the
@@ -53,6 +55,7 @@ sys.path.insert(0, str(HERE))
 
 DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
 PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
+          "loss capture",
           "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
 
 
@@ -118,6 +121,12 @@ class Timers:
 
         setattr(owner, attr, timed)
 
+    def wrap_function(self, fn, phase: str):
+        """``fn`` timed as ``phase`` (for a name another module imported)."""
+        holder = type("Holder", (), {"fn": staticmethod(fn)})
+        self.wrap(holder, "fn", phase)
+        return holder.fn
+
 
 def instrument_dpfx(timers: Timers) -> None:
     import dpfx.backend as backend
@@ -135,6 +144,7 @@ def instrument_dpfx(timers: Timers) -> None:
     timers.wrap(backend, "compile_backward", "passes")
     timers.wrap(backend, "lower", "lowering",
                 by_args=lambda a: "lowering bw" if a[2].get("is_backward") else "lowering fw")
+    backend.capture_loss = timers.wrap_function(backend.capture_loss, "loss capture")
     timers.wrap(selfcheck.Half, "of", "self-check copy")
     timers.wrap(selfcheck.GraphCheck, "run", "self-check run")
 
@@ -161,11 +171,12 @@ def worker(args) -> None:
     timers = Timers()
     model, x, y, B = build(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=methods.LR)
-    if args.method == "dpfx":
+    if args.method in ("dpfx", "dpfx_loss"):
         import dpfx
         instrument_dpfx(timers)
+        captured = {"loss": models.captured_loss} if args.method == "dpfx_loss" else {}
         run = dpfx.compile(model, max_grad_norm=methods.C, noise_multiplier=methods.SIGMA,
-                           expected_batch_size=B)
+                           expected_batch_size=B, **captured)
     else:
         run = torch.compile(model)
     # the LSTM's baseline is its recurrence written out as dpfx captures it, compiled without DP
@@ -174,12 +185,15 @@ def worker(args) -> None:
     if unrolled:
         from dpfx.traceable import traceable_torch
     t0 = time.perf_counter()
-    if unrolled:
+    if args.method == "dpfx_loss":
+        run.loss(x, y).backward()
+    elif unrolled:
         with traceable_torch():
             out = forward(run, x)
+        loss_fn(out, y).backward()
     else:
         out = forward(run, x)
-    loss_fn(out, y).backward()
+        loss_fn(out, y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = time.perf_counter() - t0
@@ -194,8 +208,8 @@ def worker(args) -> None:
     backend_call = metric.get("OutputGraph.call_user_compiler", 0.0)
     phases = {"dynamo": metric.get("_compile.compile_inner", 0.0) - backend_call,
               "C++ compile": metric.get("compile_file", 0.0)}
-    if args.method == "dpfx":
-        passes = ("batch analysis", "rewrite", "verify", "stage texts")
+    if args.method in ("dpfx", "dpfx_loss"):
+        passes = ("batch analysis", "rewrite", "verify", "stage texts", "loss capture")
         phases.update({p: spent.get(p, 0.0) for p in passes})
         phases["lowering fw"] = spent.get("lowering fw", 0.0)
         phases["lowering bw"] = spent.get("lowering bw", 0.0)
@@ -211,7 +225,8 @@ def worker(args) -> None:
         phases["lowering bw"] = sum(lowerings[1:])
         phases["aot_autograd"] = backend_call - phases["lowering fw"]
     counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check",
-               "batch analysis", "rewrite", "verify", "stage texts", "passes other")
+               "batch analysis", "rewrite", "verify", "stage texts", "loss capture",
+               "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
     result["phases"] = phases
     print("RESULT " + json.dumps(result), flush=True)
@@ -219,7 +234,7 @@ def worker(args) -> None:
 
 def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model,
-           "--method", "compile" if method == "compile" else "dpfx",
+           "--method", method if method in ("compile", "dpfx_loss") else "dpfx",
            "--cache-dir", cache_dir] + (["--warm"] if warm else [])
     env = dict(os.environ)
     if source is not None:
@@ -236,6 +251,8 @@ def driver(args) -> None:
     """Per model and repeat: every method cold, then every method warm, each in its own
     process; ``--dpfx NAME=PATH`` adds dpfx imported from another source tree (before/after)."""
     sources = {"compile": None, "dpfx": None}
+    if args.loss_captured:
+        sources["dpfx_loss"] = None
     sources.update(dict(v.split("=", 1) for v in args.dpfx))
     rows = []
     for model in args.models:
@@ -305,6 +322,8 @@ def main() -> None:
     ap.add_argument("--cold-only", action="store_true",
                     help="skip the warm runs (the second process on the filled cache)")
     ap.add_argument("--json", default=None, help="write every run's figures here")
+    ap.add_argument("--loss-captured", action="store_true",
+                    help="also dpfx with the loss captured (dpfx.compile(model, loss=fn))")
     ap.add_argument("--dpfx", action="append", default=[], metavar="NAME=PATH",
                     help="also run dpfx imported from the source tree PATH, as method NAME")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 non-private baseline, interleaved in one process.
 
     python benchmarks/kernels.py cnn                 # the model's quick batch size, 200 steps
+    python benchmarks/kernels.py mlp --dpfx-method dpfx_loss   # the loss captured (both sides)
     python benchmarks/kernels.py hf_gpt2 --batch 8 --steps 300 --top 40
     python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
     python benchmarks/kernels.py noise               # the noise kernel against the memory bound
@@ -68,6 +69,7 @@ LAYERS = [
     ("py: dpfx loss tracking and check", "dpfx.loss_track", "TrackedTensor.__torch_function__"),
     ("py: dpfx forward call (with dynamo's guards, aot_autograd's runtime)", "dpfx.api",
      "DPModule.forward"),
+    ("py: dpfx forward call, loss captured (the same)", "dpfx.api", "DPModule.loss"),
     ("py: torch.compile forward call (dynamo's guards, aot_autograd's runtime)",
      "torch._dynamo.eval_frame", "OptimizedModule.__call__"),
     ("py: optimizer step and zero_grad", "torch.optim.optimizer", "Optimizer.zero_grad"),
@@ -118,6 +120,7 @@ class Timers:
         def timed(*args, **kwargs):
             return self.call(label, fn, args, kwargs)
         timed.__wrapped__ = fn
+        timed._kernels_timed = True
         return timed
 
     def install_layers(self) -> None:
@@ -135,7 +138,7 @@ class Timers:
             if isinstance(fn, classmethod):
                 inner = fn.__func__
                 setattr(owner, name, classmethod(self.wrap(label, inner)))
-            elif not hasattr(fn, "__wrapped__"):
+            elif not getattr(fn, "_kernels_timed", False):   # (dynamo.disable wraps too)
                 setattr(owner, name, self.wrap(label, fn))
         # zero_grad's partner: SGD's step (its updates are Tensor methods, otherwise untimed)
         import torch.optim as optim
@@ -175,17 +178,28 @@ class Timers:
 TIMERS = Timers()
 
 
-def measure(model_name: str, batch: int, steps: int) -> tuple[dict, dict, dict]:
-    """{method: [step seconds]}, {method: [untimed seconds per step]}, {method: label}."""
+def baseline_of(model_name: str, dpfx_method: str) -> str:
+    """The model's baseline; for dpfx with the loss captured, torch.compile of the model and
+    its loss (as run.py reads that row), but for the LSTM's unrolled baseline."""
     baseline = models.BASELINE.get(model_name, "compile")
-    runs, labels = {}, {baseline: methods.METHODS[baseline][0], "dpfx": "dpfx"}
+    return "compile_loss" if dpfx_method == "dpfx_loss" and baseline == "compile" else baseline
+
+
+def measure(model_name: str, batch: int, steps: int, dpfx_method: str = "dpfx"
+            ) -> tuple[dict, dict, dict]:
+    """{method: [step seconds]}, {method: [untimed seconds per step]}, {method: label}; dpfx's
+    runs under the key "dpfx" whichever of its methods ``dpfx_method`` names."""
+    baseline = baseline_of(model_name, dpfx_method)
+    runs, labels = {}, {baseline: methods.METHODS[baseline][0],
+                        "dpfx": methods.METHODS[dpfx_method][0]}
     timers = TIMERS
     timers.install_layers()
     data = None
     for method in (baseline, "dpfx"):
         net, x, y = models.build(model_name, batch)
         data = (x, y)
-        runs[method] = methods.make(method, net, batch, x, y).step
+        made = dpfx_method if method == "dpfx" else method
+        runs[method] = methods.make(made, net, batch, x, y).step
         for _ in range(3):
             runs[method](x, y)
     timers.install()
@@ -242,9 +256,10 @@ def decompose(model_name: str, batch: int, steps: int, totals: dict, baseline: s
             + " | ".join(f"{c / steps * 1e3:.2f}" for c in cells) + " |")
 
 
-def report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, str]:
+def report(model_name: str, batch: int, steps: int, top: int, dpfx_method: str = "dpfx"
+           ) -> tuple[str, str]:
     """The model's per-kernel tables, and its summary row."""
-    totals, untimed, labels = measure(model_name, batch, steps)
+    totals, untimed, labels = measure(model_name, batch, steps, dpfx_method)
     timers = TIMERS
     lines = [f"## {model_name}, B={batch}: {steps} interleaved steps per method", ""]
     for method, times in totals.items():
@@ -266,8 +281,8 @@ def report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, str]
             rest = sum(r[0] for r in rows[top:])
             lines.append(f"| {rest * 1e3:.3f} | | {len(rows) - top} more |")
         lines.append("")
-    baseline = models.BASELINE.get(model_name, "compile")
-    return "\n".join(lines), decompose(model_name, batch, steps, totals, baseline)
+    return "\n".join(lines), decompose(model_name, batch, steps, totals,
+                                       baseline_of(model_name, dpfx_method))
 
 
 def noise_table(sizes: list[int], threads=(1, 2), repeats: int = 5) -> str:
@@ -320,6 +335,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", help="write the markdown here too")
+    ap.add_argument("--dpfx-method", default="dpfx", choices=["dpfx", "dpfx_loss"],
+                    help="dpfx_loss: the loss captured with the model (no loss check a step)")
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e7, 1e8],
                     help="noise: the buffer sizes in floats (default 1e7 1e8)")
     args = ap.parse_args()
@@ -333,7 +350,8 @@ def main() -> None:
     names = list(models.DEFAULT_MODELS) if "all" in args.models else args.models
     parts, rows = [], []
     for name in names:
-        text, row = report(name, args.batch or models.MODELS[name][2][0], args.steps, args.top)
+        text, row = report(name, args.batch or models.MODELS[name][2][0], args.steps, args.top,
+                           args.dpfx_method)
         parts.append(text)
         rows.append(row)
         print(text, flush=True)

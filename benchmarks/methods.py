@@ -68,6 +68,24 @@ def nonprivate_compile(model: nn.Module, B: int) -> Method:
     return Method(step, compiles)
 
 
+def nonprivate_compile_loss(model: nn.Module, B: int) -> Method:
+    """torch.compile of the model and its loss together: the baseline of dpfx with the loss
+    captured (``dpfx_loss``), whose compiled graph holds the loss too."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    compiles = _dynamo_compiles()
+
+    @torch.compile
+    def objective(x, y):
+        return models.captured_loss(model(**x) if isinstance(x, dict) else model(x), y)
+
+    def step(x, y):
+        objective(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Method(step, compiles)
+
+
 def nonprivate_compile_unrolled(model: nn.Module, B: int) -> Method:
     """torch.compile with dpfx's capture-time rewrites in place (``traceable_torch``: nn.LSTM's
     recurrence written out one time step at a time), no DP: the graph dpfx makes private,
@@ -219,16 +237,21 @@ def loop_eager(model: nn.Module, B: int) -> Method:
 
 # --- dpfx ---------------------------------------------------------------------------------------
 
-def _dpfx(model: nn.Module, B: int, strategy: str) -> Method:
+def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False) -> Method:
     import dpfx
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     kwargs = {} if strategy == "auto" else {"strategy": strategy}
+    if captured:
+        kwargs["loss"] = models.captured_loss
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
                       backend="inductor", **kwargs)
 
     def step(x, y):
-        loss_fn(forward(dp, x), y).backward()     # p.grad: clipped, noised, / B
+        if captured:
+            dp.loss(x, y).backward()              # the loss proven with the model, once
+        else:
+            loss_fn(forward(dp, x), y).backward()     # p.grad: clipped, noised, / B
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -243,6 +266,12 @@ def dpfx_inductor(model, B):
     return _dpfx(model, B, "auto")
 
 
+def dpfx_loss(model, B):
+    """dpfx's default with the loss captured with the model (``dpfx.compile(model, loss=fn)``,
+    ``dp.loss(x, y).backward()``): no loss check a step."""
+    return _dpfx(model, B, "auto", captured=True)
+
+
 def dpfx_materialize(model, B):
     """dpfx with every per-sample gradient materialized (strategy="materialize")."""
     return _dpfx(model, B, "materialize")
@@ -252,6 +281,8 @@ def dpfx_materialize(model, B):
 METHODS = {
     "eager": ("non-private eager", nonprivate_eager, False),
     "compile": ("non-private torch.compile", nonprivate_compile, False),
+    "compile_loss": ("non-private torch.compile, loss compiled with the model",
+                     nonprivate_compile_loss, False),
     "compile_unrolled": ("non-private torch.compile, recurrence unrolled as dpfx captures it",
                          nonprivate_compile_unrolled, False),
     "opacus_hooks": ("Opacus hooks", opacus_hooks, True),
@@ -259,6 +290,7 @@ METHODS = {
     "func_eager": ("torch.func vmap(grad), eager", func_eager, False),
     "func_compile": ("torch.func vmap(grad), torch.compile", func_compile, False),
     "dpfx": ("dpfx (inductor)", dpfx_inductor, False),
+    "dpfx_loss": ("dpfx (inductor), loss captured", dpfx_loss, False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
     "loop_eager": ("batch-of-one loop, eager", loop_eager, False),
 }

@@ -291,6 +291,13 @@ def loss_fn(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def captured_loss(out, y):
+    """``loss_fn`` as ``dpfx.compile(model, loss=...)`` takes it: on the model's own output (an
+    HF ``ModelOutput``'s logits), never called on an empty batch."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def build(name: str, B: int, seed: int = 0):
     ctor, data, _, _ = MODELS[name]
     torch.manual_seed(seed)

@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick         # one batch size per model, few steps, 5 methods
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
     python benchmarks/run.py --realistic --quick   # the sizes DP users train at (under 10 min)
+    python benchmarks/run.py --realistic --quick --methods compile compile_loss dpfx dpfx_loss
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
 method side by side: first step and warm-up per method, then the timed steps round-robin over
@@ -30,7 +31,9 @@ Measurements, per (model, batch, method):
   recompiles).
 - x compiled: median step / the model's non-private baseline's median step for the same batch:
   torch.compile, except for the LSTM, whose baseline is the same recurrence unrolled as dpfx
-  captures it, compiled without DP (Note [The LSTM's baseline] in models.py). first x and mem x:
+  captures it, compiled without DP (Note [The LSTM's baseline] in models.py); for dpfx with the
+  loss captured (``dpfx_loss``), torch.compile of the model and its loss (``compile_loss``) where
+  that ran, since the loss's forward and gradient are then compiled code too. first x and mem x:
   first step and step memory over the same baseline's. The summary at the top of results.md
   sets dpfx's ratios beside its targets (BENCHMARKS.md).
 - noise alone: dpfx's noise call (``dpfx::add_noise_`` over the model's trainable parameters,
@@ -82,12 +85,16 @@ sys.path.insert(0, HERE)
 
 from report import add_ratios, label, plot, write_markdown  # noqa: E402
 
-METHOD_ORDER = ["eager", "compile", "compile_unrolled", "opacus_hooks", "opacus_ghost",
-                "func_eager", "func_compile", "dpfx", "dpfx_materialize"]
+METHOD_ORDER = ["eager", "compile", "compile_loss", "compile_unrolled", "opacus_hooks",
+                "opacus_ghost", "func_eager", "func_compile", "dpfx", "dpfx_loss",
+                "dpfx_materialize"]
 # --quick keeps the baselines, the fastest peer (Opacus ghost clipping) and dpfx: compiling is
-# most of a quick run, and torch.func compiled costs as much compile time as dpfx.
+# most of a quick run, and torch.func compiled costs as much compile time as dpfx. The loss
+# compiled with the model, dpfx's and its baseline's, is asked for by name (``--methods compile
+# compile_loss dpfx dpfx_loss``): two more compiles a model.
 QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
-COMPILING = ("compile", "compile_unrolled", "func_compile", "dpfx", "dpfx_materialize")
+COMPILING = ("compile", "compile_loss", "compile_unrolled", "func_compile", "dpfx",
+             "dpfx_loss", "dpfx_materialize")
 
 
 # ------------------------------------------------------------------------------------------------
