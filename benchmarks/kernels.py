@@ -72,6 +72,7 @@ LAYERS = [
     ("py: dpfx forward call, loss captured (the same)", "dpfx.api", "DPModule.loss"),
     ("py: torch.compile forward call (dynamo's guards, aot_autograd's runtime)",
      "torch._dynamo.eval_frame", "OptimizedModule.__call__"),
+    ("py: torch.compile forward call, model and loss (the same)", "methods", "call_compiled"),
     ("py: optimizer step and zero_grad", "torch.optim.optimizer", "Optimizer.zero_grad"),
 ]
 
