@@ -116,8 +116,9 @@ def summary(results: list[dict], realistic: bool = False) -> list[str]:
                  and not o["method"].startswith("dpfx")
                  and o["method"] not in ("eager", "compile", "compile_loss", "compile_unrolled")]
         peer = min(peers, key=lambda o: o["ratio_to_baseline"], default=None)
-        target = REALISTIC_STEP_TARGET if realistic else STEP_TARGET.get(r["model"])
-        first_target = REALISTIC_FIRST_STEP_TARGET if realistic else FIRST_STEP_TARGET
+        at_size = realistic or r["model"] not in STEP_TARGET   # a realistic model run alone
+        target = REALISTIC_STEP_TARGET if at_size else STEP_TARGET[r["model"]]
+        first_target = REALISTIC_FIRST_STEP_TARGET if at_size else FIRST_STEP_TARGET
         lines.append(
             f"| {model} | {r['batch']} | "
             f"{mark(r.get('ratio_to_baseline'), target or float('inf'))} ({target}) | "
