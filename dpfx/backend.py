@@ -81,8 +81,11 @@ class DPBackend:
             capture_loss(gm, self.config.loss_reduction, sym_expr(batch))
         # force_non_lazy_backward_lowering: compile the backward now, so that a refusal is raised
         # at the first forward, not suppressed until (or skipped before) the first backward.
+        # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
+        # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
         with torch._functorch.config.patch(enable_autograd_cache=False,
-                                           force_non_lazy_backward_lowering=True):
+                                           force_non_lazy_backward_lowering=True,
+                                           ban_recompute_reductions=True):
             return compile_fx(gm, example_inputs, inner_compile=self._inner,
                               config_patches=INDUCTOR_PATCHES)
 

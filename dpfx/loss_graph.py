@@ -30,17 +30,24 @@ ends. Before Inductor's aot_autograd sees the graph, ``capture_loss``:
    every term has the same batch-dependent part, dynamo's own tail times one factor, else the
    replayed tail with each term scaled. Its value stays ``fn``'s (``L_g + detach(L - L_g)``);
 4. traces that loss's *gradient program* with make_fx and autograd's own formulas: the value
-   and ``G_j = d L_g / d out_j``, and puts it in place of dynamo's tail, returning
-   ``value + (S - detach(S))``, ``S = sum_j sum(out_j * detach(G_j))``: the value is ``fn``'s and
-   the gradient reaching the model's outputs is exactly G, a batched tensor the forward saves.
-   Computing G in the forward keeps the loss's normalizers out of the backward graph, whose
-   per-sample rules refuse a gradient that depends on a reduction over the batch (a token
-   count N enters G as ``f N / N``: per example, but not visibly so to the rules). Each of its
-   nodes is tagged ``dpfx_loss`` in its ``custom`` metadata, which aot_autograd carries onto the
-   ATen nodes it makes from them: the forward check exempts exactly the tagged nodes from its
-   mixing rules (proven in step 2), the self-check exempts the loss's batch-free outputs from
-   its independence check, and the backward graph reads the loss's tangent as the constant 1
-   (the only gradient the release lets reach it).
+   and ``G_j = d L_g / d out_j`` (softmax cross-entropy rewritten into the form Inductor
+   streams best: Note [The cross-entropy form] in loss_form.py), and puts it in place of
+   dynamo's tail, returning ``value + sum_j dpfx::loss_gradient(out_j, G_j)``: an op whose value
+   is 0 (Inductor's decomposition makes it the constant, so nothing is read for it) and whose
+   gradient with respect to ``out_j`` is ``tangent * G_j``. The value is ``fn``'s and the
+   gradient reaching the model's outputs is exactly G. Where G is computed is aot_autograd's
+   partitioner's choice: it saves the logits and each row's statistics and recomputes G in the
+   backward, written over the logits, as torch.compile does for a loss that is not private.
+   The normalizers' reductions over the batch stay in the forward (dpfx compiles with
+   functorch's ``ban_recompute_reductions``: the partitioner never recomputes one), so the
+   backward sees only their values, batch-free saved scalars proven in step 2 (a token count
+   N enters G as ``f / N`` with ``f`` carrying N: per example, but not visibly so to the
+   rules); a reduction over the batch in the backward is refused by its per-sample rules.
+   Each of its nodes is tagged ``dpfx_loss`` in its ``custom`` metadata, which aot_autograd
+   carries onto the ATen nodes it makes from them: the forward check exempts exactly the
+   tagged nodes from its mixing rules (proven in step 2), the self-check exempts the loss's
+   batch-free outputs from its independence check, and the backward graph reads the loss's
+   tangent as the constant 1 (the only gradient the release lets reach it).
 
 An empty batch takes the model's own graph (Note [An empty batch and the captured loss]).
 
@@ -62,11 +69,13 @@ import sympy
 import torch
 import torch.fx as fx
 from torch._dynamo.source import ConstantSource
+from torch._inductor.decomposition import register_decomposition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from . import loss_check
+from .loss_form import cross_entropy_form
 from .errors import PrivacyError
 from .passes.batch import sym_expr
 
@@ -84,6 +93,36 @@ def model_output(x: torch.Tensor) -> torch.Tensor:
 @model_output.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("dpfx::loss_gradient", mutates_args=())
+def loss_gradient(out: torch.Tensor, gradient: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zero, whose gradient with respect to ``out`` is ``gradient`` (Note [The loss inside the
+    graph], step 4). Inductor's decomposition makes it the constant it is, so the forward never
+    reads ``out`` for it; the backward is the one product ``tangent * gradient``."""
+    return torch.zeros((), dtype=dtype, device=out.device)
+
+
+@loss_gradient.register_fake
+def _(out, gradient, dtype):
+    return torch.empty((), dtype=dtype, device=out.device)
+
+
+def _loss_gradient_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _loss_gradient_backward(ctx, grad):
+    gradient, = ctx.saved_tensors
+    return grad * gradient, None, None
+
+
+loss_gradient.register_autograd(_loss_gradient_backward, setup_context=_loss_gradient_context)
+
+
+@register_decomposition(torch.ops.dpfx.loss_gradient.default)
+def _loss_gradient_zero(out, gradient, dtype):
+    return torch.zeros((), dtype=dtype, device=out.device)
 
 
 _ENTRIES = itertools.count()
@@ -173,14 +212,11 @@ def capture_loss(gm: fx.GraphModule, reduction: str, batch_symbol) -> bool:
             if node.op in ("call_function", "get_attr"):
                 env[node] = _copy(gm, gradient, node, env)
         value, *grads = [env[n] for n in gradient.graph.find_nodes(op="output")[0].args[0]]
-        dot = None
+        dtype = _value(loss).dtype
+        shown = value
         for mark, g in zip(marked, grads):
-            term = graph.call_function(aten.sum.default, (graph.call_function(
-                aten.mul.Tensor, (mark.args[0], g)),))
-            dot = term if dot is None else graph.call_function(aten.add.Tensor, (dot, term))
-        shown = value if dot is None else graph.call_function(aten.add.Tensor, (
-            value, graph.call_function(aten.sub.Tensor, (
-                dot, graph.call_function(aten.detach.default, (dot,))))))
+            shown = graph.call_function(aten.add.Tensor, (shown, graph.call_function(
+                torch.ops.dpfx.loss_gradient.default, (mark.args[0], g, dtype))))
         for node in graph.nodes:
             if node not in before:
                 for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
@@ -276,7 +312,9 @@ class _Program:
                                       for x, g in zip(xs, grads)])
 
         with self.mode:
-            return make_fx(program, tracing_mode="real")(*self.fakes)
+            gm = make_fx(program, tracing_mode="real")(*self.fakes)
+        cross_entropy_form(gm)
+        return gm
 
     def value_of(self, placeholder_index: int):
         """The Python number a scalar placeholder stands for (None for another input)."""
