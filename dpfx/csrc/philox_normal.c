@@ -17,6 +17,13 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+/* Where AVX-512 exists, GCC vectorizes this file's loops (Box-Muller) 512 bits wide, not at the
+ * 256 bits native.py asks for everywhere else: on a 2-core Xeon, 10M in-place samples on one
+ * thread take 0.78 against 1.24 ns each. The normals move by a few ulps (-ffast-math contracts
+ * the polynomials differently at each width); the Philox words do not change. */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -34,9 +41,14 @@
     PHILOX_ROUND(0) PHILOX_ROUND(1) PHILOX_ROUND(2) PHILOX_ROUND(3) PHILOX_ROUND(4) \
     PHILOX_ROUND(5) PHILOX_ROUND(6) PHILOX_ROUND(7) PHILOX_ROUND(8) PHILOX_ROUND(9)
 
-/* uint32 -> float through two exact int32 halves: AVX2 has no unsigned conversion, and a
- * branchy one would stop the loop from vectorizing. Rounds once, to 24 bits. */
+/* uint32 -> float, rounded to 24 bits: AVX-512 converts unsigned words directly; AVX2 has no
+ * unsigned conversion (a branchy one would stop the loop from vectorizing), so there it goes
+ * through two exact int32 halves and one rounding add. */
+#if defined(__AVX512F__)
+#define U32_TO_FLOAT(x) ((float)(uint32_t)(x))
+#else
 #define U32_TO_FLOAT(x) ((float)(int32_t)((x) >> 16) * 65536.0f + (float)(int32_t)((x) & 0xFFFFu))
+#endif
 #define UNIFORM(x) ((U32_TO_FLOAT(x) + 0.5f) * 2.3283064365386963e-10f)   /* * 2^-32 */
 #define TWO_PI 6.28318530717958647692f
 #define BLOCKS_PER_TASK 2048
