@@ -26,7 +26,7 @@ Inductor's own decomposition rounds it):
    target is ``ignore_index``): the row has no other nonzero, so the sum is that entry exactly.
 
 A program without the pattern is left as it is (the gradient is the same either way; only the
-kernels differ). Tested against the untouched program in tests/test_loss_graph.py.
+kernels differ). Tested against the untouched program in tests/test_loss_form.py.
 """
 from __future__ import annotations
 
@@ -47,19 +47,17 @@ def cross_entropy_form(gm: fx.GraphModule) -> bool:
     """Note [The cross-entropy form], on ``gm`` in place; whether anything changed."""
     graph = gm.graph
     changed = False
-    lse_of: dict[fx.Node, fx.Node] = {}
+    lse_of: dict[fx.Node, tuple] = {}    # the rewritten log-probabilities -> (x, lse)
     for node in list(graph.find_nodes(op="call_function",
                                       target=aten._log_softmax_backward_data.default)):
         g, out, dim, _dtype = node.args
         source = _through_detach(out)
-        if not (isinstance(source, fx.Node) and source.op == "call_function" and
-                source.target == aten._log_softmax.default and source.args[2] is False):
-            continue
-        x, sdim = source.args[0], source.args[1]
-        if sdim != dim:
-            continue
-        lse = lse_of.get(source)
-        if lse is None:
+        if source in lse_of:            # a log_softmax already rewritten, read by a second one
+            x, lse = lse_of[source]
+        elif (isinstance(source, fx.Node) and source.op == "call_function" and
+              source.target == aten._log_softmax.default and source.args[2] is False and
+              source.args[1] == dim):
+            x = source.args[0]
             with graph.inserting_after(source):
                 lse = graph.call_function(aten.logsumexp.default, (x, [dim], True))
             with graph.inserting_after(lse):
@@ -68,7 +66,9 @@ def cross_entropy_form(gm: fx.GraphModule) -> bool:
                 neg = graph.call_function(aten.neg.default, (diff,))
             source.replace_all_uses_with(neg)
             graph.erase_node(source)
-            lse_of[source] = lse
+            lse_of[neg] = (x, lse)
+        else:
+            continue
         with graph.inserting_before(node):
             p = graph.call_function(aten.exp.default, (graph.call_function(
                 aten.sub.Tensor, (x, lse)),))
