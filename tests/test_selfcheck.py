@@ -2,6 +2,7 @@
 dpfx/selfcheck.py) against deliberately miscompiled graphs, and against the real torch bug that
 motivated it with dpfx's own fix switched off."""
 import contextlib
+import math
 
 import pytest
 import torch
@@ -199,3 +200,37 @@ def test_comparison_lines_up_nans_and_infinities():
     elsewhere[3, 4], elsewhere[5, 6] = 0.0, float("nan")
     y[3, 4] = float("nan")
     assert not _close(elsewhere, y, 1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("case", ["plain", "offset", "strided", "tail", "overflow", "tiny",
+                                  "inf", "nan", "mixed"])
+def test_norm_in_float32_rows_matches_float64(case):
+    """Note [Norms in float32 rows, summed in float64]: as accurate as a float64 norm wherever
+    float32 squares are exact enough, and the float64 norm where they are not."""
+    from dpfx.selfcheck import _raw_norm
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3001, 1024, generator=g)
+    if case == "offset":        # one sign: no cancellation to hide an error
+        t = t.abs() * 3 + 7
+    elif case == "strided":     # a non-contiguous view is read as it is
+        t = torch.randn(2048, 3000, generator=g)[::2, ::3]
+    elif case == "tail":        # not a whole number of rows
+        t = torch.randn(1024 * 37 + 555, generator=g)
+    elif case == "overflow":    # finite entries whose float32 squares overflow
+        t = t * 1e20
+    elif case == "tiny":        # entries whose float32 squares underflow
+        t = t * 1e-25
+    elif case == "mixed":       # a few large entries among many tiny ones
+        t = t * 1e-21
+        t[7, :4] = torch.tensor([1e-16, -2e-16, 3e-16, 1e-16])
+    elif case in ("inf", "nan"):
+        t[1500, 17] = float(case)
+    want = float(torch.linalg.vector_norm(t.double()))
+    got = _raw_norm(t)
+    if case == "nan":
+        assert math.isnan(got)
+    elif case == "inf":
+        assert got == float("inf")
+    else:
+        assert got > 0 and abs(got - want) <= 1e-6 * want, (got, want)
