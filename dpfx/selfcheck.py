@@ -26,9 +26,10 @@ and checks:
    rows in any forward output (activations saved for the backward included), and no batch-free
    output at all. The batch layout of each output comes from dpfx's batch analysis.
 
-A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs
-one eager and three compiled runs of each graph at small batches, measured at a few percent of
-the compile time (docs/ARCHITECTURE.md); ``dpfx.compile(..., self_check=False)`` skips it.
+A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs,
+at each size, two compiled runs and one eager run of the forward and one of each of the backward:
+a few percent of the first step on small models, 18% on GPT-2 small (docs/ARCHITECTURE.md);
+``dpfx.compile(..., self_check=False)`` skips it.
 tests/test_selfcheck.py hands it deliberately miscompiled graphs.
 """
 from __future__ import annotations
