@@ -1,9 +1,13 @@
 """The per-sample Conv2d weight-gradient product: patches of the whole batch then one bmm, against
 dpfx::conv2d_per_sample_grad's chunks of examples (Note [Per-sample conv2d gradients in chunks
-of examples], dpfx/rules/convolution.py), at several chunk sizes, interleaved in one process.
+of examples], dpfx/rules/convolution.py), at several chunk sizes, interleaved in one process;
+with ``--orientation``, the op on the benchmark ResNet's nine convolutions with each chunk's
+products taken as (C_resp, P) x (P, C*K) and transposed where dpfx takes them so (Note [The
+per-sample conv2d product's orientation]).
 
     python benchmarks/conv_product.py                                  # markdown table to stdout
     python benchmarks/conv_product.py --out benchmarks/out/conv_product.md
+    python benchmarks/conv_product.py --orientation --batch 256
 
 Each cell is the minimum over ``--repeats`` rounds of the median of ``--calls`` calls (ms); the
 rounds alternate the variants, so load drift hits all of them alike.
@@ -86,13 +90,57 @@ def run(repeats: int, calls: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (C_in, C_out, H = W of the input, stride, kernel): models.ResNetGN's convolutions
+RESNET = [(3, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 32, 32, 2, 3),
+          (32, 32, 16, 1, 3), (16, 32, 32, 2, 1), (32, 64, 16, 2, 3), (64, 64, 8, 1, 3),
+          (32, 64, 16, 2, 1)]
+
+
+def orientation(batch: int, repeats: int, calls: int) -> str:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    default = convolution._TRANSPOSED_PRODUCT
+    lines, totals = [], {False: 0.0, True: 0.0}
+    for c_in, c_out, size, stride, k in RESNET:
+        torch.manual_seed(0)
+        pad, out_size = k // 2, (size + 2 * (k // 2) - k) // stride + 1
+        x = torch.randn(batch, c_in, size, size)
+        response = torch.randn(batch, c_out, out_size * out_size)
+        args = ([k, k], [1, 1], [pad, pad], [stride, stride])
+
+        def op(transposed):
+            convolution._TRANSPOSED_PRODUCT = transposed
+            return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
+        torch.testing.assert_close(op(True), op(False))
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(repeats):
+            for transposed in best:
+                best[transposed] = min(best[transposed],
+                                       _median_ms(lambda: op(transposed), calls))
+        for transposed in best:
+            totals[transposed] += best[transposed]
+        lines.append(f"| {c_in}->{c_out}, {k}x{k}, {size}x{size}, stride {stride} | "
+                     f"{best[False]:.2f} | {best[True]:.2f} |")
+    convolution._TRANSPOSED_PRODUCT = default
+    info = machine_info(torch.get_num_threads())
+    head = [f"`python benchmarks/conv_product.py --orientation --batch {batch}` at dpfx "
+            f"{info.get('dpfx_commit', '?')}: {info['cpu']}, {info['torch_threads']} threads, "
+            f"torch {info['torch']}; load {open('/proc/loadavg').read().split()[0]} at the end; "
+            f"ms, the minimum over {repeats} rounds of the median of {calls} calls", "",
+            "| conv | (C_resp, P) x (P, C*K) | dpfx's orientation |", "|---|---:|---:|"]
+    return "\n".join(head + lines + [f"| all nine | {totals[False]:.1f} | {totals[True]:.1f} |"]) \
+        + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--orientation", action="store_true")
+    parser.add_argument("--batch", type=int, default=256, help="with --orientation")
     parser.add_argument("--out")
     args = parser.parse_args()
-    table = run(args.repeats, args.calls)
+    table = (orientation(args.batch, args.repeats, min(args.calls, 10)) if args.orientation
+             else run(args.repeats, args.calls))
     print(table)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

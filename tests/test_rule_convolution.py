@@ -268,12 +268,14 @@ def test_inductor_conv2d_patches_by_im2col():
        channels=st.integers(1, 2), size=st.integers(3, 7), kernel=st.integers(1, 3),
        stride=st.integers(1, 2), padding=st.integers(0, 1),
        dtype=st.sampled_from([torch.float32, torch.float64]),
-       chunk_examples=st.sampled_from([1, 2, 3, 100]))
+       chunk_examples=st.sampled_from([1, 2, 3, 100]), transposed=st.booleans())
 def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel, stride,
-                                          padding, dtype, chunk_examples):
+                                          padding, dtype, chunk_examples, transposed):
     """Note [Per-sample conv2d gradients in chunks of examples]: the fused op equals the patches
     of the whole batch times the response, for chunks of 1, 2, 3 examples and one chunk, batch
-    sizes that leave a short last chunk, and groups."""
+    sizes that leave a short last chunk, and groups; with each chunk's products taken transposed
+    where Note [The per-sample conv2d product's orientation] does (3 output channels against
+    C*K of 1 to 18) and with that switched off."""
     c_img, c_resp = channels * groups, 3 * groups
     x = torch.randn(batch, c_img, size, size + 1, dtype=dtype)
     args = ([kernel, kernel], [1, 1], [padding, padding], [stride, stride])
@@ -283,13 +285,14 @@ def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel,
     expected = torch.bmm(response, patches.reshape(batch * groups, c_img // groups * kernel ** 2,
                                                    positions).transpose(1, 2))
     per_example = x.element_size() * patches[:1].numel()
-    before = convolution._CHUNK_BYTES
+    before = convolution._CHUNK_BYTES, convolution._TRANSPOSED_PRODUCT
     convolution._CHUNK_BYTES = chunk_examples * per_example
+    convolution._TRANSPOSED_PRODUCT = transposed
     try:
         got = torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, groups)
     finally:
-        convolution._CHUNK_BYTES = before
-    assert got.shape == expected.shape and got.dtype == dtype
+        convolution._CHUNK_BYTES, convolution._TRANSPOSED_PRODUCT = before
+    assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got, expected)
 
 

@@ -275,18 +275,53 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
     budget = _CHUNK_BYTES if image.device.type == "cpu" else _CHUNK_BYTES_ACCELERATOR
     chunks = -(-batch * per_example // budget)
     chunk = -(-batch // chunks)
-    if chunk >= batch:
-        patches = _im2col(image, kernel, dilation, padding, stride)
-        return torch.bmm(response, patches.view(out.shape[0], out.shape[2], patches.shape[-1])
-                         .transpose(1, 2), out=out)
+    # Note [The per-sample conv2d product's orientation]
+    swapped = _TRANSPOSED_PRODUCT and image.device.type == "cpu" \
+        and out.shape[1] < min(32, out.shape[2])
+    scratch = out.new_empty(chunk * groups, out.shape[2], out.shape[1]) if swapped else None
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
         patches = _im2col(image[start:stop], kernel, dilation, padding, stride)
         patches = patches.view((stop - start) * groups, out.shape[2], patches.shape[-1])
-        torch.bmm(response[start * groups:stop * groups], patches.transpose(1, 2),
-                  out=out[start * groups:stop * groups])
+        rows = slice(start * groups, stop * groups)
+        if swapped:
+            products = scratch[:(stop - start) * groups]
+            torch.bmm(patches, response[rows].transpose(1, 2), out=products)
+            _transpose_into(products, out[rows])
+        else:
+            torch.bmm(response[rows], patches.transpose(1, 2), out=out[rows])
         del patches     # before the next chunk's: one chunk of patches alive at a time
     return out
+
+
+# Note [The per-sample conv2d product's orientation]
+# Example i's product is G_i U_i^T: the response G_i (C_resp, P) against the patches U_i (C*K, P),
+# contracted over the P positions. With few output channels, MKL's batched GEMM runs that shape
+# far below the machine's peak (C_resp = 16, P = 1024, C*K = 144: 80 GFLOP/s on the 2-core Intel
+# Xeon); the transposed product U_i G_i^T, the same flops as (C*K, P) x (P, C_resp), runs at about
+# 120. So where C_resp < 32 and C_resp < C*K each chunk's products are taken transposed into a
+# scratch buffer of one chunk, still in cache, and dpfx's transpose kernel (csrc/transpose.c)
+# writes them back into the output, whose layout does not change: the graph's consumers (the
+# norm, the clipped sum) read it as before. Returning the transposed layout instead made those
+# Inductor kernels read across strides (the ResNet's step 251 -> 287 ms); with wider responses
+# the transposed form was no faster (32 channels) or slower (64: 18.1 -> 19.6 ms at 8x8).
+# The ResNet's nine products at B = 256 (benchmarks/conv_product.py --orientation): 78.1 -> 65.3
+# ms; its whole step 242 -> 225 ms (interleaved, 12 rounds). The values are the same products up
+# to the GEMM's rounding. CPU only: the measurements are MKL's; accelerators keep one orientation.
+# (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
+_TRANSPOSED_PRODUCT = True     # benchmarks/conv_product.py --orientation switches it off
+
+
+def _transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[i] = src[i].T`` for contiguous 3-D ``src`` and ``dst``: dpfx's transpose kernel
+    (csrc/transpose.c) where it applies, else ATen's copy."""
+    kernel_fn = _NATIVE_TRANSPOSE.get(src.dtype) if src.device.type == "cpu" else None
+    lib = native.library() if kernel_fn else None
+    if lib is None:
+        dst.copy_(src.transpose(1, 2))
+        return
+    b, rows, cols = src.shape
+    getattr(lib, kernel_fn)(src.data_ptr(), dst.data_ptr(), b, rows, cols, torch.get_num_threads())
 
 
 def _conv2d_per_sample_grad_shape(response, image, kernel, groups) -> list:
