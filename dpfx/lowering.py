@@ -4,6 +4,8 @@
 
 The verifier proves the FX graph; what runs is the code Inductor generates from it. Two things in
 torch 2.13 let that code differ from the graph for an unbacked batch, and this module closes both.
+It also bounds the size of the C++ functions Inductor writes for dpfx's graphs, which decides
+how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -173,6 +175,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     key = _CacheKey(torch._inductor.config.post_grad_custom_post_pass)
     try:
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
+                smaller_cpu_kernel_groups(), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key):
             return compile_fx_inner(gm, example_inputs, **kwargs)
     except Exception as e:
@@ -182,6 +185,38 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
         if cause is None:
             raise
         raise _assumption_error(cause.expr) from e
+
+
+# Note [CPU kernel groups of at most 100 arguments]
+# Inductor's C++ backend writes consecutive fused kernels into one C++ function until an extern
+# call (a GEMM) intervenes or the function's arguments exceed
+# ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (500). A captured backward alternates GEMMs and
+# small kernels; dpfx's tail after the last GEMM does not: every parameter's per-sample norm
+# (a ghost norm's Gram product, a reduction over [B]), the norms' sum, the clip factor and the
+# clip-scaled operands. On GPT-2 small (148 parameters) that became one function of 8,900
+# lines with 200 parallel loops, which g++ -O3 compiled in 8.9 s, alone, after every other
+# kernel had finished. dpfx lowers with a limit of 100: the same loops in five functions of
+# 1.3-1.5 s each, compiled in parallel while Inductor generates the rest. GPT-2 small's first
+# step took 56.4 against 60.4 s (benchmarks/first_step.py; limits of 50 and 200 did as well as
+# 100); GPT-2 at d=256 and the GroupNorm ResNet, whose tails are shorter, did not move. Each
+# function opens its own parallel region, a few microseconds a step; steady steps did not
+# move. The limit is a class attribute Inductor reads while generating code, so it is set for
+# dpfx's lowering only and restored after; it changes how the kernels are grouped, not what
+# they compute. Inductor's FX-graph cache keys do not hold it; dpfx's source digest does.
+KERNEL_GROUP_ARGS = 100
+
+
+@contextlib.contextmanager
+def smaller_cpu_kernel_groups():
+    """Note [CPU kernel groups of at most 100 arguments]."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM
+    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(before, KERNEL_GROUP_ARGS)
+    try:
+        yield
+    finally:
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = before
 
 
 def _assumption_error(expr) -> CaptureError:
