@@ -111,17 +111,17 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(lowering, "compile_fx_inner", seen)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)   # generate the code
     before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM
     torch.manual_seed(0)
     layers = [m for _ in range(24) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 2))
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
-    for batch in (3, 0):
-        x, y = torch.randn(batch, 16), torch.randn(batch, 2)
-        got = run_dpfx(dp, model, mse, x, y)
-        want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=3)
-        assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with torch._inductor.config.patch(fx_graph_cache=False):    # generate the code
+        for batch in (3, 0):
+            x, y = torch.randn(batch, 16), torch.randn(batch, 2)
+            got = run_dpfx(dp, model, mse, x, y)
+            want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=3)
+            assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert limits == [lowering.KERNEL_GROUP_ARGS] * 2       # forward and backward
     assert lowering.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
     assert CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM == before == 500
