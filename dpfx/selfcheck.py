@@ -18,9 +18,10 @@ and checks:
    same graph run by the FX interpreter: ||got - want|| <= tol (||want|| + sqrt(n) s), tol 1e-3
    (2e-2 for 16-bit floats), s the largest RMS entry among the graph's outputs (Note [The
    self-check's floor scales with the graph]).
-   The noise draws agree because both read the same seeded generator through the same op (CPU);
-   on GPU, Inductor's own Philox stream differs from eager, so the backward comparison runs only
-   with noise="optimizer" there. A forward with random ops of its own (dropout) is compared only
+   The backward runs without noise: dpfx's CPU noise op adds zero during the check (Note [The
+   self-check's backward runs without noise] in cpu_noise.py: noise of the model's size would
+   set the tolerance and hide the clipped sums). On GPU the noise is Inductor's own Philox in the
+   graph, so the backward comparison runs only with noise="optimizer" there. A forward with random ops of its own (dropout) is compared only
    through check 2, since Inductor may schedule its draws in another order.
 2. **Per-example independence**: changing example 0 of every input changes no other example's
    rows in any forward output (activations saved for the backward included), and no batch-free
@@ -43,7 +44,7 @@ import torch
 import torch.fx as fx
 import torch.utils._python_dispatch
 
-from . import batch_branches
+from . import batch_branches, cpu_noise
 from .errors import PrivacyError
 from .passes.batch import BatchDim
 
@@ -170,10 +171,12 @@ class GraphCheck:
         mine = _saved_by_backward_name(self.forward, want)
         ref_args = [mine.get(name, a) for (name, _), a in zip(self.backward.inputs, bw_args)]
         del got, want, saved, mine
-        got_bw = _call(self.backward.compiled, bw_args, self.device)
-        del bw_args
-        want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
-        del ref_args
+        # Note [The self-check's backward runs without noise] (cpu_noise.py)
+        with cpu_noise.noiseless():
+            got_bw = _call(self.backward.compiled, bw_args, self.device)
+            del bw_args
+            want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
+            del ref_args
         _compare("backward", b, self.backward.outputs, got_bw, want_bw,
                  self.backward.low_precision)
 

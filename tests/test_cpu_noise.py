@@ -227,3 +227,31 @@ def test_without_a_compiler_noise_falls_back_to_torch_randn(monkeypatch):
     torch.manual_seed(2)
     torch.testing.assert_close(sums[0], torch.randn(20_000) * 3.0 * 0.5 / 2)
     assert sums[0].std().item() == pytest.approx(0.75, rel=0.05)
+
+
+def test_noiseless_is_this_threads_alone():
+    """Note [The self-check's backward runs without noise]: under ``noiseless()`` both noise ops
+    add zero on this thread, scale and division still applied; another thread's release, and this
+    thread's after the block, keep their noise."""
+    import threading
+
+    sums = [torch.ones(1000), torch.ones(10, dtype=torch.float64)]
+    other = {}
+
+    def elsewhere():
+        x = [torch.ones(1000)]
+        torch.ops.dpfx.add_noise_(x, 1.0, 0.5, 2)
+        other["std"] = float(x[0].std())
+
+    with cpu_noise.noiseless():
+        torch.ops.dpfx.add_noise_(sums, 1.0, 0.5, 2)
+        assert float(torch.ops.dpfx.standard_normal(100, torch.device("cpu")).abs().max()) == 0
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    assert all(torch.equal(x, torch.full_like(x, 0.25)) for x in sums)
+    assert 0.2 < other["std"] < 0.3                      # 0.5 / 2 * N(0, 1)
+    after = [torch.ones(1000)]
+    torch.ops.dpfx.add_noise_(after, 1.0, 0.5, 2)
+    assert 0.2 < float(after[0].std()) < 0.3
+    assert float(torch.ops.dpfx.standard_normal(100, torch.device("cpu")).std()) > 0.5

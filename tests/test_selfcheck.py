@@ -88,14 +88,18 @@ def test_opt_out(monkeypatch):
 
 
 def test_passes_a_correct_graph_with_noise(monkeypatch):
-    """Graph noise on CPU: the compiled and the eager backward draw the same seeded normals, so
-    the self-check compares the noisy backward and accepts it."""
+    """Graph noise on CPU: the self-check compares the backward with the noise silenced (Note
+    [The self-check's backward runs without noise]) and accepts it; the step that follows is
+    noised: its gradient is the noise-free DP-SGD gradient plus noise of std sigma C / D."""
     compared = _spy_on_comparisons(monkeypatch)
-    model = MLP()
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0)
-    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    model = MLP(d_in=8, hidden=64)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=1.0, expected_batch_size=4)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0, expected_batch_size=4)
+    got = run_dpfx(dp, model, mse, x, y)
     assert "forward" in compared and "backward" in compared, compared
-    assert model.fc1.weight.grad is not None and model.fc1.weight.grad.abs().sum() > 0
+    noise = torch.cat([(got[k] - want[k]).flatten() for k in want])
+    assert abs(float(noise.std()) / (2.0 * 1.0 / 4) - 1) < 0.15     # 836 draws
 
 
 def test_self_check_leaves_the_users_random_stream():
@@ -234,3 +238,28 @@ def test_norm_in_float32_rows_matches_float64(case):
         assert got == float("inf")
     else:
         assert got > 0 and abs(got - want) <= 1e-6 * want, (got, want)
+
+
+def _shift_clipped_sums(norm):
+    """Adds to the released gradients a vector of total norm ``norm``, spread evenly: what a
+    wrong clipped sum of that size adds, the noise left as it was."""
+    def corrupt(outs):
+        floats = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        n = sum(o.numel() for o in floats)
+        return [o + norm / n ** 0.5 if isinstance(o, torch.Tensor) and o.is_floating_point()
+                else o for o in outs]
+    return corrupt
+
+
+def test_noise_does_not_hide_a_wrong_clipped_sum(monkeypatch):
+    """Note [The self-check's backward runs without noise]: with 4.2M parameters the noise's norm
+    is about 2,000 C / D, so a tolerance relative to the noisy gradient would pass a clipped sum
+    off by C / D (a whole example's contribution). The check compares the noise-free release."""
+    C, D = 1.0, 4
+    _miscompile(monkeypatch, "backward", _shift_clipped_sums(C / D))
+    model = nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(),
+                          nn.Linear(2048, 4))
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=D)
+    with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
+        mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert all(p.grad is None for p in model.parameters())
