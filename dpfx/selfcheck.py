@@ -20,9 +20,10 @@ and checks:
    self-check's floor scales with the graph]).
    The backward runs without noise: dpfx's CPU noise op adds zero during the check (Note [The
    self-check's backward runs without noise] in cpu_noise.py: noise of the model's size would
-   set the tolerance and hide the clipped sums). On GPU the noise is Inductor's own Philox in the
-   graph, so the backward comparison runs only with noise="optimizer" there. A forward with random ops of its own (dropout) is compared only
-   through check 2, since Inductor may schedule its draws in another order.
+   set the tolerance and hide the clipped sums). On GPU the noise is Inductor's own Philox in
+   the graph, so the backward comparison runs only with noise="optimizer" there. A forward with
+   random ops of its own (dropout) is compared only through check 2, since Inductor may
+   schedule its draws in another order.
 2. **Per-example independence**: changing example 0 of every input changes no other example's
    rows in any forward output (activations saved for the backward included), and no batch-free
    output at all. The batch layout of each output comes from dpfx's batch analysis.
@@ -51,10 +52,11 @@ from .passes.batch import BatchDim
 # Note [The self-check's two batch sizes]
 # Two sizes, so that code which assumed one batch size fails at the other; neither is 1, which
 # torch's size-oblivious reasoning sets apart, and 2 and 3 differ in parity. They were 3 and 5:
-# the check's cost is its graph runs, in proportion to the examples (GPT-2 small: 11.9 s and
-# 1.5 GB of peak RSS for 3 and 5, about 8 s and 1.1 GB for 2 and 3; the rest of the peak is the
-# backward's two parameter-sized outputs, the compiled one's and the reference's). Neither pair
-# runs the vector body of a kernel over [B] (16 lanes): both run only its tail.
+# the check's cost is its graph runs, in proportion to the examples (GPT-2 small, cold: 10.7 s
+# and 1.54 GB of peak RSS over self_check=False for 3 and 5, 8.0 s and 1.16 GB for 2 and 3; most
+# of what is left of the peak is the backward's two parameter-sized outputs, the compiled one's
+# and the reference's; benchmarks/latest/first_step_self_check.md). Neither pair runs the
+# vector body of a kernel over [B] (16 lanes): both run only its tail.
 SIZES = (2, 3)
 
 
