@@ -252,9 +252,9 @@ def _shift_clipped_sums(norm):
 
 
 def test_noise_does_not_hide_a_wrong_clipped_sum(monkeypatch):
-    """Note [The self-check's backward runs without noise]: with 4.2M parameters the noise's norm
-    is about 2,000 C / D, so a tolerance relative to the noisy gradient would pass a clipped sum
-    off by C / D (a whole example's contribution). The check compares the noise-free release."""
+    """Note [The self-check's backward runs without noise]: the 2048 x 2048 weight's noise has a
+    norm of about 2,000 C / D, so a tolerance relative to the noisy gradient would pass a clipped
+    sum off by C / D (a whole example's contribution). The check compares the noise-free release."""
     C, D = 1.0, 4
     _miscompile(monkeypatch, "backward", _shift_clipped_sums(C / D))
     model = nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(),
