@@ -130,14 +130,15 @@ def noiseless():
         _state.noiseless = before
 
 
-def _silenced() -> bool:
+def silenced() -> bool:
+    """Whether this thread is inside ``noiseless()``."""
     return getattr(_state, "noiseless", False)
 
 
 def standard_normal(n: int, device: torch.device) -> torch.Tensor:
     """f32[n] of N(0, 1), keyed from torch's default CPU generator: the graph's noise on CPU
     (zeros under ``noiseless()``)."""
-    if _silenced():
+    if silenced():
         return torch.zeros(n, dtype=torch.float32)
     return gaussian(n)
 
@@ -170,7 +171,7 @@ _LIBRARY.define("add_noise_(Tensor(a!)[] sums, float std, float multiplier, SymI
 def add_noise_(sums: list[torch.Tensor], std: float, multiplier: float, divisor: int) -> None:
     """sums[t] <- ((sums[t] + std * N(0, 1)) * multiplier) / divisor, in place, one key (std 0
     under ``noiseless()``)."""
-    if _silenced():
+    if silenced():
         std = 0.0
     other = [x for x in sums if x.dtype not in (torch.float32, torch.float64)]
     if other:

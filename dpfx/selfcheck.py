@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+import threading
 from typing import Any, Callable
 
 import sympy
@@ -53,18 +55,51 @@ from .passes.batch import BatchDim
 # Two sizes, so that code which assumed one batch size fails at the other; neither is 1, which
 # torch's size-oblivious reasoning sets apart, and 2 and 3 differ in parity. They were 3 and 5:
 # the check's cost is its graph runs, in proportion to the examples (GPT-2 small, cold: 10.7 s
-# and 1.54 GB of peak RSS over self_check=False for 3 and 5, 8.0 s and 1.16 GB for 2 and 3; most
-# of what is left of the peak is the backward's two parameter-sized outputs, the compiled one's
-# and the reference's; benchmarks/latest/first_step_self_check.md). Neither pair runs the
-# vector body of a kernel over [B] (16 lanes): both run only its tail.
+# and 1.54 GB of peak RSS over self_check=False for 3 and 5, 8.0 s and 1.16 GB for 2 and 3;
+# benchmarks/latest/first_step_self_check.md). Neither pair runs the vector body of a kernel
+# over [B] (16 lanes): both run only its tail.
 SIZES = (2, 3)
 
 
 def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """The graph as it is now, kept for running eagerly (lowering rewrites ``gm`` in place)."""
+    """The graph as it is now, kept for running eagerly (lowering rewrites ``gm`` in place), its
+    mutating calls on dead intermediates made in place (Note [The eager reference mutates in
+    place where nothing else sees it])."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.find_nodes(op="call_function",
+                                 target=torch.ops.higher_order.auto_functionalized_v2):
+        _mutate_in_place(node)
     return fx.GraphModule(gm, graph)
+
+
+# Note [The eager reference mutates in place where nothing else sees it]
+# A mutating op in a captured graph is ``auto_functionalized_v2(op, _all_bases=[...])``: run
+# eagerly, it clones every base and mutates the clones. The release of a CPU graph is one such
+# call, ``dpfx::add_noise_`` on every parameter's clipped sum (cpu_noise.py), so the eager run of
+# the verified backward held two copies of the model's gradients at once (GPT-2 small: 0.5 GB
+# more than the compiled backward, whose lowering re-inplaces the call). A base that is a fresh
+# value of the graph (computed by an op whose result aliases none of its inputs) and that no node
+# but this call reads is invisible to the rest of the graph once the call starts, so mutating it
+# in place computes the same values: ``_only_clone_these_bases`` lists the others, which keep
+# their clones (graph inputs, views, values read elsewhere).
+def _mutate_in_place(node: fx.Node) -> None:
+    bases = node.kwargs.get("_all_bases", [])
+    keep = node.kwargs.get("_only_clone_these_bases")
+    keep = range(len(bases)) if keep is None else keep
+    node.kwargs = {**node.kwargs, "_only_clone_these_bases": tuple(
+        i for i in keep if not (_fresh(bases[i]) and set(bases[i].users) == {node}))}
+
+
+def _fresh(node) -> bool:
+    """Whether ``node``'s value is a tensor no other value of the graph shares storage with."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _fresh(node.args[0]) and isinstance(node.args[0].meta.get("val"), (list, tuple))
+    schema = getattr(node.target, "_schema", None)
+    return isinstance(node.target, torch._ops.OpOverload) and schema is not None and \
+        not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 @dataclasses.dataclass
@@ -77,16 +112,18 @@ class Half:
     output_vals: list[Any]                # their meta values
     random: bool                          # has random ops besides dpfx's noise
     low_precision: bool = False           # computes in 16-bit floats somewhere (autocast)
+    streamed: tuple[int, ...] = ()        # outputs the reference hands to _record, not returns
 
     @classmethod
     def of(cls, gm: fx.GraphModule, compiled: Callable) -> "Half":
         out = gm.graph.find_nodes(op="output")[0].args[0]
         out = out if isinstance(out, (list, tuple)) else [out]
-        return cls(eager_copy(gm), compiled,
+        reference = eager_copy(gm)
+        return cls(reference, compiled,
                    [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
                    [o.name if isinstance(o, fx.Node) else None for o in out],
                    [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out],
-                   _has_random_ops(gm), _computes_in_16_bits(gm))
+                   _has_random_ops(gm), _computes_in_16_bits(gm), _stream_releases(reference))
 
 
 def _computes_in_16_bits(gm: fx.GraphModule) -> bool:
@@ -95,6 +132,102 @@ def _computes_in_16_bits(gm: fx.GraphModule) -> bool:
     eager graph accumulate differently."""
     return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_floating_point()
                and v.element_size() <= 2 for n in gm.graph.nodes)
+
+
+# Note [The eager reference compares each gradient as it is released]
+# The compiled backward hands back every parameter's gradient at once, and so did the eager run
+# of the verified graph: its one dpfx::add_noise_ over all clipped sums sits at the end of the
+# backward, so every sum stayed alive until then, and the comparison held two parameter-sized
+# sets of gradients (GPT-2 small: 2 x 0.5 GB, most of the check's peak over a step's). So the
+# eager copy of a backward releases each clipped sum on its own, right after the op that
+# computes it (or after the last value its release reads), moves and casts it to the output
+# as the graph does, and hands it to ``_record``, which measures it against the compiled
+# backward's output (run first) and lets both go; the graph returns None in that output's
+# place. The check then holds one set of gradients, shrinking as the reference's grows.
+# One call per sum computes what the single call does only without noise: each sum's release
+# is then (s * multiplier) / divisor, its own alone; with noise, every call would draw tensor
+# 0's stream. So ``_record`` refuses to run outside ``cpu_noise.noiseless()``, where the check's
+# backward runs. A graph whose release has any other shape is left whole (its outputs are
+# returned and compared after the run, as before).
+def _stream_releases(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Rewrites ``gm`` (an eager copy) so that each dpfx::add_noise_ sum is released, cast and
+    handed to ``_record`` as soon as it is computed; returns the output positions so handed."""
+    graph = gm.graph
+    output = graph.find_nodes(op="output")[0]
+    outs = output.args[0]
+    if not isinstance(outs, (list, tuple)):
+        return ()
+    calls = [n for n in graph.find_nodes(op="call_function",
+                                         target=torch.ops.higher_order.auto_functionalized_v2)
+             if n.args[:1] == (torch.ops.dpfx.add_noise_.default,)]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    plans = []
+    for call in calls:
+        bases = call.kwargs.get("_all_bases", [])
+        n = call.kwargs.get("_sums_length")
+        if n != len(bases) or any(call.kwargs.get(f"_sums_{k}_base_index") != k
+                                  for k in range(len(bases))):
+            return ()
+        for item in call.users:
+            if item.target is not operator.getitem or not isinstance(item.args[1], int) or \
+                    not 1 <= item.args[1] <= n:
+                return ()
+            base = bases[item.args[1] - 1]
+            if not _fresh(base) or set(base.users) != {call} or bases.count(base) != 1:
+                return ()
+            chain, node = [item], item
+            while len(node.users) == 1 and next(iter(node.users)).op == "call_function":
+                node = next(iter(node.users))
+                chain.append(node)
+            if list(node.users) != [output] or sum(o is node for o in outs) != 1:
+                return ()
+            reads = [a for c in (call, *chain) for a in c.all_input_nodes
+                     if a not in chain and a is not call and a not in bases]
+            plans.append((call, base, chain, outs.index(node),
+                          max((base, *reads), key=order.__getitem__)))
+    if not plans:
+        return ()
+    streamed, new_outs = [], list(outs)
+    for call, base, chain, position, after in plans:
+        kwargs = {k: v for k, v in call.kwargs.items()
+                  if k in ("std", "multiplier", "divisor")}
+        with graph.inserting_after(after):
+            one = graph.call_function(
+                torch.ops.higher_order.auto_functionalized_v2, call.args,
+                {**kwargs, "_sums_length": 1, "_sums_0_base_index": 0, "_all_bases": [base],
+                 "_only_clone_these_bases": ()})
+        chain[0].args = (one, 1)
+        last = one
+        for node in chain:
+            last.append(node)
+            last = node
+        with graph.inserting_after(last):
+            graph.call_function(_record, (position, last))
+        new_outs[position] = None
+        streamed.append(position)
+    output.args = (type(outs)(new_outs),)
+    for call in calls:
+        graph.erase_node(call)
+    graph.lint()
+    gm.recompile()
+    return tuple(streamed)
+
+
+class _Recording(threading.local):
+    got: list | None = None           # the compiled backward's outputs
+    measured: dict | None = None      # output position -> _Measure
+
+
+_recording = _Recording()
+
+
+def _record(position: int, want: torch.Tensor) -> None:
+    """The eager reference's gradient at ``position`` (Note [The eager reference compares each
+    gradient as it is released]): measured against the compiled one's, then both let go."""
+    if _recording.measured is None or not cpu_noise.silenced():
+        raise RuntimeError("dpfx's self-check ran its streamed reference outside the check")
+    _recording.measured[position] = _measure(_recording.got[position], want)
+    _recording.got[position] = None
 
 
 def _has_random_ops(gm: fx.GraphModule) -> bool:
@@ -160,10 +293,10 @@ class GraphCheck:
         # B = 5, T = 128: about 0.6 GB), so the order bounds the check's peak: the independence
         # run before the eager forward, and each side's forward outputs dropped once its
         # backward has its inputs. At most two forwards' outputs, or one forward's and the
-        # gradients, are alive at once. The eager backward runs before the compiled one: its
-        # intermediates (ATen's unfused ops, each value kept to its last use) are the larger, and
-        # so they meet one parameter-sized set of gradients, not two (GPT-2 small, cold first
-        # step's peak RSS, two runs each: 3.26-3.32 GB compiled first, 2.90-3.07 eager first).
+        # gradients, are alive at once. The compiled backward runs first; the eager one then
+        # takes each of its gradients as it releases it and lets both sides' go (Note [The eager
+        # reference compares each gradient as it is released]), so one set of gradients is alive
+        # at a time, as in a training step.
         got = _call(self.forward.compiled, fw_args, self.device)
         if b > 1:
             self._check_independence(b, fw_args, got, sizes, generator)
@@ -185,12 +318,18 @@ class GraphCheck:
         del got, want, saved, mine
         # Note [The self-check's backward runs without noise] (cpu_noise.py)
         with cpu_noise.noiseless():
-            want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
-            del ref_args
             got_bw = _call(self.backward.compiled, bw_args, self.device)
             del bw_args
+            # Note [The eager reference compares each gradient as it is released]
+            _recording.got, _recording.measured = got_bw, {}
+            try:
+                want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
+                measured = _recording.measured
+            finally:
+                _recording.got = _recording.measured = None
+            del ref_args
         _compare("backward", b, self.backward.outputs, got_bw, want_bw,
-                 self.backward.low_precision)
+                 self.backward.low_precision, measured)
 
     def _synthetic(self, name, meta, real, sizes, generator):
         if isinstance(meta, torch.SymInt):
@@ -284,43 +423,65 @@ class _isolated_rng:
 
 
 def _compare(which: str, b: int, names: list, got: list, want: list,
-             low_precision: bool = False) -> None:
-    norms = [_raw_norm(y) if _measured(y) else None for y in want]
-    scale = _graph_scale(want, norms)
-    for name, x, y, y_norm in zip(names, got, want, norms):
-        if isinstance(y, torch.Tensor) and y.is_floating_point():
-            tol = 2e-2 if y.element_size() <= 2 or low_precision else 1e-3
-            if not _close(x, y, tol, scale, y_norm):
+             low_precision: bool = False, measured: dict | None = None) -> None:
+    """Every output of a compiled graph against the eager reference's; ``measured``: the outputs
+    the reference measured as it released them (``_record``), by position."""
+    measured = dict(measured or {})
+    for i, (x, y) in enumerate(zip(got, want)):
+        if i not in measured and isinstance(y, torch.Tensor) and y.is_floating_point():
+            measured[i] = _measure(x, y)
+    scale = max((m.scale_norm / m.numel ** 0.5 for m in measured.values()
+                 if m.numel and math.isfinite(m.scale_norm)),
+                default=0.0) or 1.0
+    for i, name in enumerate(names):
+        if i in measured:
+            m = measured[i]
+            if not m.within(2e-2 if m.element_size <= 2 or low_precision else 1e-3, scale):
                 raise PrivacyError(
                     f"dpfx's self-check: the compiled {which} graph disagrees with dpfx's "
                     f"verified graph on output {name} at batch size {b} (relative error "
-                    f"{_rel_error(x, y):.3g}). The code Inductor generated is not the graph dpfx "
-                    f"proved (a torch bug); dpfx refuses to train with it. Use backend='eager' "
-                    f"and report this with your torch version.")
-        elif isinstance(y, torch.Tensor) and not torch.equal(x, y):
+                    f"{m.relative_error():.3g}). The code Inductor generated is not the graph "
+                    f"dpfx proved (a torch bug); dpfx refuses to train with it. Use "
+                    f"backend='eager' and report this with your torch version.")
+        elif isinstance(y := want[i], torch.Tensor) and not torch.equal(got[i], y):
             raise PrivacyError(f"dpfx's self-check: the compiled {which} graph disagrees with "
                                f"its verified graph on output {name} at batch size {b}")
 
 
-def _rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
+@dataclasses.dataclass
+class _Measure:
+    """What comparing two floating tensors needs, so that neither has to be kept: ||x - y|| with
+    NaNs lined up (None: shapes or NaN places differ), ||y|| for the relative bound, ||y|| with
+    NaNs read as 0 for the graph's scale (Note [The self-check's floor scales with the graph])."""
+    gap: float | None
+    norm: float
+    scale_norm: float
+    numel: int
+    element_size: int
+
+    def within(self, tol: float, scale: float) -> bool:
+        return self.gap is not None and self.gap <= tol * (self.norm + self.numel ** 0.5 * scale)
+
+    def relative_error(self) -> float:
+        return math.inf if self.gap is None else self.gap / max(self.norm, 1e-30)
+
+
+def _measure(x: torch.Tensor, y: torch.Tensor, y_norm: float | None = None) -> _Measure:
+    """``y_norm``: ``_raw_norm(y)`` where already taken."""
+    n, size = y.numel(), y.element_size()
+    if x.shape != y.shape:
+        return _Measure(None, math.nan, math.nan, n, size)
+    if x.is_floating_point() and x.element_size() >= 4 and y.dtype == x.dtype:
+        y_norm = _raw_norm(y) if y_norm is None else y_norm
+        gap = _raw_norm(x - y) if math.isfinite(y_norm) else math.nan
+        if math.isfinite(gap):    # y finite and x - y finite: x is finite too
+            return _Measure(gap, y_norm, y_norm, n, size)
+    if not x.is_floating_point() or x.element_size() < 4:
+        x, y = x.double(), y.double()
+    norm = _norm(y)
     if not torch.equal(torch.isnan(x), torch.isnan(y)):
-        return float("inf")
-    x, y = x.nan_to_num(), y.nan_to_num()
-    return float((x - y).norm() / y.norm().clamp_min(1e-30)) if y.numel() else 0.0
-
-
-def _measured(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
-
-
-def _graph_scale(outs: list, norms: list | None = None) -> float:
-    """The largest root-mean-square entry over a graph's floating outputs (1 if all are 0);
-    ``norms``: their ``_raw_norm``s where already taken."""
-    norms = norms or [None] * len(outs)
-    rms = [(_norm(t) if n is None or math.isnan(n) else n) / t.numel() ** 0.5
-           for t, n in zip(outs, norms) if _measured(t)]
-    return max(rms, default=0.0) or 1.0
+        return _Measure(None, norm, norm, n, size)
+    return _Measure(_norm((x - y).nan_to_num_()), norm, norm, n, size)
 
 
 # Note [The self-check's comparisons are few passes over the data]
@@ -385,19 +546,7 @@ def _norm(t: torch.Tensor) -> float:
 # (tests/test_selfcheck.py::test_miscompiled_graph_refused_before_training, "dp-scale").
 def _close(x, y, tol: float, scale: float = 1.0, y_norm: float | None = None) -> bool:
     """``y_norm``: ``_raw_norm(y)`` where already taken."""
-    if x.shape != y.shape:
-        return False
-    if x.is_floating_point() and x.element_size() >= 4 and y.dtype == x.dtype:
-        y_norm = _raw_norm(y) if y_norm is None else y_norm
-        gap = _raw_norm(x - y) if math.isfinite(y_norm) else math.nan
-        if math.isfinite(gap):    # y finite and x - y finite: x is finite too
-            return gap <= tol * (y_norm + y.numel() ** 0.5 * scale)
-    if not torch.equal(torch.isnan(x), torch.isnan(y)):
-        return False
-    if not x.is_floating_point() or x.element_size() < 4:
-        x, y = x.double(), y.double()
-    gap = _norm((x - y).nan_to_num_())
-    return gap <= tol * (_norm(y) + y.numel() ** 0.5 * scale)
+    return _measure(x, y, y_norm).within(tol, scale)
 
 
 def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> torch.Tensor:

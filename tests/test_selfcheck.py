@@ -263,3 +263,89 @@ def test_noise_does_not_hide_a_wrong_clipped_sum(monkeypatch):
     with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def _checks_of(monkeypatch) -> list:
+    """The GraphChecks that run, as they run."""
+    real_run, seen = dpfx.selfcheck.GraphCheck.run, []
+
+    def run(self, args):
+        seen.append(self)
+        return real_run(self, args)
+
+    monkeypatch.setattr(dpfx.selfcheck.GraphCheck, "run", run)
+    return seen
+
+
+def test_reference_releases_each_gradient_as_it_is_computed(monkeypatch):
+    """Note [The eager reference compares each gradient as it is released]: the eager backward
+    hands every parameter's gradient to the comparison as soon as its clipped sum exists, so no
+    two clipped sums are alive at once, and returns none of them; the check still refuses a
+    gradient 1% off (test_miscompiled_graph_refused_before_training runs this same path)."""
+    seen = _checks_of(monkeypatch)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    half = seen[0].backward
+    grads = {i for i, name in enumerate(half.outputs) if name is not None}
+    assert len(grads) == 6 and set(half.streamed) == grads
+    graph = half.reference.graph
+    assert all(o is None for o in graph.find_nodes(op="output")[0].args[0])
+    live, most = set(), 0
+    for node in graph.nodes:
+        if node.target is torch.ops.higher_order.auto_functionalized_v2:
+            assert len(node.kwargs["_all_bases"]) == 1
+            assert node.kwargs["_only_clone_these_bases"] == ()
+            live |= set(node.kwargs["_all_bases"])
+            most = max(most, len(live))
+        elif node.target is dpfx.selfcheck._record:
+            live.clear()
+    assert most == 1
+
+
+def test_record_refuses_outside_the_checks_noiseless_run():
+    """One release call per sum is the whole release only without noise."""
+    from dpfx.selfcheck import _record, _recording
+
+    with pytest.raises(RuntimeError, match="outside the check"):
+        _record(0, torch.ones(3))
+    _recording.got, _recording.measured = [torch.ones(3)], {}
+    try:
+        with pytest.raises(RuntimeError, match="outside the check"):
+            _record(0, torch.ones(3))
+        with dpfx.cpu_noise.noiseless():
+            _record(0, torch.ones(3))
+        assert _recording.measured[0].within(1e-3, 1.0)
+    finally:
+        _recording.got = _recording.measured = None
+
+
+def test_reference_clones_what_the_rest_of_the_graph_sees():
+    """Note [The eager reference mutates in place where nothing else sees it]: a fresh sum that
+    only the release reads is noised in place; a graph input keeps its clone (the caller's
+    tensor is not touched), and a graph releasing an input is not streamed."""
+    import operator
+    from dpfx.selfcheck import _stream_releases, eager_copy
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    s = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    call = graph.call_function(
+        torch.ops.higher_order.auto_functionalized_v2, (torch.ops.dpfx.add_noise_.default,),
+        {"std": 0.0, "multiplier": 3.0, "divisor": 1, "_sums_length": 2,
+         "_sums_0_base_index": 0, "_sums_1_base_index": 1, "_all_bases": [s, x]})
+    graph.output((graph.call_function(operator.getitem, (call, 1)),
+                  graph.call_function(operator.getitem, (call, 2)), x))
+    ref = eager_copy(torch.fx.GraphModule(torch.nn.Module(), graph))
+    af = ref.graph.find_nodes(op="call_function",
+                             target=torch.ops.higher_order.auto_functionalized_v2)[0]
+    assert af.kwargs["_only_clone_these_bases"] == (1,)
+    assert _stream_releases(ref) == ()
+    x = torch.randn(5)
+    before = x.clone()
+    with dpfx.cpu_noise.noiseless():
+        three_s, three_x, same_x = ref(x)
+    assert torch.equal(x, before) and torch.equal(same_x, before)
+    torch.testing.assert_close(three_s, 6 * before)
+    torch.testing.assert_close(three_x, 3 * before)
