@@ -65,66 +65,75 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
                         uint32_t k0, uint32_t k1, uint32_t stream) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    /* Sixteen blocks per step, the AVX2 step below on 512-bit registers: mask blends put the
-     * halves back in lane order and one ternary-logic instruction is the three-way xor. The
-     * words are the same integers as the scalar loop's (tests/test_cpu_noise.py). */
-    const __m512i m0x16 = _mm512_set1_epi32((int)PHILOX_M0), m1x16 = _mm512_set1_epi32((int)PHILOX_M1);
-    const __m512i lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* Sixteen blocks per step, as two sets of eight whose 32-bit words sit in the low halves of
+     * 64-bit lanes: _mm512_mul_epu32 multiplies exactly those, so each product's low half is
+     * already the next round's word in place and its high half comes down by one in-lane
+     * shuffle; the high halves of the lanes carry garbage that no multiply or store reads. */
+    const __m512i m0x8 = _mm512_set1_epi64((long long)PHILOX_M0), m1x8 = _mm512_set1_epi64((long long)PHILOX_M1);
+    const __m512i lane8 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i lows = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i key0[10], key1[10];
+    for (uint32_t r = 0; r < 10; r++) {
+        key0[r] = _mm512_set1_epi32((int)(k0 + r * PHILOX_W0));
+        key1[r] = _mm512_set1_epi32((int)(k1 + r * PHILOX_W1));
+    }
     for (; j + 16 <= count; j += 16) {
         const int64_t b = lo + j;
         /* b..b+15 never carry into the high word: tiles start at multiples of 16. */
-        __m512i a0 = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b), lane16);
-        __m512i a1 = _mm512_set1_epi32((int)(uint32_t)((uint64_t)b >> 32));
-        __m512i a2 = _mm512_set1_epi32((int)stream), a3 = _mm512_setzero_si512();
+        __m512i a0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(uint32_t)b), lane8);
+        __m512i c0 = _mm512_add_epi64(a0, _mm512_set1_epi64(8));
+        __m512i a1 = _mm512_set1_epi32((int)(uint32_t)((uint64_t)b >> 32)), c1 = a1;
+        __m512i a2 = _mm512_set1_epi32((int)stream), c2 = a2;
+        __m512i a3 = _mm512_setzero_si512(), c3 = a3;
         for (uint32_t r = 0; r < 10; r++) {
-            const __m512i key0 = _mm512_set1_epi32((int)(k0 + r * PHILOX_W0));
-            const __m512i key1 = _mm512_set1_epi32((int)(k1 + r * PHILOX_W1));
-            __m512i e0 = _mm512_mul_epu32(a0, m0x16), o0 = _mm512_mul_epu32(_mm512_srli_epi64(a0, 32), m0x16);
-            __m512i e1 = _mm512_mul_epu32(a2, m1x16), o1 = _mm512_mul_epu32(_mm512_srli_epi64(a2, 32), m1x16);
-            __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e0, 32), o0);
-            __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, _mm512_slli_epi64(o0, 32));
-            __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e1, 32), o1);
-            __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, _mm512_slli_epi64(o1, 32));
-            a0 = _mm512_ternarylogic_epi32(hi1, a1, key0, 0x96);
-            a2 = _mm512_ternarylogic_epi32(hi0, a3, key1, 0x96);
-            a1 = lo1; a3 = lo0;
+            const __m512i pa0 = _mm512_mul_epu32(a0, m0x8), pa2 = _mm512_mul_epu32(a2, m1x8);
+            const __m512i pc0 = _mm512_mul_epu32(c0, m0x8), pc2 = _mm512_mul_epu32(c2, m1x8);
+            a0 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi32(pa2, _MM_PERM_CDAB), a1, key0[r], 0x96);
+            a2 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi32(pa0, _MM_PERM_CDAB), a3, key1[r], 0x96);
+            c0 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi32(pc2, _MM_PERM_CDAB), c1, key0[r], 0x96);
+            c2 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi32(pc0, _MM_PERM_CDAB), c3, key1[r], 0x96);
+            a1 = pa2; a3 = pa0; c1 = pc2; c3 = pc0;
         }
-        _mm512_storeu_si512((void *)&x[0][j], a0);
-        _mm512_storeu_si512((void *)&x[1][j], a1);
-        _mm512_storeu_si512((void *)&x[2][j], a2);
-        _mm512_storeu_si512((void *)&x[3][j], a3);
+        _mm512_storeu_si512((void *)&x[0][j], _mm512_permutex2var_epi32(a0, lows, c0));
+        _mm512_storeu_si512((void *)&x[1][j], _mm512_permutex2var_epi32(a1, lows, c1));
+        _mm512_storeu_si512((void *)&x[2][j], _mm512_permutex2var_epi32(a2, lows, c2));
+        _mm512_storeu_si512((void *)&x[3][j], _mm512_permutex2var_epi32(a3, lows, c3));
     }
 #endif
 #if defined(__AVX2__)
-    /* Eight blocks per step. _mm256_mul_epu32 multiplies the even 32-bit lanes into 64-bit
-     * products; the odd lanes are shifted down and multiplied separately, and blends put the
-     * high and low halves back in lane order (GCC's own vectorization of the scalar loop
-     * shuffles far more: this is ~2.5x faster). */
-    const __m256i m0 = _mm256_set1_epi32((int)PHILOX_M0), m1 = _mm256_set1_epi32((int)PHILOX_M1);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    /* Eight blocks per step, the AVX-512 step above on 256-bit registers (two sets of four
+     * blocks in 64-bit lanes; no three-way xor instruction). */
+    const __m256i m0x4 = _mm256_set1_epi64x((long long)PHILOX_M0), m1x4 = _mm256_set1_epi64x((long long)PHILOX_M1);
+    const __m256i lane4 = _mm256_setr_epi64x(0, 1, 2, 3);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (; j + 8 <= count; j += 8) {
         const int64_t b = lo + j;
-        __m256i a0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)b), lane);
         /* b..b+7 never carry into the high word: tiles start at multiples of 8. */
-        __m256i a1 = _mm256_set1_epi32((int)(uint32_t)((uint64_t)b >> 32));
-        __m256i a2 = _mm256_set1_epi32((int)stream), a3 = _mm256_setzero_si256();
+        __m256i a0 = _mm256_add_epi64(_mm256_set1_epi64x((long long)(uint32_t)b), lane4);
+        __m256i c0 = _mm256_add_epi64(a0, _mm256_set1_epi64x(4));
+        __m256i a1 = _mm256_set1_epi32((int)(uint32_t)((uint64_t)b >> 32)), c1 = a1;
+        __m256i a2 = _mm256_set1_epi32((int)stream), c2 = a2;
+        __m256i a3 = _mm256_setzero_si256(), c3 = a3;
         for (uint32_t r = 0; r < 10; r++) {
             const __m256i key0 = _mm256_set1_epi32((int)(k0 + r * PHILOX_W0));
             const __m256i key1 = _mm256_set1_epi32((int)(k1 + r * PHILOX_W1));
-            __m256i e0 = _mm256_mul_epu32(a0, m0), o0 = _mm256_mul_epu32(_mm256_srli_epi64(a0, 32), m0);
-            __m256i e1 = _mm256_mul_epu32(a2, m1), o1 = _mm256_mul_epu32(_mm256_srli_epi64(a2, 32), m1);
-            __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(e0, 32), o0, 0xAA);
-            __m256i lo0 = _mm256_blend_epi32(e0, _mm256_slli_epi64(o0, 32), 0xAA);
-            __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(e1, 32), o1, 0xAA);
-            __m256i lo1 = _mm256_blend_epi32(e1, _mm256_slli_epi64(o1, 32), 0xAA);
-            a0 = _mm256_xor_si256(_mm256_xor_si256(hi1, a1), key0);
-            a2 = _mm256_xor_si256(_mm256_xor_si256(hi0, a3), key1);
-            a1 = lo1; a3 = lo0;
+            const __m256i pa0 = _mm256_mul_epu32(a0, m0x4), pa2 = _mm256_mul_epu32(a2, m1x4);
+            const __m256i pc0 = _mm256_mul_epu32(c0, m0x4), pc2 = _mm256_mul_epu32(c2, m1x4);
+            a0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_shuffle_epi32(pa2, 0xB1), a1), key0);
+            a2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_shuffle_epi32(pa0, 0xB1), a3), key1);
+            c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_shuffle_epi32(pc2, 0xB1), c1), key0);
+            c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_shuffle_epi32(pc0, 0xB1), c3), key1);
+            a1 = pa2; a3 = pa0; c1 = pc2; c3 = pc0;
         }
-        _mm256_storeu_si256((__m256i *)&x[0][j], a0);
-        _mm256_storeu_si256((__m256i *)&x[1][j], a1);
-        _mm256_storeu_si256((__m256i *)&x[2][j], a2);
-        _mm256_storeu_si256((__m256i *)&x[3][j], a3);
+        /* the low halves of a's four lanes, then c's: even words of each 128-bit half, put in
+         * order across the halves */
+#define PHILOX_LOWS(p, q) _mm256_permutevar8x32_epi32(_mm256_castps_si256(_mm256_shuffle_ps( \
+            _mm256_castsi256_ps(p), _mm256_castsi256_ps(q), _MM_SHUFFLE(2, 0, 2, 0))), order)
+        _mm256_storeu_si256((__m256i *)&x[0][j], PHILOX_LOWS(a0, c0));
+        _mm256_storeu_si256((__m256i *)&x[1][j], PHILOX_LOWS(a1, c1));
+        _mm256_storeu_si256((__m256i *)&x[2][j], PHILOX_LOWS(a2, c2));
+        _mm256_storeu_si256((__m256i *)&x[3][j], PHILOX_LOWS(a3, c3));
+#undef PHILOX_LOWS
     }
 #endif
     for (; j < count; j++) {
