@@ -33,6 +33,8 @@ timed calls nested in it):
   of its ``compile_file`` calls (these may overlap on the compile threads);
 - self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``);
 - other: the rest of the step (running the graphs, the loss check, the optimizer).
+Each process also reports its peak RSS (``ru_maxrss``: the throwaway compile and the model's
+build included, so compare methods, not absolute figures).
 Timers are disturbed by other load on a shared machine: compare methods within one repeat.
 """
 from __future__ import annotations
@@ -200,7 +202,10 @@ def worker(args) -> None:
 
     metric = {k: sum(v) for k, v in compilation_time_metrics.items()}
     spent = timers.spent
+    import resource
     result = {"model": args.model, "method": args.method, "warm": args.warm, "total": total,
+              # the process's peak, the throwaway compile and the model's build included
+              "peak rss GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
               "dynamo graphs": len(compilation_time_metrics.get("_compile.compile_inner", [])),
               "fxgraph hits": counters["inductor"]["fxgraph_cache_hit"],
               "fxgraph misses": counters["inductor"]["fxgraph_cache_miss"],
@@ -278,7 +283,8 @@ def _line(r: dict) -> str:
     ph = " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items() if abs(v) >= 0.005)
     return (f"{r['model']} {r['method']} {'warm' if r['warm'] else 'cold'}: {r['total']:.2f} s "
             f"(graphs {r['dynamo graphs']}, fxgraph hit/miss/bypass {r['fxgraph hits']}/"
-            f"{r['fxgraph misses']}/{r['fxgraph bypasses']}) {ph}")
+            f"{r['fxgraph misses']}/{r['fxgraph bypasses']}, peak RSS "
+            f"{r['peak rss GB']:.2f} GB) {ph}")
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
@@ -309,8 +315,11 @@ def table(rows: list[dict], variants: list[str]) -> str:
                     continue
                 split = ", ".join(f"{p} {med(v, warm, p):.2f} ({med(v, warm, p) / total:.0%})"
                                   for p in PHASES if med(v, warm, p) >= 0.005)
-                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'} ({total:.2f} s): "
-                              f"{split}")
+                rss = statistics.median(r["peak rss GB"] for r in rows if r["model"] == model
+                                        and r["method"] == v and r["warm"] == warm
+                                        and "error" not in r)
+                splits.append(f"- {model}, {v} {'warm' if warm else 'cold'} ({total:.2f} s, "
+                              f"peak RSS {rss:.2f} GB): {split}")
         out.append(line)
     return "\n".join(out + [""] + splits)
 

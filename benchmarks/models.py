@@ -267,6 +267,11 @@ MODELS.update({
                      partial(_hf_data, vocab=50257, T=128, mask=False), (4,),
                      "Hugging Face GPT-2 small (124M; GPT2Config's sizes: d=768, 12 layers, 12 "
                      "heads, vocab 50257, tied head; n_positions 128), T=128, no attention mask"),
+    "hf_llama_106m": (partial(_hf_llama, d=768, ffn=2048, layers=8, heads=12, vocab=32000,
+                              T=128),
+                      partial(_hf_data, vocab=32000, T=128, mask=False), (4,),
+                      "Hugging Face LlamaForCausalLM, 106M parameters (d=768, 8 layers, 12 "
+                      "heads, SwiGLU 2048, vocab 32000, untied head), T=128, no attention mask"),
 })
 
 # (model, batch size): the sizes DP users train at, run by ``run.py --realistic``; the heaviest
