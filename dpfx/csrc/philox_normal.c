@@ -49,7 +49,9 @@
 #else
 #define U32_TO_FLOAT(x) ((float)(int32_t)((x) >> 16) * 65536.0f + (float)(int32_t)((x) & 0xFFFFu))
 #endif
-#define UNIFORM(x) ((U32_TO_FLOAT(x) + 0.5f) * 2.3283064365386963e-10f)   /* * 2^-32 */
+/* (x + 1/2) 2^-32 as one multiply-add: scaling by a power of two commutes with rounding (no
+ * value here is subnormal), so this is the same float as rounding x + 1/2, then scaling. */
+#define UNIFORM(x) (U32_TO_FLOAT(x) * 2.3283064365386963e-10f + 1.1641532182693481e-10f)
 #define TWO_PI 6.28318530717958647692f
 #define BLOCKS_PER_TASK 2048
 
@@ -196,10 +198,13 @@ static inline void sin_cos_turns(float u, float *c, float *s) {
                                                            + z * -1.9515295891e-4f));
     const float ca = 1.0f - 0.5f * z + z * z * (4.166664568298827e-2f + z * (
                                                 -1.388731625493765e-3f + z * 2.443315711809948e-5f));
-    const int k = (int)q & 3;
+    const uint32_t k = (uint32_t)(int32_t)q & 3u;
     const float c1 = (k & 1) ? sa : ca, s1 = (k & 1) ? ca : sa;   /* a quarter turn swaps */
-    *c = (k == 1 || k == 2) ? -c1 : c1;                             /* and negates cos ... */
-    *s = (k >= 2) ? -s1 : s1;                                       /* ... or sin */
+    float_bits cb = {.f = c1}, sb = {.f = s1};                      /* and negates cos for */
+    cb.u ^= ((k + 1u) & 2u) << 30;                                  /* k = 1, 2, sin for */
+    sb.u ^= (k & 2u) << 30;                                         /* k = 2, 3 */
+    *c = cb.f;
+    *s = sb.f;
 }
 
 /* Box-Muller on two pairs of words: (r cos t, r sin t) with r = sqrt(-2 ln u0), t = 2 pi u1. */
