@@ -332,6 +332,12 @@ class GraphCheck:
             finally:
                 _recording.got = _recording.measured = None
             del ref_args
+        unchecked = [self.backward.outputs[i] for i in self.backward.streamed
+                     if i not in measured]
+        if unchecked:
+            raise PrivacyError(f"dpfx's self-check: the verified backward released no gradient "
+                               f"for outputs {unchecked} at batch size {b}, so they went "
+                               f"unchecked; dpfx refuses to train (a dpfx bug: please report)")
         _compare("backward", b, self.backward.outputs, got_bw, want_bw,
                  self.backward.low_precision, measured)
 

@@ -349,3 +349,13 @@ def test_reference_clones_what_the_rest_of_the_graph_sees():
     assert torch.equal(x, before) and torch.equal(same_x, before)
     torch.testing.assert_close(three_s, 6 * before)
     torch.testing.assert_close(three_x, 3 * before)
+
+
+def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
+    """A streamed output the eager reference did not hand over would go unchecked: refused."""
+    monkeypatch.setattr(dpfx.selfcheck, "_record", lambda position, want: None)
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(dpfx.PrivacyError, match="released no gradient"):
+        mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert all(p.grad is None for p in model.parameters())
