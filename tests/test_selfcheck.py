@@ -359,3 +359,18 @@ def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
     with pytest.raises(dpfx.PrivacyError, match="released no gradient"):
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_infinite_output_does_not_loosen_the_others():
+    """Note [The self-check's floor scales with the graph]: the scale is the largest RMS entry of
+    the finite outputs; an output holding an infinity (on both sides alike) must not make every
+    other output's floor infinite."""
+    from dpfx.selfcheck import _compare
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(100, generator=g)
+    big[3] = float("inf")
+    grad = torch.randn(64, 32, generator=g) * 1e-3
+    _compare("backward", 2, ["big", "grad"], [big.clone(), grad.clone()], [big, grad])
+    with pytest.raises(dpfx.PrivacyError, match="output grad"):
+        _compare("backward", 2, ["big", "grad"], [big.clone(), grad * 1.01], [big, grad])
