@@ -476,16 +476,14 @@ class _Measure:
         return math.inf if self.gap is None else self.gap / max(self.norm, 1e-30)
 
 
-def _measure(x: torch.Tensor, y: torch.Tensor, y_norm: float | None = None) -> _Measure:
-    """``y_norm``: ``_raw_norm(y)`` where already taken."""
+def _measure(x: torch.Tensor, y: torch.Tensor) -> _Measure:
     n, size = y.numel(), y.element_size()
     if x.shape != y.shape:
         return _Measure(None, math.nan, math.nan, n, size)
     if x.is_floating_point() and x.element_size() >= 4 and y.dtype == x.dtype:
-        y_norm = _raw_norm(y) if y_norm is None else y_norm
-        gap = _raw_norm(x - y) if math.isfinite(y_norm) else math.nan
+        gap, norm = _gap_and_norm(x, y)
         if math.isfinite(gap):    # y finite and x - y finite: x is finite too
-            return _Measure(gap, y_norm, y_norm, n, size)
+            return _Measure(gap, norm, norm, n, size)
     if not x.is_floating_point() or x.element_size() < 4:
         x, y = x.double(), y.double()
     norm = _norm(y)
@@ -528,15 +526,99 @@ def _raw_norm(t: torch.Tensor) -> float:
     NaN."""
     n = t.numel()
     if t.dtype == torch.float32 and n >= 2 * _ROW:
-        flat = t.reshape(-1)
-        k = n // _ROW
-        rows = torch.linalg.vector_norm(flat[:k * _ROW].view(k, _ROW), dim=1)
-        square = float(rows.double().square().sum()) + \
-            float(torch.linalg.vector_norm(flat[k * _ROW:], dtype=torch.float64)) ** 2
-        norm = math.sqrt(square)     # NaN for a NaN entry, inf for an inf entry or overflow
-        if math.isnan(norm) or (math.isfinite(norm) and norm >= _SMALL * n ** 0.5):
-            return norm
+        norm = math.sqrt(_square_sum(t.reshape(-1)))
+        if math.isnan(norm) or _SMALL * n ** 0.5 <= norm < math.inf:
+            return norm      # NaN for a NaN entry; inf (an inf entry or overflow) is recomputed
     return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+
+
+def _square_sum(flat: torch.Tensor) -> float:
+    """The sum of squares of a 1-D float32 tensor: float32 norms of rows of _ROW entries, their
+    squares and the tail's summed in float64 (Note [Norms in float32 rows, summed in float64])."""
+    k = flat.numel() // _ROW
+    total = 0.0
+    if k:
+        rows = torch.linalg.vector_norm(flat[:k * _ROW].view(k, _ROW), dim=1)
+        total = float(rows.double().square().sum())
+    if k * _ROW < flat.numel():
+        total += float(torch.linalg.vector_norm(flat[k * _ROW:], dtype=torch.float64)) ** 2
+    return total
+
+
+# Note [The self-check's comparisons stream through the cache]
+# ||x - y|| and ||y|| of a float32 pair were three passes over memory and a fresh buffer the
+# size of the output for x - y (page faults; GPT-2 small's tied [V, d] gradient made it 154 MB,
+# beside both sides' gradients at the first step's peak). Where the two are paired entry for
+# entry by their memory order (both row-major, or both laid out alike over dense memory: a
+# compiled output and its eager twin usually are), the difference is taken in chunks of
+# _CHUNK entries into one reused buffer, and each chunk's difference and its y are normed
+# while they are in cache: one read of each side. Outputs equal on both sides are common (60%
+# of the entries GPT-2 small's check compares: saved activations computed alike): their
+# squared differences sum to 0, which sent them to a float64 norm of the difference (one
+# thread), to tell a zero gap from one whose float32 squares underflowed. A chunk whose
+# squared differences sum to 0 is asked instead whether its difference, still in cache, holds
+# any nonzero entry: a pair with none has a gap of exactly 0. The norms are the same sums as
+# before (rows of _ROW, in float64), with the same recomputations where float32 squares lose
+# (Note [Norms in float32 rows, summed in float64]); an all-zero y's norm is 0. Other pairs
+# (strides that differ, views with gaps) take x - y. On GPT-2 small's first step the
+# comparisons took 1.88 s of a 9.0 s check, 0.83 s of it float64 norms of equal outputs' gaps.
+_CHUNK = 1 << 18
+
+
+def _gap_and_norm(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(||x - y||, ||y||) for floating tensors of one shape and dtype, each as accurate as a
+    float64 accumulation; the gap is NaN where ||y|| is not finite, and NaN or inf where x - y
+    holds a NaN or an infinity (the caller lines those up)."""
+    pair = _paired(x, y) if x.dtype == torch.float32 and x.numel() >= 2 * _ROW else None
+    if pair is None:
+        norm = _raw_norm(y)
+        return (_raw_norm(x - y) if math.isfinite(norm) else math.nan), norm
+    fx, fy = pair
+    n = fx.numel()
+    buf = torch.empty(min(n, _CHUNK), dtype=fx.dtype, device=fx.device)
+    gap_sq = norm_sq = 0.0
+    equal = True      # every entry of x - y is 0 (for floats: x == y, but NaN != NaN)
+    for start in range(0, n, _CHUNK):
+        xs, ys = fx[start:start + _CHUNK], fy[start:start + _CHUNK]
+        d = torch.sub(xs, ys, out=buf[:xs.numel()])
+        chunk = _square_sum(d)
+        if equal and (chunk != 0.0 or bool(d.any())):
+            equal = False
+        gap_sq += chunk
+        norm_sq += _square_sum(ys)
+    floor = _SMALL * n ** 0.5
+    norm = math.sqrt(norm_sq)
+    if not (math.isnan(norm) or floor <= norm < math.inf):
+        norm = 0.0 if norm_sq == 0.0 and not bool(fy.any()) else \
+            float(torch.linalg.vector_norm(y, dtype=torch.float64))
+    if not math.isfinite(norm):
+        return math.nan, norm
+    gap = math.sqrt(gap_sq)
+    if not (equal or math.isnan(gap) or floor <= gap < math.inf):
+        gap = _raw_norm(x - y)
+    return gap, norm
+
+
+def _paired(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x`` and ``y`` as 1-D views that pair their entries, without a copy: both row-major, or
+    both with the same strides over dense memory; None otherwise."""
+    if x.is_contiguous() and y.is_contiguous():
+        return x.view(-1), y.view(-1)
+    if x.stride() == y.stride() and _dense(x):
+        n = x.numel()
+        return x.as_strided((n,), (1,)), y.as_strided((n,), (1,))
+    return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s entries fill a block of memory once each: its dims, ordered by stride,
+    are a row-major layout of some permutation."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -554,9 +636,8 @@ def _norm(t: torch.Tensor) -> float:
 # floor of sqrt(n) let a 1% error through in every DP gradient, whose entries are of order C/D
 # (C = 1, D = 256: ~1e-3 each), so the floor outweighed the relative term 250 times
 # (tests/test_selfcheck.py::test_miscompiled_graph_refused_before_training, "dp-scale").
-def _close(x, y, tol: float, scale: float = 1.0, y_norm: float | None = None) -> bool:
-    """``y_norm``: ``_raw_norm(y)`` where already taken."""
-    return _measure(x, y, y_norm).within(tol, scale)
+def _close(x, y, tol: float, scale: float = 1.0) -> bool:
+    return _measure(x, y).within(tol, scale)
 
 
 def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> torch.Tensor:

@@ -240,6 +240,60 @@ def test_norm_in_float32_rows_matches_float64(case):
         assert got > 0 and abs(got - want) <= 1e-6 * want, (got, want)
 
 
+@pytest.mark.parametrize("case", ["chunks", "permuted", "strides_differ", "gapped_view",
+                                  "equal", "zero", "tiny_gap", "overflow", "nan", "inf_both",
+                                  "float64", "small"])
+def test_gap_and_norm_match_float64(case):
+    """Note [The self-check's comparisons stream through the cache]: ||x - y|| and ||y||, taken
+    in chunks over paired memory, are the float64 norms of y and of the float32 difference,
+    exact where float32 squares lose; other layouts take x - y, with the same results."""
+    from dpfx.selfcheck import _CHUNK, _gap_and_norm, _paired
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(3 * _CHUNK + 555, generator=g)
+    x = y + 1e-4 * torch.randn(y.shape, generator=g)
+    if case == "permuted":            # both transposed alike: paired by memory order
+        y, x = (t[:1024 * 700].view(700, 1024).t() for t in (y, x))
+    elif case == "strides_differ":    # one row-major, one transposed: x - y
+        y, x = y[:1024 * 700].view(700, 1024), x[:1024 * 700].view(700, 1024)
+        x = torch.empty(1024, 700).t().copy_(x)
+    elif case == "gapped_view":       # every other column: not dense
+        y, x = y[:2048 * 300].view(300, 2048)[:, ::2], x[:2048 * 300].view(300, 2048)[:, ::2]
+    elif case == "equal":             # a gap of exactly 0
+        x = y.clone()
+    elif case == "zero":
+        y = torch.zeros_like(y)
+    elif case == "tiny_gap":          # a gap (and a y) whose float32 squares underflow
+        y = y * 1e-30
+        x = y.clone()
+        x[::1000] *= 1 + 2 ** -10
+    elif case == "overflow":          # finite entries whose float32 squares overflow
+        y, x = y * 1e20, x * 1e20
+    elif case == "nan":               # a NaN on the compiled side alone
+        x[1234] = float("nan")
+    elif case == "inf_both":
+        x[99], y[99] = float("inf"), float("inf")
+    elif case == "float64":
+        y, x = y.double(), x.double()
+    elif case == "small":             # under two rows
+        y, x = y[:1500], x[:1500]
+    assert (_paired(x, y) is not None) == (case not in ("strides_differ", "gapped_view"))
+    gap, norm = _gap_and_norm(x, y)
+    want_norm = float(torch.linalg.vector_norm(y.double()))
+    diff = (x - y).double()
+    want_gap = float(torch.linalg.vector_norm(diff))
+    if case == "inf_both":
+        assert norm == float("inf") and math.isnan(gap)
+        return
+    assert abs(norm - want_norm) <= 1e-6 * want_norm
+    if case == "nan":
+        assert math.isnan(gap)
+    elif case == "equal":
+        assert gap == 0.0
+    else:
+        assert gap > 0 and abs(gap - want_gap) <= 1e-6 * want_gap, (gap, want_gap)
+
+
 def _shift_clipped_sums(norm):
     """Adds to the released gradients a vector of total norm ``norm``, spread evenly: what a
     wrong clipped sum of that size adds, the noise left as it was."""
