@@ -30,7 +30,7 @@ and checks:
 
 A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs,
 at each size, two compiled runs and one eager run of the forward and one of each of the backward:
-a few percent of the first step on small models, 18% on GPT-2 small (docs/ARCHITECTURE.md);
+a few percent of the first step on small models, 14% on GPT-2 small (docs/ARCHITECTURE.md);
 ``dpfx.compile(..., self_check=False)`` skips it.
 tests/test_selfcheck.py hands it deliberately miscompiled graphs.
 """
