@@ -45,6 +45,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
 import torch.utils._python_dispatch
 
 from . import batch_branches, cpu_noise
@@ -70,6 +71,7 @@ def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.find_nodes(op="call_function",
                                  target=torch.ops.higher_order.auto_functionalized_v2):
         _mutate_in_place(node)
+    graph.set_codegen(_BoxedCodeGen())    # Note [The self-check's runs free their inputs]
     return fx.GraphModule(gm, graph)
 
 
@@ -304,7 +306,7 @@ class GraphCheck:
         got = _call(self.forward.compiled, fw_args, self.device)
         if b > 1:
             self._check_independence(b, fw_args, got, sizes, generator)
-        want = _call(self.forward.reference, fw_args, self.device, boxed=False)
+        want = _call(self.forward.reference, fw_args, self.device)
         if not self.forward.random:
             _compare("forward", b, self.forward.outputs, got, want,
                      self.forward.low_precision)
@@ -322,12 +324,12 @@ class GraphCheck:
         del got, want, saved, mine
         # Note [The self-check's backward runs without noise] (cpu_noise.py)
         with cpu_noise.noiseless():
-            got_bw = _call(self.backward.compiled, bw_args, self.device)
-            del bw_args
+            got_bw = _call(self.backward.compiled, bw_args, self.device, consume=True)
             # Note [The eager reference compares each gradient as it is released]
             _recording.got, _recording.measured = got_bw, {}
             try:
-                want_bw = _call(self.backward.reference, ref_args, self.device, boxed=False)
+                want_bw = _call(self.backward.reference, ref_args, self.device,
+                                consume=True)
                 measured = _recording.measured
             finally:
                 _recording.got = _recording.measured = None
@@ -372,7 +374,7 @@ class GraphCheck:
                 a[0] = a[1] if a.dtype == torch.bool or not a.dtype.is_floating_point \
                     else a[0] + torch.randn(a[0].shape, generator=generator).to(a)
             changed.append(a)
-        again = _call(self.forward.compiled, changed, self.device)
+        again = _call(self.forward.compiled, changed, self.device, consume=True)
         for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, again):
             if not isinstance(x, torch.Tensor) or (layout is not None
                                                    and not isinstance(layout, BatchDim)):
@@ -407,11 +409,20 @@ def _sizes_served(decisions: list) -> list[int]:
     return list(dict.fromkeys(served))[:2]
 
 
-def _call(fn, args: list, device, boxed: bool = True) -> list:
+# Note [The self-check's runs free their inputs]
+# Both graphs of a check run in the boxed convention: the callable takes one list of inputs and
+# clears it as it starts, so an input is freed after its last use, as in training (Inductor's
+# code always did; the eager reference is generated so too, ``_BoxedCodeGen``). A run that the
+# check feeds for the last time is handed the list itself (``consume``): a backward's saved
+# tensors then go as the backward passes them, where a list the caller kept held all of them
+# to the end (GPT-2 small's eager backward at B = 3: its forward's saved tensors, beside the
+# compiled gradients, at the check's peak). A forward's inputs are fed again and are copied.
+def _call(fn, args: list, device, consume: bool = False) -> list:
+    """``fn(args)`` for a boxed ``fn``; ``consume``: ``args`` itself, which ``fn`` empties."""
     torch.manual_seed(1234) if device.type == "cpu" else torch.get_device_module(
         device.type).manual_seed(1234)
     with torch.no_grad():
-        out = fn(list(args)) if boxed else fn(*args)
+        out = fn(args if consume else list(args))
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 

@@ -121,9 +121,9 @@ def test_self_check_runs_outside_the_first_calls_dispatch_modes(monkeypatch):
 
     real_call, modes = dpfx.selfcheck._call, []
 
-    def call(fn, args, device, boxed=True):
+    def call(fn, args, device, consume=False):
         modes.append(len(torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
-        return real_call(fn, args, device, boxed)
+        return real_call(fn, args, device, consume)
 
     monkeypatch.setattr(dpfx.selfcheck, "_call", call)
     model = MLP()
@@ -399,10 +399,32 @@ def test_reference_clones_what_the_rest_of_the_graph_sees():
     x = torch.randn(5)
     before = x.clone()
     with dpfx.cpu_noise.noiseless():
-        three_s, three_x, same_x = ref(x)
+        three_s, three_x, same_x = ref([x])
     assert torch.equal(x, before) and torch.equal(same_x, before)
     torch.testing.assert_close(three_s, 6 * before)
     torch.testing.assert_close(three_x, 3 * before)
+
+
+def test_reference_frees_each_input_after_its_last_use():
+    """Note [The self-check's runs free their inputs]: the eager reference takes its inputs
+    boxed and empties the list, so an input the caller handed over is freed after its last use,
+    not held to the end of the run."""
+    import weakref
+    from dpfx.selfcheck import eager_copy
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    early = graph.call_function(torch.ops.aten.mul.Tensor, (a, 2.0))
+    seen = []
+    probe = graph.call_function(lambda t: seen.append(alive()) or t, (early,))
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (probe, b)),))
+    ref = eager_copy(torch.fx.GraphModule(torch.nn.Module(), graph))
+    args = [torch.randn(4), torch.randn(4)]
+    first = weakref.ref(args[0])
+    alive = lambda: first() is not None   # noqa: E731
+    want = args[0] * 2 + args[1]
+    (got,) = ref(args)
+    assert args == [] and seen == [False] and torch.equal(got, want)
 
 
 def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
