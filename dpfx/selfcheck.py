@@ -297,9 +297,10 @@ class GraphCheck:
         # Note [The self-check holds two runs at a time]
         # Each forward output set holds the activations saved for the backward (GPT-2 small at
         # B = 5, T = 128: about 0.6 GB), so the order bounds the check's peak: the independence
-        # run before the eager forward, and each side's forward outputs dropped once its
-        # backward has its inputs. At most two forwards' outputs, or one forward's and the
-        # gradients, are alive at once. The compiled backward runs first; the eager one then
+        # run before the eager forward, and each side's forward outputs handed over to its
+        # backward, which frees each after its last use (Note [The self-check's runs free their
+        # inputs]). At most two forwards' outputs, or one forward's and the gradients, are alive
+        # at once. The compiled backward runs first; the eager one then
         # takes each of its gradients as it releases it and lets both sides' go (Note [The eager
         # reference compares each gradient as it is released]), so one set of gradients is alive
         # at a time, as in a training step.
