@@ -300,10 +300,10 @@ class GraphCheck:
         # run before the eager forward, and each side's forward outputs handed over to its
         # backward, which frees each after its last use (Note [The self-check's runs free their
         # inputs]). At most two forwards' outputs, or one forward's and the gradients, are alive
-        # at once. The compiled backward runs first; the eager one then
-        # takes each of its gradients as it releases it and lets both sides' go (Note [The eager
-        # reference compares each gradient as it is released]), so one set of gradients is alive
-        # at a time, as in a training step.
+        # at once. The compiled backward runs first; the eager one then takes each of its
+        # gradients as it releases it and lets both sides' go (Note [The eager reference
+        # compares each gradient as it is released]), so one set of gradients is alive at a
+        # time, as in a training step.
         got = _call(self.forward.compiled, fw_args, self.device)
         if b > 1:
             self._check_independence(b, fw_args, got, sizes, generator)
@@ -572,8 +572,9 @@ def _square_sum(flat: torch.Tensor) -> float:
 # any nonzero entry: a pair with none has a gap of exactly 0. The norms are the same sums as
 # before (rows of _ROW, in float64), with the same recomputations where float32 squares lose
 # (Note [Norms in float32 rows, summed in float64]); an all-zero y's norm is 0. Other pairs
-# (strides that differ, views with gaps) take x - y. On GPT-2 small's first step the
-# comparisons took 1.88 s of a 9.0 s check, 0.83 s of it float64 norms of equal outputs' gaps.
+# (strides that differ, views with gaps) take x - y, as do tensors off the CPU (each chunk's
+# norms would wait on the device). On GPT-2 small's first step the comparisons took 1.88 s of
+# a 9.0 s check, 0.83 s of it float64 norms of equal outputs' gaps.
 _CHUNK = 1 << 18
 
 
@@ -581,7 +582,8 @@ def _gap_and_norm(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(||x - y||, ||y||) for floating tensors of one shape and dtype, each as accurate as a
     float64 accumulation; the gap is NaN where ||y|| is not finite, and NaN or inf where x - y
     holds a NaN or an infinity (the caller lines those up)."""
-    pair = _paired(x, y) if x.dtype == torch.float32 and x.numel() >= 2 * _ROW else None
+    pair = _paired(x, y) if x.dtype == torch.float32 and x.numel() >= 2 * _ROW \
+        and x.device.type == "cpu" else None
     if pair is None:
         norm = _raw_norm(y)
         return (_raw_norm(x - y) if math.isfinite(norm) else math.nan), norm
