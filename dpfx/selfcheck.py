@@ -71,8 +71,29 @@ def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.find_nodes(op="call_function",
                                  target=torch.ops.higher_order.auto_functionalized_v2):
         _mutate_in_place(node)
+    _sink_tensor_sources(graph)
     graph.set_codegen(_BoxedCodeGen())    # Note [The self-check's runs free their inputs]
     return fx.GraphModule(gm, graph)
+
+
+# Note [The eager reference creates a tensor where it is first read]
+# A captured graph may create a tensor from sizes alone long before it reads it: GPT-2 small's
+# backward makes the [V, d] zeros its tied table's clipped sum accumulates into near its start,
+# and reads them at its end. Inductor allocates a buffer when it is needed; the eager run held
+# those 154 MB through the whole backward, at the check's peak. So in the eager copy a node that
+# makes a tensor from no tensor (``full``, ``zeros``, ``scalar_tensor``, ``iota``; never a
+# random op, whose place in the order decides its draws) moves to just before its first reader:
+# the same values, created later.
+def _sink_tensor_sources(graph: fx.Graph) -> None:
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not node.users \
+                or not isinstance(node.target, torch._ops.OpOverload) \
+                or torch.Tag.nondeterministic_seeded in node.target.tags \
+                or not isinstance(node.meta.get("val"), torch.Tensor) \
+                or any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+            continue
+        min(node.users, key=order.__getitem__).prepend(node)
 
 
 # Note [The eager reference mutates in place where nothing else sees it]

@@ -427,6 +427,37 @@ def test_reference_frees_each_input_after_its_last_use():
     assert args == [] and seen == [False] and torch.equal(got, want)
 
 
+def test_reference_creates_a_tensor_where_it_is_first_read():
+    """Note [The eager reference creates a tensor where it is first read]: a tensor made from
+    sizes alone moves to just before its first reader in the eager copy; a random op keeps its
+    place (its draws depend on it); the values do not change."""
+    from dpfx.selfcheck import eager_copy
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    zeros = graph.call_function(aten.full.default, ([4], 0.0), {"dtype": torch.float32})
+    noise = graph.call_function(aten.randn.default, ([4],))
+    y = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    z = graph.call_function(aten.add.Tensor, (zeros, y))
+    graph.output((graph.call_function(aten.add.Tensor, (z, noise)),))
+    for node, val in ((zeros, torch.zeros(4)), (noise, torch.randn(4)), (y, torch.empty(4)),
+                      (z, torch.empty(4))):
+        node.meta["val"] = val
+    ref = eager_copy(torch.fx.GraphModule(torch.nn.Module(), graph))
+    nodes = list(ref.graph.nodes)
+    at = {n.target: i for i, n in enumerate(nodes) if n.op == "call_function"
+          and n.target is not aten.add.Tensor}
+    first_add = next(i for i, n in enumerate(nodes) if n.target is aten.add.Tensor)
+    assert at[aten.full.default] == first_add - 1 and at[aten.randn.default] < at[aten.mul.Tensor]
+    x = torch.randn(4)
+    torch.manual_seed(0)
+    (got,) = ref([x])
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, 2 * x + torch.randn(4), rtol=0, atol=0)
+
+
 def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
     """A streamed output the eager reference did not hand over would go unchecked: refused."""
     monkeypatch.setattr(dpfx.selfcheck, "_record", lambda position, want: None)
