@@ -9,7 +9,8 @@
  * m = n / 4 so that every store is contiguous across SIMD lanes. The n % 4 trailing entries
  * come from block m. A block depends on nothing but (key, b): the output is the same for any
  * thread count. Each thread takes tiles of 2048 blocks: Philox in AVX-512 (sixteen blocks a
- * step) or AVX2 (eight), a scalar loop elsewhere, then Box-Muller in a loop GCC vectorizes,
+ * step, each step prefetching its blocks' output lines) or AVX2 (eight), a scalar loop
+ * elsewhere, then Box-Muller in a loop GCC vectorizes,
  * its logarithm, sine and cosine written out below (no libm call). dpfx_philox4x32_10 exposes
  * one raw block for the known-answer tests. */
 #include <stdint.h>
@@ -62,9 +63,21 @@ void dpfx_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32
     out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
 }
 
-/* Philox words of the blocks lo..lo+count into x[0..3][0..count). */
+/* Philox words of the blocks lo..lo+count into x[0..3][0..count). The tile's output lies in four
+ * runs, block b's entries at out + b, out + b + m, out + b + 2m, out + b + 3m (elements of `size`
+ * bytes; `quarter` = m * size bytes apart); each vector step asks for the lines of its blocks in
+ * those runs (a prefetch into L2, a hint: no value depends on it), so that the memory fetches
+ * them while the words are computed. Without it the Philox phase leaves the memory idle and the
+ * Box-Muller loop that follows waits on it: 10^8 samples added in place took 0.85 ns each on one
+ * thread (Philox alone 0.30, Box-Muller 0.20, the read-and-write bound 0.41), 0.70 with it. */
+#define PREFETCH_BLOCKS(b, n_blocks) {                                             \
+    if (out) for (int q = 0; q < 4; q++)                                           \
+        for (int64_t o = 0; o < (n_blocks) * size; o += 64)                        \
+            __builtin_prefetch(out + (b) * size + q * quarter + o, 0, 2); }
+
 static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t count,
-                        uint32_t k0, uint32_t k1, uint32_t stream) {
+                        uint32_t k0, uint32_t k1, uint32_t stream,
+                        const char *out, int64_t quarter, int64_t size) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     /* Sixteen blocks per step, as two sets of eight whose 32-bit words sit in the low halves of
@@ -81,6 +94,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
     }
     for (; j + 16 <= count; j += 16) {
         const int64_t b = lo + j;
+        PREFETCH_BLOCKS(b, 16)
         /* b..b+15 never carry into the high word: tiles start at multiples of 16. */
         __m512i a0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(uint32_t)b), lane8);
         __m512i c0 = _mm512_add_epi64(a0, _mm512_set1_epi64(8));
@@ -110,6 +124,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (; j + 8 <= count; j += 8) {
         const int64_t b = lo + j;
+        PREFETCH_BLOCKS(b, 8)
         /* b..b+7 never carry into the high word: tiles start at multiples of 8. */
         __m256i a0 = _mm256_add_epi64(_mm256_set1_epi64x((long long)(uint32_t)b), lane4);
         __m256i c0 = _mm256_add_epi64(a0, _mm256_set1_epi64x(4));
@@ -138,6 +153,7 @@ static void philox_tile(uint32_t x[4][BLOCKS_PER_TASK], int64_t lo, int64_t coun
 #undef PHILOX_LOWS
     }
 #endif
+#undef PREFETCH_BLOCKS
     for (; j < count; j++) {
         const int64_t b = lo + j;
         uint32_t a0 = (uint32_t)b, a1 = (uint32_t)((uint64_t)b >> 32), a2 = stream, a3 = 0;
@@ -222,7 +238,7 @@ void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int thread
     for (int64_t lo = 0; lo < blocks; lo += BLOCKS_PER_TASK) {
         const int64_t count = lo + BLOCKS_PER_TASK < blocks ? BLOCKS_PER_TASK : blocks - lo;
         uint32_t x[4][BLOCKS_PER_TASK];
-        philox_tile(x, lo, count, k0, k1, 0);
+        philox_tile(x, lo, count, k0, k1, 0, (const char *)out, m * 4, 4);
         const int64_t full = lo + count <= m ? count : m - lo;   /* blocks below m */
         #pragma omp simd
         for (int64_t j = 0; j < full; j++) {
@@ -272,7 +288,8 @@ void NAME(T *const *xs, const int64_t *sizes, int64_t count, uint64_t key, doubl
         const int64_t lo = (task - first[t]) * BLOCKS_PER_TASK;                          \
         const int64_t cnt = lo + BLOCKS_PER_TASK < blocks ? BLOCKS_PER_TASK : blocks - lo; \
         uint32_t w[4][BLOCKS_PER_TASK];                                                  \
-        philox_tile(w, lo, cnt, k0, k1, (uint32_t)t);                                    \
+        philox_tile(w, lo, cnt, k0, k1, (uint32_t)t, (const char *)x,                    \
+                    m * (int64_t)sizeof(T), (int64_t)sizeof(T));                         \
         const int64_t full = lo + cnt <= m ? cnt : m - lo;                               \
         _Pragma("omp simd")                                                              \
         for (int64_t j = 0; j < full; j++) {                                             \
