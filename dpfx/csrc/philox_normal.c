@@ -10,9 +10,9 @@
  * come from block m. A block depends on nothing but (key, b): the output is the same for any
  * thread count. Each thread takes tiles of 2048 blocks: Philox in AVX-512 (sixteen blocks a
  * step, each step prefetching its blocks' output lines) or AVX2 (eight), a scalar loop
- * elsewhere, then Box-Muller in a loop GCC vectorizes,
- * its logarithm, sine and cosine written out below (no libm call). dpfx_philox4x32_10 exposes
- * one raw block for the known-answer tests. */
+ * elsewhere, then Box-Muller in a loop GCC vectorizes, its logarithm, sine and cosine written
+ * out below (no libm call). dpfx_philox4x32_10 exposes one raw block for the known-answer
+ * tests. */
 #include <stdint.h>
 #include <math.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
