@@ -8,11 +8,8 @@ parameter at 5 standard errors), is identical on every rank and fresh every step
 model is an error on every rank, not a hang; noise in the graph is refused under more than one
 rank (each rank would add its own). Every collective runs under a bounded timeout.
 """
-import datetime
 import os
-import socket
-import time
-import traceback
+import signal
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dpfx
+import gloo_ranks
 from models import MLP
 from noise_stats import assert_noise_per_parameter, assert_uncorrelated
 from reference import clip_fraction, dp_sgd_grads
@@ -30,12 +28,6 @@ SIZES = [(3, 2), (4, 0), (1, 5)]
 NOISE_STEPS = 60
 # (strategy, loss reduction) of the exact runs: the mm rule's materialized and ghost forms.
 CASES = [("materialize", "mean"), ("ghost", "sum")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(step: int, rank: int):
@@ -90,51 +82,25 @@ def _graph_noise_refusal() -> str:
     return "not refused"
 
 
-def _worker(rank, world, port, out_dir, scenario):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        if scenario == "exact":
-            result = {case: _train(*case, sigma=0.0, steps=len(SIZES)) for case in CASES}
-        elif scenario == "noise":
-            result = {"noise": _train("auto", "mean", SIGMA, NOISE_STEPS, empty=True),
-                      "graph_noise": _graph_noise_refusal()}
-        else:                                             # "mismatch"
-            torch.manual_seed(0)
-            model = MLP(8, 16, 4)
-            if rank == 1:
-                with torch.no_grad():
-                    model.fc1.weight.add_(1.0)
-            dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA,
-                              expected_batch_size=D, backend="eager")
-            dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), dp)
-            result = {}
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _scenario(scenario: str):
+    if scenario == "exact":
+        return {case: _train(*case, sigma=0.0, steps=len(SIZES)) for case in CASES}
+    if scenario == "noise":
+        return {"noise": _train("auto", "mean", SIGMA, NOISE_STEPS, empty=True),
+                "graph_noise": _graph_noise_refusal()}
+    torch.manual_seed(0)                                  # "mismatch"
+    model = MLP(8, 16, 4)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.fc1.weight.add_(1.0)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA,
+                      expected_batch_size=D, backend="eager")
+    dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), dp)
+    return {}
 
 
 def _spawn(tmp_path, scenario):
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), scenario),
-                             nprocs=2, join=False, start_method="spawn")
-    deadline = 240
-    start = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - start > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed run '{scenario}' did not finish in {deadline}s")
-    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(2)
-              if (tmp_path / f"rank{r}.err").exists()}
-    results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)
-               if (tmp_path / f"rank{r}.pt").exists()}
-    return results, errors
+    return gloo_ranks.spawn(tmp_path, 2, _scenario, scenario, deadline=240, timeout=60)
 
 
 def _reference_run(reduction):
@@ -191,6 +157,20 @@ def test_mismatched_models_fail_on_every_rank(tmp_path):
     results, errors = _spawn(tmp_path, "mismatch")
     assert set(errors) == {0, 1}, errors
     assert all("ranks hold different models" in e for e in errors.values())
+
+
+def _killed_on_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def test_a_rank_dying_during_its_work_fails_the_run(tmp_path):
+    """Only a death after every rank finished is let through (Note [A rank that aborts after
+    its work] in gloo_ranks.py)."""
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        gloo_ranks.spawn(tmp_path, 2, _killed_on_rank_1, deadline=120, timeout=30)
+    assert not (tmp_path / "rank1.done").exists()
 
 
 def test_ddp_wrapped_model_is_refused():

@@ -12,21 +12,16 @@ after its forward, and each rank's checkpoint of its shards loads into a fresh s
 Configurations dpfx does not support are refused on every rank with what to change (Note
 [Sharded DP-SGD] in dpfx/fsdp.py).
 """
-import datetime
 import os
-import socket
-import sys
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
+import gloo_ranks
 from models import MLP
 from noise_stats import (Z, assert_gaussian_scale, assert_uncorrelated, detectable_std_error,
                          rms_standard_error)
@@ -40,12 +35,6 @@ SIZES = {2: [(3, 2), (4, 0), (1, 5)],
          4: [(3, 2, 0, 1), (0, 0, 4, 2), (1, 5, 2, 0)]}
 NOISE_STEPS = 200
 VOCAB, T = 61, 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- models and data ---------------------------------------------------------------------------
@@ -234,39 +223,16 @@ def _refusals() -> dict:
     return said
 
 
-def _worker(rank, world, port, out_dir, scenario, args):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        sys.path.insert(0, os.path.dirname(__file__))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        if scenario == "train":
-            result = _train(*args)
-        else:
-            result = _refusals()
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _scenario(scenario: str, args: tuple):
+    return _train(*args) if scenario == "train" else _refusals()
 
 
 def _spawn(tmp_path, world, scenario, *args, deadline=480):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), scenario, args),
-                             nprocs=world, join=False, start_method="spawn")
-    start = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - start > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"sharded run {scenario}{args} did not finish in {deadline}s")
-    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world)
-              if (tmp_path / f"rank{r}.err").exists()}
+    results, errors = gloo_ranks.spawn(tmp_path, world, _scenario, scenario, args,
+                                       deadline=deadline)
     assert not errors, errors
-    return {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)}
+    assert sorted(results) == list(range(world)), sorted(results)
+    return results
 
 
 # -- the reference -----------------------------------------------------------------------------
