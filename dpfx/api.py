@@ -18,10 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from . import batch_branches, fsdp
+from . import batch_branches, fsdp, traceable
 from .backend import DPBackend
 from .capture import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
-                      default_stance, own_entry)
+                      default_stance, own_entry, steady_swaps)
 from .capture_errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from .config import DPConfig, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
@@ -32,7 +32,6 @@ from .loss_track import TrackedTensor, check_inputs, track, untrack
 from .modules import check_modules, norm_layers
 from .release import (GradientLedger, after_accumulate, check_gradient, check_loop_inputs,
                       track_release)
-from .traceable import swapped
 
 
 class DPModule(torch.nn.Module):
@@ -208,6 +207,7 @@ class DPModule(torch.nn.Module):
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
         backend.forward_ran = False
+        capturing = False
         entry = self._entry_for(batch, targets is not None)
         backend.decisions = entry.decisions
         capture = entry.capture
@@ -219,13 +219,20 @@ class DPModule(torch.nn.Module):
         if sharding is not None:
             sharding.gather()
         try:
-            with swapped(), (sharding.hooks_off() if sharding is not None else _NOTHING):
-                if default_stance():
+            stance = default_stance()
+            # Note [Only the swaps the guards read, between captures] in traceable.py
+            with (entry.swaps if stance else traceable.ALL), \
+                    (sharding.hooks_off() if sharding is not None else _NOTHING):
+                if stance:
                     out = entry.compiled(*args, **kwargs)
                 else:   # Note [Settings only a capture reads] in capture.py
                     with DynamoSettings(), BatchMarked(tensors), \
                             batch_branches.deciding(batch, entry.decisions):
                         out = entry.compiled(*args, **kwargs)
+            if capture.captures != entry.captures:      # dynamo captured in this call
+                entry.captures = capture.captures
+                entry.swaps = traceable.ALL
+                capturing = True
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
@@ -252,6 +259,8 @@ class DPModule(torch.nn.Module):
                     t.__dict__.pop(_PROPAGATED, None)
                 else:
                     t.__dict__[_PROPAGATED] = mark
+        if capturing:
+            entry.swaps = steady_swaps(entry.fn, args, kwargs)
         if sharding is not None and not training:
             sharding.release()      # nothing will read the gathered parameters again
         if training and not backend.forward_ran:
@@ -302,7 +311,7 @@ class DPModule(torch.nn.Module):
         fn = loss_entry(self._orig_mod, self._loss_fn) if with_loss else \
             own_entry(self._orig_mod)
         compiled, capture = compile_entry(fn, self._dpfx_backend)
-        entry = _Entry([], compiled, capture)
+        entry = _Entry([], compiled, capture, fn)
         entries.append(entry)
         return entry
 
@@ -344,6 +353,9 @@ class _Entry:
     decisions: list          # batch_branches.Decision: the batch sizes this entry serves
     compiled: Any            # torch.compile of dpfx's own entry function
     capture: "CaptureSettings"   # dynamo's callback (capture.py)
+    fn: Any                  # the entry function (its code object is dynamo's cache key)
+    swaps: traceable.Swaps = traceable.ALL   # what a steady-state call swaps
+    captures: int = 0        # capture.captures when ``swaps`` was chosen
 
 
 _MAX_ENTRIES = 8

@@ -21,11 +21,13 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import re
 from typing import Any
 
 import torch
 
 from . import batch_branches
+from .traceable import ALL, Captured, Swaps
 
 
 # Note [dpfx's own entry frame]
@@ -78,8 +80,9 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
 # training loop, where the kernels between two calls evict the interpreter's caches). The
 # wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
-# (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What dynamo checks in its guards on every call stays set up on every call:
-# traceable.py's swaps (the guards check the swapped functions' code).
+# (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What
+# dynamo checks in its guards on every call stays set up on every call: those of traceable.py's
+# swaps that the guards read (Note [Only the swaps the guards read, between captures]).
 # A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
 # (eager_then_compile builds a fresh one from the innermost backend at its second call, which
 # the wrapper would not see); under any such stance the settings are set up around the whole
@@ -103,7 +106,7 @@ def compile_entry(fn, backend) -> tuple[Any, "CaptureSettings"]:
 class CaptureSettings:
     """dynamo's callback for a dpfx entry, run with the settings only a capture reads."""
 
-    __slots__ = ("_callback", "_torchdynamo_orig_backend", "call")
+    __slots__ = ("_callback", "_torchdynamo_orig_backend", "call", "captures")
 
     def __init__(self, callback):
         self._callback = callback
@@ -111,17 +114,67 @@ class CaptureSettings:
         # callback reads the compiler two steps below the callback it is given.
         self._torchdynamo_orig_backend = getattr(callback, "_torchdynamo_orig_backend", callback)
         self.call = None    # (input tensors, batch size, decisions) of the call in progress
+        self.captures = 0   # calls of the callback (dynamo's captures of the entry)
 
     def __call__(self, *args, **kwargs):
+        self.captures += 1
         if self.call is None:
             # Not within DPModule.forward (nothing else calls the entry): dynamo with dpfx's
             # settings still, so that no capture ever runs without them.
-            with DynamoSettings():
+            with DynamoSettings(), Captured():
                 return self._callback(*args, **kwargs)
         tensors, batch, decisions = self.call
-        with DynamoSettings(), BatchMarked(tensors), \
+        with DynamoSettings(), Captured(), BatchMarked(tensors), \
                 batch_branches.deciding(batch, decisions):
             return self._callback(*args, **kwargs)
+
+
+def steady_swaps(fn, args: tuple, kwargs: dict) -> Swaps:
+    """The swaps for steady-state calls of dpfx's entry ``fn``, right after a call (``args``,
+    ``kwargs``) in which dynamo captured it: those that the guards of its cached graphs name,
+    if with only them in place one of those graphs still passes its guards for this call; else
+    all (Note [Only the swaps the guards read, between captures] in traceable.py)."""
+    names = names_guards_read(fn.__code__)
+    if names is None:
+        return ALL
+    swaps = Swaps(names)
+    return swaps if swaps.names != ALL.names and _guards_pass(fn, args, kwargs, swaps) else ALL
+
+
+def _guards_pass(fn, args: tuple, kwargs: dict, swaps: Swaps) -> bool:
+    """Whether the guards of one of ``fn``'s cached graphs pass for ``fn(*args, **kwargs)`` with
+    only ``swaps`` in place (dynamo evaluates them on the frame's arguments and closure)."""
+    code = fn.__code__
+    if code.co_argcount or code.co_kwonlyargcount or code.co_flags & 0xC != 0xC:
+        return False        # not dpfx's fn(*args, **kwargs)
+    frame = {code.co_varnames[0]: tuple(args), code.co_varnames[1]: dict(kwargs)}
+    frame.update(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        with swaps:
+            return any(entry.guard_manager.check(frame) for entry in entries)
+    except Exception:       # a torch without these internals: every swap, as before
+        return False
+
+
+def names_guards_read(code) -> set[str] | None:
+    """Every name in the sources of the guards of ``code``'s cached graphs (``G['F'].linear``
+    names ``linear``, ``L['x'].view.__func__`` names ``view``): a superset of the attributes they
+    read. None where dynamo's guards cannot be read so (Note [Only the swaps the guards read,
+    between captures] in traceable.py)."""
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        sources = [m for entry in entries
+                   for m in _GUARD_SOURCE.findall(str(entry.guard_manager))]
+    except Exception:       # a torch without these internals: every swap, as before
+        return None
+    if not sources:
+        return None
+    return set(_NAME.findall(" ".join(sources)))
+
+
+_GUARD_SOURCE = re.compile(r"source=(.*?), accessed_by=")
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 # dynamo's settings while it captures a dpfx entry (Note [Settings only a capture reads]).

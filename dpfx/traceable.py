@@ -47,8 +47,9 @@ branch on the batch:
   gates, packed batches as padded data and lengths (``dpfx/rnn.py``); dynamo's ``allow_rnn`` is
   set meanwhile, since it refuses to wrap these modules otherwise.
 
-The swap lasts only for the duration of a dpfx forward call (where dynamo traces); cached graphs
-do not depend on it.
+The swaps last only for the duration of a dpfx forward call: all of them while dynamo captures,
+and on a steady-state call only those its guards read (Note [Only the swaps the guards read,
+between captures]); the cached graphs do not depend on them.
 """
 from __future__ import annotations
 
@@ -319,24 +320,69 @@ _SWAPS = [
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 
 
-class swapped:
-    """The swaps alone, for the duration of a dpfx forward call (every call: dynamo's guards
-    check the code of the functions it inlined). A plain class with direct assignments: this
-    runs on every training step, where ``contextlib`` costs several microseconds (Note [The
-    steady-state call] in api.py). dynamo's ``allow_rnn``, which only a capture reads, is set
-    where dpfx's captures run (Note [Settings only a capture reads] in capture.py)."""
+class Swaps:
+    """Swaps in place for the duration of a dpfx forward call: those named in ``names``, else
+    all. A plain class with direct assignments: this runs on every training step, where
+    ``contextlib`` costs several microseconds (Note [The steady-state call] in api.py). dynamo's
+    ``allow_rnn``, which only a capture reads, is set where dpfx's captures run (Note [Settings
+    only a capture reads] in capture.py).
 
-    __slots__ = ()
+    # Note [Only the swaps the guards read, between captures]
+    Every swap is in place while dynamo captures (``Captured``, from capture.py's callback). On
+    a steady-state call dynamo reads none of them except through its guards, which check the
+    code of each function it inlined: a swap whose attribute the guards read must be in place
+    (else they fail and dynamo captures again), and no other one changes what runs. Each setattr
+    costs, and one on ``torch.Tensor`` also clears the interpreter's attribute caches for every
+    tensor method looked up after it: swapping all 29 around each call cost the MLP 64-512-512-10
+    about 60 us a step (B = 64, 2 cores) against the three its guards read. So after each
+    capture a dpfx entry swaps what the guards of its cached graphs name (capture.py,
+    ``names_guards_read``), and all of them where those cannot be read."""
+
+    __slots__ = ("_new", "_old", "names")
+
+    def __init__(self, names: set[str] | None = None):
+        chosen = [i for i, (_, name, _) in enumerate(_SWAPS) if names is None or name in names]
+        self._new = [_SWAPS[i] for i in chosen]
+        self._old = [_ORIGINALS[i] for i in chosen]
+        self.names = frozenset(_SWAPS[i][1] for i in chosen)
 
     def __enter__(self):
-        for obj, name, new in _SWAPS:
+        for obj, name, new in self._new:
             setattr(obj, name, new)
         return self
 
     def __exit__(self, *exc):
-        for obj, name, old in _ORIGINALS:
+        for obj, name, old in self._old:
             setattr(obj, name, old)
         return False
+
+
+swapped = Swaps
+ALL = Swaps()
+
+
+class Captured:
+    """Every swap while dynamo captures, inside whatever swaps the call had in place (which
+    are put back as they were found)."""
+
+    __slots__ = ("_found",)
+
+    def __enter__(self):
+        self._found = [(obj, name, obj.__dict__.get(name, _ABSENT))
+                       for obj, name, _ in _SWAPS]
+        ALL.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, value in self._found:
+            if value is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        return False
+
+
+_ABSENT = object()
 
 
 class traceable_torch(swapped):

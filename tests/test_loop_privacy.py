@@ -474,6 +474,73 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
     assert after == before
 
 
+class _RollsWhenEvaluating(nn.Module):
+    """Reads F.conv2d and F.linear in training; only in eval mode also torch.roll over the
+    features, whose own version fails on the unbacked batch (traceable.py's stand-in does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        h = self.conv(x).view(x.shape[0], -1)
+        if not self.training:
+            h = torch.roll(h, 1, dims=1)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_steady_calls_swap_only_what_the_guards_read(backend):
+    """Note [Only the swaps the guards read, between captures]: after a capture, a steady call
+    swaps what the guards of the entry's graphs read and no more; no call captures again for
+    want of a swap (Poisson batch sizes 0 and 1 included); a later capture (eval mode, which
+    reads torch.roll) runs with every swap; and between calls torch's own functions are back."""
+    from dpfx import traceable
+
+    torch.manual_seed(0)
+    model = _RollsWhenEvaluating()
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend=backend,
+                      loss_reduction="sum")
+    originals = (F.linear, torch.Tensor.view, torch.roll, F.conv2d)
+    for batch in (3, 0, 1, 5):
+        model.zero_grad(set_to_none=True)
+        _sum_xent(dp(torch.randn(batch, 1, 4, 4)), torch.arange(batch) % 3).backward()
+        assert (F.linear, torch.Tensor.view, torch.roll, F.conv2d) == originals
+    entry = dp._dpfx_entries[0]
+    assert entry.capture.captures == 1
+    assert {"linear", "conv2d"} <= entry.swaps.names < traceable.ALL.names
+    assert "roll" not in entry.swaps.names
+    with torch.no_grad():
+        dp.eval()
+        for batch in (2, 0, 4):
+            out = dp(torch.randn(batch, 1, 4, 4))
+            assert out.shape == (batch, 3)
+    assert entry.capture.captures == 2
+    assert {"linear", "conv2d", "roll"} <= entry.swaps.names < traceable.ALL.names
+    dp.train()
+    _sum_xent(dp(torch.randn(2, 1, 4, 4)), torch.arange(2) % 3).backward()
+    assert entry.capture.captures == 2
+    assert (F.linear, torch.Tensor.view, torch.roll, F.conv2d) == originals
+
+
+@pytest.mark.parametrize("guard_names", [None, set(), {"linear"}])
+def test_steady_swaps_are_all_where_the_guards_cannot_be_read(monkeypatch, guard_names):
+    """Where dynamo's guards cannot be read (None) or name too little for the graph this call
+    ran to pass them (the model reads conv2d too), a steady call swaps everything, as
+    before, and never captures again."""
+    from dpfx import capture, traceable
+
+    monkeypatch.setattr(capture, "names_guards_read", lambda code: guard_names)
+    torch.manual_seed(0)
+    dp = dpfx.compile(_RollsWhenEvaluating(), max_grad_norm=C, noise_multiplier=0.0,
+                      backend="eager", loss_reduction="sum")
+    for batch in (3, 1, 4):
+        _sum_xent(dp(torch.randn(batch, 1, 4, 4)), torch.arange(batch) % 3).backward()
+    entry = dp._dpfx_entries[0]
+    assert entry.swaps is traceable.ALL and entry.capture.captures == 1
+
+
 def test_capture_settings_under_a_compile_stance():
     """Under torch.compiler.set_stance("eager_then_compile") dynamo calls a callback of its own,
     built around the innermost backend: dpfx then sets its capture settings up around the whole
