@@ -2,7 +2,7 @@
 
 dpfx keeps the batch an unbacked symbol (Note [Why the batch dim is marked unbacked] in capture.py),
 and a handful of torch's Python-level functions branch on sizes that contain it. While dpfx
-captures a model, ``swapped()`` swaps them for versions with the same result that do not
+captures a model, ``Swaps`` swaps them for versions with the same result that do not
 branch on the batch:
 
 - ``F._verify_batch_size`` (BatchNorm/GroupNorm/InstanceNorm's "more than one value per channel"
@@ -359,7 +359,6 @@ class Swaps:
         return False
 
 
-swapped = Swaps
 ALL = Swaps()
 
 
@@ -387,7 +386,7 @@ class Captured:
 _ABSENT = object()
 
 
-class traceable_torch(swapped):
+class traceable_torch(Swaps):
     """The swaps and dynamo's ``allow_rnn``, for a plain ``torch.compile`` of a model with dpfx's
     capture-time rewrites (the benchmarks' unrolled non-private LSTM)."""
 
