@@ -229,10 +229,6 @@ class DPModule(torch.nn.Module):
                     with DynamoSettings(), BatchMarked(tensors), \
                             batch_branches.deciding(batch, entry.decisions):
                         out = entry.compiled(*args, **kwargs)
-            if capture.captures != entry.captures:      # dynamo captured in this call
-                entry.captures = capture.captures
-                entry.swaps = traceable.ALL
-                capturing = True
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
@@ -254,6 +250,10 @@ class DPModule(torch.nn.Module):
             raise refusal from None
         finally:
             capture.call = None
+            if capture.captures != entry.captures:      # dynamo captured in this call
+                entry.captures = capture.captures
+                entry.swaps = traceable.ALL             # until this call is seen to succeed
+                capturing = True
             for t, mark in zip(tensors, propagated):
                 if mark is None:
                     t.__dict__.pop(_PROPAGATED, None)
