@@ -11,14 +11,14 @@ and every collective is bounded by the group's ``timeout``.
 
 # Note [A rank that aborts after its work]
 A rank can die as its process exits: test_fsdp.py's rank 1 was killed by SIGABRT ("terminate
-called without an active exception") once in a CI run, and that test failed once more in 40 runs
-on the 2-core machine under load. The message is what a C++ thread object prints when it is
-destroyed while still joinable, as gloo's threads can be when a process tears down its group at
-exit (a known torch behaviour with gloo). So a rank that finished waits at a closing barrier for
-every rank to finish, writes ``rank{r}.done``, destroys its group and leaves through
-``os._exit(0)`` (no interpreter teardown; the results are already on disk). ``spawn`` turns a
-death after every rank's ``done`` into a warning, since nothing under test runs then; a death
-before it, a missing result or an error still fails the test
+called without an active exception") once in a CI run, and that test failed once more in about
+70 runs on the 2-core machine, beside another compile. The message is what a C++ thread object
+prints when it is destroyed while still joinable, as gloo's threads can be when a process tears
+down its group at exit (a known torch behaviour with gloo). So a rank that finished waits at a
+closing barrier for every rank to finish, writes ``rank{r}.done``, destroys its group and leaves
+through ``os._exit(0)`` (no interpreter teardown; the results are already on disk). ``spawn``
+turns a death after every rank's ``done`` into a warning, since nothing under test runs then; a
+death before it, a missing result or an error still fails the test
 (tests/test_distributed.py::test_a_rank_dying_during_its_work_fails_the_run).
 """
 from __future__ import annotations
