@@ -130,8 +130,9 @@ def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empt
         opt.step()
         for n, p in trainable:
             grads[n].append(p.grad.full_tensor())
-        with torch.no_grad():           # evaluation gathers, computes and goes back to shards
-            dp(x)
+        if name == "mlp":       # evaluation gathers, computes and goes back to shards (the
+            with torch.no_grad():   # Llama's own evaluation graph would add a compile per rank)
+                dp(x)
     if name == "mlp" and sigma == 0:
         _checkpoint_round_trip(model, dp, opt)
     kinds = {type(p).__name__ for _, p in model.named_parameters()} \
