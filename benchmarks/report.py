@@ -30,7 +30,9 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
     m = meta["machine"]
     lines = ["# dpfx benchmark results", "",
              f"Command: `{meta['command']}`  ",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
+             f"Machine: {m['cpu']}, {m['cores']} cores"
+             + (f", GPU {m['gpu']} (the models train there)" if m.get("gpu") else "")
+             + f", torch {m['torch']} "
              f"({m['torch_threads']} threads), opacus {m['opacus']}, Python {m['python']}  ",
              f"dpfx: commit {m.get('dpfx_commit', '?')}"
              + (f" with uncommitted changes to {', '.join(m['dpfx_uncommitted'])}"
@@ -47,10 +49,11 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
              "x base, x eager: median step / the model's non-private baseline's (torch.compile; "
              "the LSTM's: its recurrence unrolled as dpfx captures it, compiled), eager's median "
              "step (min step: the fastest timed step, least disturbed by other load). step mem: "
-             "peak tensor memory allocated during one step (CPU allocator, via torch.profiler). "
+             "peak tensor memory allocated during one step (CPU allocator, via torch.profiler; "
+             "on a GPU, the CUDA caching allocator's peak). "
              "first RSS: growth of the process's peak resident memory during the method's "
              "setup and first step (compile included; a lower bound where an earlier method "
-             "freed more). "
+             "freed more; on a GPU, with the allocator's peak above the method's start). "
              "first x, mem x: first step and step memory over the baseline's.", ""]
     lines += summary(results, bool(meta.get("realistic")))
     by_model: dict[str, list[dict]] = {}
@@ -76,7 +79,9 @@ def write_markdown(results: list[dict], meta: dict, path: str) -> str:
                 f"{'' if r['compiles'] is None else r['compiles']} | {r['median_ms']:.2f} | "
                 f"{r['min_ms']:.2f} | {fmt(r.get('ratio_to_baseline'), '.2f')} | "
                 f"{fmt(r.get('ratio_to_eager'), '.2f')} | {r['step_peak_mb']:.1f} | "
-                f"{fmt(r.get('first_step_rss_mb'), '.0f')} | "
+                f"{fmt(r.get('first_step_rss_mb'), '.0f')}"
+                + (f" (GPU peak {r['first_step_gpu_peak_mb']:.0f})"
+                   if r.get("first_step_gpu_peak_mb") is not None else "") + " | "
                 f"{fmt(r.get('first_step_ratio'), '.2f')} | {fmt(r.get('memory_ratio'), '.2f')} |")
         for r in rows:
             if r.get("varbatch"):

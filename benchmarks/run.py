@@ -110,8 +110,18 @@ def short_error(e: BaseException) -> str:
 
 
 def step_peak_bytes(step, x, y) -> int:
-    """Peak tensor bytes live during one step above the step's start (see the module doc)."""
+    """Peak tensor bytes live during one step above the step's start (see the module doc); on a
+    GPU, the caching allocator's peak of allocated bytes above the step's start."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(x, y)
@@ -163,13 +173,34 @@ def reset_peak_rss() -> float:
 
 
 def warm_inductor():
-    """Start Inductor's compile workers and probe the C++ toolchain once, outside any method."""
+    """Start Inductor's compile workers and probe the toolchain (C++ or Triton) once, outside any
+    method."""
     import torch
 
-    lin = torch.nn.Linear(4, 4)
+    lin = torch.nn.Linear(4, 4).to(DEVICE)
     f = torch.compile(lambda x: torch.tanh(lin(x)).sum())
-    f(torch.randn(3, 4)).backward()
+    f(torch.randn(3, 4, device=DEVICE)).backward()
+    sync()
     torch._dynamo.reset()
+
+
+# The device the worker runs on (--device): the models and batches are built on the CPU with the
+# same seeds and moved there. On a GPU every timer reads after torch.cuda.synchronize().
+DEVICE = None
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE is not None and DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def on_device(model, x, y):
+    from torch.utils._pytree import tree_map
+
+    move = lambda t: t.to(DEVICE) if hasattr(t, "to") else t
+    return (model.to(DEVICE) if model is not None else None), tree_map(move, x), move(y)
 
 
 def poisson_sizes(B: int, n: int = 10, seed: int = 0) -> list[int]:
@@ -215,6 +246,8 @@ def worker(args) -> None:
     import methods
     import models
 
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     progress = Progress(args.progress)
     name, B = args.models[0], args.batch
@@ -228,15 +261,19 @@ def worker(args) -> None:
                                  "label": methods.METHODS[method][0]}
         progress.mark(method, "setup")
         rss_before = reset_peak_rss()
+        gpu_before = gpu_peak_reset()
         try:
             # a fresh, empty Inductor cache per method: no FX-graph or kernel cache hits
             with method_cache(args.cache_dir, method):
-                model, x, y = models.build(name, B)
+                model, x, y = on_device(*models.build(name, B))
                 m = methods.make(method, model, B, x, y)
                 t0 = time.perf_counter()
                 m.step(x, y)
+                sync()
                 res["first_step_s"] = time.perf_counter() - t0
                 res["first_step_rss_mb"] = _proc_status_mb("VmHWM") - rss_before
+                if gpu_before is not None:
+                    res["first_step_gpu_peak_mb"] = gpu_peak_mb() - gpu_before
                 for _ in range(args.warmup):
                     m.step(x, y)
             res["compiles"] = m.compiles() if m.compiles else None
@@ -259,9 +296,11 @@ def worker(args) -> None:
             progress.mark(method, "timing")
             try:
                 m.step(x, y)   # untimed: the first step after another method ran is cache-cold
+                sync()
                 for _ in range(n):
                     t0 = time.perf_counter()
                     m.step(x, y)
+                    sync()
                     times[method].append(time.perf_counter() - t0)
             except Exception as e:
                 fail(results[method], e, "timed steps")
@@ -271,6 +310,7 @@ def worker(args) -> None:
                 for _ in range(n):
                     t0 = time.perf_counter()
                     noise()
+                    sync()
                     noise_times.append(time.perf_counter() - t0)
     # dynamo's counter is process-wide: any graph compiled during the timed steps is a recompile
     graphs_during_timing = methods.unique_graphs() - graphs_before
@@ -323,7 +363,30 @@ def noise_draw(model):
 
     sums = [torch.zeros_like(p, memory_format=torch.contiguous_format)
             for p in model.parameters() if p.requires_grad]
+    if DEVICE.type != "cpu":   # the GPU graph's form: one draw of the total size, sliced
+        total = sum(s.numel() for s in sums)
+        return lambda: torch._foreach_add_(
+            sums, [z.view_as(s) for z, s in zip(
+                torch.randn(total, device=DEVICE).split([s.numel() for s in sums]), sums)])
     return lambda: torch.ops.dpfx.add_noise_(sums, 1.0, 1.0, 1)
+
+
+def gpu_peak_reset():
+    """On a GPU: reset the allocator's peak, return the bytes allocated now (MB); else None."""
+    import torch
+
+    if DEVICE.type != "cuda":
+        return None
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() / 2**20
+
+
+def gpu_peak_mb() -> float:
+    import torch
+
+    sync()
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def first_steps_with_warm_cache(args, progress) -> None:
@@ -337,10 +400,11 @@ def first_steps_with_warm_cache(args, progress) -> None:
             res = {"method": method}
             try:
                 with method_cache(args.cache_dir, method):
-                    model, x, y = models.build(args.models[0], args.batch)
+                    model, x, y = on_device(*models.build(args.models[0], args.batch))
                     m = methods.make(method, model, args.batch, x, y)
                     t0 = time.perf_counter()
                     m.step(x, y)
+                    sync()
                     res["first_step_warm_s"] = time.perf_counter() - t0
             except Exception as e:
                 fail(res, e, "warm-cache first step")
@@ -359,7 +423,7 @@ def dpfx_variable_batch(m, model_name: str, B: int) -> dict:
         finite = True
         out["compiles_per_step"] = []
         for i, s in enumerate(sizes):
-            x, y = models.make_data(model_name, s, seed=100 + i)
+            _, x, y = on_device(None, *models.make_data(model_name, s, seed=100 + i))
             m.step(x, y)
             out["compiles_per_step"].append(m.compiles())
             finite &= all(bool(torch.isfinite(p).all()) for p in m.dp_model.parameters())
@@ -385,7 +449,7 @@ def _loadavg() -> str:
         return "?"
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: str = "cpu") -> dict:
     import torch
 
     cpu = "unknown"
@@ -399,7 +463,9 @@ def machine_info(threads: int) -> dict:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     try:
         import opacus
         info["opacus"] = opacus.__version__
@@ -469,7 +535,8 @@ def _run_worker(model, B, todo, args, base, cache_dir, *extra) -> tuple:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
            "--batch", str(B), "--methods", *todo, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--block", str(args.block),
-           "--threads", str(args.threads), "--jsonl", jsonl, "--progress", progress,
+           "--threads", str(args.threads), "--device", args.device, "--jsonl", jsonl,
+           "--progress", progress,
            "--cache-dir", cache_dir, *(["--no-varbatch"] if not args.varbatch else []), *extra]
     try:
         with open(base + ".log", "a") as err:   # warnings and profiler chatter
@@ -506,8 +573,8 @@ def driver(args) -> None:
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta = {"command": command.strip(), "machine": machine_info(args.threads), "steps": args.steps,
-            "warmup": args.warmup, "block": args.block, "quick": args.quick,
+    meta = {"command": command.strip(), "machine": machine_info(args.threads, args.device),
+            "steps": args.steps, "warmup": args.warmup, "block": args.block, "quick": args.quick,
             "warm_cache": args.warm_cache, "realistic": args.realistic}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
@@ -574,6 +641,9 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=5,
                     help="timed steps per method per round-robin turn (default 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the models train: cpu (default) or cuda (Inductor's Triton "
+                         "backend; timers read after torch.cuda.synchronize())")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
     ap.add_argument("--warm-cache", action=argparse.BooleanOptionalAction, default=None,

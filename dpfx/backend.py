@@ -149,7 +149,8 @@ class DPBackend:
         if reference is not None:
             reference.compiled = compiled
             # the captured loss's value: a sum over the batch by design (loss_graph.py)
-            layouts = ["loss" if i in info.loss_outputs else lay
+            layouts = ["loss" if i in info.loss_outputs else
+                       "side" if i in info.side_outputs else lay
                        for i, lay in enumerate(info.output_layouts)]
             targets = {n.name for n in gm.graph.find_nodes(op="placeholder")
                        if _input_index(n) in self._targets}

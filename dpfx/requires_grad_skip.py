@@ -25,9 +25,15 @@ in capture.py), the statement is dropped from the capture.
 from __future__ import annotations
 
 from torch._dynamo.variables import ConstantVariable
-from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
 
-_call_setattr = SetAttrBuiltinVariable._call_setattr
+try:    # torch 2.13 and later: the subclass dynamo makes for setattr
+    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable as _Owner
+    _METHOD = "_call_setattr"
+except ImportError:     # torch 2.11 (a GPU image's): BuiltinVariable's method, same arguments
+    from torch._dynamo.variables.builtin import BuiltinVariable as _Owner
+    _METHOD = "call_setattr"
+
+_call_setattr = getattr(_Owner, _METHOD)
 
 
 def _call_setattr_skipping_requires_grad(self, tx, obj, name_var, val):
@@ -38,4 +44,4 @@ def _call_setattr_skipping_requires_grad(self, tx, obj, name_var, val):
     return _call_setattr(self, tx, obj, name_var, val)
 
 
-SWAP = (SetAttrBuiltinVariable, "_call_setattr", _call_setattr_skipping_requires_grad)
+SWAP = (_Owner, _METHOD, _call_setattr_skipping_requires_grad)

@@ -453,3 +453,66 @@ def test_causal_mask_held_in_a_closure():
     def make(b):
         return (torch.randn(b, 4, 8), torch.randn(b, 5, 8)), torch.randint(0, 3, (b,))
     check(Decoder(), make, F.cross_entropy, [4, 1, 5], backend="eager")
+
+
+def _attention_graph(batch_dim: int):
+    """The forward and backward of GPU's fused (efficient) attention, traced on meta tensors with
+    symbolic sizes: query, key and value hold the batch in ``batch_dim``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def f(x, g):
+        q = x.transpose(0, batch_dim)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, q * 2, q * 3, None, True, 0.0, True)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            g.transpose(0, batch_dim), q, q * 2, q * 3, None, out, lse, seed, offset, 0.0,
+            [True, True, True, False], True)
+        return out, grads[0], grads[1], grads[2], seed, offset
+
+    x = torch.randn(3, 2, 5, 4, device="meta")
+    return make_fx(f, tracing_mode="symbolic")(x, x.clone())
+
+
+@pytest.mark.parametrize("batch_dim", [0, 1, 2, 3])
+def test_fused_attention_kernels(batch_dim):
+    """Note [Attention kernels keep the leading dims apart]: the fused attention op and its
+    backward keep examples apart when the batch is in a leading (batch or head) dim, its RNG
+    state outputs are no reduction over the batch, and attention along a dim that holds the batch
+    is refused."""
+    from dpfx.passes.batch import BatchAnalysis
+    from dpfx.passes.verify import mixing_ops
+
+    gm = _attention_graph(batch_dim)
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    batch = x.meta["val"].shape[0].node.expr
+    found = mixing_ops(gm, BatchAnalysis(gm.graph, {batch}, {}), skip=set())
+    if batch_dim < 2:
+        assert found == []
+    else:
+        refused = {str(n.target) for n, why in found if "attends across the batch" in why}
+        assert refused == {"aten._scaled_dot_product_efficient_attention.default",
+                           "aten._scaled_dot_product_efficient_attention_backward.default"}
+
+
+def test_fused_attention_side_outputs_are_left_out_of_the_self_check():
+    """Note [Attention kernels' side outputs are not compared]: the forward's outputs that are the
+    kernel's RNG seed and offset (never written without dropout) are marked, and the self-check's
+    comparison leaves them out, while it still refuses any other output that differs."""
+    from dpfx.passes import Stages, compile_forward
+    from dpfx.selfcheck import _compare
+
+    gm = _attention_graph(0)
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    info = compile_forward(gm, {n: 0 for n in names}, Stages())
+    assert info.side_outputs == {4, 5}       # (out, grads x 3, seed, offset)
+    seed = [torch.tensor(7), torch.tensor(9)]
+    out = [torch.ones(2, 3), torch.ones(2, 3)]
+    _compare("forward", 2, ["out", "seed"], [out[0], seed[0]], [out[1], seed[1]],
+             skip={1})
+    with pytest.raises(dpfx.PrivacyError, match="disagrees with its verified graph on output seed"):
+        _compare("forward", 2, ["out", "seed"], [out[0], seed[0]], [out[1], seed[1]])
+    with pytest.raises(dpfx.PrivacyError, match="on output out"):
+        _compare("forward", 2, ["out", "seed"], [out[0], seed[0]], [out[1] * 2, seed[1]],
+                 skip={1})

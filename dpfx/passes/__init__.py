@@ -27,7 +27,8 @@ from .emit import Emitter
 from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
 from .schedule import place_norms_early
 from .stack_time import stack_over_time
-from .verify import check_forward, forward_problems, module_of, verify_backward
+from .verify import (attention_side_output, check_forward, forward_problems, module_of,
+                     verify_backward)
 
 aten = torch.ops.aten
 
@@ -50,6 +51,10 @@ class ForwardInfo:
     output_layouts: list[Layout]
     # outputs of a captured loss without a batch dim: its value, its normalizers (loss_graph.py)
     loss_outputs: set = dataclasses.field(default_factory=set)
+    # outputs that are a fused attention kernel's RNG state or book-keeping, saved for its
+    # backward (Note [Attention kernels keep the leading dims apart] in verify.py); the
+    # self-check does not compare them (Note [Attention kernels' side outputs are not compared])
+    side_outputs: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -104,6 +109,8 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
         output_layouts=[an.layout(o) if isinstance(o, fx.Node) else None for o in outs],
         loss_outputs={i for i, o in enumerate(outs) if isinstance(o, fx.Node) and is_tagged(o)
                       and an.layout(o) is None},
+        side_outputs={i for i, o in enumerate(outs)
+                      if isinstance(o, fx.Node) and attention_side_output(o)},
     )
 
 

@@ -115,11 +115,15 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
         if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):
             continue
         if not an.is_batched(node):
-            found.append((node, "reduces over the batch dim"))
+            if not attention_side_output(node):   # Note [Attention kernels keep the ...]
+                found.append((node, "reduces over the batch dim"))
             continue
         lay = an.layout(node)
         if isinstance(lay, Ambiguous):
             found.append((node, f"cannot be proven to keep examples apart ({lay.reason})"))
+            continue
+        if node.target in _ATTENTION and (why := _attention_across_batch(node, an)):
+            found.append((node, why))
             continue
         if node.target in _DIM_OPS_THAT_KEEP_EXAMPLES_APART:
             continue
@@ -189,6 +193,57 @@ def _layer_norm_backward_dims(node: fx.Node, rank: int) -> set[int]:
 def _last(k: int):
     """Pooling over the last k (spatial) dims."""
     return lambda node, rank: set(range(max(rank - k, 0), rank))
+
+
+# Note [Attention kernels keep the leading dims apart]
+# On a GPU, F.scaled_dot_product_attention stays one fused op in the ATen graph (efficient, flash
+# or cuDNN attention; on the CPU it decomposes into matrix products and a softmax, which the
+# checks above read op by op). Each kernel attends along the sequence dim (-2) of query, key and
+# value and contracts the head dim (-1), and keeps every leading (batch, head) index apart: so it
+# keeps examples apart exactly when every batched input holds the batch in one of the two leading
+# dims of the kernels' (batch, heads, sequence, head dim) layout, which
+# ``_attention_across_batch`` checks for all of them (query, key, value, an additive mask; in the
+# backward also the output's gradient, the saved output and the log-sum-exp, (batch, heads,
+# queries)). Besides the attention output and its log-sum-exp (per example, per head, per query),
+# the kernels return the state of their dropout RNG, sequence offsets of packed (nested) inputs,
+# their maximal lengths and an unused debug mask: integer book-keeping or empty tensors that carry
+# no example's data and that the backward reads again. Their getitems are batch-free outputs of a
+# batched op, which the check would otherwise read as a reduction over the batch
+# (``attention_side_output``). (tests/test_merged_batch.py::test_fused_attention_kernels;
+# tests/test_cuda.py runs HF GPT-2 through them.)
+_ATTENTION = {op.default for op in (
+    getattr(aten, name, None) for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"))
+    if op is not None}
+_ATTENTION_SIDE_OUTPUTS = {"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q",
+                           "cum_seq_k", "max_q", "max_k", "debug_attn_mask"}
+
+
+def attention_side_output(node: fx.Node) -> bool:
+    parent = node.args[0] if node.target is operator.getitem and node.args else None
+    if not isinstance(parent, fx.Node) or parent.target not in _ATTENTION \
+            or not isinstance(node.args[1], int):
+        return False
+    returns = parent.target._schema.returns
+    val = node.meta.get("val")
+    empty = isinstance(val, torch.Tensor) and any(isinstance(s, int) and s == 0
+                                                  for s in val.shape)
+    return node.args[1] < len(returns) and \
+        returns[node.args[1]].name in _ATTENTION_SIDE_OUTPUTS and \
+        isinstance(val, torch.Tensor) and (not val.dtype.is_floating_point or empty)
+
+
+def _attention_across_batch(node: fx.Node, an: BatchAnalysis) -> str | None:
+    for a in node.all_input_nodes:
+        lay, val = an.layout(a), a.meta.get("val")
+        if isinstance(val, torch.Tensor) and an.is_batched(a) and (
+                not isinstance(lay, BatchDim) or lay.dim >= 2):
+            return f"attends across the batch ({a.name} holds it in dim " \
+                   f"{getattr(lay, 'dim', '?')}, not in the batch or head dim)"
+    return None
 
 
 _READS_ACROSS = {
