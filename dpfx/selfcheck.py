@@ -473,6 +473,7 @@ class _isolated_rng:
 # graph on the same inputs return different bits. They carry no example's data, so the forward
 # check leaves them out (layout "side"): of the comparison with the eager reference (``skip``)
 # and, being batch-free outputs that are not compared as such, of the independence check.
+# (tests/test_fused_attention.py::test_side_outputs_compared_would_refuse)
 def _compare(which: str, b: int, names: list, got: list, want: list,
              low_precision: bool = False, measured: dict | None = None,
              skip: set = frozenset()) -> None:

@@ -210,7 +210,7 @@ def _last(k: int):
 # no example's data and that the backward reads again. Their getitems are batch-free outputs of a
 # batched op, which the check would otherwise read as a reduction over the batch
 # (``attention_side_output``). (tests/test_merged_batch.py::test_fused_attention_kernels;
-# tests/test_cuda.py runs HF GPT-2 through them.)
+# tests/test_fused_attention.py runs HF GPT-2 through them on the CPU, tests/test_cuda.py on a GPU.)
 _ATTENTION = {op.default for op in (
     getattr(aten, name, None) for name in (
         "_scaled_dot_product_efficient_attention",
