@@ -1,16 +1,18 @@
 """The GPU's fused attention kernels, run on the CPU: dpfx's forward check, rules, verifier and
 self-check on the graphs a GPU user's transformer gives, through Inductor.
 
-On a GPU, ``F.scaled_dot_product_attention`` stays one op in the ATen graph
-(``_scaled_dot_product_efficient_attention`` and its backward; on the CPU it decomposes into
-matrix products and a softmax). ATen has no CPU kernel for it, so ``fused_attention_on_cpu``
-registers one for the forward and the backward (plain attention arithmetic, the outputs laid out
-as the meta kernels say the CUDA ones are: the output (B, T, H, D) in memory, the log-sum-exp
-padded to a multiple of 32 with +inf) and routes ``F.scaled_dot_product_attention`` to it. Like
-the CUDA kernel without dropout, the RNG seed and offset it returns are never written: here each
-call returns new values, which is what made dpfx's self-check refuse Hugging Face GPT-2 on an
-H200 before Note [Attention kernels' side outputs are not compared] (passes/verify.py,
-selfcheck.py). The references are the batch-of-one loop with torch's own CPU attention.
+On a GPU, ``F.scaled_dot_product_attention`` stays one op in the ATen graph (float32:
+``_scaled_dot_product_efficient_attention``; bf16 and fp16:
+``_scaled_dot_product_flash_attention``; and their backwards; on the CPU it decomposes into
+matrix products and a softmax). ATen has no CPU kernel for them, so ``fused_attention_on_cpu``
+registers one for each forward and backward (plain attention arithmetic, the outputs laid out as
+the meta kernels say the CUDA ones are: the efficient output (B, T, H, D) in memory, its
+log-sum-exp padded to a multiple of 32 with +inf, flash's output laid out as the query) and
+routes ``F.scaled_dot_product_attention`` to one. Like the CUDA kernels without dropout, the RNG
+seed and offset they return are never written: here each call returns new values, which is what
+made dpfx's self-check refuse Hugging Face GPT-2 on an H200 before Note [Attention kernels' side
+outputs are not compared] (passes/verify.py, selfcheck.py). The references are the batch-of-one
+loop with torch's own CPU attention.
 """
 import contextlib
 import itertools
@@ -25,7 +27,8 @@ from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 aten = torch.ops.aten
 C = 0.05
-EFFICIENT = "aten._scaled_dot_product_efficient_attention"
+FUSED = {"efficient": "aten._scaled_dot_product_efficient_attention",
+         "flash": "aten._scaled_dot_product_flash_attention"}
 
 
 def _scores(q, k, bias, is_causal, scale):
@@ -44,7 +47,7 @@ def _bhtd(t):
 
 
 @contextlib.contextmanager
-def fused_attention_on_cpu():
+def fused_attention_on_cpu(kernel="efficient"):
     unwritten = itertools.count(12345)
 
     def forward(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, scale=None):
@@ -64,8 +67,25 @@ def fused_attention_on_cpu():
         return (_bhtd(ds @ k * s), _bhtd(ds.transpose(-2, -1) @ q * s),
                 _bhtd(p.transpose(-2, -1) @ g), torch.empty(0))
 
+    def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, scale=None):
+        att = _scores(q, k, None, is_causal, scale)
+        seed = torch.tensor([next(unwritten), next(unwritten)], dtype=torch.uint64)
+        offset = torch.tensor(next(unwritten), dtype=torch.uint64)
+        out = torch.empty_like(q).copy_(torch.softmax(att, -1) @ v)   # laid out as the query
+        return (out, torch.logsumexp(att.float(), -1), None, None,
+                q.shape[-2], k.shape[-2], seed, offset, torch.empty(0, dtype=q.dtype))
+
+    def flash_backward(g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
+                       seed, offset, scale=None):
+        grads = backward(g, q, k, v, None, out, lse, seed, offset, dropout_p, None, is_causal,
+                         scale)[:3]
+        return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), grads))
+
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
+        if kernel == "flash" and attn_mask is None:
+            return aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
         if attn_mask is not None and attn_mask.dtype == torch.bool:   # as torch's SDPA does
             attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(
                 attn_mask.logical_not(), float("-inf"))
@@ -75,6 +95,8 @@ def fused_attention_on_cpu():
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_scaled_dot_product_efficient_attention", forward, "CPU")
     lib.impl("_scaled_dot_product_efficient_attention_backward", backward, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = sdpa
     try:
@@ -99,11 +121,11 @@ class Attention(nn.Module):
         return self.out(h.transpose(1, 2).flatten(2).mean(1))
 
 
-def _check(dp, model, loss_fn, make, batches, reduction):
-    """dpfx (sigma 0) through the fused kernels against torch's own attention in the loop."""
+def _check(dp, model, loss_fn, make, batches, reduction, kernel="efficient"):
+    """dpfx (sigma 0) through a fused kernel against torch's own attention in the loop."""
     for b in batches:
         inputs, y = make(b)
-        with fused_attention_on_cpu():
+        with fused_attention_on_cpu(kernel):
             got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
         want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=C,
                                  loss_reduction=reduction)
@@ -113,7 +135,8 @@ def _check(dp, model, loss_fn, make, batches, reduction):
             raise AssertionError(f"batch size {b}: {e}") from None
     assert dp.compile_count == 2
     backward = dp._dpfx_backend.last_backward.gm.graph
-    assert any(EFFICIENT in str(n.target) for n in backward.nodes), "the fused kernel ran"
+    assert any(f"{FUSED[kernel]}_backward" in str(n.target) for n in backward.nodes), \
+        "the fused kernel ran"
     checks = list(dp._dpfx_backend._checks.values())
     assert checks and all(c.done and c.backward is not None for c in checks)
 
@@ -123,11 +146,14 @@ def _sequences(b, t=5):
     return (torch.randn(b, t, 8, generator=g) * 3,), torch.arange(b) % 3
 
 
-def test_attention_layer_through_the_fused_kernel():
+@pytest.mark.parametrize("kernel", ["efficient", "flash"])
+def test_attention_layer_through_the_fused_kernel(kernel):
+    """Each fused kernel's outputs as its meta kernel states them (flash: undefined sequence
+    offsets, integer maximal lengths, a uint64 RNG state, an empty debug mask)."""
     torch.manual_seed(0)
     model = Attention()
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction="sum")
-    _check(dp, model, F.cross_entropy, _sequences, [4, 0, 1, 5, 3], "sum")
+    _check(dp, model, F.cross_entropy, _sequences, [4, 0, 1, 5, 3], "sum", kernel)
 
 
 def test_side_outputs_compared_would_refuse(monkeypatch):
