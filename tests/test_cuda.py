@@ -16,7 +16,9 @@ im2col, and Inductor's kernels are Triton's. With the self-check on (the default
 - bf16 parameters against the float32 DP-SGD gradient;
 - the noise: std sigma*C/D per parameter, mean 0, fresh each step, Gaussian tails, reproducible
   with a seed;
-- the auditor's canary: at sigma 0, one added example moves the release by at most C/D.
+- the auditor's canary: at sigma 0, one added example moves the release by at most C/D;
+- an nn.LSTM (unrolled at capture, where cuDNN's kernel would run);
+- ``noise="optimizer"``: the clipped sums left on the device, noised and stepped by DPOptimizer.
 
 Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` for the warm-cache path.
 """
@@ -233,3 +235,43 @@ def test_canary_moves_the_release_by_at_most_c_over_d():
 
     moved = float((release(True) - release(False)).norm())
     assert 0.99 * C / D < moved <= C / D * (1 + 1e-4), moved
+
+
+def test_char_lstm():
+    """nn.LSTM, unrolled at capture (dpfx/rnn.py) where cuDNN's fused kernel would run, through
+    Triton: the Opacus tutorial's char-LSTM at batch sizes 0, 1, 7 (= T) and 4."""
+    from test_rnn import CharLSTM, scale_weights
+
+    torch.manual_seed(0)
+    model = scale_weights(CharLSTM(), 2.0).to(DEV)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=D)
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        return (torch.randint(0, 12, (b, 7), generator=g).to(DEV),), (torch.arange(b) % 4).to(DEV)
+
+    _check(dp, model, F.cross_entropy, make, [4, 0, 1, 7], "mean", {"rtol": 1e-3, "atol": 1e-6})
+
+
+def test_noise_at_the_optimizer():
+    """``noise="optimizer"`` (what distributed and sharded training use): the backward leaves the
+    clipped sums on the device, DPOptimizer.step() adds the noise there and steps; at sigma 0 the
+    step is SGD on the DP-SGD gradient, and the accountant counts one step."""
+    torch.manual_seed(1)
+    model = MLP(8, 16, 4).to(DEV)
+    x, y = torch.randn(6, 8, device=DEV) * 3, torch.randn(6, 4, device=DEV)
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=D,
+                      noise="optimizer")
+    acc = dpfx.privacy.Accountant()
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), dp, accountant=acc,
+                           sample_rate=0.1)
+    want = loop_dp_sgd_grads(model, mse, (x,), y, max_grad_norm=0.1, loss_reduction="sum")
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt.zero_grad()
+    mse(dp(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(s.device.type == torch.device(DEV).type for s in dp.clipped_sums.values())
+    opt.step()
+    assert acc.steps == 1
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[k] - want[k] / D, rtol=1e-4, atol=1e-6)
