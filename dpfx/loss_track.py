@@ -310,9 +310,12 @@ def _was_written(t) -> bool:
 
 # -- the check at backward --------------------------------------------------------------------------
 def _release(func, args, kwargs):
-    if func is torch.Tensor.backward and len(args) == 1 and not kwargs:
-        # loss.backward(): the common call, without inspect's binding (5 us)
+    if func is torch.Tensor.backward and len(args) == 1 and kwargs.get("gradient") is None \
+            and kwargs.keys() <= _BACKWARD_KWARGS:
+        # loss.backward(): the common call, without inspect's binding (Tensor.backward hands
+        # its defaults on as keywords; the binding cost 20-40 us a step)
         bound, single, losses, grads = None, True, [args[0]], [None]
+        rest = {k: v for k, v in kwargs.items() if k != "gradient"}
     else:
         bound = _SIGNATURES[func].bind(*args, **kwargs)
         params = bound.arguments
@@ -341,7 +344,7 @@ def _release(func, args, kwargs):
                     backend.loss_released = True
                     edges, start = factor
                     with torch._C.DisableTorchFunctionSubclass():
-                        keep = {k: v for k, v in (bound.arguments.items() if bound else ())
+                        keep = {k: v for k, v in (bound.arguments if bound else rest).items()
                                 if k in ("retain_graph", "create_graph", "inputs")}
                         return torch.autograd.backward(edges, start, **keep)
                 finally:
@@ -357,7 +360,7 @@ def _release(func, args, kwargs):
             b.loss_released = True
         if bound is None:
             with torch._C.DisableTorchFunctionSubclass():
-                return func(args[0]) if grads[0] is None else func(args[0], grads[0])
+                return func(args[0], grads[0], **rest)
         if any(g is not None for g in grads):
             params[grad_name] = grads[0] if single else grads
         with torch._C.DisableTorchFunctionSubclass():
@@ -368,6 +371,7 @@ def _release(func, args, kwargs):
 
 
 _SIGNATURES = {f: inspect.signature(f) for f in _ENTRIES}
+_BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 _ARGS = {torch.Tensor.backward: ("self", "gradient"),
          torch.autograd.backward: ("tensors", "grad_tensors"),
          torch.autograd.grad: ("outputs", "grad_outputs")}

@@ -60,6 +60,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.virtualized import V
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .cpu_builds import merged_cpu_builds
 from .errors import CaptureError
 
 # Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
@@ -175,7 +176,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     key = _CacheKey(torch._inductor.config.post_grad_custom_post_pass)
     try:
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
-                smaller_cpu_kernel_groups(), \
+                smaller_cpu_kernel_groups(), merged_cpu_builds(), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key):
             return compile_fx_inner(gm, example_inputs, **kwargs)
     except Exception as e:

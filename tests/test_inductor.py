@@ -1,5 +1,7 @@
 """End to end through Inductor's C++ backend: correctness, one compile for every batch size, and
 the caches that must not hand back non-private graphs. Kept small: each compile costs seconds."""
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -125,3 +127,77 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
     assert limits == [lowering.KERNEL_GROUP_ARGS] * 2       # forward and backward
     assert lowering.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
     assert CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM == before == 500
+
+
+def test_merged_cpu_builds(tmp_path, monkeypatch):
+    """Note [One C++ build per compile worker] (cpu_builds.py): the kernels of each dpfx graph
+    are built as at most one unit per compile worker, exact at B = 3, 0, 1 and 16 (the width);
+    a second compile on the same cache directory loads the units without g++; a plain
+    torch.compile keeps one build per kernel. A unit g++ refuses is built kernel by kernel."""
+    from torch._inductor import async_compile, codecache
+    from torch._inductor.utils import fresh_cache
+
+    from dpfx import cpu_builds
+
+    assert cpu_builds.deal([5, 1, 4, 1, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert cpu_builds.split('#include <a.h>\nextern "C" void kernel(int* p)\n{}\n')[0] == \
+        ["#include <a.h>"]
+    assert cpu_builds.split('#define N 4\nextern "C" void kernel(int* p)\n{}\n') is None
+    assert cpu_builds.split('extern "C" void kernel(int* p) {}\nextern "C" void kernel(int q)'
+                            ' {}\n') is None
+
+    units, submits = [], []
+    load_async = codecache.CppPythonBindingsCodeCache.load_async.__func__
+    submit = async_compile.AsyncCompile.submit.__func__
+
+    def recording_load(cls, code, *args, **kwargs):
+        units.append(code.count("namespace dpfx_k") // 2)
+        return load_async(cls, code, *args, **kwargs)
+
+    monkeypatch.setattr(codecache.CppPythonBindingsCodeCache, "load_async",
+                        classmethod(recording_load))
+    monkeypatch.setattr(async_compile.AsyncCompile, "submit",
+                        classmethod(lambda cls, task: submits.append(1) or submit(cls, task)))
+    # enough kernels in each graph for units of several kernels (more than the workers)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+    x_all, y_all = torch.randn(16, 16), torch.randn(16, 4)
+    with fresh_cache(dir=str(tmp_path)), warnings.catch_warnings():
+        warnings.simplefilter("error", cpu_builds.MergedBuildFailed)
+        for run in ("cold", "warm"):
+            torch._dynamo.reset()
+            codecache.CppPythonBindingsCodeCache.cache_clear()
+            codecache.PyCodeCache.cache_clear()
+            units.clear()
+            submits.clear()
+            dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0,
+                              expected_batch_size=4)
+            for batch in (3, 0, 1, 16):
+                x, y = x_all[:batch], y_all[:batch]
+                got = run_dpfx(dp, model, mse, x, y)
+                want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=4)
+                assert_close(got, want, rtol=1e-4, atol=1e-6)
+            merged = [n for n in units if n]
+            assert merged and max(merged) >= 2, (run, units)
+            if run == "cold":
+                assert len(merged) <= 2 * async_compile.get_compile_threads()
+                assert submits
+            else:
+                assert submits == [], "the warm start rebuilt a unit"
+        # a unit g++ refuses: its kernels built one by one, with a warning, still exact
+        warnings.simplefilter("always", cpu_builds.MergedBuildFailed)
+        unit = cpu_builds.unit
+        monkeypatch.setattr(cpu_builds, "unit", lambda kernels: unit(kernels) + "#error no\n")
+        torch._dynamo.reset()
+        codecache.CppPythonBindingsCodeCache.cache_clear()
+        codecache.PyCodeCache.cache_clear()
+        dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+        with pytest.warns(cpu_builds.MergedBuildFailed):
+            got = run_dpfx(dp, model, mse, x_all[:3], y_all[:3])
+        want = dp_sgd_grads(model, mse, x_all[:3], y_all[:3], max_grad_norm=0.05,
+                            expected_batch_size=4)
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+        units.clear()
+        plain = torch.compile(torch.nn.Sequential(*layers, torch.nn.Linear(16, 4)))
+        mse(plain(x_all), y_all).backward()
+        assert units and not any(units)

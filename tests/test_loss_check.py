@@ -241,6 +241,38 @@ def test_normal_use_keeps_working():
         assert type(dp(x)) is torch.Tensor
 
 
+def test_backward_keyword_forms(monkeypatch):
+    """Tensor.backward hands its defaults on as keywords: loss.backward() with or without them
+    takes the fast path (no signature binding), passes retain_graph and inputs on, and every form,
+    fast or bound, releases the DP-SGD gradient."""
+    from dpfx import loss_track
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=0.3, noise_multiplier=0.0, backend="eager")
+    want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.3)
+    binds = []
+    signature = loss_track._SIGNATURES[torch.Tensor.backward]
+
+    class Counted:
+        def bind(self, *args, **kwargs):
+            binds.append(1)
+            return signature.bind(*args, **kwargs)
+
+    monkeypatch.setitem(loss_track._SIGNATURES, torch.Tensor.backward, Counted())
+    params = list(model.parameters())
+    forms = {"backward()": (lambda l: l.backward(), 0),
+             "defaults as keywords": (lambda l: l.backward(retain_graph=None, create_graph=False), 0),
+             "inputs": (lambda l: l.backward(inputs=params), 0),
+             "retain_graph": (lambda l: l.backward(retain_graph=False), 0),
+             "a gradient": (lambda l: l.backward(torch.tensor(1.0)), 1),
+             "autograd.backward": (lambda l: torch.autograd.backward(l), 0)}
+    for name, (backward, bound) in forms.items():
+        model.zero_grad(set_to_none=True)
+        binds.clear()
+        backward(F.cross_entropy(dp(x), y))
+        assert len(binds) == bound, name
+        assert_close(dict(zip(want, (p.grad for p in params))), want)
+
+
 @pytest.mark.usefixtures("no_written_tensors")
 def test_steady_state_does_no_tracing(monkeypatch):
     model, x, y = _fc()
