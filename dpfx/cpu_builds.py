@@ -8,7 +8,7 @@ Inductor's C++ backend gives every fused kernel of a graph its own shared librar
 generated module calls ``async_compile.cpp_pybinding(argtypes, source)`` once per kernel, and
 each call is one g++ run on one translation unit with Python bindings appended. A run costs about
 0.55 s before its first line of kernel code (most of it loading the precompiled header) and
-about 0.6 ms a line after that (2-core machine, 2026-11-27): HF GPT-2 at d=256 ran 31 builds of
+about 0.6 ms a line after that (2-core AMD EPYC, 2026-11-27): HF GPT-2 at d=256 ran 31 builds of
 110 to 1,700 lines for dpfx's two graphs, 24 s of g++ for about 8,000 lines.
 
 Under ``merged_cpu_builds`` (dpfx's lowering only), ``cpp_pybinding`` defers: the module's
