@@ -19,10 +19,11 @@ compiler, flags, vector ISA and precompiled header it would use for each kernel,
 cache keyed by the unit's text, so a warm start loads them without g++). In a unit, each
 kernel's source is put in a namespace of its own (``dpfx_k<i>``) with its ``extern "C"``
 dropped, so the kernels' identical ``kernel`` symbols and any file-level helpers stay apart;
-the headers they include are included once, first, as the precompiled header requires. One
-binding per kernel (``kernel_<i>``, the same argument conversion as Inductor's) and one module
-init are appended. Each kernel is compiled from its own unchanged text with the same flags:
-what it computes does not change, only how many g++ runs there are. A kernel whose source has
+the headers they include are included once, at the top (Inductor's flags force its precompiled
+prefix header in before either). One binding per kernel (``kernel_<i>``, the same argument
+conversion as Inductor's) and one module init are appended. Each kernel is compiled from its
+own text, less its ``#include`` lines and its entry's ``extern "C"``, with the same flags: what
+it computes does not change, only how many g++ runs there are. A kernel whose source has
 any other file-level preprocessor line, or not exactly one ``extern "C" void kernel(``, is
 built on its own as before; so is everything when Inductor compiles in-process (one compile
 thread), where the module expects each kernel at once. A unit g++ refuses is rebuilt kernel by

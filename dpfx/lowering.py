@@ -5,7 +5,9 @@
 The verifier proves the FX graph; what runs is the code Inductor generates from it. Two things in
 torch 2.13 let that code differ from the graph for an unbacked batch, and this module closes both.
 It also bounds the size of the C++ functions Inductor writes for dpfx's graphs, which decides
-how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]).
+how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), and has a graph's
+kernels built as one unit per compile worker (Note [One C++ build per compile worker] in
+cpu_builds.py).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
