@@ -162,7 +162,10 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
     layers = [m for _ in range(4) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
     x_all, y_all = torch.randn(16, 16), torch.randn(16, 4)
-    with fresh_cache(dir=str(tmp_path)), warnings.catch_warnings():
+    # two compile workers, as on the 2-core machines the suite runs on: with more workers than a
+    # graph has kernels, each kernel is its own unit
+    with fresh_cache(dir=str(tmp_path)), warnings.catch_warnings(), \
+            torch._inductor.config.patch(compile_threads=2):
         warnings.simplefilter("error", cpu_builds.MergedBuildFailed)
         for run in ("cold", "warm"):
             torch._dynamo.reset()
@@ -180,7 +183,7 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
             merged = [n for n in units if n]
             assert merged and max(merged) >= 2, (run, units)
             if run == "cold":
-                assert len(merged) <= 2 * async_compile.get_compile_threads()
+                assert len(merged) <= 2 * 2            # per graph, at most one per worker
                 assert submits
             else:
                 assert submits == [], "the warm start rebuilt a unit"
