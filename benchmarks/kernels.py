@@ -6,6 +6,7 @@ non-private baseline, interleaved in one process.
     python benchmarks/kernels.py hf_gpt2 --batch 8 --steps 300 --top 40
     python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
     python benchmarks/kernels.py noise               # the noise kernel against the memory bound
+    python benchmarks/kernels.py mlp_1024 --device cuda --steps 50   # a GPU step: host or GPU bound
 
 torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
 "Measured and not taken"), and a kernel timed alone in a loop runs on warm caches and awake
@@ -30,6 +31,12 @@ op inside a timed op, kernels inside a graph's Python), so the rows add up, and 
 what no row covers (the loss's own computation, tensor methods called outside them). Each
 wrapper adds about a microsecond per call; the Python rows carry most of that. Figures are per
 step: the mean over the steps of the summed own time of a row's calls.
+
+``--device cuda`` reads a GPU step instead, with torch.profiler, which times the GPU's kernels from
+the device's own clock: for dpfx and for dpfx with its loss captured, each beside its baseline, the
+step's wall time (synchronized), its host time (until ``step()`` returns, unsynchronized), the GPU's
+busy time (the kernels' summed durations) and launches per step, and the kernels by GPU time. A step
+whose host time is near its wall time and above its busy time is bound by the host.
 
 ``noise`` times the noise alone, in ns per sample on 1 and on 2 threads at n = 10M and 100M
 floats (``--sizes``), the median of 5 calls after one untimed: dpfx's kernel as the step calls
@@ -286,6 +293,68 @@ def report(model_name: str, batch: int, steps: int, top: int, dpfx_method: str =
                                        baseline_of(model_name, dpfx_method))
 
 
+def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, list[str]]:
+    """The GPU step of the baseline, dpfx and dpfx with the loss captured (see the module doc):
+    the model's per-kernel tables, and its summary rows."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import run
+    run.DEVICE = torch.device("cuda")
+    lines, rows = [f"## {model_name}, B={batch} on the GPU: {steps} steps per method", ""], []
+    for method in dict.fromkeys((baseline_of(model_name, "dpfx"), "dpfx",
+                                 baseline_of(model_name, "dpfx_loss"), "dpfx_loss")):
+        net, x, y = run.on_device(*models.build(model_name, batch))
+        step = methods.make(method, net, batch, x, y).step
+        try:
+            for _ in range(5):
+                step(x, y)
+        except Exception as e:   # one method's failure leaves the others' figures
+            rows.append(f"| {model_name} | {batch} | {methods.METHODS[method][0]} | fails: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |")
+            continue
+        torch.cuda.synchronize()
+        walls, hosts = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(x, y)
+            hosts.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(x, y)
+            torch.cuda.synchronize()
+        busy, launches = collections.defaultdict(float), collections.Counter()
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                busy[e.name] += e.time_range.elapsed_us() / steps
+                launches[e.name] += 1
+        total = sum(busy.values())
+        wall, host = statistics.median(walls) * 1e3, statistics.median(hosts) * 1e3
+        rows.append(f"| {model_name} | {batch} | {methods.METHODS[method][0]} | {wall:.2f} | "
+                    f"{host:.2f} | {total / 1e3:.2f} | {sum(launches.values()) / steps:g} |")
+        lines += [f"**{methods.METHODS[method][0]}**: wall {wall:.3f} ms, host {host:.3f} ms, "
+                  f"GPU busy {total / 1e3:.3f} ms, {sum(launches.values()) / steps:g} kernels "
+                  f"and copies per step (medians of {steps} steps; busy and launches: means over "
+                  f"{steps} profiled steps)", "", "| GPU ms / step | calls / step | kernel |",
+                  "|---:|---:|---|"]
+        ranked = sorted(busy.items(), key=lambda kv: -kv[1])
+        lines += [f"| {us / 1e3:.3f} | {launches[name] / steps:g} | `{name[:90]}` |"
+                  for name, us in ranked[:top]]
+        if len(ranked) > top:
+            lines.append(f"| {sum(us for _, us in ranked[top:]) / 1e3:.3f} | | "
+                         f"{len(ranked) - top} more |")
+        lines.append("")
+        del step, net
+        torch.cuda.empty_cache()
+    return "\n".join(lines), rows
+
+
+GPU_HEAD = ("| model | B | method | wall ms | host ms | GPU busy ms | kernels / step |\n"
+            "|---|---:|---|---:|---:|---:|---:|")
+
+
 def noise_table(sizes: list[int], threads=(1, 2), repeats: int = 5) -> str:
     """ns per sample of the noise kernels and the memory bounds (see the module doc)."""
     import dpfx.cpu_noise  # noqa: F401  (registers the dpfx ops)
@@ -340,6 +409,8 @@ def main() -> None:
                     help="dpfx_loss: the loss captured with the model (no loss check a step)")
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e7, 1e8],
                     help="noise: the buffer sizes in floats (default 1e7 1e8)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the GPU step through torch.profiler (see the module doc)")
     args = ap.parse_args()
     if args.models == ["noise"]:
         text = noise_table([int(n) for n in args.sizes])
@@ -350,6 +421,21 @@ def main() -> None:
         return
     names = list(models.DEFAULT_MODELS) if "all" in args.models else args.models
     parts, rows = [], []
+    if args.device == "cuda":
+        for name in names:
+            text, model_rows = gpu_report(name, args.batch or models.MODELS[name][2][0],
+                                          args.steps, args.top)
+            parts.append(text)
+            rows += model_rows
+            print(text, flush=True)
+        summary = "## GPU steps (ms per step)\n\n" + GPU_HEAD + "\n" + "\n".join(rows) + "\n"
+        print(summary)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(f"# GPU steps\n\nCommand: `python benchmarks/kernels.py "
+                        f"{' '.join(sys.argv[1:])}`  \nGPU: {torch.cuda.get_device_name()}, "
+                        f"torch {torch.__version__}\n\n" + summary + "\n" + "\n".join(parts))
+        return
     for name in names:
         text, row = report(name, args.batch or models.MODELS[name][2][0], args.steps, args.top,
                            args.dpfx_method)

@@ -69,6 +69,7 @@ import sympy
 import torch
 import torch.fx as fx
 from torch._dynamo.source import ConstantSource
+from torch._inductor import decomposition as inductor_decomposition
 from torch._inductor.decomposition import register_decomposition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -123,6 +124,14 @@ loss_gradient.register_autograd(_loss_gradient_backward, setup_context=_loss_gra
 @register_decomposition(torch.ops.dpfx.loss_gradient.default)
 def _loss_gradient_zero(out, gradient, dtype):
     return torch.zeros((), dtype=dtype, device=out.device)
+
+
+# Inductor's table with its random decompositions (what it traces with when ``fallback_random`` is
+# off, as on a GPU) is a copy cached at its first use: a process that compiled anything before
+# importing dpfx would trace without the decomposition above, and Inductor would then refuse the
+# op it finds both decomposed and left in the graph.
+if hasattr(getattr(inductor_decomposition, "fast_random_decomps", None), "cache_clear"):
+    inductor_decomposition.fast_random_decomps.cache_clear()
 
 
 _ENTRIES = itertools.count()

@@ -363,6 +363,27 @@ def test_batch_sizes_compile_once_and_match_through_inductor_cold_and_warm(tmp_p
             assert dp.compile_count == (4 if empty_seen else 2), (run, batch, dp.compile_count)
 
 
+def test_the_decomposition_reaches_a_table_cached_before_dpfx_was_imported():
+    """Inductor caches its table with the random decompositions (what it traces with when
+    ``fallback_random`` is off, as on a GPU) at its first use. A process that compiled something
+    before importing dpfx must still trace ``dpfx::loss_gradient`` away, or Inductor refuses the op
+    it finds both decomposed and in the graph (seen on an H100)."""
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from torch._inductor import config, decomposition\n"
+        "decomposition.fast_random_decomps()\n"
+        "import dpfx\n"
+        "op = torch.ops.dpfx.loss_gradient.default\n"
+        "for random in (False, True):\n"
+        "    with config.patch(fallback_random=random):\n"
+        "        assert op in decomposition.select_decomp_table(), random\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_noise_is_added_once_per_step():
     """sigma > 0: the released gradient of an empty batch is the noise alone, std sigma*C/D."""
     model = nn.Linear(200, 50)
