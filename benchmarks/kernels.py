@@ -35,8 +35,9 @@ step: the mean over the steps of the summed own time of a row's calls.
 ``--device cuda`` reads a GPU step instead, with torch.profiler, which times the GPU's kernels from
 the device's own clock: for dpfx and for dpfx with its loss captured, each beside its baseline, the
 step's wall time (synchronized), its host time (until ``step()`` returns, unsynchronized), the GPU's
-busy time (the kernels' summed durations) and launches per step, and the kernels by GPU time. A step
-whose host time is near its wall time and above its busy time is bound by the host.
+busy time (the kernels' summed durations) and launches per step, the kernels by GPU time, and the
+host's time by Python layer, Triton launch and op (the timers above, over steps of their own). A
+step whose host time is near its wall time and above its busy time is bound by the host.
 
 ``noise`` times the noise alone, in ns per sample on 1 and on 2 threads at n = 10M and 100M
 floats (``--sizes``), the median of 5 calls after one untimed: dpfx's kernel as the step calls
@@ -164,6 +165,9 @@ class Timers:
                 if name.startswith("cpp_fused") and callable(value) and not hasattr(
                         value, "__wrapped__"):
                     setattr(module, name, self.wrap(f"{tag}:{name}", value))
+                elif name.startswith("triton_") and callable(getattr(value, "run", None)) \
+                        and not hasattr(value.run, "__wrapped__"):   # a launch's host time
+                    value.run = self.wrap(f"{tag}:launch {name}", value.run)
             extern = getattr(module, "extern_kernels", None)
             if extern is not None and id(extern) not in externs:
                 externs.add(id(extern))
@@ -301,6 +305,8 @@ def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, 
 
     import run
     run.DEVICE = torch.device("cuda")
+    timers = TIMERS
+    timers.install_layers()     # before the models are built (module doc of Timers' LAYERS)
     lines, rows = [f"## {model_name}, B={batch} on the GPU: {steps} steps per method", ""], []
     for method in dict.fromkeys((baseline_of(model_name, "dpfx"), "dpfx",
                                  baseline_of(model_name, "dpfx_loss"), "dpfx_loss")):
@@ -325,6 +331,18 @@ def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, 
             for _ in range(steps):
                 step(x, y)
             torch.cuda.synchronize()
+        # The host's own time by Python layer, launch and op, as the CPU mode reads it: the
+        # kernels run asynchronously, so each row is the host's time in that call.
+        timers.install()
+        timers.reset()
+        for _ in range(steps):
+            timers.method = method
+            step(x, y)
+            timers.method = None
+            torch.cuda.synchronize()
+        host_rows = sorted(((spent / steps, timers.calls[m, label] / steps, label)
+                            for (m, label), spent in timers.spent.items() if m == method),
+                           reverse=True)
         busy, launches = collections.defaultdict(float), collections.Counter()
         for e in prof.events():
             if e.device_type == DeviceType.CUDA:
@@ -345,6 +363,15 @@ def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, 
         if len(ranked) > top:
             lines.append(f"| {sum(us for _, us in ranked[top:]) / 1e3:.3f} | | "
                          f"{len(ranked) - top} more |")
+        lines += ["", f"Host time by call (own time, means over {steps} steps; the rest of the "
+                  f"host time is the step's own Python and the ops no row names):", "",
+                  "| host ms / step | calls / step | Python layer, launch or op |",
+                  "|---:|---:|---|"]
+        lines += [f"| {sec * 1e3:.3f} | {n:g} | `{label[:90]}` |"
+                  for sec, n, label in host_rows[:top]]
+        if len(host_rows) > top:
+            lines.append(f"| {sum(r[0] for r in host_rows[top:]) * 1e3:.3f} | | "
+                         f"{len(host_rows) - top} more |")
         lines.append("")
         del step, net
         torch.cuda.empty_cache()

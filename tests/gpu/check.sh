@@ -1,13 +1,23 @@
 #!/bin/bash
 # The GPU checks as one run, from the repository root on a machine with CUDA and the project's
 # packages: tests/test_cuda.py on a cold Inductor cache, the realistic rows on the GPU
-# (benchmarks/run.py --device cuda), then tests/test_cuda.py again on the warm cache.
-# Writes env.txt, cuda_cold.txt, results.md/.json, bench_logs.txt, cuda_warm.txt to $OUT
-# (default benchmarks/out/gpu). Stage limits in seconds: T_COLD, T_BENCH, T_WARM; rows: MODELS,
-# METHODS. With torch older than 2.13, tests/gpu/sitecustomize.py patches its Triton launcher.
+# (benchmarks/run.py --device cuda), each step taken apart (benchmarks/kernels.py --device cuda:
+# wall, host and GPU busy time, kernels, the host's time by call), then tests/test_cuda.py again
+# on the warm cache. Writes env.txt, cuda_cold.txt, results.md/.json, bench_logs.txt,
+# kernels_gpu.md, cuda_warm.txt to $OUT (default benchmarks/out/gpu).
+# Stage limits in seconds (their defaults fit a 10-minute command): T_COLD, T_BENCH, T_KERN,
+# T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS (kernels.py). Wheels the machine lacks
+# (opacus, dp-accounting and its dm-tree, for its Python) can travel in $WHEELS (default .whl,
+# an ignored folder): they are installed under /tmp for the run. With torch older than 2.13,
+# tests/gpu/sitecustomize.py patches its Triton launcher.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/out/gpu}
+WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/dpfx-gpu-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/dpfx-gpu-site
+fi
 if python3 -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) >= (2, 13))"; then
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/tests/gpu
 fi
@@ -19,15 +29,20 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 cat "$OUT/env.txt"
 PT="python3 -m pytest -q -p no:cacheprovider -p no:logging -rA --tb=short --durations=0 tests/test_cuda.py"
 CACHE=$(mktemp -d)
-T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-300}" $PT > "$OUT/cuda_cold.txt" 2>&1
+T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-150}" $PT > "$OUT/cuda_cold.txt" 2>&1
 echo "cold rc=$? $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda_cold.txt" | tail -14
 T0=$(date +%s); BENCH=$(mktemp -d)
-timeout "${T_BENCH:-400}" python3 benchmarks/run.py --realistic --quick --steps 20 --warmup 3 \
-  --device cuda --models ${MODELS:-mlp_1024 resnet_gn hf_gpt2_256 hf_llama_256 hf_gpt2_124m} \
-  --methods ${METHODS:-eager compile opacus_ghost dpfx} --timeout 300 --out "$BENCH" > "$OUT/bench_stdout.txt" 2>&1
+timeout "${T_BENCH:-200}" python3 benchmarks/run.py --realistic --quick --steps 20 --warmup 3 \
+  --device cuda --models ${MODELS:-mlp_1024 hf_gpt2_256 hf_llama_256} \
+  --methods ${METHODS:-eager compile opacus_ghost dpfx} --timeout 120 --out "$BENCH" > "$OUT/bench_stdout.txt" 2>&1
 echo "bench rc=$? $(( $(date +%s) - T0 )) s"
 cp "$BENCH/results.md" "$BENCH/results.json" "$OUT/" 2>/dev/null
 cat "$BENCH"/logs/*.log 2>/dev/null | grep -v "^\s*$" | tail -300 > "$OUT/bench_logs.txt"
 grep -E "^\| [0-9]" "$BENCH/results.md" 2>/dev/null | cut -c1-150
-T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_WARM:-200}" $PT > "$OUT/cuda_warm.txt" 2>&1
+T0=$(date +%s)
+timeout "${T_KERN:-150}" python3 benchmarks/kernels.py ${KERN_MODELS:-mlp_1024 hf_gpt2_256} \
+  --device cuda --steps 30 --top 25 --out "$OUT/kernels_gpu.md" > "$OUT/kernels_stdout.txt" 2>&1
+echo "kernels rc=$? $(( $(date +%s) - T0 )) s"
+grep -E "^\| [a-z]" "$OUT/kernels_gpu.md" 2>/dev/null | grep -v "^| model"
+T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_WARM:-60}" $PT > "$OUT/cuda_warm.txt" 2>&1
 echo "warm rc=$? $(( $(date +%s) - T0 )) s"; grep -E "passed|failed" "$OUT/cuda_warm.txt" | tail -2
