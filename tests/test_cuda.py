@@ -294,6 +294,10 @@ dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batc
 for b in (5, 0, 1, 8):
     x = torch.randn(b, 8, device=dev) * 3
     y = torch.randint(0, 4, (b,), device=dev)
+    for i in range(b):      # clipping bites on every example
+        g = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]),
+                                list(model.parameters()))
+        assert float(sum(t.pow(2).sum() for t in g).sqrt()) > 0.05
     model.zero_grad(set_to_none=True)
     dp.loss(x, y).backward()
     want = loop_dp_sgd_grads(model, F.cross_entropy, (x,), y, max_grad_norm=0.05,
@@ -308,8 +312,9 @@ assert dp.compile_count == 4, dp.compile_count   # the empty batch: a pair of it
 def test_captured_loss_after_a_plain_compile():
     """The loss captured with the model (``dp.loss(x, y)``), in a process that compiled something
     before importing dpfx, as a notebook does: exact against the batch-of-one loop at batch sizes
-    0, 1 and more (the empty batch compiles a pair of its own, as on the CPU). On the GPU, Inductor traces with its cached table of
-    random decompositions, which must hold dpfx's loss-gradient decomposition."""
+    0, 1 and more, clipping biting (the empty batch compiles a pair of its own, as on the CPU).
+    On the GPU, Inductor traces with its cached table of random decompositions, which must hold
+    dpfx's loss-gradient decomposition."""
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
