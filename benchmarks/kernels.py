@@ -7,6 +7,7 @@ non-private baseline, interleaved in one process.
     python benchmarks/kernels.py all --out benchmarks/out/kernels.md     # every model, one file
     python benchmarks/kernels.py noise               # the noise kernel against the memory bound
     python benchmarks/kernels.py mlp_1024 --device cuda --steps 50   # a GPU step: host or GPU bound
+    python benchmarks/kernels.py mlp_1024 --device cuda --no-loss --inductor combo_kernels=True
 
 torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
 "Measured and not taken"), and a kernel timed alone in a loop runs on warm caches and awake
@@ -51,6 +52,7 @@ included: the bound of a call that returns a new buffer).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import statistics
 import sys
@@ -297,9 +299,10 @@ def report(model_name: str, batch: int, steps: int, top: int, dpfx_method: str =
                                        baseline_of(model_name, dpfx_method))
 
 
-def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, list[str]]:
-    """The GPU step of the baseline, dpfx and dpfx with the loss captured (see the module doc):
-    the model's per-kernel tables, and its summary rows."""
+def gpu_report(model_name: str, batch: int, steps: int, top: int, loss: bool = True
+               ) -> tuple[str, list[str]]:
+    """The GPU step of the baseline, dpfx and (``loss``) dpfx with the loss captured (see the
+    module doc): the model's per-kernel tables, and its summary rows."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -308,8 +311,9 @@ def gpu_report(model_name: str, batch: int, steps: int, top: int) -> tuple[str, 
     timers = TIMERS
     timers.install_layers()     # before the models are built (module doc of Timers' LAYERS)
     lines, rows = [f"## {model_name}, B={batch} on the GPU: {steps} steps per method", ""], []
-    for method in dict.fromkeys((baseline_of(model_name, "dpfx"), "dpfx",
-                                 baseline_of(model_name, "dpfx_loss"), "dpfx_loss")):
+    methods_run = (baseline_of(model_name, "dpfx"), "dpfx") + (
+        (baseline_of(model_name, "dpfx_loss"), "dpfx_loss") if loss else ())
+    for method in dict.fromkeys(methods_run):
         net, x, y = run.on_device(*models.build(model_name, batch))
         step = methods.make(method, net, batch, x, y).step
         try:
@@ -438,7 +442,16 @@ def main() -> None:
                     help="noise: the buffer sizes in floats (default 1e7 1e8)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: the GPU step through torch.profiler (see the module doc)")
+    ap.add_argument("--no-loss", action="store_true",
+                    help="cuda: leave out dpfx with the loss captured and its baseline")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Inductor setting for every method of the run (a lever measured on "
+                         "both sides), e.g. combo_kernels=True; repeatable")
     args = ap.parse_args()
+    import torch._inductor.config
+    for setting in args.inductor:     # the whole process: every method compiles under it
+        key, value = setting.split("=", 1)
+        torch._inductor.config.patch({key: ast.literal_eval(value)}).__enter__()
     if args.models == ["noise"]:
         text = noise_table([int(n) for n in args.sizes])
         print(text)
@@ -451,7 +464,7 @@ def main() -> None:
     if args.device == "cuda":
         for name in names:
             text, model_rows = gpu_report(name, args.batch or models.MODELS[name][2][0],
-                                          args.steps, args.top)
+                                          args.steps, args.top, not args.no_loss)
             parts.append(text)
             rows += model_rows
             print(text, flush=True)

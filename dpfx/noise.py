@@ -3,8 +3,9 @@
 ``dpfx.DPOptimizer`` adds N(0, (sigma * S)^2) to the clipped sum once per logical step (S the
 sensitivity, C or sqrt(sum C_g^2)). Two sources:
 
-* ``gaussian(n, std, generator)``: the Philox kernel of cpu_noise.py keyed from a
-  ``torch.Generator`` (``torch.randn`` where the kernel cannot be built), seeded from the OS's
+* ``gaussian(n, std, generator)``: on the CPU the Philox kernel of cpu_noise.py keyed from a
+  ``torch.Generator`` (``torch.randn`` where the kernel cannot be built), on a GPU ``torch.randn``
+  from the device's own generator (``noise_generator``), seeded from the OS's
   CSPRNG unless the user fixed a seed. Fast, and fine against an adversary who only sees
   the trained model; an adversary who can observe or predict the generator's state could
   subtract the noise.
@@ -63,7 +64,22 @@ def secure_gaussian(n: int, std: float, dtype=torch.float32, device=None) -> tor
     return (secure_standard_normal(n) * std).to(dtype=dtype, device=device)
 
 
+def noise_generator(device: torch.device) -> torch.Generator:
+    """The generator ``gaussian`` draws from for a parameter on ``device``: the device's own
+    (Philox on CUDA), so the noise is drawn where it is added; a CPU one where the device has none.
+    """
+    if device.type != "cpu":
+        try:
+            return torch.Generator(device=device)
+        except RuntimeError:
+            pass
+    return torch.Generator()
+
+
 def gaussian(n: int, std: float, generator: torch.Generator | None, dtype=torch.float32,
              device=None) -> torch.Tensor:
+    if generator is not None and generator.device.type != "cpu":
+        z = torch.randn(n, generator=generator, device=generator.device, dtype=torch.float32)
+        return z.mul_(std).to(dtype=dtype, device=device)
     z = cpu_noise.gaussian(n, generator)
     return (z * std).to(dtype=dtype, device=device)

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from .errors import PrivacyError
 from .ledger import PrivacyLedger, check_same_run, reconcile
-from .noise import gaussian, secure_gaussian
+from .noise import gaussian, noise_generator, secure_gaussian
 from .privacy import Accountant
 from .ranks import check_same_model, peer_error, rank_of, world_of
 from .release import second_backward_error
@@ -172,7 +172,8 @@ class DPOptimizer(torch.optim.Optimizer):
             seed = secrets.randbits(62) if config.seed is None else config.seed
             if sharding is not None and config.seed is not None:
                 seed = sharding.seed(seed)
-            self._generator = torch.Generator().manual_seed(seed)
+            device = self._named[0][1].device if self._named else torch.device("cpu")
+            self._generator = noise_generator(device).manual_seed(seed)
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         dp_model._dpfx_optimizer = weakref.ref(self)
@@ -347,7 +348,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "accountant": self.accountant.state_dict() if self.accountant else None,
                 "steps": self.steps,
                 "generator": None if self._generator is None or
-                self.dp_model.dp_config.seed is None else self._generator.get_state()}
+                self.dp_model.dp_config.seed is None else self._generator.get_state(),
+                "generator_device": None if self._generator is None else
+                self._generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
         self._check_loadable(state)
@@ -381,6 +384,14 @@ class DPOptimizer(torch.optim.Optimizer):
         if (state.get("accountant") is None) != (self.accountant is None):
             raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
                              "accountant; epsilon would not keep counting")
+        kind = state.get("generator_device") or "cpu"   # states saved before it was recorded
+        if state.get("generator") is not None and self._generator is not None and \
+                kind != self._generator.device.type:
+            raise ValueError(
+                f"the checkpoint's noise generator ran on {kind} and this DPOptimizer's runs on "
+                f"{self._generator.device.type}: its state cannot carry over, and seeding again "
+                f"would repeat the noise of earlier steps. Resume on a {kind} device, or "
+                f"compile without a seed (fresh noise from the OS).")
         if self.privacy_ledger is not None:
             saved = Accountant()
             saved.load_state_dict(state["accountant"])

@@ -18,7 +18,8 @@ im2col, and Inductor's kernels are Triton's. With the self-check on (the default
   with a seed;
 - the auditor's canary: at sigma 0, one added example moves the release by at most C/D;
 - an nn.LSTM (unrolled at capture, where cuDNN's kernel would run);
-- ``noise="optimizer"``: the clipped sums left on the device, noised and stepped by DPOptimizer.
+- ``noise="optimizer"``: the clipped sums left on the device, noised there (the device's own
+  generator, its statistics, its seed and its state in a checkpoint) and stepped by DPOptimizer.
 
 Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` for the warm-cache path.
 """
@@ -187,22 +188,40 @@ def test_bf16_parameters_match_the_float32_gradient():
 SIGMA, C_NOISE, D_NOISE = 4.0, 0.5, 8
 
 
-def _noise_draws(steps: int, seed) -> dict:
+def _noise_draws(steps: int, seed, noise: str = "graph") -> dict:
+    """The noise of ``steps`` steps, per parameter: the release less the DP-SGD gradient. With
+    ``noise="optimizer"`` the release is DPOptimizer's gradient, read off an SGD step of lr 1."""
     torch.manual_seed(0)
     model = MLP(8, 32, 3).to(DEV)  # 387 parameters; fc2.bias has 3
     x, y = torch.randn(6, 8, device=DEV) * 3, torch.randn(6, 3, device=DEV)
     want = loop_dp_sgd_grads(model, mse, (x,), y, max_grad_norm=C_NOISE, loss_reduction="sum")
     want = {k: v / D_NOISE for k, v in want.items()}
     dp = dpfx.compile(model, max_grad_norm=C_NOISE, noise_multiplier=SIGMA,
-                      expected_batch_size=D_NOISE, seed=seed)
-    runs = [run_dpfx(dp, model, mse, x, y) for _ in range(steps)]
+                      expected_batch_size=D_NOISE, seed=seed, noise=noise)
+    if noise == "graph":
+        runs = [run_dpfx(dp, model, mse, x, y) for _ in range(steps)]
+    else:
+        opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), dp)
+        assert opt._generator.device.type == torch.device(DEV).type, "noise drawn on the device"
+        runs = []
+        for _ in range(steps):
+            before = {k: p.detach().clone() for k, p in model.named_parameters()}
+            opt.zero_grad()
+            mse(dp(x), y).backward()
+            opt.step()
+            runs.append({k: before[k] - p.detach() for k, p in model.named_parameters()})
+            with torch.no_grad():       # every step from the same weights
+                for k, p in model.named_parameters():
+                    p.copy_(before[k])
     return {k: (torch.stack([r[k] for r in runs]) - want[k]).cpu() for k in want}
 
 
-def test_noise_statistics():
+@pytest.mark.parametrize("noise", ["graph", "optimizer"])
+def test_noise_statistics(noise):
     """std sigma*C/D on every parameter (a 3-entry bias on its own) and pooled, mean 0, fresh each
-    step, parameters uncorrelated, Gaussian tails (tests/noise_stats.py, 5 standard errors)."""
-    draws = _noise_draws(100, seed=2024)
+    step, parameters uncorrelated, Gaussian tails (tests/noise_stats.py, 5 standard errors); in
+    the graph and at the optimizer, whose noise is drawn on the device."""
+    draws = _noise_draws(100, seed=2024, noise=noise)
     std = SIGMA * C_NOISE / D_NOISE
     assert_noise_per_parameter(draws, std)
     noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
@@ -214,12 +233,41 @@ def test_noise_statistics():
     assert abs(tail - 0.0455) < 5 * math.sqrt(0.0455 * 0.9545 / n)
 
 
-def test_seed_reproducible():
-    a, b, c = (_noise_draws(2, seed=s) for s in (123, 123, 124))
+@pytest.mark.parametrize("noise", ["graph", "optimizer"])
+def test_seed_reproducible(noise):
+    a, b, c = (_noise_draws(2, seed=s, noise=noise) for s in (123, 123, 124))
     for k in a:
         torch.testing.assert_close(a[k], b[k])
         assert not torch.allclose(a[k][0], a[k][1])
         assert not torch.allclose(a[k], c[k])
+
+
+def test_optimizer_noise_resumes_from_a_checkpoint():
+    """A seeded run's device generator travels in DPOptimizer.state_dict(): a new optimizer loaded
+    from it after one step draws the second step's noise, not the first's again."""
+    def run(steps, state=None):
+        torch.manual_seed(0)
+        model = MLP(8, 16, 3).to(DEV)
+        dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=4,
+                          seed=7, noise="optimizer")
+        opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), dp)  # same weights
+        if state is not None:
+            opt.load_state_dict(state)
+        x, y = torch.randn(4, 8, device=DEV), torch.randn(4, 3, device=DEV)
+        grads = []
+        for _ in range(steps):
+            opt.zero_grad()
+            mse(dp(x), y).backward()
+            opt.step()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).cpu())
+        return grads, opt.state_dict()
+
+    (first, second), _ = run(2)
+    (_,), state = run(1)
+    assert state["generator_device"] == torch.device(DEV).type
+    (resumed,), _ = run(1, state)
+    torch.testing.assert_close(resumed, second)
+    assert not torch.allclose(resumed, first)
 
 
 def test_canary_moves_the_release_by_at_most_c_over_d():

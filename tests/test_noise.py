@@ -98,3 +98,23 @@ def test_empty_batch_gives_noise_over_expected_batch_size():
     runs = [run_dpfx(dp, model, mse, torch.randn(0, 8), torch.randn(0, 4)) for _ in range(30)]
     assert_noise_per_parameter({k: torch.stack([r[k] for r in runs]) for k in runs[0]},
                                SIGMA * C / D)
+
+
+def test_a_generator_state_from_another_device_type_is_refused():
+    """A seeded run's optimizer noise generator is the parameters' device's (Philox on CUDA,
+    cpu_noise's key on the CPU); its state cannot load into another kind, and seeding afresh would
+    repeat the noise of earlier steps: the load is refused before anything changes."""
+    torch.manual_seed(0)
+    model = MLP(4, 8, 2)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4,
+                      seed=3, noise="optimizer", backend="eager")
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp)
+    state = opt.state_dict()
+    assert state["generator_device"] == "cpu" and state["generator"] is not None
+    before = opt._generator.get_state()
+    with pytest.raises(ValueError, match="noise generator ran on cuda.*Resume on a cuda device"):
+        opt.load_state_dict({**state, "generator_device": "cuda",
+                             "generator": torch.zeros(16, dtype=torch.uint8)})
+    assert torch.equal(opt._generator.get_state(), before)
+    legacy = {k: v for k, v in state.items() if k != "generator_device"}   # saved as "cpu"
+    opt.load_state_dict(legacy)

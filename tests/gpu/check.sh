@@ -5,8 +5,11 @@
 # wall, host and GPU busy time, kernels, the host's time by call), then tests/test_cuda.py again
 # on the warm cache. Writes env.txt, cuda_cold.txt, results.md/.json, bench_logs.txt,
 # kernels_gpu.md, cuda_warm.txt to $OUT (default benchmarks/out/gpu).
-# Stage limits in seconds (their defaults fit a 10-minute command): T_COLD, T_BENCH, T_KERN,
-# T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS (kernels.py). Wheels the machine lacks
+# Stage limits in seconds (their defaults fit a 10-minute command; 0 skips a stage): T_COLD,
+# T_BENCH, T_KERN, T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS, KERN_FLAGS (kernels.py).
+# VARIANTS: Inductor settings measured as levers, each a further kernels.py run of T_VAR seconds
+# with that setting on both sides (e.g. VARIANTS="combo_kernels=True"), written to
+# kernels_gpu_<setting>.md. Wheels the machine lacks
 # (opacus, dp-accounting and its dm-tree, for its Python) can travel in $WHEELS (default .whl,
 # an ignored folder): they are installed under /tmp for the run. With torch older than 2.13,
 # tests/gpu/sitecustomize.py patches its Triton launcher.
@@ -29,8 +32,11 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 cat "$OUT/env.txt"
 PT="python3 -m pytest -q -p no:cacheprovider -p no:logging -rA --tb=short --durations=0 tests/test_cuda.py"
 CACHE=$(mktemp -d)
+if [ "${T_COLD:-150}" != 0 ]; then
 T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-150}" $PT > "$OUT/cuda_cold.txt" 2>&1
-echo "cold rc=$? $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda_cold.txt" | tail -14
+echo "cold rc=$? $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda_cold.txt" | tail -16
+fi
+if [ "${T_BENCH:-200}" != 0 ]; then
 T0=$(date +%s); BENCH=$(mktemp -d)
 timeout "${T_BENCH:-200}" python3 benchmarks/run.py --realistic --quick --steps 20 --warmup 3 \
   --device cuda --models ${MODELS:-mlp_1024 hf_gpt2_256 hf_llama_256} \
@@ -39,10 +45,17 @@ echo "bench rc=$? $(( $(date +%s) - T0 )) s"
 cp "$BENCH/results.md" "$BENCH/results.json" "$OUT/" 2>/dev/null
 cat "$BENCH"/logs/*.log 2>/dev/null | grep -v "^\s*$" | tail -300 > "$OUT/bench_logs.txt"
 grep -E "^\| [0-9]" "$BENCH/results.md" 2>/dev/null | cut -c1-150
-T0=$(date +%s)
-timeout "${T_KERN:-150}" python3 benchmarks/kernels.py ${KERN_MODELS:-mlp_1024 hf_gpt2_256} \
-  --device cuda --steps 30 --top 25 --out "$OUT/kernels_gpu.md" > "$OUT/kernels_stdout.txt" 2>&1
-echo "kernels rc=$? $(( $(date +%s) - T0 )) s"
-grep -E "^\| [a-z]" "$OUT/kernels_gpu.md" 2>/dev/null | grep -v "^| model"
+fi
+kernels() {   # name, time limit, kernels.py flags
+  T0=$(date +%s)
+  timeout "$2" python3 benchmarks/kernels.py ${KERN_MODELS:-mlp_1024 hf_gpt2_256} --device cuda \
+    --steps 30 --top 25 $KERN_FLAGS "${@:3}" --out "$OUT/$1.md" > "$OUT/$1_stdout.txt" 2>&1
+  echo "$1 rc=$? $(( $(date +%s) - T0 )) s"
+  grep -E "^\| [a-z]" "$OUT/$1.md" 2>/dev/null | grep -v "^| model"
+}
+[ "${T_KERN:-150}" != 0 ] && kernels kernels_gpu "${T_KERN:-150}"
+for v in $VARIANTS; do kernels "kernels_gpu_${v%%=*}" "${T_VAR:-120}" --inductor "$v"; done
+if [ "${T_WARM:-60}" != 0 ]; then
 T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_WARM:-60}" $PT > "$OUT/cuda_warm.txt" 2>&1
 echo "warm rc=$? $(( $(date +%s) - T0 )) s"; grep -E "passed|failed" "$OUT/cuda_warm.txt" | tail -2
+fi
