@@ -28,7 +28,7 @@ from torch._inductor.compile_fx import compile_fx
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
 from .loss_graph import TARGETS, capture_loss
-from .lowering import INDUCTOR_PATCHES, lower
+from .lowering import inductor_patches, lower
 from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
@@ -87,7 +87,7 @@ class DPBackend:
                                            force_non_lazy_backward_lowering=True,
                                            ban_recompute_reductions=True):
             return compile_fx(gm, example_inputs, inner_compile=self._inner,
-                              config_patches=INDUCTOR_PATCHES)
+                              config_patches=inductor_patches(example_inputs))
 
     @staticmethod
     def _constants(model: torch.nn.Module) -> set[int]:

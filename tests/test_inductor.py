@@ -204,3 +204,27 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
         plain = torch.compile(torch.nn.Sequential(*layers, torch.nn.Linear(16, 4)))
         mse(plain(x_all), y_all).backward()
         assert units and not any(units)
+
+
+def test_combo_kernels_only_for_graphs_on_the_gpu(monkeypatch):
+    """Note [Combo kernels on the GPU] in lowering.py: a graph whose inputs live on a CUDA device
+    is lowered with combo kernels; a CPU graph (the C++ backend, which has none) is not, and the
+    setting reaches the compile a CPU step actually runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpfx import backend, lowering
+    with FakeTensorMode():
+        on_gpu = [torch.empty(4, 3, device="cuda"), 4]
+        on_cpu = [torch.empty(4, 3), 4]
+    assert lowering.inductor_patches(on_gpu)["combo_kernels"] is True
+    assert "combo_kernels" not in lowering.inductor_patches(on_cpu)
+    assert lowering.inductor_patches(on_cpu)["layout_optimization"] is False
+    seen = []
+    real = backend.compile_fx
+    monkeypatch.setattr(backend, "compile_fx", lambda *a, **k: seen.append(
+        k["config_patches"]) or real(*a, **k))
+    torch.manual_seed(0)
+    model = MLP(4, 8, 2)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    mse(dp(torch.randn(4, 4)), torch.randn(4, 2)).backward()
+    assert seen and all("combo_kernels" not in p for p in seen)
