@@ -243,15 +243,20 @@ def loop_eager(model: nn.Module, B: int) -> Method:
 
 # --- dpfx ---------------------------------------------------------------------------------------
 
-def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False) -> Method:
+def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
+          noise: str | None = None) -> Method:
     import dpfx
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     kwargs = {} if strategy == "auto" else {"strategy": strategy}
     if captured:
         kwargs["loss"] = models.captured_loss
+    if noise is not None:
+        kwargs["noise"] = noise
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
                       backend="inductor", **kwargs)
+    if noise == "optimizer":
+        opt = dpfx.DPOptimizer(opt, dp)
 
     def step(x, y):
         if captured:
@@ -278,6 +283,12 @@ def dpfx_loss(model, B):
     return _dpfx(model, B, "auto", captured=True)
 
 
+def dpfx_optimizer_noise(model, B):
+    """dpfx's default with ``noise="optimizer"`` (what distributed and sharded training run): the
+    backward leaves the clipped sums, DPOptimizer.step() noises them, divides and steps."""
+    return _dpfx(model, B, "auto", noise="optimizer")
+
+
 def dpfx_materialize(model, B):
     """dpfx with every per-sample gradient materialized (strategy="materialize")."""
     return _dpfx(model, B, "materialize")
@@ -297,6 +308,8 @@ METHODS = {
     "func_compile": ("torch.func vmap(grad), torch.compile", func_compile, False),
     "dpfx": ("dpfx (inductor)", dpfx_inductor, False),
     "dpfx_loss": ("dpfx (inductor), loss captured", dpfx_loss, False),
+    "dpfx_optimizer_noise": ("dpfx (inductor), noise at the optimizer", dpfx_optimizer_noise,
+                             False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
     "loop_eager": ("batch-of-one loop, eager", loop_eager, False),
 }

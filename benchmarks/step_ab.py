@@ -6,10 +6,17 @@ A variant is a name, the method that builds its step (``methods.METHODS``) and a
 factory entered around building and around every one of its steps (the switch it measures:
 a patched function, another kernel library). ``rounds`` rounds each run one step of every
 variant in turn, so load drift falls on all of them alike. Used by ``im2col.py --step`` and
-``conv_layout.py --step``.
+``conv_layout.py --step``, and run as a script for the noise at the optimizer:
+
+    python benchmarks/step_ab.py optimizer_noise hf_gpt2_124m 4 --rounds 8
+
+(``noise="optimizer"``, what distributed and sharded training run: each clipped sum noised where
+it lies, against the flat buffer with the normals added in place, and against the flat buffer
+with a buffer of normals as before 2026-11-27, beside the graph's noise.)
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
@@ -49,3 +56,54 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
     return "\n".join([f"Whole steps of the benchmark {model} at B={batch}, {rounds} interleaved "
                       f"rounds:", "", f"| variant | median step (ms) | min (ms) | x {baseline} |",
                       "|---|---:|---:|---:|", *rows, ""])
+
+
+@contextlib.contextmanager
+def optimizer_flat() -> ContextManager:
+    """DPOptimizer writes every gradient through the flat buffer (as for several ranks)."""
+    import dpfx.optim
+    real = dpfx.optim.DPOptimizer._write_in_place
+    dpfx.optim.DPOptimizer._write_in_place = lambda *args: False
+    try:
+        yield
+    finally:
+        dpfx.optim.DPOptimizer._write_in_place = real
+
+
+@contextlib.contextmanager
+def optimizer_flat_buffered() -> ContextManager:
+    """The flat buffer plus a buffer of normals scaled into a second one, then added: the
+    optimizer's noise before 2026-11-27."""
+    import dpfx.optim
+    from dpfx.noise import gaussian
+    real = dpfx.optim.DPOptimizer._add_noise
+
+    def buffered(self, flat, std):
+        if std:
+            flat += gaussian(flat.numel(), std, self._generator, device=flat.device)
+
+    dpfx.optim.DPOptimizer._add_noise = buffered
+    try:
+        with optimizer_flat():
+            yield
+    finally:
+        dpfx.optim.DPOptimizer._add_noise = real
+
+
+EXPERIMENTS = {"optimizer_noise": {
+    "noise at the optimizer, each sum noised where it lies": ("dpfx_optimizer_noise", nothing),
+    "noise at the optimizer, flat buffer, normals added in place": ("dpfx_optimizer_noise",
+                                                                    optimizer_flat),
+    "noise at the optimizer, flat buffer, a buffer of normals (before)": (
+        "dpfx_optimizer_noise", optimizer_flat_buffered),
+    "noise in the graph": ("dpfx", nothing)}}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    ap.add_argument("model", choices=sorted(models.MODELS))
+    ap.add_argument("batch", type=int)
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args()
+    print(table(args.model, args.batch, EXPERIMENTS[args.experiment], args.rounds))

@@ -173,6 +173,13 @@ def add_noise_(sums: list[torch.Tensor], std: float, multiplier: float, divisor:
     under ``noiseless()``)."""
     if silenced():
         std = 0.0
+    add_noise_keyed(sums, std, multiplier, divisor, None)
+
+
+def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, divisor: int,
+                    generator: torch.Generator | None) -> None:
+    """``add_noise_`` with the key drawn from ``generator`` (torch's default CPU generator when
+    None): DPOptimizer's noise, added in place to its flat buffer of clipped sums."""
     other = [x for x in sums if x.dtype not in (torch.float32, torch.float64)]
     if other:
         raise TypeError(f"dpfx::add_noise_ takes float32 and float64 sums, not "
@@ -180,10 +187,11 @@ def add_noise_(sums: list[torch.Tensor], std: float, multiplier: float, divisor:
     lib = _library()
     if lib is None:     # the same distribution from torch.randn, at ATen's speed
         for x in sums:
-            x.add_(torch.randn(x.shape, dtype=torch.float32), alpha=std).mul_(multiplier)
+            x.add_(torch.randn(x.shape, dtype=torch.float32, generator=generator),
+                   alpha=std).mul_(multiplier)
             x.div_(divisor)
         return
-    key = draw_key()
+    key = draw_key(generator)
     for dtype, kernel in ((torch.float32, lib.dpfx_philox_add_noise_f32),
                           (torch.float64, lib.dpfx_philox_add_noise_f64)):
         # A tensor's stream is its position in the call, whatever the dtype grouping.

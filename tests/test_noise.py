@@ -62,6 +62,37 @@ def test_noise_statistics_per_parameter(backend, steps, release, monkeypatch):
     assert abs(tail - 0.0455) < 5 * math.sqrt(0.0455 * 0.9545 / n)
 
 
+@pytest.mark.parametrize("path", ["in_place", "flat"])
+def test_noise_at_the_optimizer_per_parameter(path, monkeypatch):
+    """``noise="optimizer"``: DPOptimizer's noise, as the graph's above, on each parameter and
+    pooled, fresh each step, independent between parameters, Gaussian tails; added where each
+    clipped sum lies (one process on the CPU) or into the flat buffer several ranks reduce."""
+    if path == "flat":
+        monkeypatch.setattr(dpfx.DPOptimizer, "_write_in_place", lambda *args: False)
+    model = MLP(8, 32, 3)
+    x, y = torch.randn(6, 8) * 3, torch.randn(6, 3)
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=D,
+                      seed=2024, backend="eager", noise="optimizer")
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), dp)  # the same weights
+    clean = dp_sgd_grads(model, mse, x, y, max_grad_norm=C, expected_batch_size=D)
+    runs = []
+    for _ in range(60):
+        opt.zero_grad()
+        mse(dp(x), y).backward()
+        opt.step()
+        runs.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    draws = {k: torch.stack([r[k] for r in runs]) - clean[k] for k in clean}
+    expected_std = SIGMA * C / D
+    assert_noise_per_parameter(draws, expected_std)
+    noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
+    assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
+    assert_uncorrelated(draws["fc1.bias"][:, :3], draws["fc2.bias"], "fc1.bias and fc2.bias")
+    assert_uncorrelated(draws["fc1.weight"].flatten(1)[:, :96],
+                        draws["fc2.weight"].flatten(1)[:, :96], "fc1.weight and fc2.weight")
+    tail = (noise.abs() > 2 * expected_std).double().mean().item()
+    assert abs(tail - 0.0455) < 5 * math.sqrt(0.0455 * 0.9545 / noise.numel())
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_seed_reproducible(backend):
     a = _noise_samples(backend, steps=2, seed=123)

@@ -204,27 +204,26 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
             trainer.train(resume_from_checkpoint=resume)
         return trainer
 
-    whole = run(tmp_path / "whole")
-    assert whole.accountant.steps == 6
-    # evaluation is Trainer's own: the model's labels= loss, no release, nothing accounted
-    releases = whole.model.releases
-    assert math.isfinite(whole.evaluate()["eval_loss"])
-    assert whole.accountant.steps == 6 and whole.model.releases == releases
-    want = dpfx.privacy.epsilon(noise_multiplier=whole.noise_multiplier,
-                                sample_rate=whole.sample_rate, steps=6, delta=1e-5)
-    assert whole.get_epsilon() == pytest.approx(want)
-    assert whole.get_epsilon() == pytest.approx(4.0, rel=0.02)   # calibrated for 6 steps
-    logged = [e for e in whole.state.log_history if "loss" in e]
-    assert len(logged) == 6 and all("epsilon" in e for e in logged)
-    assert logged[-1]["epsilon"] == pytest.approx(want)
-    with open(tmp_path / "whole" / "checkpoint-3" / hf.ACCOUNTANT_FILE) as f:
-        assert json.load(f)["steps"] == 3
-
+    # The uninterrupted run's epsilon is the accountant's for its 6 steps at the calibrated
+    # sigma: the resumed run must end there, having logged it at every step.
     stopped = run(tmp_path / "cut", stop_at=3)
     assert stopped.accountant.steps == 3
+    with open(tmp_path / "cut" / "checkpoint-3" / hf.ACCOUNTANT_FILE) as f:
+        assert json.load(f)["steps"] == 3
     resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"))
     assert resumed.accountant.steps == 6
-    assert resumed.get_epsilon() == pytest.approx(whole.get_epsilon())
+    want = dpfx.privacy.epsilon(noise_multiplier=resumed.noise_multiplier,
+                                sample_rate=resumed.sample_rate, steps=6, delta=1e-5)
+    assert resumed.noise_multiplier == stopped.noise_multiplier
+    assert resumed.get_epsilon() == pytest.approx(want)
+    assert resumed.get_epsilon() == pytest.approx(4.0, rel=0.02)   # calibrated for 6 steps
+    logged = [e for e in resumed.state.log_history if "loss" in e]
+    assert len(logged) == 6 and all("epsilon" in e for e in logged)
+    assert logged[-1]["epsilon"] == pytest.approx(want)
+    # evaluation is Trainer's own: the model's labels= loss, no release, nothing accounted
+    releases = resumed.model.releases
+    assert math.isfinite(resumed.evaluate()["eval_loss"])
+    assert resumed.accountant.steps == 6 and resumed.model.releases == releases
 
     # stopped two steps after its last checkpoint: those two releases happened, and the
     # privacy ledger makes the resumed run count them on top of the six it then takes
