@@ -13,6 +13,7 @@ from .engine import (PrivateTraining, load_checkpoint, make_private, make_privat
 from .errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
 from .explain import Report, explain
 from .loss_track import LossScaleWarning, track_batch
+from .lowering import ComboKernelsWarning
 from .modules import replace_batchnorm
 from .data import VirtualBatches, split_batch
 from .optim import DPOptimizer
@@ -24,6 +25,6 @@ __all__ = [
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
-    "stats", "FixedSeedWarning", "LossScaleWarning", "track_batch",
+    "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
 ]
 __version__ = "0.1.0"

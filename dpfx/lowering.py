@@ -53,6 +53,7 @@ import functools
 import glob
 import hashlib
 import os
+import warnings
 
 import sympy
 import torch
@@ -75,7 +76,8 @@ INDUCTOR_PATCHES = {"layout_optimization": False}
 # on an H100's host. Inductor's combo kernels put independent kernels into one launch: on an
 # H200, dpfx's GPT-2 (d=256, B=16) step went from 432 to 287 launches and 11.8 to 9.1 ms, and the
 # MLP at B=1024 from 48 to 34 and 3.13 to 2.41 ms (BENCHMARKS.md). Triton only: the C++ backend
-# has no combo kernels.
+# has no combo kernels. They are off in torch by default; should Inductor fail to lower a graph
+# with them, ``lower`` warns (ComboKernelsWarning) and lowers the same graph without them.
 GPU_PATCHES = {"combo_kernels": True}
 
 
@@ -191,18 +193,42 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     shape_env = fake_mode.shape_env if fake_mode is not None else None
     key = _CacheKey(torch._inductor.config.post_grad_custom_post_pass)
-    try:
+
+    def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), \
-                torch._inductor.config.patch(post_grad_custom_post_pass=key):
+                torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    try:
+        try:
+            return attempt()
+        except Exception as e:
+            if not torch._inductor.config.combo_kernels or _unchecked(e) is not None:
+                raise
+            # Note [Combo kernels on the GPU]: they only group kernels; without them the same
+            # verified graph is lowered kernel by kernel.
+            warnings.warn(f"dpfx: Inductor's combo kernels failed on this graph "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                          f"); lowering it without them (more kernel launches, the same "
+                          f"values)", ComboKernelsWarning, stacklevel=2)
+            return attempt(combo_kernels=False)
     except Exception as e:
-        cause = e
-        while cause is not None and not isinstance(cause, UncheckedAssumption):
-            cause = cause.__cause__ or cause.__context__
+        cause = _unchecked(e)
         if cause is None:
             raise
         raise _assumption_error(cause.expr) from e
+
+
+class ComboKernelsWarning(UserWarning):
+    """Inductor's combo kernels failed on a graph, which dpfx then lowered without them."""
+
+
+def _unchecked(e: BaseException) -> UncheckedAssumption | None:
+    cause = e
+    while cause is not None and not isinstance(cause, UncheckedAssumption):
+        cause = cause.__cause__ or cause.__context__
+    return cause
 
 
 # Note [CPU kernel groups of at most 100 arguments]

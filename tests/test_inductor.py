@@ -229,3 +229,36 @@ def test_combo_kernels_only_for_graphs_on_the_gpu(monkeypatch):
                       backend="eager")      # the same compile_fx call, without Inductor's C++
     mse(dp(torch.randn(4, 4)), torch.randn(4, 2)).backward()
     assert seen and all("combo_kernels" not in p for p in seen)
+
+
+def test_a_graph_combo_kernels_fail_on_is_lowered_without_them(monkeypatch):
+    """Should Inductor fail to lower a graph with combo kernels (dpfx's GPU setting), the same
+    verified graph is lowered without them, with a warning, and trains exactly; a failure
+    without them is raised as it was."""
+    from dpfx import lowering
+    real, tried = lowering.compile_fx_inner, []
+
+    def flaky(*args, **kwargs):
+        tried.append(torch._inductor.config.combo_kernels)
+        if torch._inductor.config.combo_kernels:
+            raise RuntimeError("a combo kernel Inductor cannot generate")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lowering, "compile_fx_inner", flaky)
+    torch.manual_seed(0)
+    model = MLP(4, 8, 2)
+    x, y = torch.randn(6, 4) * 3, torch.randn(6, 2)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=6)
+    with torch._inductor.config.patch(combo_kernels=True), \
+            pytest.warns(dpfx.ComboKernelsWarning, match="combo kernel Inductor cannot"):
+        got = run_dpfx(dp, model, mse, x, y)
+    assert tried == [True, False, True, False], tried      # the forward, then the backward
+    assert_close(got, dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=6),
+                 rtol=1e-4, atol=1e-6)
+    monkeypatch.setattr(lowering, "compile_fx_inner", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("Inductor cannot lower this")))
+    torch._dynamo.reset()
+    dp = dpfx.compile(MLP(4, 8, 2), max_grad_norm=0.05, noise_multiplier=0.0,
+                      expected_batch_size=6)
+    with pytest.raises(Exception, match="Inductor cannot lower this"):
+        dp(x)
