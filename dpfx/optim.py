@@ -284,20 +284,21 @@ class DPOptimizer(torch.optim.Optimizer):
             model.reset_clipped_sums()
             return
         device = self._named[0][1].device
-        flat = torch.cat([
-            (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
-            for n, p in self._named])
         examples = model.examples
+        # Several ranks: the example count travels in the same buffer, one collective.
+        count = [torch.tensor([float(examples)], device=device)] if self.world > 1 else []
+        both = torch.cat([
+            (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
+            for n, p in self._named] + count)
+        flat = both[:-1] if count else both
         if self.world <= 1 or rank_of(self.process_group) == 0:
             self._add_noise(flat, config.noise_std)
         if self.world > 1:
-            count = torch.tensor([float(examples)], device=device)
-            both = torch.cat([flat, count])
             try:
                 dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
             except RuntimeError as e:
                 raise peer_error(self.steps, self.process_group, e) from e
-            flat, examples = both[:-1], int(both[-1].item())
+            examples = int(both[-1].item())
         flat /= self._denominator(examples)
         offset = 0
         for name, p in self._named:
