@@ -10,7 +10,8 @@ import torch
 import dpfx
 from dpfx.passes import clip_noise
 from models import MLP, mse
-from noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
+from noise_stats import (assert_gaussian_scale, assert_noise_per_parameter, assert_uncorrelated,
+                         detectable_std_error)
 from reference import clip_fraction, dp_sgd_grads, run_dpfx
 
 SIGMA, C, D = 4.0, 0.5, 8
@@ -149,3 +150,20 @@ def test_a_generator_state_from_another_device_type_is_refused():
     assert torch.equal(opt._generator.get_state(), before)
     legacy = {k: v for k, v in state.items() if k != "generator_device"}   # saved as "cpu"
     opt.load_state_dict(legacy)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_add_gaussian_in_place(layout):
+    """noise.add_gaussian_ adds N(0, std^2) to every entry where the tensor lies, seeded by its
+    generator: the kernel's in-place pass, or (a layout it cannot take) a buffer of normals."""
+    from dpfx.noise import add_gaussian_
+    x = torch.full((300, 200), 5.0)
+    x = x if layout == "contiguous" else x.t()
+    before = x.data_ptr()
+    add_gaussian_(x, 2.0, torch.Generator().manual_seed(1))
+    assert x.data_ptr() == before
+    assert_gaussian_scale(x - 5.0, 2.0, f"a {layout} tensor's noise")
+    again = torch.full((300, 200), 5.0)
+    again = again if layout == "contiguous" else again.t()
+    add_gaussian_(again, 2.0, torch.Generator().manual_seed(1))
+    assert torch.equal(x, again)
