@@ -12,7 +12,10 @@ variant in turn, so load drift falls on all of them alike. Used by ``im2col.py -
 
 (``noise="optimizer"``, what distributed and sharded training run: each clipped sum noised where
 it lies, against the flat buffer with the normals added in place, and against the flat buffer
-with a buffer of normals as before 2026-11-27, beside the graph's noise.)
+with a buffer of normals as before 2026-11-27, beside the graph's noise), and for dpfx's GPU
+graphs with and without Inductor's combo kernels, interleaved on the device:
+
+    python benchmarks/step_ab.py combo_kernels hf_gpt2_256 16 --rounds 30 --device cuda
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import contextlib
 import statistics
 import time
 from typing import Callable, ContextManager
+
+import torch
 
 import methods
 import models
@@ -33,12 +38,18 @@ def nothing() -> ContextManager:
 
 
 def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
-          baseline: str = "compile") -> str:
-    """Median and min step (ms) of every variant and of the baseline method, as markdown."""
+          baseline: str = "compile", device: str = "cpu") -> str:
+    """Median and min step (ms) of every variant and of the baseline method, as markdown. On a
+    GPU each step is timed to the device's synchronization."""
     everything = {**variants, f"non-private {baseline}": (baseline, nothing)}
     steps, x, y = {}, None, None
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for name, (method, switch) in everything.items():
         net, x, y = models.build(model, batch)
+        if device != "cpu":
+            import run
+            run.DEVICE = torch.device(device)
+            net, x, y = run.on_device(net, x, y)
         with switch():
             steps[name] = methods.make(method, net, batch, x, y).step
             for _ in range(3):
@@ -47,8 +58,10 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
     for _ in range(rounds):
         for name, step in steps.items():
             with everything[name][1]():
+                sync()
                 start = time.perf_counter()
                 step(x, y)
+                sync()
                 times[name].append(time.perf_counter() - start)
     base = statistics.median(times[f"non-private {baseline}"])
     rows = [f"| {name} | {statistics.median(t) * 1e3:.2f} | {min(t) * 1e3:.2f} | "
@@ -90,7 +103,23 @@ def optimizer_flat_buffered() -> ContextManager:
         dpfx.optim.DPOptimizer._add_noise = real
 
 
-EXPERIMENTS = {"optimizer_noise": {
+@contextlib.contextmanager
+def no_combo_kernels() -> ContextManager:
+    """dpfx's GPU graphs lowered without Inductor's combo kernels (its setting before
+    2026-11-27; Note [Combo kernels on the GPU])."""
+    import dpfx.lowering
+    real = dict(dpfx.lowering.GPU_PATCHES)
+    dpfx.lowering.GPU_PATCHES.clear()
+    try:
+        yield
+    finally:
+        dpfx.lowering.GPU_PATCHES.update(real)
+
+
+EXPERIMENTS = {"combo_kernels": {
+    "dpfx, combo kernels (the GPU default)": ("dpfx", nothing),
+    "dpfx, no combo kernels (before)": ("dpfx", no_combo_kernels)},
+    "optimizer_noise": {
     "noise at the optimizer, each sum noised where it lies": ("dpfx_optimizer_noise", nothing),
     "noise at the optimizer, flat buffer, normals added in place": ("dpfx_optimizer_noise",
                                                                     optimizer_flat),
@@ -105,5 +134,7 @@ if __name__ == "__main__":
     ap.add_argument("model", choices=sorted(models.MODELS))
     ap.add_argument("batch", type=int)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
-    print(table(args.model, args.batch, EXPERIMENTS[args.experiment], args.rounds))
+    print(table(args.model, args.batch, EXPERIMENTS[args.experiment], args.rounds,
+                device=args.device))

@@ -9,7 +9,9 @@
 # T_BENCH, T_KERN, T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS, KERN_FLAGS (kernels.py).
 # VARIANTS: Inductor settings measured as levers, each a further kernels.py run of T_VAR seconds
 # with that setting on both sides (e.g. VARIANTS="combo_kernels=True"), written to
-# kernels_gpu_<setting>.md. Wheels the machine lacks
+# kernels_gpu_<setting>.md. T_AB (default 0: off): dpfx with and without combo kernels, interleaved
+# in one process (benchmarks/step_ab.py combo_kernels) for each "model:batch" of AB_ROWS, to
+# step_ab.md. Wheels the machine lacks
 # (opacus, dp-accounting and its dm-tree, for its Python) can travel in $WHEELS (default .whl,
 # an ignored folder): they are installed under /tmp for the run. With torch older than 2.13,
 # tests/gpu/sitecustomize.py patches its Triton launcher.
@@ -55,6 +57,14 @@ kernels() {   # name, time limit, kernels.py flags
 }
 [ "${T_KERN:-150}" != 0 ] && kernels kernels_gpu "${T_KERN:-150}"
 for v in $VARIANTS; do kernels "kernels_gpu_${v%%=*}" "${T_VAR:-120}" --inductor "$v"; done
+if [ "${T_AB:-0}" != 0 ]; then
+  T0=$(date +%s)
+  for row in ${AB_ROWS:-hf_gpt2_256:16 mlp_1024:1024}; do
+    timeout "$T_AB" python3 benchmarks/step_ab.py combo_kernels "${row%%:*}" "${row##*:}" \
+      --rounds 30 --device cuda 2>> "$OUT/step_ab_stderr.txt" | tee -a "$OUT/step_ab.md"
+  done
+  echo "step_ab $(( $(date +%s) - T0 )) s"
+fi
 if [ "${T_WARM:-60}" != 0 ]; then
 T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_WARM:-60}" $PT > "$OUT/cuda_warm.txt" 2>&1
 echo "warm rc=$? $(( $(date +%s) - T0 )) s"; grep -E "passed|failed" "$OUT/cuda_warm.txt" | tail -2
