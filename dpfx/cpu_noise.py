@@ -179,7 +179,7 @@ def add_noise_(sums: list[torch.Tensor], std: float, multiplier: float, divisor:
 def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, divisor: int,
                     generator: torch.Generator | None) -> None:
     """``add_noise_`` with the key drawn from ``generator`` (torch's default CPU generator when
-    None): DPOptimizer's noise, added in place to its flat buffer of clipped sums."""
+    None): DPOptimizer's noise, added in place to the clipped sums or their flat buffer."""
     other = [x for x in sums if x.dtype not in (torch.float32, torch.float64)]
     if other:
         raise TypeError(f"dpfx::add_noise_ takes float32 and float64 sums, not "

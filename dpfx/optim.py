@@ -311,11 +311,12 @@ class DPOptimizer(torch.optim.Optimizer):
     # Note [The optimizer's noise added where the sums lie]
     # In one process on the CPU, each clipped sum is noised and divided in place by one call of
     # the noise kernel (one key, stream t for the t-th parameter, as the graph's release) and
-    # becomes p.grad: no flat copy of the model's gradients, no second copy per parameter. GPT-2
-    # small (124M), B = 4: the step at the optimizer 5.86 -> 4.50 s with the normals added in
-    # place to the flat buffer, then lower again without it (BENCHMARKS.md). Sums that share
-    # storage, 16-bit sums, secure_mode and GPUs keep the flat buffer: one collective for
-    # several ranks, the validated device path.
+    # becomes p.grad: no flat copy of the model's gradients, no second copy per parameter. HF
+    # GPT-2 small (124M), B = 4, on a 2-core AMD EPYC: 4.86 s a step with the flat buffer and a
+    # buffer of normals, 3.69 s with the normals added to the flat buffer in place, 3.40 s so,
+    # level with the graph's noise (benchmarks/latest/optimizer_noise.md). Several ranks (one
+    # collective over the flat buffer), sums that share storage, 16-bit sums, secure_mode and
+    # GPUs keep the flat buffer.
     def _write_in_place(self, sums: dict, config) -> bool:
         if self.secure_mode or self._generator is None or self._generator.device.type != "cpu":
             return False
