@@ -717,6 +717,9 @@ def test_conv2d_input_grads_take_the_channels_last_op(backend):
     assert "[True, False, False]" not in backward, backward
 
 
+# Slow (about 30 s, two cold Inductor compiles): a memory property; the op's exactness and its
+# place in the graph are tested above in the default run.
+@pytest.mark.slow
 def test_conv2d_input_grad_lowers_the_step_peak(monkeypatch):
     """On the benchmark CNN's shapes the NCHW input-gradient convolution_backward was the whole
     step's memory peak (ATen converts to channels-last and back); through the op the peak is
