@@ -8,6 +8,7 @@ non-private baseline, interleaved in one process.
     python benchmarks/kernels.py noise               # the noise kernel against the memory bound
     python benchmarks/kernels.py mlp_1024 --device cuda --steps 50   # a GPU step: host or GPU bound
     python benchmarks/kernels.py mlp_1024 --device cuda --no-loss --inductor combo_kernels=True
+    python benchmarks/kernels.py hf_gpt2_256 --device cuda --no-loss --memory   # the peak's buffers
 
 torch.profiler inflates short extern calls about 2x on the 2-core CPU machine (BENCHMARKS.md,
 "Measured and not taken"), and a kernel timed alone in a loop runs on warm caches and awake
@@ -38,7 +39,8 @@ the device's own clock: for dpfx and for dpfx with its loss captured, each besid
 step's wall time (synchronized), its host time (until ``step()`` returns, unsynchronized), the GPU's
 busy time (the kernels' summed durations) and launches per step, the kernels by GPU time, and the
 host's time by Python layer, Triton launch and op (the timers above, over steps of their own). A
-step whose host time is near its wall time and above its busy time is bound by the host.
+step whose host time is near its wall time and above its busy time is bound by the host. With
+``--memory``, what each method's step holds at its peak, by allocation site (``live_at_peak``).
 
 ``noise`` times the noise alone, in ns per sample on 1 and on 2 threads at n = 10M and 100M
 floats (``--sizes``), the median of 5 calls after one untimed: dpfx's kernel as the step calls
@@ -299,10 +301,11 @@ def report(model_name: str, batch: int, steps: int, top: int, dpfx_method: str =
                                        baseline_of(model_name, dpfx_method))
 
 
-def gpu_report(model_name: str, batch: int, steps: int, top: int, loss: bool = True
-               ) -> tuple[str, list[str]]:
+def gpu_report(model_name: str, batch: int, steps: int, top: int, loss: bool = True,
+               memory: bool = False) -> tuple[str, list[str]]:
     """The GPU step of the baseline, dpfx and (``loss``) dpfx with the loss captured (see the
-    module doc): the model's per-kernel tables, and its summary rows."""
+    module doc): the model's per-kernel tables, (``memory``) what each holds at its peak
+    (``live_at_peak``), and its summary rows."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -377,9 +380,68 @@ def gpu_report(model_name: str, batch: int, steps: int, top: int, loss: bool = T
             lines.append(f"| {sum(r[0] for r in host_rows[top:]) * 1e3:.3f} | | "
                          f"{len(host_rows) - top} more |")
         lines.append("")
+        if memory:
+            lines += live_at_peak(step, x, y, top)
         del step, net
         torch.cuda.empty_cache()
     return "\n".join(lines), rows
+
+
+def live_at_peak(step, x, y, top: int) -> list[str]:
+    """What one GPU step holds at its peak: the CUDA caching allocator's history of the step
+    (``torch.cuda.memory._record_memory_history``) replayed to the instant the step's allocated
+    bytes are highest, and the blocks it allocated that are live there, grouped by where they
+    were allocated: the line of Inductor's generated code (``buf12 = empty_strided_cuda(...)``,
+    its module's first characters telling the graphs apart) or the first frame outside torch."""
+    import linecache
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step(x, y)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for trace in snapshot["device_traces"] for e in trace
+              if e["action"] in ("alloc", "free_completed")]
+    now = peak = peak_at = 0
+    for i, e in enumerate(events):
+        now += e["size"] if e["action"] == "alloc" else -e["size"]
+        if now > peak:
+            peak, peak_at = now, i
+    live = {}
+    for e in events[:peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+
+    def site(frames) -> str:
+        for f in frames:
+            if "torchinductor" in f["filename"] or "inductor_cache" in f["filename"]:
+                code = linecache.getline(f["filename"], f["line"]).strip()
+                return f"{Path(f['filename']).stem[:6]}: {code[:100]}"
+        for f in frames:
+            if "/torch/" not in f["filename"]:
+                return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+        return f"{frames[0]['filename'].split('/torch/')[-1]}:{frames[0]['line']}" if frames \
+            else "?"
+
+    sites = collections.defaultdict(lambda: [0, 0])
+    for e in live.values():
+        entry = sites[site(e.get("frames", []))]
+        entry[0] += e["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    lines = [f"Live at the step's peak: {peak / 2**20:.1f} MB above the step's start, "
+             f"{sum(e['size'] for e in live.values()) / 2**20:.1f} MB of it in {len(live)} "
+             f"blocks the step allocated (by site; event {peak_at} of {len(events)}):", "",
+             "| MB | blocks | allocated at |", "|---:|---:|---|"]
+    lines += [f"| {size / 2**20:.2f} | {n} | `{label}` |" for label, (size, n) in ranked[:top]]
+    if len(ranked) > top:
+        lines.append(f"| {sum(v[0] for _, v in ranked[top:]) / 2**20:.2f} | | "
+                     f"{len(ranked) - top} more sites |")
+    return lines + [""]
 
 
 GPU_HEAD = ("| model | B | method | wall ms | host ms | GPU busy ms | kernels / step |\n"
@@ -444,6 +506,8 @@ def main() -> None:
                     help="cuda: the GPU step through torch.profiler (see the module doc)")
     ap.add_argument("--no-loss", action="store_true",
                     help="cuda: leave out dpfx with the loss captured and its baseline")
+    ap.add_argument("--memory", action="store_true",
+                    help="cuda: what each method's step holds at its peak, by allocation site")
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                     help="an Inductor setting for every method of the run (a lever measured on "
                          "both sides), e.g. combo_kernels=True; repeatable")
@@ -464,7 +528,8 @@ def main() -> None:
     if args.device == "cuda":
         for name in names:
             text, model_rows = gpu_report(name, args.batch or models.MODELS[name][2][0],
-                                          args.steps, args.top, not args.no_loss)
+                                          args.steps, args.top, not args.no_loss,
+                                          args.memory)
             parts.append(text)
             rows += model_rows
             print(text, flush=True)

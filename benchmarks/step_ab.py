@@ -13,7 +13,8 @@ variant in turn, so load drift falls on all of them alike. Used by ``im2col.py -
 (``noise="optimizer"``, what distributed and sharded training run: each clipped sum noised where
 it lies, against the flat buffer with the normals added in place, and against the flat buffer
 with a buffer of normals as before 2026-11-27, beside the graph's noise), and for dpfx's GPU
-graphs with and without Inductor's combo kernels, interleaved on the device:
+graphs with and without Inductor's combo kernels, beside torch.compile with and without them,
+interleaved on the device:
 
     python benchmarks/step_ab.py combo_kernels hf_gpt2_256 16 --rounds 30 --device cuda
 """
@@ -116,9 +117,16 @@ def no_combo_kernels() -> ContextManager:
         dpfx.lowering.GPU_PATCHES.update(real)
 
 
+def combo_kernels() -> ContextManager:
+    """Inductor's combo kernels for every graph compiled inside (torch.compile's too)."""
+    import torch._inductor.config
+    return torch._inductor.config.patch(combo_kernels=True)
+
+
 EXPERIMENTS = {"combo_kernels": {
     "dpfx, combo kernels (the GPU default)": ("dpfx", nothing),
-    "dpfx, no combo kernels (before)": ("dpfx", no_combo_kernels)},
+    "dpfx, no combo kernels (before)": ("dpfx", no_combo_kernels),
+    "non-private torch.compile, combo kernels": ("compile", combo_kernels)},
     "optimizer_noise": {
     "noise at the optimizer, each sum noised where it lies": ("dpfx_optimizer_noise", nothing),
     "noise at the optimizer, flat buffer, normals added in place": ("dpfx_optimizer_noise",

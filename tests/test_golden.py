@@ -1,7 +1,8 @@
 """Golden graphs: the normalized forward and rewritten backward graphs of canonical models (a
 2-layer MLP, a sequence model with a 3-D Linear input and a positional parameter, a ResNet-style
 CNN with GroupNorm, a GPT-style transformer with tied embeddings, an arange positional embedding
-and causal SDPA, and nn.MultiheadAttention used as is with add_bias_kv).
+and causal SDPA, nn.MultiheadAttention used as is with add_bias_kv, and a raw table indexed with
+negative ids that is also the LM head: index_put's ghost form and the tied cross term).
 
 Regenerate (from a clean tree, then read the diff line by line) with:
 
@@ -21,6 +22,7 @@ import dpfx
 from dpfx.passes import clip_noise
 from models import MLP, ResNetGN, SeqModel, mse, xent
 from reference import assert_close, dp_sgd_grads, run_dpfx
+from test_rule_embedding import TiedTable
 from test_rule_norm_attention import MHANet, TinyGPT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -43,6 +45,7 @@ CASES = {  # model factory, input factory, loss, target factory
     "mha": (lambda: MHANet(embed=8, heads=2, add_bias_kv=True), _floats(4, 8), xent, _ids(3)),
     "embedding": (lambda: nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(32, 3)),
                   _ids(50, 4), xent, _ids(3)),
+    "tied_table": (lambda: TiedTable(vocab=50, dim=8, wrap=True), _ids(50, 4), xent, _ids(50)),
 }
 # The release as GPU graphs write it, built on CPU (clip_noise.NOISE_IN_PLACE emptied): slices
 # of one normal draw; the ghost embedding's clipped sum accumulates into its noise slice.

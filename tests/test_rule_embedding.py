@@ -60,6 +60,22 @@ class TableLookup(nn.Module):
         return self.head(self.table[x].mean(1))
 
 
+class TiedTable(nn.Module):
+    """A raw table indexed by token ids (``table[x]``, whose backward is ``index_put``) that is
+    also the LM head; ``wrap``: the ids given as negative indices (row r as r - V)."""
+
+    def __init__(self, vocab=8, dim=3, wrap=False):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, dim))
+        self.mix = nn.Linear(dim, dim)
+        self.wrap = wrap
+
+    def forward(self, x):
+        ids = x - self.table.shape[0] if self.wrap else x
+        h = torch.tanh(self.mix(self.table[ids].mean(1)))
+        return F.linear(h, self.table)
+
+
 class BagClassifier(nn.Module):
     """EmbeddingBag over (B, T) ids (one bag per example); optional per-token weights computed in
     the graph from the ids, so the model still takes one input."""
@@ -76,7 +92,8 @@ class BagClassifier(nn.Module):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def compile_and_compare(model, x, y, *, C, reduction, backend="eager", strategy="auto"):
+def compile_and_compare(model, x, y, *, C, reduction, backend="eager", strategy="auto",
+                        ghost=("emb.weight",)):
     """dpfx with sigma = 0 equals the reference; returns {param name: rules that fired}.
 
     Dynamo is reset first: every example then compiles from a clean state, instead of one in which
@@ -87,7 +104,8 @@ def compile_and_compare(model, x, y, *, C, reduction, backend="eager", strategy=
                       expected_batch_size=expected, backend=backend, strategy=strategy)
     got = run_dpfx(dp, model, F.cross_entropy, x, y, reduction)
     if strategy == "ghost":
-        assert {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}["emb.weight"] == "ghost"
+        strategies = {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}
+        assert all(strategies[name] == "ghost" for name in ghost), strategies
     want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=C, loss_reduction=reduction,
                         expected_batch_size=expected)
     assert_close(got, want)
@@ -215,14 +233,75 @@ def test_inductor_embedding_matches_reference(strategy):
 # -- other graph forms of the same gradient -------------------------------------------------------
 @SETTINGS
 @given(vocab=st.integers(1, 8), dim=st.integers(2, 4), seq=st.integers(1, 5),
-       batch=st.integers(0, 4), repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS))
-def test_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, reduction):
+       batch=st.integers(0, 4), repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS),
+       strategy=st.sampled_from(["materialize", "ghost"]))
+def test_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, reduction, strategy):
+    """``table[x]``'s index_put, per-sample tables or the index-equality ghost norm."""
     model = TableLookup(vocab, dim)
     x = token_ids(batch, seq, vocab, repeat, seed=vocab * 10 + seq)
     y = torch.randint(0, 3, (batch,))
     assert_clipping_bites(model, x, y, 0.05)
-    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction)
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy,
+                                   ghost=("table",))
     assert rules["table"] == ["index_put"]
+
+
+@SETTINGS
+@given(vocab=st.integers(2, 8), dim=st.integers(2, 4), seq=st.integers(1, 5),
+       batch=st.integers(0, 4), repeat=st.booleans(), wrap=st.booleans(),
+       reduction=st.sampled_from(REDUCTIONS), strategy=st.sampled_from(["ghost", "materialize"]))
+def test_tied_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, wrap, reduction,
+                                               strategy):
+    """A table indexed (index_put) and used as the head (mm): each use's ghost form and their
+    cross term, the one-hot side at the index as the op reads it (a negative
+    index is row idx + V, equal to the same row given positive)."""
+    model = TiedTable(vocab, dim, wrap=wrap)
+    x = token_ids(batch, seq, vocab, repeat, seed=vocab * 10 + seq)
+    y = torch.randint(0, vocab, (batch,))
+    assert_clipping_bites(model, x, y, 0.05)
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy,
+                                   ghost=("table",))
+    assert sorted(rules["table"]) == ["index_put", "mm"]
+
+
+def _scatter_decomposition(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """embedding_dense_backward as torch before 2.13 decomposed it (the form a CUDA GPT-2 graph
+    showed under torch 2.11): the padding tokens' rows zeroed by a where, then a plain
+    index_put(zeros, [ids], rows, accumulate=True)."""
+    assert not scale_grad_by_freq
+    pad = (indices == padding_idx).unsqueeze(-1)
+    rows = torch.where(pad, torch.zeros((), dtype=grad_output.dtype), grad_output)
+    table = grad_output.new_zeros((num_weights, *grad_output.shape[indices.dim():]))
+    return aten.index_put(table, [indices], rows, True)
+
+
+@pytest.fixture
+def embedding_backward_as_scatter(monkeypatch):
+    table = {**compile_fx.select_decomp_table(),
+             aten.embedding_dense_backward.default: _scatter_decomposition}
+    monkeypatch.setattr(compile_fx, "select_decomp_table", lambda: table)
+
+
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_tied_lm_head_through_index_put_is_ghost(embedding_backward_as_scatter, batch):
+    """GPT-2's tie where the embedding's backward is a plain index_put: no (B, V, d) tables,
+    the same gradient."""
+    model = TiedLM()
+    x = token_ids(batch, 5, 9, repeat=True, seed=batch)
+    y = torch.randint(0, 9, (batch,))
+    assert_clipping_bites(model, x, y, 0.05)
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction="mean", strategy="ghost")
+    assert sorted(rules["emb.weight"]) == ["index_put", "mm"]
+
+
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_inductor_tied_table_ghost_matches_reference(batch):
+    model = TiedTable(vocab=8, dim=4, wrap=True)
+    x = token_ids(batch, 4, 8, repeat=True, seed=0)
+    y = torch.randint(0, 8, (batch,))
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction="mean", backend="inductor",
+                                   strategy="ghost", ghost=("table",))
+    assert sorted(rules["table"]) == ["index_put", "mm"]
 
 
 @pytest.fixture

@@ -30,10 +30,13 @@ index whose batch layout is not proven or differs from the values' (Note [The in
 layout]).
 
 Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The ghost form of the
-masked index_put rule (``ghost_masked_put``, chosen by "auto" when B*T*(T+d) < B*V*d) never builds
-it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T) Gram
-matrix masked by index equality, and the clipped sum is one scatter-add of the clip-scaled token
-gradients.
+masked index_put and index_put rules (``_ghost_scatter``, chosen by "auto" when B*T*(T+d) <
+B*V*d) never builds it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t,
+g_t'>``, a (T, T) Gram matrix masked by index equality, and the clipped sum is one scatter-add of
+the clip-scaled token gradients. Both give their factors, so a table that is also an LM head is
+clipped without per-sample tables either way its backward is written (torch 2.13's
+decomposition of the embedding's backward is the masked op; earlier ones, and ``table[idx]``,
+give index_put).
 """
 from __future__ import annotations
 
@@ -208,7 +211,12 @@ def rewrite_masked_put(node, ctx):
 
 def cost_masked_put(node, ctx) -> dict:
     base, _, (idx,), values = _masked_args(node)
-    cost = _scatter_cost("masked index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
+    return _with_ghost_cost(_scatter_cost("masked index_put", values, ctx.analysis.shape(
+        base.meta["val"]), ctx), idx, values, ctx)
+
+
+def _with_ghost_cost(cost: dict, idx, values, ctx) -> dict:
+    """``cost`` with the index-equality Gram form's (``_ghost_scatter``)."""
     shape = ctx.analysis.shape(values.meta["val"])
     rank = idx.meta["val"].dim()
     tokens, width = _product(shape[1:rank]), _product(shape[rank:])
@@ -225,16 +233,33 @@ def ghost_masked_put(node, ctx) -> Ghost:
     a (T, T) Gram matrix masked by index equality (Li et al. 2022). The clipped sum is the op itself
     with each example's values scaled by its clip coefficient (book-keeping, Bu et al. 2023)."""
     base, mask, (idx,), values = _masked_args(node)
+
+    def put(into, scaled):
+        return ctx.emit(aten._unsafe_masked_index_put_accumulate.default, into, mask, [idx],
+                        scaled, tag="clipped_sum")
+
+    return _ghost_scatter(base, idx, values, mask, put, True, ctx)
+
+
+def _ghost_scatter(base, idx, values, mask, put, into_base: bool, ctx) -> Ghost:
+    """The index-equality Gram form of a scatter-add of token rows ``values`` into the zero
+    table ``base`` at ``idx`` (``mask``: the tokens kept, or None), whose clipped sum is
+    ``put(into, scaled values)``; ``into_base``: the op may accumulate into another tensor than
+    a zero table (the verifier reads it so: ``Ghost.clipped_into``)."""
     emit, val = ctx.emit, values.meta["val"]
     batch = emit.batch_size()
     shape = ctx.analysis.shape(val)
     rank = idx.meta["val"].dim()
     tokens, width = emit.size(_product(shape[1:rank])), emit.size(_product(shape[rank:]))
     zero = emit(aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
-    kept = emit(aten.where.self, mask, values, zero)
+    kept = values if mask is None else emit(aten.where.self, mask, values, zero)
     rows = emit(aten.reshape.default, kept, [batch, tokens, width])
     gram = emit(aten.bmm.default, rows, emit(aten.permute.default, rows, [0, 2, 1]))
     flat_idx = emit(aten.reshape.default, idx, [batch, tokens])
+    table_rows = ctx.analysis.shape(base.meta["val"])[0]
+    if mask is None:
+        # A negative index names row idx + V, as the op reads it: equal rows, equal indices.
+        flat_idx = emit(aten.remainder.Scalar, flat_idx, emit.size(table_rows))
     same = emit(aten.eq.Tensor, emit(aten.unsqueeze.default, flat_idx, 2),
                 emit(aten.unsqueeze.default, flat_idx, 1))
     norm_sq = emit(aten.sum.dim_IntList, emit(aten.where.self, same, gram, zero), [1, 2])
@@ -242,17 +267,18 @@ def ghost_masked_put(node, ctx) -> Ghost:
     def clipped_into(clip, into):
         scaled = clip.scale(emit, values, ctx.layout(values))
         into_wide, scaled = at_least_float32(emit, into, scaled)
-        return emit(aten._unsafe_masked_index_put_accumulate.default, into_wide, mask, [idx],
-                    scaled, tag="clipped_sum")
+        return put(into_wide, scaled)
 
     def factors():
         # One-hot rows at the tokens' indices; a masked token's row is zero on the other side,
-        # so its index only needs to be in range for a gather (Rows).
-        last = emit.size(ctx.analysis.shape(base.meta["val"])[0] - 1)
+        # so its index only needs to be in range for a gather (Rows). An index out of range
+        # makes the op itself fail.
+        last = emit.size(table_rows - 1)
         clamped = emit(aten.clamp_max.default, emit(aten.clamp_min.default, flat_idx, 0), last)
         return Rows(index=clamped), Rows(dense=rows)
 
-    return Ghost(norm_sq, lambda clip: clipped_into(clip, base), clipped_into, factors=factors)
+    return Ghost(norm_sq, lambda clip: clipped_into(clip, base),
+                 clipped_into if into_base else None, factors=factors)
 
 
 # -- index_put(zeros, [idx], values, accumulate=True) ----------------------------------------------
@@ -278,8 +304,25 @@ def rewrite_index_put(node, ctx):
 
 
 def cost_index_put(node, ctx) -> dict:
-    base, _, values, _ = _put_args(node)
-    return _scatter_cost("index_put", values, ctx.analysis.shape(base.meta["val"]), ctx)
+    base, (idx,), values, _ = _put_args(node)
+    return _with_ghost_cost(_scatter_cost("index_put", values, ctx.analysis.shape(
+        base.meta["val"]), ctx), idx, values, ctx)
+
+
+def ghost_check_index_put(node, ctx) -> str | None:
+    _, (idx,), _, _ = _put_args(node)
+    return None if _plain_at_front(idx, ctx) else "the ghost form needs the batch at dim 0"
+
+
+def ghost_index_put(node, ctx) -> Ghost:
+    """``ghost_masked_put``'s form without a mask: every token kept, a negative index read as
+    the op reads it. The clipped sum is the op on the clip-scaled values into its zero table."""
+    base, (idx,), values, _ = _put_args(node)
+
+    def put(into, scaled):
+        return ctx.emit(node.target, into, [idx], scaled, True, tag="clipped_sum")
+
+    return _ghost_scatter(base, idx, values, None, put, False, ctx)
 
 
 # -- embedding_dense_backward(grad_output, indices, V, padding_idx, scale_grad_by_freq) -----------
@@ -331,6 +374,8 @@ MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulat
                            ghost=ghost_masked_put, ghost_check=ghost_check_masked_put,
                            ghost_factors=True))
 INDEX_PUT = register(Rule("index_put", (aten.index_put.default, aten._unsafe_index_put.default),
-                          check_index_put, rewrite_index_put, cost_index_put))
+                          check_index_put, rewrite_index_put, cost_index_put,
+                          ghost=ghost_index_put, ghost_check=ghost_check_index_put,
+                          ghost_factors=True))
 DENSE_BACKWARD = register(Rule("embedding_dense_backward", (aten.embedding_dense_backward.default,),
                                check_dense_backward, rewrite_dense_backward, cost_dense_backward))
