@@ -144,9 +144,12 @@ def test_gpt2_tiny():
     _check(dp, model, lm_loss, make, [3, 0, 1, 4, 8], "sum")   # 4 = T, 8 = the width
     fired = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
     # The tied LM head: the table's scatter-add and the head's mm. torch 2.13 decomposes the table
-    # gradient into a masked index_put (the "embedding" rule), 2.11 into a plain one ("index_put").
+    # gradient into a masked index_put (the "embedding" rule), 2.11 into a plain one ("index_put");
+    # both have the ghost form, so no (B, V, d) tables either way.
     scatter, head = sorted(fired["model.transformer.wte.weight"])
     assert (scatter, head) in {("embedding", "mm"), ("index_put", "mm")}, (scatter, head)
+    strategy = {pg.name: pg.strategy for pg in dp._dpfx_backend.param_grads}
+    assert strategy["model.transformer.wte.weight"] == "ghost"
 
 
 @pytest.mark.parametrize("strategy", ["materialize", "auto"])

@@ -34,13 +34,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 cat "$OUT/env.txt"
 PT="python3 -m pytest -q -p no:cacheprovider -p no:logging -rA --tb=short --durations=0 tests/test_cuda.py"
 CACHE=$(mktemp -d)
-if [ "${T_COLD:-150}" != 0 ]; then
-T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-150}" $PT > "$OUT/cuda_cold.txt" 2>&1
+if [ "${T_COLD:-180}" != 0 ]; then
+T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-180}" $PT > "$OUT/cuda_cold.txt" 2>&1
 echo "cold rc=$? $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda_cold.txt" | tail -16
 fi
-if [ "${T_BENCH:-200}" != 0 ]; then
+if [ "${T_BENCH:-170}" != 0 ]; then
 T0=$(date +%s); BENCH=$(mktemp -d)
-timeout "${T_BENCH:-200}" python3 benchmarks/run.py --realistic --quick --steps 20 --warmup 3 \
+timeout "${T_BENCH:-170}" python3 benchmarks/run.py --realistic --quick --steps 20 --warmup 3 \
   --device cuda --models ${MODELS:-mlp_1024 hf_gpt2_256 hf_llama_256} \
   --methods ${METHODS:-eager compile opacus_ghost dpfx} --timeout 120 --out "$BENCH" > "$OUT/bench_stdout.txt" 2>&1
 echo "bench rc=$? $(( $(date +%s) - T0 )) s"
