@@ -76,6 +76,23 @@ class TiedTable(nn.Module):
         return F.linear(h, self.table)
 
 
+class FlatLookup(nn.Module):
+    """Batch-first ids flattened to (B*T,) before the lookup: ``torch.index_select`` on a raw
+    table (its backward an index_put) or ``nn.Embedding`` (the masked scatter)."""
+
+    def __init__(self, kind, vocab=9, dim=4, n_classes=3):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, n_classes)
+
+    def forward(self, x):
+        flat = x.reshape(-1)
+        rows = torch.index_select(self.emb.weight, 0, flat) if self.kind == "index_select" \
+            else self.emb(flat)
+        return self.head(torch.tanh(rows.view(*x.shape, rows.shape[-1])).mean(1))
+
+
 class BagClassifier(nn.Module):
     """EmbeddingBag over (B, T) ids (one bag per example); optional per-token weights computed in
     the graph from the ids, so the model still takes one input."""
@@ -264,6 +281,20 @@ def test_tied_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, w
     assert sorted(rules["table"]) == ["index_put", "mm"]
 
 
+@SETTINGS
+@given(kind=st.sampled_from(["index_select", "embedding"]), seq=st.integers(1, 5),
+       batch=st.integers(0, 4), repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS),
+       strategy=st.sampled_from(["ghost", "materialize"]))
+def test_flattened_batch_first_ids_match_reference(kind, seq, batch, repeat, reduction, strategy):
+    """(B*T,) ids with the examples outermost: the ghost form reads them as (B, T) tokens."""
+    model = FlatLookup(kind)
+    x = token_ids(batch, seq, 9, repeat, seed=seq * 5 + batch)
+    y = torch.randint(0, 3, (batch,))
+    assert_clipping_bites(model, x, y, 0.05)
+    rules, _ = compile_and_compare(model, x, y, C=0.05, reduction=reduction, strategy=strategy)
+    assert rules["emb.weight"] == ["index_put" if kind == "index_select" else "embedding"]
+
+
 def _scatter_decomposition(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     """embedding_dense_backward as torch before 2.13 decomposed it (the form a CUDA GPT-2 graph
     showed under torch 2.11): the padding tokens' rows zeroed by a where, then a plain
@@ -294,20 +325,25 @@ def test_tied_lm_head_through_index_put_is_ghost(embedding_backward_as_scatter, 
     assert sorted(rules["emb.weight"]) == ["index_put", "mm"]
 
 
-def test_inductor_tied_table_ghost_matches_reference():
-    """One Inductor compile serves batches of 3, 1 and 0 (4 collides with the sequence length)."""
-    model = TiedTable(vocab=8, dim=4, wrap=True)
+@pytest.mark.parametrize("name", ["tied_table", "flat_index_select"])
+def test_inductor_index_put_ghost_matches_reference(name):
+    """One Inductor compile serves batches of 3, 4 (= T), 1 and 0: index_put's ghost form, tied
+    to the head with its cross term, or on (B*T,) ids from index_select."""
+    model = TiedTable(vocab=8, dim=4, wrap=True) if name == "tied_table" else \
+        FlatLookup("index_select", vocab=8)
+    param = "table" if name == "tied_table" else "emb.weight"
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, strategy="ghost",
                       expected_batch_size=4)
     for batch in (3, 4, 1, 0):
         x = token_ids(batch, 4, 8, repeat=True, seed=batch)
-        y = torch.randint(0, 8, (batch,))
+        y = torch.randint(0, 3, (batch,))
         got = run_dpfx(dp, model, F.cross_entropy, x, y)
         assert_close(got, dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.05,
                                        expected_batch_size=4))
     assert dp.compile_count == 2
     found = {pg.name: (pg.strategy, sorted(pg.rules)) for pg in dp._dpfx_backend.param_grads}
-    assert found["table"] == ("ghost", ["index_put", "mm"])
+    assert found[param] == ("ghost", ["index_put", "mm"] if name == "tied_table" else
+                            ["index_put"])
 
 
 @pytest.fixture

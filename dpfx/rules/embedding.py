@@ -30,12 +30,13 @@ index whose batch layout is not proven or differs from the values' (Note [The in
 layout]).
 
 Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The ghost form of the
-masked index_put and index_put rules (``_ghost_scatter``, chosen by "auto" when B*T*(T+d) <
-B*V*d) never builds it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t,
-g_t'>``, a (T, T) Gram matrix masked by index equality, and the clipped sum is one scatter-add of
-the clip-scaled token gradients. Both give their factors, so a table that is also an LM head is
-clipped without per-sample tables either way its backward is written (torch 2.13's
-decomposition of the embedding's backward is the masked op; earlier ones, and ``table[idx]``,
+masked index_put and index_put rules (``_ghost_scatter``, chosen by "auto" when B*T*(T+d) < B*V*d)
+never builds it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T)
+Gram matrix masked by index equality, and the clipped sum is one scatter-add of the clip-scaled
+token gradients; the ids may be (B, T) or flattened batch-first to (B*T,)
+(``torch.index_select(table, 0, ids.reshape(-1))``). Both give their factors, so a table that is
+also an LM head is clipped without per-sample tables either way its backward is written (torch
+2.13's decomposition of the embedding's backward is the masked op; earlier ones, and ``table[idx]``,
 give index_put).
 """
 from __future__ import annotations
@@ -52,9 +53,15 @@ prims = torch.ops.prims
 
 
 # -- checks shared by every form -------------------------------------------------------------------
-def _plain_at_front(node, ctx) -> bool:
+def _batch_outermost(node, ctx) -> bool:
+    """The examples are dim 0's outermost factor: (B, T) ids, or those flattened to (B*T,)."""
     lay = ctx.layout(node)
-    return isinstance(lay, BatchDim) and lay.is_plain and lay.dim == 0
+    return isinstance(lay, BatchDim) and lay.dim == 0 and lay.outer == 1
+
+
+def _tokens(idx, ctx):
+    """Index elements per example (sympy): dim 0's inner factor times the index's other dims."""
+    return ctx.layout(idx).inner * _product(ctx.analysis.shape(idx.meta["val"])[1:])
 
 
 def _is_zeros(node) -> bool:
@@ -218,8 +225,7 @@ def cost_masked_put(node, ctx) -> dict:
 def _with_ghost_cost(cost: dict, idx, values, ctx) -> dict:
     """``cost`` with the index-equality Gram form's (``_ghost_scatter``)."""
     shape = ctx.analysis.shape(values.meta["val"])
-    rank = idx.meta["val"].dim()
-    tokens, width = _product(shape[1:rank]), _product(shape[rank:])
+    tokens, width = _tokens(idx, ctx), _product(shape[idx.meta["val"].dim():])
     batch = ctx.analysis.batch
     cost.update(ghost_form=f"index-equality Gram [B, {tokens}, {tokens}]",
                 ghost_flops=batch * tokens * tokens * (2 * width + 1),
@@ -249,8 +255,8 @@ def _ghost_scatter(base, idx, values, mask, put, into_base: bool, ctx) -> Ghost:
     emit, val = ctx.emit, values.meta["val"]
     batch = emit.batch_size()
     shape = ctx.analysis.shape(val)
-    rank = idx.meta["val"].dim()
-    tokens, width = emit.size(_product(shape[1:rank])), emit.size(_product(shape[rank:]))
+    tokens = emit.size(_tokens(idx, ctx))
+    width = emit.size(_product(shape[idx.meta["val"].dim():]))
     zero = emit(aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
     kept = values if mask is None else emit(aten.where.self, mask, values, zero)
     rows = emit(aten.reshape.default, kept, [batch, tokens, width])
@@ -311,7 +317,8 @@ def cost_index_put(node, ctx) -> dict:
 
 def ghost_check_index_put(node, ctx) -> str | None:
     _, (idx,), _, _ = _put_args(node)
-    return None if _plain_at_front(idx, ctx) else "the ghost form needs the batch at dim 0"
+    return None if _batch_outermost(idx, ctx) else \
+        "the ghost form needs the examples outermost in the index's dim 0"
 
 
 def ghost_index_put(node, ctx) -> Ghost:
@@ -364,9 +371,11 @@ def cost_dense_backward(node, ctx) -> dict:
 
 
 def ghost_check_masked_put(node, ctx) -> str | None:
-    """The ghost form reads each example's tokens as rows [B, tokens, width]."""
+    """The ghost form reads each example's tokens as rows [B, tokens, width]: the index's dim 0
+    must hold the examples outermost ((B, T), or (B*T,) flattened batch-first)."""
     _, _, (idx,), _ = _masked_args(node)
-    return None if _plain_at_front(idx, ctx) else "the ghost form needs the batch at dim 0"
+    return None if _batch_outermost(idx, ctx) else \
+        "the ghost form needs the examples outermost in the index's dim 0"
 
 
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
