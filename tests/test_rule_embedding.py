@@ -182,9 +182,11 @@ class TimeFirstEmbedding(nn.Module):
 @SETTINGS
 @given(flat=st.booleans(), seq=st.integers(1, 5), batch=st.integers(0, 4),
        pad=st.one_of(st.none(), st.integers(0, 9)), repeat=st.booleans(),
-       reduction=st.sampled_from(REDUCTIONS), strategy=st.sampled_from(["auto", "materialize"]))
+       reduction=st.sampled_from(REDUCTIONS),
+       strategy=st.sampled_from(["auto", "materialize", "ghost"]))
 def test_time_first_ids_match_reference(flat, seq, batch, pad, repeat, reduction, strategy):
-    """Note [The index's batch layout]: the per-example rows follow the index's batch dim."""
+    """Note [The index's batch layout]: the per-example rows follow the index's batch dim, and
+    the ghost form reads each example's tokens from there."""
     model = TimeFirstEmbedding(flat, padding_idx=pad)
     x = token_ids(batch, seq, 10, repeat, seed=seq * 7 + batch)
     y = torch.randint(0, 3, (batch,))
@@ -325,12 +327,14 @@ def test_tied_lm_head_through_index_put_is_ghost(embedding_backward_as_scatter, 
     assert sorted(rules["emb.weight"]) == ["index_put", "mm"]
 
 
-@pytest.mark.parametrize("name", ["tied_table", "flat_index_select"])
+@pytest.mark.parametrize("name", ["tied_table", "flat_index_select", "time_first_flat"])
 def test_inductor_index_put_ghost_matches_reference(name):
     """One Inductor compile serves batches of 3, 4 (= T), 1 and 0: index_put's ghost form, tied
-    to the head with its cross term, or on (B*T,) ids from index_select."""
-    model = TiedTable(vocab=8, dim=4, wrap=True) if name == "tied_table" else \
-        FlatLookup("index_select", vocab=8)
+    to the head with its cross term, or on (B*T,) ids from index_select; the masked op's on
+    (T*B,) ids, each example's tokens gathered to the front."""
+    model = {"tied_table": lambda: TiedTable(vocab=8, dim=4, wrap=True),
+             "flat_index_select": lambda: FlatLookup("index_select", vocab=8),
+             "time_first_flat": lambda: TimeFirstEmbedding(True, vocab=8)}[name]()
     param = "table" if name == "tied_table" else "emb.weight"
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, strategy="ghost",
                       expected_batch_size=4)
@@ -342,8 +346,8 @@ def test_inductor_index_put_ghost_matches_reference(name):
                                        expected_batch_size=4))
     assert dp.compile_count == 2
     found = {pg.name: (pg.strategy, sorted(pg.rules)) for pg in dp._dpfx_backend.param_grads}
-    assert found[param] == ("ghost", ["index_put", "mm"] if name == "tied_table" else
-                            ["index_put"])
+    assert found[param] == ("ghost", {"tied_table": ["index_put", "mm"],
+                                      "flat_index_select": ["index_put"]}.get(name, ["embedding"]))
 
 
 @pytest.fixture

@@ -33,11 +33,11 @@ Strategies: "materialize" builds a dense (B, V, d) tensor, B*V*d memory. The gho
 masked index_put and index_put rules (``_ghost_scatter``, chosen by "auto" when B*T*(T+d) < B*V*d)
 never builds it: example i's squared norm is ``sum_{t, t'} [idx_t == idx_t'] <g_t, g_t'>``, a (T, T)
 Gram matrix masked by index equality, and the clipped sum is one scatter-add of the clip-scaled
-token gradients; the ids may be (B, T) or flattened batch-first to (B*T,)
-(``torch.index_select(table, 0, ids.reshape(-1))``). Both give their factors, so a table that is
-also an LM head is clipped without per-sample tables either way its backward is written (torch
-2.13's decomposition of the embedding's backward is the masked op; earlier ones, and ``table[idx]``,
-give index_put).
+token gradients; the ids may hold the examples in any proven layout, (B, T), time-first (T, B) or
+either flattened (``torch.index_select(table, 0, ids.reshape(-1))``): each example's tokens are read
+in front (``_examples_first``). Both give their factors, so a table that is also an LM head is
+clipped without per-sample tables either way its backward is written (torch 2.13's decomposition of
+the embedding's backward is the masked op; earlier ones, and ``table[idx]``, give index_put).
 """
 from __future__ import annotations
 
@@ -53,15 +53,25 @@ prims = torch.ops.prims
 
 
 # -- checks shared by every form -------------------------------------------------------------------
-def _batch_outermost(node, ctx) -> bool:
-    """The examples are dim 0's outermost factor: (B, T) ids, or those flattened to (B*T,)."""
-    lay = ctx.layout(node)
-    return isinstance(lay, BatchDim) and lay.dim == 0 and lay.outer == 1
-
-
 def _tokens(idx, ctx):
-    """Index elements per example (sympy): dim 0's inner factor times the index's other dims."""
-    return ctx.layout(idx).inner * _product(ctx.analysis.shape(idx.meta["val"])[1:])
+    """Index elements per example (sympy): the index's size over the batch size."""
+    lay = ctx.layout(idx)
+    shape = ctx.analysis.shape(idx.meta["val"])
+    return lay.outer * lay.inner * _product(s for i, s in enumerate(shape) if i != lay.dim)
+
+
+def _examples_first(node, lay: BatchDim, ctx) -> fx.Node:
+    """``node`` (the index, or rows laid out like it in its leading dims) with its examples in
+    front: dim ``lay.dim`` split into (outer, B, inner) and B moved to dim 0, so that a reshape
+    to [B, -1] reads each example's elements in the index's order."""
+    if lay.dim == 0 and lay.outer == 1:
+        return node
+    shape = ctx.analysis.shape(node.meta["val"])
+    d = lay.dim
+    split = [*shape[:d], lay.outer, ctx.analysis.batch, lay.inner, *shape[d + 1:]]
+    node = ctx.emit(aten.reshape.default, node, [ctx.emit.size(s) for s in split])
+    return ctx.emit(aten.permute.default, node,
+                    [d + 1] + [i for i in range(len(split)) if i != d + 1])
 
 
 def _is_zeros(node) -> bool:
@@ -259,9 +269,10 @@ def _ghost_scatter(base, idx, values, mask, put, into_base: bool, ctx) -> Ghost:
     width = emit.size(_product(shape[idx.meta["val"].dim():]))
     zero = emit(aten.scalar_tensor.default, 0, dtype=val.dtype, device=val.device)
     kept = values if mask is None else emit(aten.where.self, mask, values, zero)
-    rows = emit(aten.reshape.default, kept, [batch, tokens, width])
+    lay = ctx.layout(idx)   # the values' and the mask's too (_check_scatter)
+    rows = emit(aten.reshape.default, _examples_first(kept, lay, ctx), [batch, tokens, width])
     gram = emit(aten.bmm.default, rows, emit(aten.permute.default, rows, [0, 2, 1]))
-    flat_idx = emit(aten.reshape.default, idx, [batch, tokens])
+    flat_idx = emit(aten.reshape.default, _examples_first(idx, lay, ctx), [batch, tokens])
     table_rows = ctx.analysis.shape(base.meta["val"])[0]
     if mask is None:
         # A negative index names row idx + V, as the op reads it: equal rows, equal indices.
@@ -317,8 +328,8 @@ def cost_index_put(node, ctx) -> dict:
 
 def ghost_check_index_put(node, ctx) -> str | None:
     _, (idx,), _, _ = _put_args(node)
-    return None if _batch_outermost(idx, ctx) else \
-        "the ghost form needs the examples outermost in the index's dim 0"
+    return None if isinstance(ctx.layout(idx), BatchDim) else \
+        "the ghost form needs the index's batch layout"
 
 
 def ghost_index_put(node, ctx) -> Ghost:
@@ -371,11 +382,11 @@ def cost_dense_backward(node, ctx) -> dict:
 
 
 def ghost_check_masked_put(node, ctx) -> str | None:
-    """The ghost form reads each example's tokens as rows [B, tokens, width]: the index's dim 0
-    must hold the examples outermost ((B, T), or (B*T,) flattened batch-first)."""
+    """The ghost form reads each example's tokens as rows [B, tokens, width], from any proven
+    batch layout of the index (Note [The index's batch layout])."""
     _, _, (idx,), _ = _masked_args(node)
-    return None if _batch_outermost(idx, ctx) else \
-        "the ghost form needs the examples outermost in the index's dim 0"
+    return None if isinstance(ctx.layout(idx), BatchDim) else \
+        "the ghost form needs the index's batch layout"
 
 
 MASKED_PUT = register(Rule("embedding", (aten._unsafe_masked_index_put_accumulate.default,),
