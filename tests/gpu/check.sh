@@ -6,7 +6,8 @@
 # on the warm cache. Writes env.txt, cuda_cold.txt, results.md/.json, bench_logs.txt,
 # kernels_gpu.md, cuda_warm.txt to $OUT (default benchmarks/out/gpu).
 # Stage limits in seconds (their defaults fit a 10-minute command; 0 skips a stage): T_COLD,
-# T_BENCH, T_KERN, T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS, KERN_FLAGS (kernels.py).
+# T_BENCH, T_KERN, T_WARM; rows: MODELS, METHODS (run.py), KERN_MODELS, KERN_FLAGS (kernels.py;
+# default --memory: the buffers live at each step's peak).
 # VARIANTS: Inductor settings measured as levers, each a further kernels.py run of T_VAR seconds
 # with that setting on both sides (e.g. VARIANTS="combo_kernels=True"), written to
 # kernels_gpu_<setting>.md. T_AB (default 0: off): dpfx with and without combo kernels, interleaved
@@ -51,7 +52,7 @@ fi
 kernels() {   # name, time limit, kernels.py flags
   T0=$(date +%s)
   timeout "$2" python3 benchmarks/kernels.py ${KERN_MODELS:-mlp_1024 hf_gpt2_256} --device cuda \
-    --steps 30 --top 25 $KERN_FLAGS "${@:3}" --out "$OUT/$1.md" > "$OUT/$1_stdout.txt" 2>&1
+    --steps 30 --top 25 ${KERN_FLAGS---memory} "${@:3}" --out "$OUT/$1.md" > "$OUT/$1_stdout.txt" 2>&1
   echo "$1 rc=$? $(( $(date +%s) - T0 )) s"
   grep -E "^\| [a-z]" "$OUT/$1.md" 2>/dev/null | grep -v "^| model"
 }
