@@ -31,8 +31,9 @@ lora-example: install
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=15
 
+# the slow tests too, and every hypothesis sweep's full set of examples (tests/sweep.py)
 test-all: install
-	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile
+	DPFX_TEST_SWEEP=full $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile
 
 bench: install
 	$(PYTHON) -m pip install --quiet -e ".[bench]"

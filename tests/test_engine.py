@@ -15,6 +15,7 @@ from dpfx.noise import secure_standard_normal
 from models import MLP, SeqModel, mse
 from noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
 from reference import CLIP_EPS, assert_close, clip_fraction, dp_sgd_grads, per_example_grads
+from sweep import examples
 
 
 def per_layer_reference(model, loss_fn, x, y, bounds, loss_reduction="mean",
@@ -57,7 +58,7 @@ def _grads(model):
 
 # -- per-layer clipping ----------------------------------------------------------------------------
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(batch=st.integers(0, 6), reduction=st.sampled_from(["mean", "sum"]),
        strategy=st.sampled_from(["materialize", "ghost"]),
        bounds=st.sampled_from([{"fc1": 0.05, "fc2": 0.3}, {"": 0.1, "fc2.bias": 0.02},

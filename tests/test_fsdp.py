@@ -4,7 +4,7 @@ At sigma = 0, after every step each rank's unsharded gradient (``p.grad.full_ten
 parameters equal an independent batch-of-one clipped reference over the union of the ranks'
 batches (batch sizes differ across ranks, some are empty), through Inductor with the self-check
 on: an MLP sharded per layer on 2 and 4 ranks, an HF Llama sharded per decoder layer with a tied
-head, and LoRA adapters on a sharded frozen base. At sigma > 0 every coordinate's noise has
+head (by default with backend="eager"), and LoRA adapters on a sharded frozen base. At sigma > 0 every coordinate's noise has
 std sigma*C/D, measured per coordinate: a coordinate noised by two ranks would show sqrt(2) times
 that, a shard noised by none 0; shards of different ranks draw independent noise even from one
 fixed seed. Parameters, gradients and optimizer state stay DTensor shards, evaluation reshards
@@ -108,14 +108,15 @@ def _shard(model: nn.Module, name: str) -> None:
 
 
 # -- what each rank runs -----------------------------------------------------------------------
-def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empty=False):
+def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empty=False,
+           backend="inductor"):
     """A sharded private run on this rank: (parameters after it, every step's unsharded p.grad,
     the types of parameters, gradients and optimizer state)."""
     model, per_example, data, bound = _setup(name)
     _shard(model, name)
     D = 6
     dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=sigma,
-                      expected_batch_size=D, loss_reduction=reduction, seed=7)
+                      expected_batch_size=D, loss_reduction=reduction, seed=7, backend=backend)
     assert dp.dp_config.noise == "optimizer"
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5), dp)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -284,21 +285,27 @@ def test_sharded_mlp_equals_the_reference_on_the_union(tmp_path, world, reductio
     _check_exact(results, "mlp", world, reduction, dict(rtol=1e-4, atol=1e-6))
 
 
-# The LoRA run (about 70 s cold on 2 cores) is slow: PEFT through Inductor is tested by default in
-# test_trainer.py, sharded HF training by the Llama run here.
-@pytest.mark.parametrize("name", ["llama", pytest.param("lora", marks=pytest.mark.slow)])
-def test_sharded_llama_with_tied_head_and_lora(tmp_path, name):
+# Through Inductor the Llama runs take 65-70 s on 2 cores (two ranks compiling beside the other
+# test worker), so they are slow; by default the Llama runs with backend="eager": the rewrite,
+# the sharded clipping and the optimizer's noise are the backend's input, and the sharded path
+# through Inductor is the MLP's above, HF Llama through Inductor test_hf_token_loss.py's, PEFT
+# through Inductor test_trainer.py's.
+@pytest.mark.parametrize("name,backend", [
+    ("llama", "eager"),
+    pytest.param("llama", "inductor", marks=pytest.mark.slow),
+    pytest.param("lora", "inductor", marks=pytest.mark.slow)])
+def test_sharded_llama_with_tied_head_and_lora(tmp_path, name, backend):
     pytest.importorskip("transformers")
     if name == "lora":
         pytest.importorskip("peft")
-    results = _spawn(tmp_path, 2, "train", name, 2, "mean", 0.0, 3)
+    results = _spawn(tmp_path, 2, "train", name, 2, "mean", 0.0, 3, False, backend)
     _check_exact(results, name, 2, "mean", dict(rtol=1e-4, atol=1e-6))
 
 
 def test_every_coordinate_is_noised_once(tmp_path):
     """Empty batches: every step's gradient is the noise alone, N(0, (sigma C / D)^2) per
-    coordinate."""
-    results = _spawn(tmp_path, 2, "train", "mlp", 2, "mean", SIGMA, NOISE_STEPS, True)
+    coordinate. Sharded, the optimizer adds the noise, whatever the backend: backend="eager"."""
+    results = _spawn(tmp_path, 2, "train", "mlp", 2, "mean", SIGMA, NOISE_STEPS, True, "eager")
     _, noise, _ = results[0]
     for n in noise:     # one gradient, whichever rank gathers it
         assert torch.equal(noise[n], results[1][1][n])

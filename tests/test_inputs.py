@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from sweep import examples
 
 
 class MaskedAttention(nn.Module):
@@ -36,7 +37,7 @@ def _mask(b, t=6):
     return mask
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(batch=st.sampled_from([0, 1, 2, 5]), reduction=st.sampled_from(["mean", "sum"]),
        as_kwarg=st.booleans())
 def test_mask_input_shares_the_batch_symbol(batch, reduction, as_kwarg):

@@ -15,9 +15,10 @@ import dpfx
 from models import (MLP, MatmulParam, SeqModel, TiedAutoencoder, TiedLM, TiedMLP, TwoLookupLM,
                     mse, xent)
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from sweep import examples
 
 aten = torch.ops.aten
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=examples(25), deadline=None, derandomize=True)
 
 
 def check(model, loss_fn, x, y, *, C, reduction, expected=None, strategy="auto"):
@@ -218,7 +219,7 @@ def _seq_xent(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
+@settings(max_examples=examples(30), deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["lm", "lm_last", "autoencoder", "two_lookups", "seq_mlp"]),
        batch=st.sampled_from([0, 1, 2, 5]), T=st.integers(1, 4),
        reduction=st.sampled_from(["mean", "sum"]), strategy=st.sampled_from(["auto", "ghost"]))
@@ -360,7 +361,7 @@ def test_frozen_parameters_take_no_part():
     assert model.fc1.weight.grad is None
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
 @given(d_in=st.integers(1, 4), d_out=st.integers(1, 3),
        extra=st.lists(st.integers(1, 3), max_size=1), batch=st.integers(0, 6), bias=st.booleans(),
        reduction=st.sampled_from(["mean", "sum"]),

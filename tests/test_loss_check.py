@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 import dpfx
 from dpfx import loss_check
 from reference import assert_close, dp_sgd_grads, per_example_grads
+from sweep import examples
 
 C = 0.05
 V, T = 5, 4
@@ -108,7 +109,7 @@ def _median_norm(model, per_example, ids, y, w):
     return float(norms.median()) * (1.0 if len(norms) > 1 else 0.5)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(LOSSES)), batch=st.sampled_from([0, 1, 2, 5]),
        reduction=st.sampled_from(["mean", "sum"]))
 def test_accepted_losses_match_reference(name, batch, reduction):

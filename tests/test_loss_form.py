@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dpfx
 from dpfx.loss_form import cross_entropy_form
+from sweep import examples
 
 aten = torch.ops.aten
 
@@ -35,7 +36,7 @@ def _targets(op):
     return {n.target for n in op.graph.nodes if n.op == "call_function"}
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=examples(40), deadline=None, derandomize=True)
 @given(batch=st.sampled_from([0, 1, 2, 5, 7]), classes=st.integers(2, 9),
        time=st.sampled_from([None, 1, 3]), ignored=st.booleans(), weighted=st.booleans(),
        smoothing=st.sampled_from([0.0, 0.2]), reduction=st.sampled_from(["mean", "sum", "none"]))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import dpfx
 import test_loss_corpus as corpus
 from reference import CLIP_EPS
+from sweep import examples
 
 KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
 # CTC's kernel has an output size that depends on the data: dynamo cannot capture it with a
@@ -150,7 +151,7 @@ def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction
     assert moved <= limit * (1 + 1e-4), (moved, limit)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
 @given(batch=st.integers(0, 7), width=st.integers(1, 5), classes=st.integers(2, 5),
        reduction=st.sampled_from(["mean", "sum"]), kind=st.sampled_from(["ce", "mse_len"]))
 def test_captured_losses_against_torch_func(batch, width, classes, reduction, kind):

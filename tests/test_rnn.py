@@ -14,8 +14,9 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import dpfx
 from dpfx import rnn
+from sweep import examples
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=examples(12), deadline=None, derandomize=True,
                     phases=[Phase.explicit, Phase.generate])
 C = 0.05
 CLIP_EPS = 1e-6

@@ -22,8 +22,9 @@ import dpfx
 from dpfx.rules import convolution
 from models import xent
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from sweep import examples
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=examples(25), deadline=None, derandomize=True)
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d}
 N_CLASSES = 3
@@ -124,7 +125,7 @@ def test_conv_matches_reference(config, batch, reduction, first_layer):
     assert_conv_rule_fired(rules, kwargs["bias"])
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=examples(10), deadline=None, derandomize=True)
 @given(dim=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), kernel=st.integers(1, 3),
        stride=st.integers(1, 3), padding=st.integers(0, 1), dilation=st.integers(1, 2),
        extra_out=st.integers(0, 2), bias=st.booleans(), batch=st.integers(1, 3),
@@ -410,7 +411,7 @@ def test_conv_ghost_matches_reference(config, batch, reduction, first_layer, for
     assert_ghost_fired(grads, norm_form)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=examples(15), deadline=None, derandomize=True)
 @given(dim=st.sampled_from([1, 2, 3]), groups=st.sampled_from([1, 2]),
        width=st.sampled_from([1, 4, 8]), kernel=st.integers(1, 3), stride=st.integers(1, 3),
        spatial=st.integers(3, 6), batch=st.integers(0, 4),

@@ -15,9 +15,10 @@ from hypothesis import given, settings, strategies as st
 import dpfx
 import dpfx.passes
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from sweep import examples
 
 aten = torch.ops.aten
-SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=examples(20), deadline=None, derandomize=True)
 REDUCTIONS = ["mean", "sum"]
 
 
@@ -265,7 +266,7 @@ def test_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, reduct
     assert rules["table"] == ["index_put"]
 
 
-@settings(SETTINGS, max_examples=12)
+@settings(SETTINGS, max_examples=examples(12))
 @given(vocab=st.integers(2, 8), dim=st.integers(2, 4), seq=st.integers(1, 5),
        batch=st.integers(0, 4), repeat=st.booleans(), wrap=st.booleans(),
        reduction=st.sampled_from(REDUCTIONS), strategy=st.sampled_from(["ghost", "materialize"]))
@@ -283,7 +284,7 @@ def test_tied_table_indexing_matches_reference(vocab, dim, seq, batch, repeat, w
     assert sorted(rules["table"]) == ["index_put", "mm"]
 
 
-@settings(SETTINGS, max_examples=12)
+@settings(SETTINGS, max_examples=examples(12))
 @given(kind=st.sampled_from(["index_select", "embedding"]), seq=st.integers(1, 5),
        batch=st.integers(0, 4), repeat=st.booleans(), reduction=st.sampled_from(REDUCTIONS),
        strategy=st.sampled_from(["ghost", "materialize"]))

@@ -19,12 +19,13 @@ from hypothesis import example, given, settings, strategies as st
 
 import dpfx
 from reference import check_every_batch_size
+from sweep import examples
 
 aten = torch.ops.aten
 
 # Every example compiles once and checks all batch sizes 0..4 through that one graph (compiles
 # dominate the run time, so few examples per test).
-SETTINGS = settings(max_examples=5, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=examples(5), deadline=None, derandomize=True)
 # (loss_reduction, expected_batch_size): D = B, D = expected, and "sum".
 DP_CONFIGS = st.sampled_from([("mean", None), ("mean", 5), ("sum", None)])
 MAX_BATCH = 4
@@ -85,7 +86,7 @@ def check_norm(norm, shape, config, affine_params):
     assert_linear_rules(rules, "head")
 
 
-@settings(SETTINGS, max_examples=5)
+@settings(SETTINGS, max_examples=examples(5))
 @given(affine=st.booleans(), bias=st.booleans(), two_dims=st.booleans(), config=DP_CONFIGS)
 @example(affine=True, bias=True, two_dims=False, config=("sum", None))
 def test_layer_norm(affine, bias, two_dims, config):
@@ -95,7 +96,7 @@ def test_layer_norm(affine, bias, two_dims, config):
     check_norm(norm, shape, config, [n for n, _ in norm.named_parameters()])
 
 
-@settings(SETTINGS, max_examples=5)
+@settings(SETTINGS, max_examples=examples(5))
 @given(groups_channels=st.sampled_from([(1, 4), (2, 4), (2, 6), (3, 6)]),
        spatial=st.sampled_from([(), (3,), (2, 3)]), affine=st.booleans(), config=DP_CONFIGS)
 @example(groups_channels=(3, 6), spatial=(2, 3), affine=True, config=("sum", None))
@@ -107,7 +108,7 @@ def test_group_norm(groups_channels, spatial, affine, config):
     check_norm(norm, (channels, *spatial), config, ["weight", "bias"] if affine else [])
 
 
-@settings(SETTINGS, max_examples=3)
+@settings(SETTINGS, max_examples=examples(3))
 @given(affine=st.booleans(), config=DP_CONFIGS)
 @example(affine=True, config=("sum", None))
 def test_rms_norm(affine, config):
@@ -180,7 +181,7 @@ def check_mha(model, config, T=4):
     assert_linear_rules(rules, "head")
 
 
-@settings(SETTINGS, max_examples=5)
+@settings(SETTINGS, max_examples=examples(5))
 @given(batch_first=st.booleans(), bias=st.booleans(), heads=st.sampled_from([1, 2]),
        kv_dims=st.sampled_from([(None, None), (6, 5), (8, 3)]), config=DP_CONFIGS)
 def test_multihead_attention(batch_first, bias, heads, kv_dims, config):
@@ -234,7 +235,7 @@ class SDPANet(nn.Module):
         return self.head(self.attn(x).mean(1))
 
 
-@settings(SETTINGS, max_examples=5)
+@settings(SETTINGS, max_examples=examples(5))
 @given(causal=st.booleans(), heads=st.sampled_from([1, 2, 4]), bias=st.booleans(),
        T=st.integers(1, 4), config=DP_CONFIGS)
 def test_scaled_dot_product_attention(causal, heads, bias, T, config):
@@ -305,7 +306,7 @@ POSITIONAL = {"parameter": (ParamPositions, "pos", aten.slice_scatter.default),
 
 
 @pytest.mark.parametrize("kind", sorted(POSITIONAL))
-@settings(SETTINGS, max_examples=2)
+@settings(SETTINGS, max_examples=examples(2))
 @given(T=st.integers(1, 5), extra=st.integers(0, 2), config=DP_CONFIGS)
 def test_positional_embeddings(kind, T, extra, config):
     """A positional table used without a batch dim: the frontier is the ``sum`` over the batch,
@@ -383,7 +384,7 @@ def check_gpt(model, T, config, backend="eager"):
         assert_linear_rules(rules, lin)
 
 
-@settings(SETTINGS, max_examples=2)
+@settings(SETTINGS, max_examples=examples(2))
 @given(last_only=st.booleans(), T=st.integers(1, 4), config=DP_CONFIGS)
 @example(last_only=True, T=4, config=("sum", None))
 def test_tiny_gpt(last_only, T, config):

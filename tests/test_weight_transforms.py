@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize, parametrizations
 import dpfx
 from reference import (assert_close, check_every_batch_size, clip_fraction, dp_sgd_grads,
                        run_dpfx)
+from sweep import examples
 
 C = 0.05
 
@@ -179,7 +180,7 @@ class StandardizedRows(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=examples(10), deadline=None, derandomize=True,
           phases=[Phase.explicit, Phase.generate])
 @given(kind=st.sampled_from(["standardized", "weight_norm0", "weight_norm1", "old_hook",
                              "user"]),
