@@ -104,7 +104,10 @@ CASES = {  # model, batch loss, the same example's term on a batch of one
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# "gpt2" compiles the same graph as "gpt2-shifted" (the loss is outside it), its token sum the
+# same as Llama's and T5's: slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "gpt2" else n
+                                  for n in sorted(CASES)])
 def test_token_loss_exact_through_inductor(name):
     make, loss, term = CASES[name]
     torch.manual_seed(0)
