@@ -31,7 +31,8 @@ lora-example: install
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=15
 
-# the slow tests too, and every hypothesis sweep's full set of examples (tests/sweep.py)
+# the slow tests too, every example of each hypothesis sweep and both loss reductions for every
+# idiom of the loss corpora (tests/sweep.py)
 test-all: install
 	DPFX_TEST_SWEEP=full $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile
 
