@@ -1,6 +1,7 @@
 """The per-sample Conv2d weight-gradient product: patches of the whole batch then one bmm, against
 dpfx::conv2d_per_sample_grad's chunks of examples (Note [Per-sample conv2d gradients in chunks
-of examples], dpfx/rules/convolution.py), at several chunk sizes, interleaved in one process;
+of examples], dpfx/rules/convolution.py), at several chunk sizes in bytes and at dpfx's own
+(at least 8 examples up to 4 MiB), interleaved in one process;
 with ``--orientation``, the op on the benchmark ResNet's nine convolutions with each chunk's
 products taken as (C_resp, P) x (P, C*K) and transposed where dpfx takes them so (Note [The
 per-sample conv2d product's orientation]).
@@ -49,6 +50,7 @@ def run(repeats: int, calls: int) -> str:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     rows = []
     default = convolution._CHUNK_BYTES
+    default_chunk = convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES
     for batch, c_in, size, c_out, stride in SHAPES:
         torch.manual_seed(0)
         x = torch.randn(batch, c_in, size, size)
@@ -64,15 +66,21 @@ def run(repeats: int, calls: int) -> str:
         for mib in CHUNKS_MIB:
             def chunked(mib=mib):
                 convolution._CHUNK_BYTES = mib << 20
+                convolution._CHUNK_MIN_EXAMPLES = 1
                 return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
             variants[f"{mib} MiB chunks"] = chunked
+
+        def dpfx_chunks():
+            convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES = default_chunk
+            return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
+        variants["dpfx's chunks (8 examples up to 4 MiB, else 1 MiB)"] = dpfx_chunks
         torch.testing.assert_close(variants[f"{CHUNKS_MIB[0]} MiB chunks"](), whole())
         n = max(5, calls // max(1, batch * c_in * size * size // 200_000))
         best = {k: float("inf") for k in variants}
         for _ in range(repeats):
             for name, fn in variants.items():
                 best[name] = min(best[name], _median_ms(fn, n))
-        convolution._CHUNK_BYTES = default
+        convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES = default_chunk
         patches_mib = batch * c_in * 9 * out_size ** 2 * 4 / 2 ** 20
         rows.append((f"B={batch}, {c_in}->{c_out}, {size}x{size}, stride {stride}",
                      patches_mib, best))

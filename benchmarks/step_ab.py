@@ -17,6 +17,11 @@ graphs with and without Inductor's combo kernels, beside torch.compile with and 
 interleaved on the device:
 
     python benchmarks/step_ab.py combo_kernels hf_gpt2_256 16 --rounds 30 --device cuda
+
+and for the per-sample conv2d product's chunks of at least 8 examples against chunks of 1 MiB of
+patches (Note [Per-sample conv2d gradients in chunks of examples]):
+
+    python benchmarks/step_ab.py conv_chunks resnet_gn 256 --rounds 30
 """
 from __future__ import annotations
 
@@ -123,6 +128,19 @@ def combo_kernels() -> ContextManager:
     return torch._inductor.config.patch(combo_kernels=True)
 
 
+@contextlib.contextmanager
+def conv_chunks_by_bytes() -> ContextManager:
+    """The per-sample conv2d product's chunks bounded by 1 MiB of patches alone (dpfx before
+    2026-11-27; Note [Per-sample conv2d gradients in chunks of examples])."""
+    from dpfx.rules import convolution
+    real = convolution._CHUNK_MIN_EXAMPLES
+    convolution._CHUNK_MIN_EXAMPLES = 1
+    try:
+        yield
+    finally:
+        convolution._CHUNK_MIN_EXAMPLES = real
+
+
 EXPERIMENTS = {"combo_kernels": {
     "dpfx, combo kernels (the GPU default)": ("dpfx", nothing),
     "dpfx, no combo kernels (before)": ("dpfx", no_combo_kernels),
@@ -133,7 +151,10 @@ EXPERIMENTS = {"combo_kernels": {
                                                                     optimizer_flat),
     "noise at the optimizer, flat buffer, a buffer of normals (before)": (
         "dpfx_optimizer_noise", optimizer_flat_buffered),
-    "noise in the graph": ("dpfx", nothing)}}
+    "noise in the graph": ("dpfx", nothing)},
+    "conv_chunks": {
+    "dpfx, conv products in chunks of 8 examples up to 4 MiB (the default)": ("dpfx", nothing),
+    "dpfx, conv products in chunks of 1 MiB (before)": ("dpfx", conv_chunks_by_bytes)}}
 
 
 if __name__ == "__main__":

@@ -286,15 +286,35 @@ def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel,
     expected = torch.bmm(response, patches.reshape(batch * groups, c_img // groups * kernel ** 2,
                                                    positions).transpose(1, 2))
     per_example = x.element_size() * patches[:1].numel()
-    before = convolution._CHUNK_BYTES, convolution._TRANSPOSED_PRODUCT
+    before = (convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES,
+              convolution._TRANSPOSED_PRODUCT)
     convolution._CHUNK_BYTES = chunk_examples * per_example
+    convolution._CHUNK_MIN_EXAMPLES = 1     # chunks of chunk_examples (test_examples_per_chunk)
     convolution._TRANSPOSED_PRODUCT = transposed
     try:
         got = torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, groups)
     finally:
-        convolution._CHUNK_BYTES, convolution._TRANSPOSED_PRODUCT = before
+        (convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES,
+         convolution._TRANSPOSED_PRODUCT) = before
     assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got, expected)
+
+
+def test_examples_per_chunk():
+    """Note [Per-sample conv2d gradients in chunks of examples]: 1 MiB of patches a chunk, on CPU
+    at least 8 examples while they stay under 4 MiB, at least one, equal chunks."""
+    per_chunk = convolution._examples_per_chunk
+    kib, mib = 1 << 10, 1 << 20
+    assert per_chunk(256, 576 * kib, "cpu") == 7          # the ResNet's 16 -> 16 layers
+    assert per_chunk(256, 288 * kib, "cpu") == 8          # its 32 -> 32 layer (1 MiB: 3)
+    assert per_chunk(256, 72 * kib, "cpu") == 14          # 1 MiB holds 14; 19 chunks of 14
+    assert per_chunk(32, 72 * kib, "cpu") == 11           # 3 equal chunks, not 14 + 14 + 4
+    assert per_chunk(256, 2 * mib, "cpu") == 2            # 8 would pass 4 MiB
+    assert per_chunk(32, 2304 * kib, "cpu") == 1          # 2.25 MiB an example: one by one
+    assert per_chunk(256, 115 * mib, "cpu") == 1          # a 224x224 layer
+    assert per_chunk(3, 576 * kib, "cpu") == 3            # fewer examples than the minimum
+    assert per_chunk(1, 576 * kib, "cpu") == 1
+    assert per_chunk(256, 576 * kib, "cuda") == 86        # 64 MiB holds 113: 3 chunks of 86
 
 
 def test_per_sample_conv2d_chunks_through_inductor(monkeypatch):
@@ -302,6 +322,7 @@ def test_per_sample_conv2d_chunks_through_inductor(monkeypatch):
     batch sizes colliding with the channel count and with the chunk, both strategies that use
     the product (materialize, and the ghost norm taken directly of it for a large image)."""
     monkeypatch.setattr(convolution, "_CHUNK_BYTES", 2 * 4 * 3 * 9 * 49)   # two examples
+    monkeypatch.setattr(convolution, "_CHUNK_MIN_EXAMPLES", 1)
     for strategy in ("materialize", "ghost"):
         torch._dynamo.reset()
         for batch in (3, 2, 0, 1, 5):

@@ -256,10 +256,25 @@ def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
 # the two ops it replaces freed the image after the unfold: on the benchmark CNN (conv2: 2.2 MiB
 # of patches at B = 32) one 4 MiB chunk raised the step's memory peak from 6.3 to 6.9 MB, three
 # 1 MiB chunks leave it where it was. Small layers (one chunk) pay about 10 us of op dispatch.
+# But a chunk of one or two examples leaves each bmm a GEMM or two to split between the threads,
+# and a chunk's own Python: at B = 256 the ResNet's 16 -> 16 layers on 32x32 images (576 KiB of
+# patches an example) took 16.2 ms each in chunks of 1 example, 14.3 in chunks of 4 and 13.0 in
+# chunks of 8. So on CPU a chunk holds at least _CHUNK_MIN_EXAMPLES = 8 examples while their
+# patches stay under _CHUNK_BYTES_MAX = 4 MiB: 7 for those layers. Larger examples keep their
+# 1 MiB chunks: with 8 MiB allowed, a 64 -> 128 layer on 32x32 images at B = 32 (2.25 MiB an
+# example) took 37.4 ms in chunks of 3 against 34.2 one by one (benchmarks/conv_product.py).
+# The ResNet's step at B = 256 (benchmarks/step_ab.py conv_chunks, the 2-core AMD EPYC,
+# 2026-11-27), median ms over 30, 30 and 60 interleaved rounds: 311.5 -> 302.9, 306.1 -> 301.1,
+# 349.9 -> 332.8 (8 MiB allowed: 303.5 -> 282.1, 307.6 -> 293.8); its step memory 216.0 MB
+# both (its peak is an input gradient's). The benchmark CNN, whose chunks already held 11 or
+# more examples, does not change (9.32 against 9.63 ms, 5.7 MB both).
 # Example i's output reads example i's image and response only (the batch analysis carries dim
 # 0 through it as through bmm; the self-check compares the compiled graph with eager).
-# (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
+# (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks,
+# test_examples_per_chunk)
 _CHUNK_BYTES = 1 << 20              # CPU: a chunk's patches stay in the cores' caches
+_CHUNK_MIN_EXAMPLES = 8             # CPU: at least this many examples in a chunk where
+_CHUNK_BYTES_MAX = 4 << 20          # their patches stay under this
 _CHUNK_BYTES_ACCELERATOR = 64 << 20  # GPU: fewer, larger launches; still bounded in B
 _LIBRARY.define("conv2d_per_sample_grad(Tensor response, Tensor image, int[] kernel, "
                 "int[] dilation, int[] padding, int[] stride, int groups) -> Tensor")
@@ -270,11 +285,9 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
     batch = image.shape[0]
     if out.numel() == 0:
         return out
-    # (C*K, P) patches per example; chunks of equal size, so no small last one
-    per_example = image.element_size() * out.shape[2] * groups * response.shape[2]
-    budget = _CHUNK_BYTES if image.device.type == "cpu" else _CHUNK_BYTES_ACCELERATOR
-    chunks = -(-batch * per_example // budget)
-    chunk = -(-batch // chunks)
+    # (C*K, P) patches per example
+    chunk = _examples_per_chunk(batch, image.element_size() * out.shape[2] * groups
+                                * response.shape[2], image.device.type)
     # Note [The per-sample conv2d product's orientation]
     swapped = _TRANSPOSED_PRODUCT and image.device.type == "cpu" \
         and out.shape[1] < min(32, out.shape[2])
@@ -292,6 +305,18 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
             torch.bmm(response[rows], patches.transpose(1, 2), out=out[rows])
         del patches     # before the next chunk's: one chunk of patches alive at a time
     return out
+
+
+def _examples_per_chunk(batch: int, per_example: int, device_type: str) -> int:
+    """Note [Per-sample conv2d gradients in chunks of examples]: as many examples as
+    _CHUNK_BYTES of patches hold, and on CPU at least _CHUNK_MIN_EXAMPLES while their patches
+    stay under _CHUNK_BYTES_MAX; at least one; then equal chunks, so no small last one."""
+    if device_type == "cpu":
+        chunk = max(1, _CHUNK_BYTES // per_example,
+                    min(_CHUNK_MIN_EXAMPLES, _CHUNK_BYTES_MAX // per_example))
+    else:
+        chunk = max(1, _CHUNK_BYTES_ACCELERATOR // per_example)
+    return -(-batch // -(-batch // chunk))
 
 
 # Note [The per-sample conv2d product's orientation]
