@@ -5,9 +5,10 @@
 The verifier proves the FX graph; what runs is the code Inductor generates from it. Two things in
 torch 2.13 let that code differ from the graph for an unbacked batch, and this module closes both.
 It also bounds the size of the C++ functions Inductor writes for dpfx's graphs, which decides
-how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), and has a graph's
+how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), has a graph's
 kernels built as one unit per compile worker (Note [One C++ build per compile worker] in
-cpu_builds.py).
+cpu_builds.py), and takes the vector strides of polynomial indices without ``sympy.simplify``
+(Note [Vector strides of polynomial indices]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -196,7 +197,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
 
     def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
-                smaller_cpu_kernel_groups(), merged_cpu_builds(), \
+                smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -261,6 +262,58 @@ def smaller_cpu_kernel_groups():
         yield
     finally:
         CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = before
+
+
+# Note [Vector strides of polynomial indices]
+# Inductor's C++ backend decides how to vectorize each loop from the stride of every load and
+# store index along the loop's variable: ``stride_at_vec_range(index, var, vec_length)`` first
+# rewrites the index's FloorDiv and ModularIndexing terms for a vector of ``vec_length`` lanes,
+# then runs ``sympy.simplify`` on the index and on ``index(var + 1) - index(var)``. The full
+# ``simplify`` (a search over rewrites) is slow on indices that hold the unbacked batch
+# (``512*d0 + d1 + 8192*u0 + 384``), and dpfx's graphs hold many: on the LSTM classifier at
+# B = 256 the 8,774 calls took 3.4-3.8 s of a 38 s cold first step (torch.compile's 8,041 on
+# its static batch: 1.9 s). An index that is a polynomial in its symbols (no FloorDiv,
+# ModularIndexing or other functions: the usual affine index of a contiguous or strided
+# tensor) has nothing for the first step to rewrite, and its stride along ``var`` is the
+# polynomial ``index(var + 1) - index(var)``, which ``sympy.expand`` puts in canonical form:
+# a constant stride comes out as the same Integer, a symbolic one as an equal expression.
+# Any other index goes to Inductor's function. The LSTM's calls took 0.2 s instead. Cold first
+# steps (benchmarks/first_step.py, two runs each, the 2-core AMD EPYC, 2026-11-27): the ResNet
+# at B = 256 18.94 -> 18.06 s, GPT-2 d=256 22.96 -> 21.69 s; the LSTM's did not move (32.04,
+# 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores.
+# Checked on every call of those three first steps: the same stride expression as Inductor's
+# every time, so the same generated code (tests/test_lowering_strides.py compares the code
+# too). Set for dpfx's lowering only, and restored after.
+@contextlib.contextmanager
+def polynomial_vector_strides():
+    """Note [Vector strides of polynomial indices]."""
+    from torch._inductor.codegen import cpp
+
+    before = getattr(cpp, "stride_at_vec_range", None)
+    if before is None:
+        yield
+        return
+    cpp.stride_at_vec_range = _polynomial_strides(before)
+    try:
+        yield
+    finally:
+        cpp.stride_at_vec_range = before
+
+
+@functools.lru_cache(maxsize=None)
+def _polynomial_strides(inductors):
+    """``inductors``'s ``stride_at_vec_range``, with polynomial indices taken by expansion."""
+
+    @functools.lru_cache(maxsize=None)
+    def stride_at_vec_range(index, var, vec_length=None):
+        if isinstance(index, sympy.Expr) and isinstance(var, sympy.Symbol) \
+                and index.is_polynomial():
+            if not index.has(var):
+                return sympy.S.Zero
+            return sympy.expand(index.xreplace({var: var + 1}) - index)
+        return inductors(index, var, vec_length)
+
+    return stride_at_vec_range
 
 
 def _assumption_error(expr) -> CaptureError:

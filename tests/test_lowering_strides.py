@@ -1,0 +1,104 @@
+"""Note [Vector strides of polynomial indices] in dpfx/lowering.py: dpfx's stride of a polynomial
+index is Inductor's (the same Integer where Inductor finds a constant, an equal expression
+otherwise), other indices are Inductor's own answer, and the code dpfx's lowering generates is
+the same with and without it."""
+import contextlib
+
+import sympy
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._inductor.codegen import cpp
+from torch._inductor.utils import run_and_get_code
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+import dpfx
+import dpfx.lowering as lowering
+from models import ResNetGN, SeqModel, mse, xent
+from reference import assert_close, dp_sgd_grads, run_dpfx
+
+INDUCTOR = cpp.stride_at_vec_range
+# as Inductor makes them: loop variables nonnegative integers, the unbacked batch an integer
+LOOP = [sympy.Symbol(n, integer=True, nonnegative=True) for n in ("x0", "x1", "d2")]
+SIZES = [sympy.Symbol("u0", integer=True), sympy.Symbol("s1", integer=True, positive=True)]
+
+
+@st.composite
+def polynomials(draw):
+    """A sum of terms c * (product of loop variables and sizes), degree at most 2 per symbol."""
+    terms = []
+    for _ in range(draw(st.integers(1, 5))):
+        term = sympy.Integer(draw(st.integers(-4096, 4096)))
+        for sym in LOOP + SIZES:
+            term *= sym ** draw(st.sampled_from([0, 0, 1, 1, 2]))
+        terms.append(term)
+    return sympy.Add(*terms)
+
+
+@settings(max_examples=150, deadline=None)
+@given(index=polynomials(), var=st.sampled_from(LOOP), vec=st.sampled_from([None, 4, 8, 16]))
+def test_polynomial_strides_match_inductor(index, var, vec):
+    fast = lowering._polynomial_strides(INDUCTOR)
+    got, want = fast(index, var, vec), INDUCTOR(index, var, vec)
+    if want.is_number:
+        assert got == want and got.is_Integer == want.is_Integer
+    else:
+        assert not got.is_number and sympy.expand(got - want) == 0
+
+
+def test_affine_indices_of_an_unbacked_batch():
+    """Indices as the LSTM's, GPT-2's and the ResNet's kernels hold them."""
+    x0, x1, d2 = LOOP
+    u0 = SIZES[0]
+    fast = lowering._polynomial_strides(INDUCTOR)
+    for index, var in [(512 * x0 + x1 + 8192 * u0 + 384, x0), (512 * x0 * u0 + x1, x0),
+                       (64 * x0 + 64 * x1 * u0 + d2, x1), (x1 + 256 * d2, x1), (7 * u0 + 3, x0)]:
+        assert fast(index, var, 16) == INDUCTOR(index, var, 16)
+
+
+def test_other_indices_are_inductors():
+    x0, x1, _ = LOOP
+    u0 = SIZES[0]
+    calls = []
+
+    def inductors(index, var, vec_length=None):
+        calls.append(index)
+        return INDUCTOR(index, var, vec_length)
+
+    fast = lowering._polynomial_strides(inductors)
+    for index in [32768 * x0 + 8192 * FloorDiv(x1, 64) + ModularIndexing(x1, 1, 64),
+                  8 * x0 + FloorDiv(x1, 2) + u0]:
+        assert fast(index, x1, 16) == INDUCTOR(index, x1, 16)
+        assert calls[-1] is index
+    assert fast(3 * x0 + x1, x1, 16) == 1 and len(calls) == 2
+
+
+def _lowered_code(model, loss_fn, x, y, strides_fast: bool, monkeypatch):
+    if not strides_fast:
+        monkeypatch.setattr(lowering, "polynomial_vector_strides", contextlib.nullcontext)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        grads, codes = run_and_get_code(run_dpfx, dp, model, loss_fn, x, y)
+    monkeypatch.undo()
+    # every compile gets the next AOT id, named in the module's first line
+    return grads, [c.split("\n", 1)[1] for c in codes]
+
+
+def test_same_code_and_gradients_through_inductor(monkeypatch):
+    """dpfx's lowering generates the same C++ with the fast strides as with Inductor's, gives
+    the DP-SGD gradient of a batch-of-one loop (clipping biting), uses the fast path, and
+    leaves Inductor's function in place after."""
+    for model, loss_fn, x, y in [
+            (SeqModel(), mse, torch.randn(3, 6, 8), torch.randn(3, 4)),
+            (ResNetGN(), xent, torch.randn(3, 1, 8, 8), torch.randint(0, 3, (3,)))]:
+        torch.manual_seed(0)
+        want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.05, expected_batch_size=3)
+        lowering._polynomial_strides.cache_clear()
+        got, fast_code = _lowered_code(model, loss_fn, x, y, True, monkeypatch)
+        assert lowering._polynomial_strides.cache_info().currsize == 1
+        assert lowering._polynomial_strides(INDUCTOR).cache_info().misses > 0
+        assert cpp.stride_at_vec_range is INDUCTOR
+        assert_close(got, want)
+        got_plain, plain_code = _lowered_code(model, loss_fn, x, y, False, monkeypatch)
+        assert_close(got_plain, want)
+        assert len(fast_code) == len(plain_code) >= 2
+        assert fast_code == plain_code
