@@ -22,11 +22,21 @@ and for the per-sample conv2d product's chunks of at least 8 examples against ch
 patches (Note [Per-sample conv2d gradients in chunks of examples]):
 
     python benchmarks/step_ab.py conv_chunks resnet_gn 256 --rounds 30
+
+On CPU the table also counts each step's minor page faults (``getrusage``'s ``ru_minflt``: fresh
+pages of buffers the allocator mapped for the step), the cost of glibc returning large freed
+buffers to the system. ``dpfx`` runs dpfx beside torch.compile alone, for comparisons across
+processes, such as the allocator's settings (README, "A setting for your CPU training process"):
+
+    python benchmarks/step_ab.py dpfx resnet_gn 256 --rounds 12
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184 \
+        python benchmarks/step_ab.py dpfx resnet_gn 256 --rounds 12
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import statistics
 import time
 from typing import Callable, ContextManager
@@ -45,8 +55,9 @@ def nothing() -> ContextManager:
 
 def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
           baseline: str = "compile", device: str = "cpu") -> str:
-    """Median and min step (ms) of every variant and of the baseline method, as markdown. On a
-    GPU each step is timed to the device's synchronization."""
+    """Median and min step (ms) of every variant and of the baseline method, and on CPU the
+    median minor page faults of a step, as markdown. On a GPU each step is timed to the
+    device's synchronization."""
     everything = {**variants, f"non-private {baseline}": (baseline, nothing)}
     steps, x, y = {}, None, None
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -61,20 +72,28 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
             for _ in range(3):
                 steps[name](x, y)
     times = {name: [] for name in steps}
+    faults = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             with everything[name][1]():
                 sync()
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 step(x, y)
                 sync()
                 times[name].append(time.perf_counter() - start)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     base = statistics.median(times[f"non-private {baseline}"])
+    on_cpu = device == "cpu"
     rows = [f"| {name} | {statistics.median(t) * 1e3:.2f} | {min(t) * 1e3:.2f} | "
-            f"{statistics.median(t) / base:.2f} |" for name, t in times.items()]
+            f"{statistics.median(t) / base:.2f} |"
+            + (f" {statistics.median(faults[name]):.0f} |" if on_cpu else "")
+            for name, t in times.items()]
+    head = f"| variant | median step (ms) | min (ms) | x {baseline} |" \
+        + (" minor page faults a step |" if on_cpu else "")
     return "\n".join([f"Whole steps of the benchmark {model} at B={batch}, {rounds} interleaved "
-                      f"rounds:", "", f"| variant | median step (ms) | min (ms) | x {baseline} |",
-                      "|---|---:|---:|---:|", *rows, ""])
+                      f"rounds:", "", head, "|---|---:|---:|---:|" + ("---:|" if on_cpu else ""),
+                      *rows, ""])
 
 
 @contextlib.contextmanager
@@ -141,7 +160,9 @@ def conv_chunks_by_bytes() -> ContextManager:
         convolution._CHUNK_MIN_EXAMPLES = real
 
 
-EXPERIMENTS = {"combo_kernels": {
+EXPERIMENTS = {
+    "dpfx": {"dpfx": ("dpfx", nothing)},
+    "combo_kernels": {
     "dpfx, combo kernels (the GPU default)": ("dpfx", nothing),
     "dpfx, no combo kernels (before)": ("dpfx", no_combo_kernels),
     "non-private torch.compile, combo kernels": ("compile", combo_kernels)},

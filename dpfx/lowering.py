@@ -280,7 +280,8 @@ def smaller_cpu_kernel_groups():
 # Any other index goes to Inductor's function. The LSTM's calls took 0.2 s instead. Cold first
 # steps (benchmarks/first_step.py, two runs each, the 2-core AMD EPYC, 2026-11-27): the ResNet
 # at B = 256 18.94 -> 18.06 s, GPT-2 d=256 22.96 -> 21.69 s; the LSTM's did not move (32.04,
-# 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores.
+# 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores; nor
+# did GPT-2 small's (58.87 against 59.17 s, one run each).
 # Checked on every call of those three first steps: the same stride expression as Inductor's
 # every time, so the same generated code (tests/test_lowering_strides.py compares the code
 # too). Set for dpfx's lowering only, and restored after.
