@@ -7,8 +7,9 @@ torch 2.13 let that code differ from the graph for an unbacked batch, and this m
 It also bounds the size of the C++ functions Inductor writes for dpfx's graphs, which decides
 how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), has a graph's
 kernels built as one unit per compile worker (Note [One C++ build per compile worker] in
-cpu_builds.py), and takes the vector strides of polynomial indices without ``sympy.simplify``
-(Note [Vector strides of polynomial indices]).
+cpu_builds.py), takes the vector strides of polynomial indices without ``sympy.simplify``
+(Note [Vector strides of polynomial indices]) and sets Inductor's dtype rules up once (Note
+[Inductor's dtype rules, set up once]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -198,6 +199,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
+                dtype_rules_once(), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -283,7 +285,7 @@ def smaller_cpu_kernel_groups():
 # 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores; nor
 # did GPT-2 small's (58.87 against 59.17 s, one run each).
 # Checked on every call of those three first steps: the same stride expression as Inductor's
-# every time, so the same generated code (tests/test_lowering_strides.py compares the code
+# every time, so the same generated code (tests/test_lowering_patches.py compares the code
 # too). Set for dpfx's lowering only, and restored after.
 @contextlib.contextmanager
 def polynomial_vector_strides():
@@ -315,6 +317,44 @@ def _polynomial_strides(inductors):
         return inductors(index, var, vec_length)
 
     return stride_at_vec_range
+
+
+# Note [Inductor's dtype rules, set up once]
+# Every op of every kernel body Inductor generates asks ``DtypePropagationOpsHandler()`` for its
+# output dtype. The class is a singleton, but its ``__init__`` runs on each call and rebuilds
+# the whole rule table: some 200 ``setattr`` of ``functools.partial`` objects and a ``dir()``
+# check, 65 us a call on the 2-core AMD EPYC. GPT-2 small's two graphs make 16,690 such calls
+# (about 1.1 s of its lowering); dpfx's larger backward makes most of them. During dpfx's
+# lowering the table is built again only when Inductor's rule registries differ from those it
+# was last built from (a rule registered or replaced since); otherwise the call returns the
+# singleton as it is, with the same attributes. Set for dpfx's lowering only, and restored
+# after. (tests/test_lowering_patches.py: the same generated code, the table rebuilt when a
+# rule changes)
+@contextlib.contextmanager
+def dtype_rules_once():
+    """Note [Inductor's dtype rules, set up once]."""
+    try:
+        from torch._inductor import utils
+        from torch._inductor.codegen import common
+        from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
+        rules, pointwise = utils.op_dtype_propagation_rules, common.pointwise_overrides_data
+    except (ImportError, AttributeError):
+        yield
+        return
+    before = DtypePropagationOpsHandler.__init__
+
+    def __init__(self):
+        state = (dict(rules), dict(pointwise))
+        if getattr(self, "_dpfx_built_from", None) == state:
+            return
+        before(self)
+        self._dpfx_built_from = state
+
+    DtypePropagationOpsHandler.__init__ = __init__
+    try:
+        yield
+    finally:
+        DtypePropagationOpsHandler.__init__ = before
 
 
 def _assumption_error(expr) -> CaptureError:

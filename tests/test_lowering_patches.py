@@ -1,7 +1,8 @@
-"""Note [Vector strides of polynomial indices] in dpfx/lowering.py: dpfx's stride of a polynomial
-index is Inductor's (the same Integer where Inductor finds a constant, an equal expression
-otherwise), other indices are Inductor's own answer, and the code dpfx's lowering generates is
-the same with and without it."""
+"""dpfx's lowering patches that only shorten the compile: Note [Vector strides of polynomial
+indices] (dpfx's stride of a polynomial index is Inductor's: the same Integer where Inductor finds
+a constant, an equal expression otherwise; other indices are Inductor's own answer) and Note
+[Inductor's dtype rules, set up once] (the table rebuilt when a rule changes) in
+dpfx/lowering.py. The code dpfx's lowering generates is the same with and without them."""
 import contextlib
 
 import sympy
@@ -72,9 +73,45 @@ def test_other_indices_are_inductors():
     assert fast(3 * x0 + x1, x1, 16) == 1 and len(calls) == 2
 
 
-def _lowered_code(model, loss_fn, x, y, strides_fast: bool, monkeypatch):
-    if not strides_fast:
+def test_dtype_rules_built_once_until_a_rule_changes():
+    from torch._inductor import utils
+    from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
+
+    builds = []
+    inductors = DtypePropagationOpsHandler.__init__
+
+    def counted(self):
+        builds.append(1)
+        inductors(self)
+
+    DtypePropagationOpsHandler.__init__ = counted
+    try:
+        with lowering.dtype_rules_once():
+            first = DtypePropagationOpsHandler()
+            for _ in range(3):
+                assert DtypePropagationOpsHandler() is first
+            assert len(builds) <= 1
+            seen = len(builds)
+            rule = next(iter(utils.op_dtype_propagation_rules.values()))
+            utils.op_dtype_propagation_rules["dpfx_test_op"] = rule
+            try:
+                DtypePropagationOpsHandler()
+                assert len(builds) == seen + 1 and hasattr(first, "dpfx_test_op")
+            finally:
+                del utils.op_dtype_propagation_rules["dpfx_test_op"]
+            DtypePropagationOpsHandler()
+            assert len(builds) == seen + 2
+        assert DtypePropagationOpsHandler.__init__ is counted
+        DtypePropagationOpsHandler()
+        assert len(builds) == seen + 3
+    finally:
+        DtypePropagationOpsHandler.__init__ = inductors
+
+
+def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch):
+    if not patched:
         monkeypatch.setattr(lowering, "polynomial_vector_strides", contextlib.nullcontext)
+        monkeypatch.setattr(lowering, "dtype_rules_once", contextlib.nullcontext)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
     with torch._inductor.config.patch(force_disable_caches=True):
         grads, codes = run_and_get_code(run_dpfx, dp, model, loss_fn, x, y)
@@ -84,9 +121,12 @@ def _lowered_code(model, loss_fn, x, y, strides_fast: bool, monkeypatch):
 
 
 def test_same_code_and_gradients_through_inductor(monkeypatch):
-    """dpfx's lowering generates the same C++ with the fast strides as with Inductor's, gives
-    the DP-SGD gradient of a batch-of-one loop (clipping biting), uses the fast path, and
-    leaves Inductor's function in place after."""
+    """dpfx's lowering generates the same C++ with its compile-time patches as without, gives
+    the DP-SGD gradient of a batch-of-one loop (clipping biting), uses the fast strides, and
+    leaves Inductor's functions in place after."""
+    from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
+
+    dtype_init = DtypePropagationOpsHandler.__init__
     for model, loss_fn, x, y in [
             (SeqModel(), mse, torch.randn(3, 6, 8), torch.randn(3, 4)),
             (ResNetGN(), xent, torch.randn(3, 1, 8, 8), torch.randint(0, 3, (3,)))]:
@@ -97,6 +137,7 @@ def test_same_code_and_gradients_through_inductor(monkeypatch):
         assert lowering._polynomial_strides.cache_info().currsize == 1
         assert lowering._polynomial_strides(INDUCTOR).cache_info().misses > 0
         assert cpp.stride_at_vec_range is INDUCTOR
+        assert DtypePropagationOpsHandler.__init__ is dtype_init
         assert_close(got, want)
         got_plain, plain_code = _lowered_code(model, loss_fn, x, y, False, monkeypatch)
         assert_close(got_plain, want)
