@@ -328,11 +328,12 @@ def _polynomial_strides(inductors):
 # lowering the table is built again only when Inductor's rule registries differ from those it
 # was last built from (a rule registered or replaced since); otherwise the call returns the
 # singleton as it is, with the same attributes: 2 us a call. With both notes' patches GPT-2
-# small's cold first step took 57.1 and 67.8 s against 65.3 and 69.4 s without (its backward's
-# lowering 20.0 and 23.8 against 27.5 and 28.6 s), GPT-2 d=256's 20.5 and 19.5 against 19.9 and
-# 22.1 s (benchmarks/first_step.py, alternated, the AMD EPYC in a noisy hour, 2026-11-27). Set
-# for dpfx's lowering only, and restored after. (tests/test_lowering_patches.py: the same
-# generated code, the table rebuilt when a rule changes)
+# small's cold first step took 56.6 and 57.6 s against 57.9 and 58.2 s without (its backward's
+# lowering 20.6 and 20.7 against 21.5 and 22.5 s; benchmarks/first_step.py, alternated, the AMD
+# EPYC, 2026-11-27; in a noisier hour 57.1 and 67.8 against 65.3 and 69.4 s), GPT-2 d=256's
+# 20.5 and 19.5 against 19.9 and 22.1 s. Set for dpfx's lowering only, and restored after.
+# (tests/test_lowering_patches.py: the same generated code, the table rebuilt when a rule
+# changes)
 @contextlib.contextmanager
 def dtype_rules_once():
     """Note [Inductor's dtype rules, set up once]."""
