@@ -276,3 +276,94 @@ def test_strided_input_after_a_contiguous_one():
         assert_close(got, want, rtol=1e-4, atol=1e-6)
         with torch.no_grad():
             torch.testing.assert_close(dp(x), model(x))
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
+    """Note [The heap frozen during a capture] in capture.py: while dpfx captures, the objects
+    that existed before are frozen; after it, none are, and cyclic garbage from before the capture
+    is collected; a refused capture unfreezes too; the gradient is DP-SGD's."""
+    import gc
+    import weakref
+
+    import dpfx.backend as backend_module
+    seen = []
+    compile_backward = backend_module.compile_backward
+
+    def spying(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return compile_backward(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "compile_backward", spying)
+    assert gc.get_freeze_count() == 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0,
+                      **({} if backend == "inductor" else {"backend": "eager"}))
+    garbage = _Cycle()
+    dead = weakref.ref(garbage)
+    del garbage
+    before = len(gc.get_objects())
+    x, y = torch.randn(5, 4), torch.arange(5) % 3
+    got = run_dpfx_multi(dp, model, F.cross_entropy, (x,), y)
+    # (frozen objects that reference counting frees leave the permanent generation)
+    assert len(seen) == 1 and seen[0] > before // 2, (seen, before)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert dead() is None
+    assert_close(got, loop_dp_sgd_grads(model, F.cross_entropy, (x,), y, max_grad_norm=0.01))
+
+    class Mixes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x - x.mean(0))
+
+    with pytest.raises(dpfx.PrivacyError):
+        dpfx.compile(Mixes(), max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")(x)
+    assert gc.get_freeze_count() == 0
+
+
+def test_heap_left_alone_where_the_process_froze_it(monkeypatch):
+    """A process that froze objects itself (a forking server does) keeps them frozen, and dpfx
+    neither freezes nor unfreezes; with the collector off, nothing is frozen either."""
+    import gc
+
+    import dpfx.backend as backend_module
+    seen = []
+    compile_backward = backend_module.compile_backward
+
+    def spying(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return compile_backward(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "compile_backward", spying)
+    x, y = torch.randn(3, 4), torch.arange(3) % 3
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        model = nn.Sequential(nn.Linear(4, 3))
+        dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+        F.cross_entropy(dp(x), y).backward()
+        # the count only falls (reference counting frees frozen objects); unfrozen it would be 0
+        assert len(seen) == 1 and frozen // 2 < seen[0] <= frozen
+        assert frozen // 2 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        model = nn.Sequential(nn.Linear(4, 3))
+        dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+        F.cross_entropy(dp(x), y).backward()
+        assert seen[1:] == [0] and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
