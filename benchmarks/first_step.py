@@ -6,6 +6,7 @@
     python benchmarks/first_step.py --dpfx before=/path/to/old/checkout   # before/after
     python benchmarks/first_step.py --models hf_gpt2_256 --cold-only  # a realistic size, cold
     python benchmarks/first_step.py --models mlp_mnist --loss-captured  # and the loss captured
+    python benchmarks/first_step.py --models hf_llama_256 --cold-only --poisson  # batch varies
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
@@ -33,6 +34,13 @@ timed calls nested in it):
   of its ``compile_file`` calls (these may overlap on the compile threads);
 - self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``);
 - other: the rest of the step (running the graphs, the loss check, the optimizer).
+With ``--poisson``, each process then takes a second step at B - 1 examples, as Poisson
+sampling's next batch would be, timed alone ("second step"), and the methods include
+``compile_dynamic``: torch.compile with dim 0 of every input marked dynamic
+(``torch._dynamo.mark_dynamic``), what a user who knows the batch varies writes. torch.compile
+by default compiles the first batch size statically and recompiles with a dynamic batch at the
+second (dynamo's automatic dynamic shapes); dpfx's one compile with the unbacked batch serves
+both. The LSTM's baseline (its recurrence unrolled) has no dynamic variant.
 Each process also reports its peak RSS (``ru_maxrss``: the throwaway compile and the model's
 build included, so compare methods, not absolute figures).
 Timers are disturbed by other load on a shared machine: compare methods within one repeat.
@@ -171,6 +179,19 @@ def worker(args) -> None:
     compilation_time_metrics.clear()
     counters.clear()
     timers = Timers()
+    inside = []     # the lowering time within dynamo's backend call (torch.compile's methods)
+    if args.method not in ("dpfx", "dpfx_loss"):
+        from torch._dynamo.output_graph import OutputGraph
+        call_user_compiler = OutputGraph.call_user_compiler
+
+        def lowered_inside(self, *a, **kw):
+            before = sum(compilation_time_metrics.get("compile_fx_inner", []))
+            try:
+                return call_user_compiler(self, *a, **kw)
+            finally:
+                inside.append(sum(compilation_time_metrics.get("compile_fx_inner", [])) - before)
+
+        OutputGraph.call_user_compiler = lowered_inside
     model, x, y, B = build(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=methods.LR)
     if args.method in ("dpfx", "dpfx_loss"):
@@ -181,23 +202,29 @@ def worker(args) -> None:
                            expected_batch_size=B, **captured)
     else:
         run = torch.compile(model)
+    if args.method == "compile_dynamic":
+        for t in (x.values() if isinstance(x, dict) else [x]):
+            torch._dynamo.mark_dynamic(t, 0)
     # the LSTM's baseline is its recurrence written out as dpfx captures it, compiled without DP
     # (Note [The LSTM's baseline] in models.py); torch.compile alone would run ATen's fused kernel
     unrolled = args.method == "compile" and models.BASELINE.get(args.model) == "compile_unrolled"
     if unrolled:
         from dpfx.traceable import traceable_torch
-    t0 = time.perf_counter()
-    if args.method == "dpfx_loss":
-        run.loss(x, y).backward()
-    elif unrolled:
-        with traceable_torch():
+    def step(x, y):
+        if args.method == "dpfx_loss":
+            run.loss(x, y).backward()
+        elif unrolled:
+            with traceable_torch():
+                out = forward(run, x)
+            loss_fn(out, y).backward()
+        else:
             out = forward(run, x)
-        loss_fn(out, y).backward()
-    else:
-        out = forward(run, x)
-        loss_fn(out, y).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+            loss_fn(out, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step(x, y)
     total = time.perf_counter() - t0
 
     metric = {k: sum(v) for k, v in compilation_time_metrics.items()}
@@ -228,19 +255,32 @@ def worker(args) -> None:
         lowerings = compilation_time_metrics.get("compile_fx_inner", [])  # forward, backward
         phases["lowering fw"] = sum(lowerings[:1])
         phases["lowering bw"] = sum(lowerings[1:])
-        phases["aot_autograd"] = backend_call - phases["lowering fw"]
+        # the backward lowers at the first backward, or inside the backend call (dynamic shapes)
+        phases["aot_autograd"] = backend_call - sum(inside)
     counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check",
                "batch analysis", "rewrite", "verify", "stage texts", "loss capture",
                "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
     result["phases"] = phases
+    if args.poisson:
+        # the next Poisson batch: B - 1 examples (fresh tensors, as a loader yields)
+        x2 = ({k: v[:B - 1].clone() for k, v in x.items()} if isinstance(x, dict)
+              else x[:B - 1].clone())
+        graphs = len(compilation_time_metrics.get("_compile.compile_inner", []))
+        t1 = time.perf_counter()
+        step(x2, y[:B - 1].clone())
+        result["second"] = time.perf_counter() - t1
+        result["second compiles"] = len(
+            compilation_time_metrics.get("_compile.compile_inner", [])) - graphs
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None) -> dict:
+def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None,
+            poisson: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model,
-           "--method", method if method in ("compile", "dpfx_loss") else "dpfx",
-           "--cache-dir", cache_dir] + (["--warm"] if warm else [])
+           "--method", method if method in ("compile", "compile_dynamic", "dpfx_loss")
+           else "dpfx", "--cache-dir", cache_dir] + (["--warm"] if warm else []) + (
+               ["--poisson"] if poisson else [])
     env = dict(os.environ)
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
@@ -255,9 +295,13 @@ def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | N
 def driver(args) -> None:
     """Per model and repeat: every method cold, then every method warm, each in its own
     process; ``--dpfx NAME=PATH`` adds dpfx imported from another source tree (before/after)."""
+    import models
+
     sources = {"compile": None, "dpfx": None}
     if args.loss_captured:
         sources["dpfx_loss"] = None
+    if args.poisson:
+        sources = {"compile": None, "compile_dynamic": None, **sources}
     sources.update(dict(v.split("=", 1) for v in args.dpfx))
     rows = []
     for model in args.models:
@@ -265,7 +309,9 @@ def driver(args) -> None:
             dirs = {m: tempfile.mkdtemp(prefix="dpfx-first-") for m in sources}
             for warm in (False,) if args.cold_only else (False, True):
                 for method, source in sources.items():
-                    r = run_one(model, method, dirs[method], warm, source)
+                    if method == "compile_dynamic" and model in models.BASELINE:
+                        continue    # the LSTM's unrolled baseline has no dynamic variant
+                    r = run_one(model, method, dirs[method], warm, source, args.poisson)
                     r.update(method=method, repeat=rep)
                     rows.append(r)
                     print(_line(r), flush=True)
@@ -273,8 +319,30 @@ def driver(args) -> None:
                 shutil.rmtree(d, ignore_errors=True)
     print()
     print(table(rows, [m for m in sources if m != "compile"]))
+    if args.poisson:
+        print()
+        print(poisson_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def poisson_table(rows: list[dict]) -> str:
+    """Medians over repeats of the first step (B), the second (B - 1) and both, cold, and the
+    second step's dynamo compiles; x: both steps over torch.compile's."""
+    out = ["| model | method | first step (s) | second step, B - 1 (s) | its compiles | both (s) "
+           "| x compile |", "|---|---|---:|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        def med(method, key):
+            vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
+                    and not r["warm"] and key in r]
+            return statistics.median(vals) if vals else float("nan")
+        base = med("compile", "total") + med("compile", "second")
+        for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
+            first, second = med(method, "total"), med(method, "second")
+            out.append(f"| {model} | {method} | {first:.2f} | {second:.2f} | "
+                       f"{med(method, 'second compiles'):.0f} | {first + second:.2f} | "
+                       f"{(first + second) / base:.2f} |")
+    return "\n".join(out)
 
 
 def _line(r: dict) -> str:
@@ -284,7 +352,9 @@ def _line(r: dict) -> str:
     return (f"{r['model']} {r['method']} {'warm' if r['warm'] else 'cold'}: {r['total']:.2f} s "
             f"(graphs {r['dynamo graphs']}, fxgraph hit/miss/bypass {r['fxgraph hits']}/"
             f"{r['fxgraph misses']}/{r['fxgraph bypasses']}, peak RSS "
-            f"{r['peak rss GB']:.2f} GB) {ph}")
+            f"{r['peak rss GB']:.2f} GB) {ph}" + (
+                f"; second step (B - 1) {r['second']:.2f} s, {r['second compiles']} compiles"
+                if "second" in r else ""))
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
@@ -335,6 +405,9 @@ def main() -> None:
                     help="also dpfx with the loss captured (dpfx.compile(model, loss=fn))")
     ap.add_argument("--dpfx", action="append", default=[], metavar="NAME=PATH",
                     help="also run dpfx imported from the source tree PATH, as method NAME")
+    ap.add_argument("--poisson", action="store_true",
+                    help="also a second step at B - 1 (Poisson sampling's next batch), and "
+                         "torch.compile with a dynamic batch (compile_dynamic)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
