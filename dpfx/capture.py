@@ -1,5 +1,5 @@
-"""How dynamo captures dpfx's entry: its own code object, the settings only a capture reads, and
-the one unbacked batch symbol on every input.
+"""How dynamo captures dpfx's entry: its own code object, the settings only a capture reads (the
+heap frozen among them), and the one unbacked batch symbol on every input.
 
 # Note [Why the batch dim is marked unbacked]
 Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
