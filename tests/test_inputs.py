@@ -285,13 +285,9 @@ class _Cycle:
         self.me = self
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
-    """Note [The heap frozen during a capture] in capture.py: while dpfx captures, the objects
-    that existed before are frozen; after it, none are, and cyclic garbage from before the capture
-    is collected; a refused capture unfreezes too; the gradient is DP-SGD's."""
+def _freeze_counts_inside_captures(monkeypatch) -> list:
+    """``gc.get_freeze_count()`` as each capture's backward is rewritten, appended to the list."""
     import gc
-    import weakref
 
     import dpfx.backend as backend_module
     seen = []
@@ -302,6 +298,18 @@ def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
         return compile_backward(*args, **kwargs)
 
     monkeypatch.setattr(backend_module, "compile_backward", spying)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
+    """Note [The heap frozen during a capture] in capture.py: while dpfx captures, the objects
+    that existed before are frozen; after it, none are, and cyclic garbage from before the capture
+    is collected; a refused capture unfreezes too; the gradient is DP-SGD's."""
+    import gc
+    import weakref
+
+    seen = _freeze_counts_inside_captures(monkeypatch)
     assert gc.get_freeze_count() == 0
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -338,15 +346,7 @@ def test_heap_left_alone_where_the_process_froze_it(monkeypatch):
     neither freezes nor unfreezes; with the collector off, nothing is frozen either."""
     import gc
 
-    import dpfx.backend as backend_module
-    seen = []
-    compile_backward = backend_module.compile_backward
-
-    def spying(*args, **kwargs):
-        seen.append(gc.get_freeze_count())
-        return compile_backward(*args, **kwargs)
-
-    monkeypatch.setattr(backend_module, "compile_backward", spying)
+    seen = _freeze_counts_inside_captures(monkeypatch)
     x, y = torch.randn(3, 4), torch.arange(3) % 3
     gc.freeze()
     try:
