@@ -315,12 +315,17 @@ def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     dp = dpfx.compile(model, max_grad_norm=0.01, noise_multiplier=0.0,
                       **({} if backend == "inductor" else {"backend": "eager"}))
-    garbage = _Cycle()
-    dead = weakref.ref(garbage)
-    del garbage
-    before = len(gc.get_objects())
-    x, y = torch.randn(5, 4), torch.arange(5) % 3
-    got = run_dpfx_multi(dp, model, F.cross_entropy, (x,), y)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1 << 30, *threshold[1:])   # the cycle is still there when the capture starts
+    try:
+        garbage = _Cycle()
+        dead = weakref.ref(garbage)
+        del garbage
+        before = len(gc.get_objects())
+        x, y = torch.randn(5, 4), torch.arange(5) % 3
+        got = run_dpfx_multi(dp, model, F.cross_entropy, (x,), y)
+    finally:
+        gc.set_threshold(*threshold)
     # (frozen objects that reference counting frees leave the permanent generation)
     assert len(seen) == 1 and seen[0] > before // 2, (seen, before)
     assert gc.get_freeze_count() == 0
