@@ -28,7 +28,7 @@ from torch._inductor.compile_fx import compile_fx
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
 from .loss_graph import TARGETS, capture_loss
-from .lowering import inductor_patches, lower
+from .lowering import inductor_patches, lower, optimization_hints_once
 from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
@@ -83,9 +83,11 @@ class DPBackend:
         # at the first forward, not suppressed until (or skipped before) the first backward.
         # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
         # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
+        # Note [Optimization hints, computed once per expression] in lowering.py.
         with torch._functorch.config.patch(enable_autograd_cache=False,
                                            force_non_lazy_backward_lowering=True,
-                                           ban_recompute_reductions=True):
+                                           ban_recompute_reductions=True), \
+                optimization_hints_once():
             return compile_fx(gm, example_inputs, inner_compile=self._inner,
                               config_patches=inductor_patches(example_inputs))
 

@@ -8,8 +8,9 @@ It also bounds the size of the C++ functions Inductor writes for dpfx's graphs, 
 how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), has a graph's
 kernels built as one unit per compile worker (Note [One C++ build per compile worker] in
 cpu_builds.py), takes the vector strides of polynomial indices without ``sympy.simplify``
-(Note [Vector strides of polynomial indices]) and sets Inductor's dtype rules up once (Note
-[Inductor's dtype rules, set up once]).
+(Note [Vector strides of polynomial indices]), sets Inductor's dtype rules up once (Note
+[Inductor's dtype rules, set up once]) and computes the optimization hint of each size
+expression once per capture (Note [Optimization hints, computed once per expression]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -359,6 +360,60 @@ def dtype_rules_once():
         yield
     finally:
         DtypePropagationOpsHandler.__init__ = before
+
+
+# Note [Optimization hints, computed once per expression]
+# The partitioner and Inductor weigh their choices (the min-cut's node weights, a loop's
+# parallel depth, memory planning) by an "optimization hint" of each size expression: a value
+# for it, with the unbacked batch at Inductor's fallback (8192). For an expression that holds the
+# unbacked batch, torch 2.13's ``_optimization_hint_base`` expands, factors and substitutes it
+# with sympy on every call, though the expressions repeat: GPT-2 small's capture asked 17,246
+# times for 96 distinct expressions, 1.2 s of its first step. During dpfx's capture each answer is
+# kept, keyed by everything the function reads: the expression, the fallback (and Inductor's
+# configured one, read when none is given), the shape environment and its version (the key torch
+# keeps its own caches by: replacements, divisibility, runtime asserts), and each free symbol's
+# replacement and value range. An expression with Inductor's precomputed sizes, or a shape
+# environment without a version, is passed to torch's function each time. The same answers,
+# so the same generated code (tests/test_lowering_patches.py compares it). Set for dpfx's
+# capture only, and restored after.
+@contextlib.contextmanager
+def optimization_hints_once():
+    """Note [Optimization hints, computed once per expression]."""
+    try:
+        from torch._inductor import sizevars
+        from torch.fx.experimental import _size_hinting, symbolic_shapes
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+        base = _size_hinting._optimization_hint_base
+    except (ImportError, AttributeError):
+        yield
+        return
+    modules = [m for m in (symbolic_shapes, sizevars)
+               if getattr(m, "_optimization_hint_base", None) is base]
+    known: dict = {}
+
+    def hint(shape_env, expr, precomputed_replacements, fallback=None):
+        version = getattr(shape_env, "_version_counter", None)
+        if not isinstance(expr, sympy.Expr) or version is None:
+            return base(shape_env, expr, precomputed_replacements, fallback)
+        free = sorted(expr.free_symbols, key=str)
+        if any(symbol_is_type(s, SymT.PRECOMPUTED_SIZE) for s in free):
+            return base(shape_env, expr, precomputed_replacements, fallback)
+        configured = torch._inductor.config.unbacked_symint_fallback if fallback is None \
+            else None
+        key = (expr, fallback, configured, shape_env, version, tuple(
+            (s, shape_env.replacements.get(s), shape_env.var_to_range.get(s)) for s in free))
+        found = known.get(key)
+        if found is None:
+            found = known[key] = base(shape_env, expr, precomputed_replacements, fallback)
+        return found
+
+    for m in modules:
+        m._optimization_hint_base = hint
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._optimization_hint_base = base
 
 
 def _assumption_error(expr) -> CaptureError:

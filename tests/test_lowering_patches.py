@@ -1,8 +1,10 @@
 """dpfx's lowering patches that only shorten the compile: Note [Vector strides of polynomial
 indices] (dpfx's stride of a polynomial index is Inductor's: the same Integer where Inductor finds
-a constant, an equal expression otherwise; other indices are Inductor's own answer) and Note
-[Inductor's dtype rules, set up once] (the table rebuilt when a rule changes) in
-dpfx/lowering.py. The code dpfx's lowering generates is the same with and without them."""
+a constant, an equal expression otherwise; other indices are Inductor's own answer), Note
+[Inductor's dtype rules, set up once] (the table rebuilt when a rule changes) and Note
+[Optimization hints, computed once per expression] (torch's answer, asked again when what it
+reads changes) in dpfx/lowering.py. The code dpfx's lowering generates is the same with and
+without them."""
 import contextlib
 
 import sympy
@@ -13,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 import dpfx
+import dpfx.backend
 import dpfx.lowering as lowering
 from models import ResNetGN, SeqModel, mse, xent
 from reference import assert_close, dp_sgd_grads, run_dpfx
@@ -108,10 +111,64 @@ def test_dtype_rules_built_once_until_a_rule_changes():
         DtypePropagationOpsHandler.__init__ = inductors
 
 
+def test_optimization_hints_once_per_expression_and_state():
+    from torch._inductor import sizevars
+    from torch.fx.experimental import _size_hinting, symbolic_shapes
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.symbol import SymT, make_symbol
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    inductors = _size_hinting._optimization_hint_base
+    env = ShapeEnv()
+    u0 = env.create_unbacked_symint().node.expr
+    u1 = env.create_unbacked_symint().node.expr
+    ps0 = make_symbol(SymT.PRECOMPUTED_SIZE, 0, integer=True, positive=True)
+    exprs = [98304 * u0, 128 * u0 + 7, u0 * u1 + 3, FloorDiv(u0, 4), ModularIndexing(1, 128, u0),
+             sympy.Integer(5)]
+    calls = []
+
+    def counted(shape_env, expr, precomputed_replacements, fallback=None):
+        calls.append(expr)
+        return inductors(shape_env, expr, precomputed_replacements, fallback)
+
+    modules = (_size_hinting, symbolic_shapes, sizevars)
+    saved = [m._optimization_hint_base for m in modules]
+    for m in modules:
+        m._optimization_hint_base = counted
+    try:
+        want = {(e, f): inductors(env, e, {}, f) for e in exprs for f in (None, 0, 42)}
+        with lowering.optimization_hints_once():
+            assert symbolic_shapes._optimization_hint_base is not counted
+            assert sizevars._optimization_hint_base is not counted
+            for _ in range(3):
+                for e in exprs:
+                    for f in (None, 0, 42):
+                        assert env.optimization_hint(e, fallback=f) == want[e, f]
+            assert len(calls) == len(want)     # each (expression, fallback) once
+            # Inductor's configured fallback is part of the key where none is given
+            with torch._inductor.config.patch(unbacked_symint_fallback=100):
+                assert env.optimization_hint(128 * u0 + 7) == 128 * 100 + 7
+            # a narrower range of a symbol is read again
+            n = len(calls)
+            env.var_to_range[u0] = ValueRanges(2, 16)
+            assert env.optimization_hint(98304 * u0) == 98304 * 16
+            assert env.optimization_hint(98304 * u0, fallback=42) == 98304 * 16
+            assert len(calls) == n + 2
+            n = len(calls)
+            env.optimization_hint(ps0 * u0, fallback=42)     # precomputed sizes: not kept
+            env.optimization_hint(ps0 * u0, fallback=42)
+            assert len(calls) == n + 2
+        assert [m._optimization_hint_base for m in modules] == [counted] * 3
+    finally:
+        for m, before in zip(modules, saved):
+            m._optimization_hint_base = before
+
+
 def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch):
     if not patched:
         monkeypatch.setattr(lowering, "polynomial_vector_strides", contextlib.nullcontext)
         monkeypatch.setattr(lowering, "dtype_rules_once", contextlib.nullcontext)
+        monkeypatch.setattr(dpfx.backend, "optimization_hints_once", contextlib.nullcontext)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
     with torch._inductor.config.patch(force_disable_caches=True):
         grads, codes = run_and_get_code(run_dpfx, dp, model, loss_fn, x, y)

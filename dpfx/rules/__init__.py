@@ -19,6 +19,7 @@ Two registries, both keyed by ATen overload:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import sympy
@@ -120,8 +121,14 @@ NOMINAL_SIZE = 128
 
 def at_nominal(expr) -> float:
     """``expr`` with every size symbol at the nominal size "auto" compares costs at."""
-    expr = sympy.sympify(expr)
-    return float(expr.subs({s: NOMINAL_SIZE for s in expr.free_symbols}))
+    return _at_nominal(sympy.sympify(expr), NOMINAL_SIZE)
+
+
+# A pure function of the expression, asked again for every node's size by the rewrite and the
+# norms' schedule (GPT-2 small: some 0.5 s of ``subs`` in its first step), so remembered.
+@functools.lru_cache(maxsize=8192)
+def _at_nominal(expr: sympy.Expr, size: int) -> float:
+    return float(expr.subs({s: size for s in expr.free_symbols}))
 
 
 def at_least_float32(emit, *nodes: fx.Node) -> list[fx.Node]:
