@@ -9,8 +9,10 @@ how long g++ takes on them (Note [CPU kernel groups of at most 100 arguments]), 
 kernels built as one unit per compile worker (Note [One C++ build per compile worker] in
 cpu_builds.py), takes the vector strides of polynomial indices without ``sympy.simplify``
 (Note [Vector strides of polynomial indices]), sets Inductor's dtype rules up once (Note
-[Inductor's dtype rules, set up once]) and computes the optimization hint of each size
-expression once per capture (Note [Optimization hints, computed once per expression]).
+[Inductor's dtype rules, set up once]), keeps the scheduler's refusals of pairs that share no
+data across its fusion rounds (Note [Fusion refusals kept across Inductor's fusion rounds]) and
+computes the optimization hint of each size expression once per capture (Note [Optimization
+hints, computed once per expression]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -200,7 +202,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
-                dtype_rules_once(), \
+                dtype_rules_once(), fusion_refusals_kept(), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -360,6 +362,67 @@ def dtype_rules_once():
         yield
     finally:
         DtypePropagationOpsHandler.__init__ = before
+
+
+# Note [Fusion refusals kept across Inductor's fusion rounds]
+# Inductor's scheduler fuses in up to ten rounds; each round asks ``can_fuse`` of every pair of
+# nodes that use one buffer (up to 64 pairs per node). dpfx's clip coefficient, a [B] buffer,
+# is read by a kernel per parameter (GPT-2 small: 199 nodes), and each reads it at its own index,
+# so no pair shares a dependency and every one is refused "no shared data", round after round:
+# GPT-2 small's lowering asked 47,951 times, half of them again for a pair of unchanged nodes
+# refused the round before (1.3 of 2.7 s). That refusal is a function of the pair alone: the
+# checks before it (streams, node kinds, order, templates, devices) and the shared-data score it
+# tests (exact dependencies, buffer overlap, nested and mixed-order reductions, speculative loop
+# reordering, rolled back on a refusal) read the two nodes and Inductor's settings, never which
+# other nodes have fused; and those checks only refuse, but for a template's multi-output
+# fusion, itself a function of the pair. A node changes only by fusing (a new node) or by
+# pruning (a new ``read_writes``). So during dpfx's lowering a plain or fused node pair refused
+# for no shared data is refused again at once while both nodes and both ``read_writes`` objects
+# are the ones it was refused with; every other question goes to Inductor. The same fusions,
+# so the same generated code (tests/test_lowering_patches.py compares it, and checks each kept
+# refusal against Inductor's answer). Set for dpfx's lowering only, and restored after.
+_NO_SHARED_DATA = "no shared data"
+_CHECK_KEPT_REFUSALS = False    # tests: ask Inductor again and require the same refusal
+
+
+@contextlib.contextmanager
+def fusion_refusals_kept():
+    """Note [Fusion refusals kept across Inductor's fusion rounds]."""
+    try:
+        from torch._inductor.scheduler import (FusedSchedulerNode, Scheduler, SchedulerNode,
+                                               WhyNoFuse)
+        can_fuse, why = Scheduler.can_fuse, WhyNoFuse.__call__
+    except (ImportError, AttributeError):
+        yield
+        return
+    plain = (SchedulerNode, FusedSchedulerNode)
+    refused: dict = {}
+    last = [None]
+
+    def noted(self, reason, *args):
+        last[0] = reason
+        return why(self, reason, *args)
+
+    def kept(self, node1, node2, can_reorder=False, allow_mix_order_reduction=True):
+        if type(node1) not in plain or type(node2) not in plain:
+            return can_fuse(self, node1, node2, can_reorder, allow_mix_order_reduction)
+        state = (node1.read_writes, node2.read_writes)
+        key = (node1, node2, can_reorder, allow_mix_order_reduction, id(state[0]), id(state[1]))
+        if key in refused:
+            if _CHECK_KEPT_REFUSALS:
+                assert not can_fuse(self, node1, node2, can_reorder, allow_mix_order_reduction)
+            return False
+        last[0] = None
+        fused = can_fuse(self, node1, node2, can_reorder, allow_mix_order_reduction)
+        if not fused and last[0] == _NO_SHARED_DATA:
+            refused[key] = state    # held, so that no other object takes their ids meanwhile
+        return fused
+
+    Scheduler.can_fuse, WhyNoFuse.__call__ = kept, noted
+    try:
+        yield refused
+    finally:
+        Scheduler.can_fuse, WhyNoFuse.__call__ = can_fuse, why
 
 
 # Note [Optimization hints, computed once per expression]

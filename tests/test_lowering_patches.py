@@ -1,7 +1,8 @@
 """dpfx's lowering patches that only shorten the compile: Note [Vector strides of polynomial
 indices] (dpfx's stride of a polynomial index is Inductor's: the same Integer where Inductor finds
 a constant, an equal expression otherwise; other indices are Inductor's own answer), Note
-[Inductor's dtype rules, set up once] (the table rebuilt when a rule changes) and Note
+[Inductor's dtype rules, set up once] (the table rebuilt when a rule changes), Note [Fusion
+refusals kept across Inductor's fusion rounds] (each kept refusal Inductor's own) and Note
 [Optimization hints, computed once per expression] (torch's answer, asked again when what it
 reads changes) in dpfx/lowering.py. The code dpfx's lowering generates is the same with and
 without them."""
@@ -164,39 +165,78 @@ def test_optimization_hints_once_per_expression_and_state():
             m._optimization_hint_base = before
 
 
-def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch):
-    if not patched:
+def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool = True):
+    """The gradients and generated modules of a dpfx step, and Inductor's ``can_fuse`` calls
+    and dpfx's kept refusals in its lowering."""
+    from torch._inductor.scheduler import Scheduler
+
+    inductors = Scheduler.can_fuse
+    asked, kept = [], []
+
+    def counted(self, *args, **kwargs):
+        asked.append(1)
+        return inductors(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "can_fuse", counted)
+    if patched:
+        keeping = lowering.fusion_refusals_kept
+
+        @contextlib.contextmanager
+        def recorded():
+            with keeping() as refused:
+                yield refused
+                kept.append(len(refused))
+
+        monkeypatch.setattr(lowering, "fusion_refusals_kept", recorded)
+        monkeypatch.setattr(lowering, "_CHECK_KEPT_REFUSALS", check)
+    else:
         monkeypatch.setattr(lowering, "polynomial_vector_strides", contextlib.nullcontext)
         monkeypatch.setattr(lowering, "dtype_rules_once", contextlib.nullcontext)
+        monkeypatch.setattr(lowering, "fusion_refusals_kept", contextlib.nullcontext)
         monkeypatch.setattr(dpfx.backend, "optimization_hints_once", contextlib.nullcontext)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
     with torch._inductor.config.patch(force_disable_caches=True):
         grads, codes = run_and_get_code(run_dpfx, dp, model, loss_fn, x, y)
     monkeypatch.undo()
+    assert Scheduler.can_fuse is inductors
     # every compile gets the next AOT id, named in the module's first line
-    return grads, [c.split("\n", 1)[1] for c in codes]
+    return grads, [c.split("\n", 1)[1] for c in codes], len(asked), sum(kept)
 
 
 def test_same_code_and_gradients_through_inductor(monkeypatch):
     """dpfx's lowering generates the same C++ with its compile-time patches as without, gives
-    the DP-SGD gradient of a batch-of-one loop (clipping biting), uses the fast strides, and
-    leaves Inductor's functions in place after."""
+    the DP-SGD gradient of a batch-of-one loop (clipping biting), uses the fast strides, asks
+    Inductor again about no pair it kept a refusal of (and Inductor, asked, refuses each again),
+    and leaves Inductor's functions in place after."""
     from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
+    from torch._inductor.scheduler import WhyNoFuse
 
-    dtype_init = DtypePropagationOpsHandler.__init__
+    dtype_init, why_call = DtypePropagationOpsHandler.__init__, WhyNoFuse.__call__
+    not_asked = 0
     for model, loss_fn, x, y in [
             (SeqModel(), mse, torch.randn(3, 6, 8), torch.randn(3, 4)),
             (ResNetGN(), xent, torch.randn(3, 1, 8, 8), torch.randint(0, 3, (3,)))]:
         torch.manual_seed(0)
         want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.05, expected_batch_size=3)
         lowering._polynomial_strides.cache_clear()
-        got, fast_code = _lowered_code(model, loss_fn, x, y, True, monkeypatch)
+        got, fast_code, asked_checked, kept = _lowered_code(model, loss_fn, x, y, True,
+                                                            monkeypatch)
         assert lowering._polynomial_strides.cache_info().currsize == 1
         assert lowering._polynomial_strides(INDUCTOR).cache_info().misses > 0
         assert cpp.stride_at_vec_range is INDUCTOR
         assert DtypePropagationOpsHandler.__init__ is dtype_init
+        assert WhyNoFuse.__call__ is why_call
         assert_close(got, want)
-        got_plain, plain_code = _lowered_code(model, loss_fn, x, y, False, monkeypatch)
+        got_plain, plain_code, asked_plain, _ = _lowered_code(model, loss_fn, x, y, False,
+                                                             monkeypatch)
         assert_close(got_plain, want)
         assert len(fast_code) == len(plain_code) >= 2
         assert fast_code == plain_code
+        # the same questions, each kept refusal asked again as well (and refused again)
+        assert kept > 0 and asked_checked == asked_plain
+        got_kept, kept_code, asked_kept, _ = _lowered_code(model, loss_fn, x, y, True,
+                                                           monkeypatch, check=False)
+        assert_close(got_kept, want)
+        assert kept_code == plain_code and asked_kept <= asked_plain
+        not_asked += asked_plain - asked_kept
+    assert not_asked > 0     # some kept refusal was answered without Inductor
