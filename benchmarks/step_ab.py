@@ -23,6 +23,11 @@ patches (Note [Per-sample conv2d gradients in chunks of examples]):
 
     python benchmarks/step_ab.py conv_chunks resnet_gn 256 --rounds 30
 
+and for vector parameters' per-sample gradients stacked into one norm and one clipped sum
+against each on its own (Note [Vector parameters' per-sample gradients stacked]):
+
+    python benchmarks/step_ab.py vector_stacks hf_gpt2_256 16 --rounds 20
+
 On CPU the table also counts each step's minor page faults (``getrusage``'s ``ru_minflt``: fresh
 pages of buffers the allocator mapped for the step), the cost of glibc returning large freed
 buffers to the system. ``dpfx`` runs dpfx beside torch.compile alone, for comparisons across
@@ -160,6 +165,19 @@ def conv_chunks_by_bytes() -> ContextManager:
         convolution._CHUNK_MIN_EXAMPLES = real
 
 
+@contextlib.contextmanager
+def vectors_unstacked() -> ContextManager:
+    """Each vector parameter's per-sample gradient, norm and clipped sum on its own (dpfx before
+    2026-11-27; Note [Vector parameters' per-sample gradients stacked])."""
+    from dpfx.passes import clip_noise
+    real = clip_noise.STACK_VECTORS
+    clip_noise.STACK_VECTORS = False
+    try:
+        yield
+    finally:
+        clip_noise.STACK_VECTORS = real
+
+
 EXPERIMENTS = {
     "dpfx": {"dpfx": ("dpfx", nothing)},
     "combo_kernels": {
@@ -175,7 +193,10 @@ EXPERIMENTS = {
     "noise in the graph": ("dpfx", nothing)},
     "conv_chunks": {
     "dpfx, conv products in chunks of 8 examples up to 4 MiB (the default)": ("dpfx", nothing),
-    "dpfx, conv products in chunks of 1 MiB (before)": ("dpfx", conv_chunks_by_bytes)}}
+    "dpfx, conv products in chunks of 1 MiB (before)": ("dpfx", conv_chunks_by_bytes)},
+    "vector_stacks": {
+    "dpfx, vector parameters stacked (the default)": ("dpfx", nothing),
+    "dpfx, each on its own (before)": ("dpfx", vectors_unstacked)}}
 
 
 if __name__ == "__main__":

@@ -209,22 +209,30 @@ def _stream_releases(gm: fx.GraphModule) -> tuple[int, ...]:
             base = bases[item.args[1] - 1]
             if not _fresh(base) or set(base.users) != {call} or times[base] != 1:
                 return ()
-            chain, node = [item], item
-            while len(node.users) == 1 and next(iter(node.users)).op == "call_function":
-                node = next(iter(node.users))
-                chain.append(node)
-            if list(node.users) != [output] or len(at[id(node)]) != 1:
-                return ()
-            links = set(chain)
+            # each output the sum releases: the sum itself, or a chain of single-user ops from
+            # it (a stacked sum: one slice per parameter, Note [Vector parameters' per-sample
+            # gradients stacked] in passes/clip_noise.py)
+            ends = []
+            for first in ([item] if len(item.users) == 1 else list(item.users)):
+                chain, node = [first], first
+                while len(node.users) == 1 and next(iter(node.users)).op == "call_function":
+                    node = next(iter(node.users))
+                    chain.append(node)
+                if list(node.users) != [output] or len(at[id(node)]) != 1 or \
+                        chain[0] is not item and first.op != "call_function":
+                    return ()
+                ends.append((chain if chain[0] is not item else chain[1:], at[id(node)][0]))
+            links = {item, *(c for chain, _ in ends for c in chain)}
+            if len(links) != 1 + sum(len(chain) for chain, _ in ends):
+                return ()   # two chains meet
             reads = [a for a in call_reads if a not in links] + [
-                a for c in chain for a in c.all_input_nodes
+                a for c in links for a in c.all_input_nodes
                 if a not in links and a is not call and a not in times]
-            plans.append((call, base, chain, at[id(node)][0],
-                          max((base, *reads), key=order.__getitem__)))
+            plans.append((call, base, item, ends, max((base, *reads), key=order.__getitem__)))
     if not plans:
         return ()
     streamed, new_outs = [], list(outs)
-    for call, base, chain, position, after in plans:
+    for call, base, item, ends, after in plans:
         kwargs = {k: v for k, v in call.kwargs.items()
                   if k in ("std", "multiplier", "divisor")}
         with graph.inserting_after(after):
@@ -232,15 +240,17 @@ def _stream_releases(gm: fx.GraphModule) -> tuple[int, ...]:
                 torch.ops.higher_order.auto_functionalized_v2, call.args,
                 {**kwargs, "_sums_length": 1, "_sums_0_base_index": 0, "_all_bases": [base],
                  "_only_clone_these_bases": ()})
-        chain[0].args = (one, 1)
-        last = one
-        for node in chain:
-            last.append(node)
-            last = node
-        with graph.inserting_after(last):
-            graph.call_function(_record, (position, last))
-        new_outs[position] = None
-        streamed.append(position)
+        item.args = (one, 1)
+        one.append(item)
+        last = item
+        for chain, position in ends:
+            for node in chain:
+                last.append(node)
+                last = node
+            with graph.inserting_after(last):
+                last = graph.call_function(_record, (position, chain[-1] if chain else item))
+            new_outs[position] = None
+            streamed.append(position)
     output.args = (type(outs)(new_outs),)
     for call in calls:
         graph.erase_node(call)

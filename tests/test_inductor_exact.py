@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import dpfx
 from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
 from models import TiedAutoencoder, TiedLM, TwoLookupLM
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
 
 
 class MHAHead(nn.Module):
@@ -146,3 +146,71 @@ def test_unprovable_batch_assumption_raises():
             env.guard_or_defer_runtime_assert(assumption, "test")
         assert env.guard_or_defer_runtime_assert(sympy.Eq(16 * u0, 16 * u0), "test")
     assert env.guard_or_defer_runtime_assert(assumption, "test")   # torch's own behaviour
+
+
+class NormedTokens(nn.Module):
+    """LayerNorms and biased Linears over tokens: six vector parameters whose per-sample
+    gradients are dpfx's sums over the tokens, stacked on CPU (Note [Vector parameters'
+    per-sample gradients stacked] in dpfx/passes/clip_noise.py)."""
+
+    def __init__(self, d=8, h=6, out=3):
+        super().__init__()
+        self.ln1, self.fc1 = nn.LayerNorm(d), nn.Linear(d, h)
+        self.ln2, self.fc2 = nn.LayerNorm(h), nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.fc2(self.ln2(torch.tanh(self.fc1(self.ln1(x))))).mean(1)
+
+
+def _per_group_reference(model, x, y, config, reduction, expected):
+    """DP-SGD at sigma 0 with each clipping group's own norm and factor (a batch-of-one loop
+    through torch.func), and whether clipping bit."""
+    params = dict(model.named_parameters())
+    if x.shape[0] == 0:
+        return {k: torch.zeros_like(p) for k, p in params.items()}, False
+    g = per_example_grads(model, F.cross_entropy, x, y)
+    out, bit = {}, False
+    for group, bound in config.clip_bounds.items():
+        mine = [k for k in g if config.group_of(k) == group]
+        if not mine:
+            continue
+        norms = torch.sqrt(sum(g[k].flatten(1).pow(2).sum(1) for k in mine))
+        factor = (bound / (norms + 1e-6)).clamp(max=1.0)
+        bit |= bool((factor < 1).any())
+        for k in mine:
+            out[k] = (factor.view(-1, *[1] * (g[k].dim() - 1)) * g[k]).sum(0)
+    denom = (expected or x.shape[0]) if reduction == "mean" else 1
+    return {k: v / denom for k, v in out.items()}, bit
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bounds,stacked", [
+    (0.05, {"ln1.weight", "ln1.bias", "fc1.bias", "ln2.weight", "ln2.bias", "fc2.bias"}),
+    # per-layer: fc1's bias is alone in its group and stays whole
+    ({"fc1": 0.02, "ln2": 0.03, "": 0.05},
+     {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "fc2.bias"})])
+def test_stacked_vector_parameters_exact_cold_and_warm(fresh_inductor_cache, reduction, bounds,
+                                                       stacked):
+    """The stacked release through Inductor, cold then warm cache, self-check on, at batch
+    sizes 0, 1 and equal to T (5) and d (8): every gradient is DP-SGD's (per clipping group),
+    with clipping that bites, and the stacked parameters are slices of one noised sum."""
+    torch.manual_seed(0)
+    model = NormedTokens()
+    expected = 4 if reduction == "mean" else None
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    for _ in ("cold", "warm"):
+        torch._dynamo.reset()
+        dp = dpfx.compile(model, max_grad_norm=bounds, noise_multiplier=0.0,
+                          loss_reduction=reduction, expected_batch_size=expected)
+        bit = False
+        for b in (3, 0, 1, 5, 8):
+            x, y = torch.randn(b, 5, 8) * 3, torch.randint(0, 3, (b,))
+            got = run_dpfx(dp, model, F.cross_entropy, x, y, reduction)
+            want, clipped = _per_group_reference(model, x, y, dp.dp_config, reduction, expected)
+            assert_close(got, want, rtol=1e-4, atol=1e-6)
+            bit |= clipped
+        assert bit and dp.compile_count == 2
+        private = dp._dpfx_backend.last_backward.private
+        assert {k for k, o in private.items() if o.target is torch.ops.aten.slice.Tensor} == \
+            stacked
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 2

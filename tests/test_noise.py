@@ -17,16 +17,23 @@ from reference import clip_fraction, dp_sgd_grads, run_dpfx
 SIGMA, C, D = 4.0, 0.5, 8
 
 
-def _noise_draws(backend: str, steps: int, seed=None) -> dict:
+def _noise_draws(backend: str, steps: int, seed=None, tokens: tuple = ()) -> dict:
     """{name: (steps, *p.shape)}: the noise each step added to each parameter's gradient, on a
-    batch of 6 (clipping bites) minus the sigma = 0 reference. fc2.bias has 3 entries."""
+    batch of 6 (clipping bites) minus the sigma = 0 reference. fc2.bias has 3 entries. With
+    ``tokens`` (extra input dims), the biases' per-sample gradients are sums over them: on CPU
+    graphs one stacked base releases both (Note [Vector parameters' per-sample gradients
+    stacked])."""
     model = MLP(8, 32, 3)  # 387 parameters
-    x, y = torch.randn(6, 8) * 3, torch.randn(6, 3)
+    x, y = torch.randn(6, *tokens, 8) * 3, torch.randn(6, *tokens, 3)
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=D,
                       seed=seed, backend=backend)
     clean = dp_sgd_grads(model, mse, x, y, max_grad_norm=C, expected_batch_size=D)
     assert clip_fraction(model, mse, x, y, C) == 1.0
     runs = [run_dpfx(dp, model, mse, x, y) for _ in range(steps)]
+    if tokens and clip_noise.NOISE_IN_PLACE:
+        private = dp._dpfx_backend.last_backward.private
+        assert private["fc1.bias"].target is private["fc2.bias"].target is \
+            torch.ops.aten.slice.Tensor
     return {k: torch.stack([r[k] for r in runs]) - clean[k] for k in clean}
 
 
@@ -35,17 +42,20 @@ def _noise_samples(backend: str, steps: int, seed=None) -> torch.Tensor:
     return torch.cat([d.flatten(1) for d in draws.values()], 1)
 
 
-@pytest.mark.parametrize("release", ["in_place", "expression"])
+@pytest.mark.parametrize("release", ["in_place", "expression", "in_place_stacked"])
 @pytest.mark.parametrize("backend,steps", [("eager", 40), ("inductor", 100)])
 def test_noise_statistics_per_parameter(backend, steps, release, monkeypatch):
     """Each parameter's noise on its own (the 3-entry bias included) has mean 0 and std
     sigma*C/D within 5 standard errors, and so has the pool; steps are uncorrelated, and so are
     two parameters' entries at the same positions (dpfx::add_noise_ gives each its own Philox
     stream under one key); the tails are Gaussian. Seeded: deterministic. Both releases: the
-    CPU graphs' dpfx::add_noise_, and the GPU graphs' slices of one draw (built here on CPU)."""
+    CPU graphs' dpfx::add_noise_, and the GPU graphs' slices of one draw (built here on CPU);
+    and the CPU release of stacked vector parameters (the two biases: slices of one noised
+    base, so their entries at the same positions must still be uncorrelated)."""
     if release == "expression":
         monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", set())
-    draws = _noise_draws(backend, steps, seed=2024)
+    draws = _noise_draws(backend, steps, seed=2024,
+                         tokens=(4,) if release == "in_place_stacked" else ())
     expected_std = SIGMA * C / D
     # The resolution this buys: halving one small parameter's noise, or a 5% error on all.
     assert detectable_std_error(draws["fc2.bias"].numel()) < 0.5

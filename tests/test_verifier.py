@@ -631,8 +631,8 @@ def test_noise_base_reweighted_inside_the_embedding_sum_is_rejected():
 
 def _in_place(monkeypatch, strategy="ghost", x_shape=(3, 5, 8), **config_kwargs):
     monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
-    kwargs = dict(max_grad_norm=CONFIG.max_grad_norm, noise_multiplier=CONFIG.noise_multiplier,
-                  strategy=strategy, **config_kwargs)
+    kwargs = {**dict(max_grad_norm=CONFIG.max_grad_norm, noise_multiplier=CONFIG.noise_multiplier,
+                     strategy=strategy), **config_kwargs}
     result, config = _rewritten_with(kwargs, x_shape)
     calls = [n for n in result.gm.graph.nodes if verify._is_add_noise(n)]
     assert len(calls) == 1 and not any(n.meta.get("dpfx") == "noise_scale"
@@ -647,7 +647,71 @@ def test_in_place_release_verifies(monkeypatch, strategy, x_shape, reduction, ex
     result, config, call = _in_place(monkeypatch, strategy, x_shape, loss_reduction=reduction,
                                      expected_batch_size=expected)
     verify_backward(result.gm, result.analysis, result.private, config)
+    # over tokens, the two biases' per-sample gradients are dpfx's own sums: one stacked base
+    # (Note [Vector parameters' per-sample gradients stacked])
+    stacked = 2 if len(x_shape) == 3 else 0
+    assert call.kwargs["_sums_length"] == len(result.private) - max(stacked - 1, 0)
+    slices = [o for o in result.private.values() if o.target is aten.slice.Tensor]
+    assert len(slices) == stacked
+
+
+def _stacked(monkeypatch, **config_kwargs):
+    result, config, call = _in_place(monkeypatch, **config_kwargs)
+    b1, b2 = result.private["fc1.bias"], result.private["fc2.bias"]
+    assert b1.target is b2.target is aten.slice.Tensor and b1.args[0] is b2.args[0]
+    assert b1.args[0].args == (call, b1.args[0].args[1])
+    return result, config, b1, b2
+
+
+def test_stacked_vector_parameters_verify_and_each_slice_is_its_own(monkeypatch):
+    """Note [Vector parameters' per-sample gradients stacked]: the biases' per-sample
+    gradients (sums over tokens) are one [B, N] tensor, one clipped sum, one noised base; each
+    bias is its own slice of it. Slices that overlap would share noise entries; a slice with a
+    step, along another dim or with bounds that are not constants is not read as one."""
+    result, config, b1, b2 = _stacked(monkeypatch)
+    verify_backward(result.gm, result.analysis, result.private, config)
+    item, _, start, end = b2.args
+    assert b1.args[1:] == (0, 0, start)
+    for args, match in (((item, 0, start - 1, end), "share the noise"),
+                        ((item, 0, start, end, 2), "step 1"),
+                        ((item, 1, start, end), "step 1"),
+                        ((item, 0, -3, end), "step 1")):
+        b2.args = args
+        with pytest.raises(dpfx.PrivacyError, match=match):
+            verify_backward(result.gm, result.analysis, result.private, config)
+    b2.args = (item, 0, start, end)
+    verify_backward(result.gm, result.analysis, result.private, config)
+    # a parameter released as the whole stacked base overlaps both slices
+    private = _route_output(result, "fc1.bias", item)
+    with pytest.raises(dpfx.PrivacyError, match="share the noise"):
+        verify_backward(result.gm, result.analysis, private, config)
+
+
+def test_stacked_vector_parameters_outside_the_norm_are_rejected(monkeypatch):
+    """The stacked clipped sum must reduce the very tensor whose squares the norm sums: a
+    stack with one member doubled after the norm was taken is refused."""
+    result, config, b1, b2 = _stacked(monkeypatch)
+    apply = next(n for n in result.gm.graph.nodes if n.meta.get("dpfx") == "clip_apply"
+                 and n.args[0].target is aten.cat.default)
+    cat = apply.args[0]
+    doubled = _insert_before(result.gm, apply, aten.mul.Tensor, cat.args[0][0], 2.0)
+    with result.gm.graph.inserting_before(apply):
+        other = result.gm.graph.call_function(aten.cat.default, ([doubled, *cat.args[0][1:]], 1))
+    other.meta["val"] = cat.meta["val"]
+    apply.args = (other, apply.args[1])
+    with pytest.raises(dpfx.PrivacyError, match="not part of the per-sample norm"):
+        verify_backward(result.gm, result.analysis, result.private, config)
+    apply.args = (cat, apply.args[1])
+    verify_backward(result.gm, result.analysis, result.private, config)
+
+
+def test_stacked_vector_parameters_per_clipping_group(monkeypatch):
+    """Per-layer clipping stacks within a group only: fc1's and fc2's biases each stay whole
+    (one member per group), and the graph verifies."""
+    result, config, call = _in_place(monkeypatch, max_grad_norm={"fc1": 0.1, "fc2": 0.3})
+    verify_backward(result.gm, result.analysis, result.private, config)
     assert call.kwargs["_sums_length"] == len(result.private)
+    assert not any(n.target is aten.cat.default for n in result.gm.graph.nodes)
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -13,7 +13,11 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
 
 The last two lines are the GPU graphs' release (Inductor fuses the draw into the add). CPU
 graphs release every clipped sum through one ``dpfx::add_noise_`` call, which adds the noise and
-divides in place, drawing the normals in registers (Note [Noise added in place] in cpu_noise.py).
+divides in place, drawing the normals in registers (Note [Noise added in place] in cpu_noise.py);
+there the materialized per-sample gradients of a group's 1-D parameters that dpfx sums itself
+(biases, norm weights) are stacked into one [B, N], one norm and one clipped sum for all, each
+parameter's gradient a slice of one noised base (Note [Vector parameters' per-sample gradients
+stacked]).
 
 For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's ghost norm and
 ``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps;
@@ -40,6 +44,8 @@ on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import operator
 
 import sympy
@@ -68,9 +74,16 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         groups[config.group_of(pg.name)].append(pg)
     groups = {key: members for key, members in groups.items() if members}
 
+    # Note [Vector parameters' per-sample gradients stacked]
+    in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE
+    stacks = _stack_vectors(grads, config, emit) if in_place and STACK_VECTORS else []
+    stacked = {pg.name for s in stacks for pg in s.members}
+
     norms = {}
     for key, members in groups.items():
-        squares = [_squared_norm(pg, emit) for pg in members]
+        squares = [_squared_norm(pg, emit) for pg in members if pg.name not in stacked]
+        squares += [emit.squared_norm(s.per_sample, BatchDim(0)) for s in stacks
+                    if s.group == key]
         norm_sq = squares[0]
         for sq in squares[1:]:
             norm_sq = emit(aten.add.Tensor, norm_sq, sq)
@@ -109,14 +122,16 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     # The clipped sums first, the noise after them: emitted in this order, the draw's buffer is
     # not yet live while per-sample gradients are (a tied weight's (B, V, d)). A clipped sum
     # that accumulates into its noise is emitted with the noise.
-    in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE
     into = {pg.name for pg in grads if config.noise != "optimizer" and not in_place
             and pg.strategy == "ghost" and pg.ghost.clipped_into is not None}
     # Smallest parameter first: each clipped sum allocates its parameter-sized output and
     # frees the per-example operands it read last, so the largest outputs (an embedding's
     # table) are allocated once the others' operands are gone. The noise keeps the parameters'
     # order (stream k is parameter k's).
-    order = sorted((pg for pg in grads if pg.name not in into),
+    stack_sums = [emit(aten.sum.dim_IntList,
+                       clips[s.group].scale(emit, s.per_sample, BatchDim(0)), [0],
+                       tag="clipped_sum") for s in stacks]
+    order = sorted((pg for pg in grads if pg.name not in into and pg.name not in stacked),
                    key=lambda pg: at_nominal(sympy.Mul(*emit.analysis.shape(pg.grad.meta["val"]))))
     emitted = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
                                      moved=not in_place) for pg in order}
@@ -131,7 +146,8 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     else:
         multiplier, divisor = 1.0, batch
     if in_place:
-        return _noised_in_place(grads, clipped, std, multiplier, divisor, emit)
+        return _noised_in_place(grads, clipped, list(zip(stacks, stack_sums)), std, multiplier,
+                                divisor, emit)
 
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
@@ -176,30 +192,105 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 NOISE_IN_PLACE = {"cpu"}
 
 
-def _noised_in_place(grads: list[ParamGrad], clipped: dict[str, torch.fx.Node], std: float,
-                     multiplier: float, divisor, emit: Emitter) -> dict[str, torch.fx.Node]:
+def _noised_in_place(grads: list[ParamGrad], clipped: dict[str, torch.fx.Node], stacks: list,
+                     std: float, multiplier: float, divisor,
+                     emit: Emitter) -> dict[str, torch.fx.Node]:
     """One dpfx::add_noise_ over every clipped sum, as aot_autograd writes a mutating op
     (auto_functionalized_v2: the bases in, their new values out as getitems 1..n); then each
-    parameter's moves from its frontier's shape to its own, and its cast."""
-    bases = []
+    parameter's moves from its frontier's shape to its own, and its cast. A stack's clipped sum
+    is one base, placed where its first member stands; each member's gradient is its slice."""
+    bases, slot = [], {}    # parameter -> (base index, its slice of the base or None)
+    stack_of = {pg.name: (i, s, total) for s, total in stacks for i, pg in enumerate(s.members)}
+    placed = {}
     for pg in grads:
+        if pg.name in stack_of:
+            i, s, total = stack_of[pg.name]
+            if id(s) not in placed:
+                placed[id(s)] = len(bases)
+                bases.append(total)     # float32 or float64: the coefficient promotes it
+            slot[pg.name] = (placed[id(s)], (s.offsets[i], s.offsets[i + 1]))
+            continue
         base = clipped[pg.name]
         if base.meta["val"].dtype not in (torch.float32, torch.float64):
             base = emit(prims.convert_element_type.default, base, torch.float32)
         if base in bases:   # two parameters with one clipped sum (x + b1 + b2; shared nodes):
             base = emit(aten.clone.default, base, fresh=True)   # each is noised on its own
+        slot[pg.name] = (len(bases), None)
         bases.append(base)
     slots = {f"_sums_{k}_base_index": k for k in range(len(bases))}
     call = emit(torch.ops.higher_order.auto_functionalized_v2, torch.ops.dpfx.add_noise_.default,
                 std=std, multiplier=multiplier, divisor=divisor, _sums_length=len(bases),
                 **slots, _all_bases=bases, tag="noise")
     private = {}
-    for k, pg in enumerate(grads):
+    for pg in grads:
+        k, span = slot[pg.name]
         noisy = emit(operator.getitem, call, k + 1)
+        if span is not None:
+            noisy = emit(aten.slice.Tensor, noisy, 0, *span)
         if pg.strategy == "ghost":
             noisy = _moved(pg, noisy, emit)
         private[pg.name] = _as_output(pg, noisy, "private_grad", emit)
     return private
+
+
+# Note [Vector parameters' per-sample gradients stacked]
+# A transformer's biases and norm weights are most of its parameters by count (GPT-2 small: 98 of
+# 148) and few of its entries. Each cost three reductions of its own: its per-sample gradient
+# (over the tokens), its squared norm (over its entries) and its clipped sum (over the examples),
+# and Inductor fuses no two reductions over different axes, so each was its own loop nest, its
+# own C++ code generation and its own reader of the clip factor. On CPU graphs (one
+# dpfx::add_noise_ releases every sum) the per-sample gradients [B, n_k] of a clipping group's
+# materialized 1-D parameters of one dtype, two or more, are concatenated along dim 1 into one
+# [B, N]: one squared norm and one clipped sum for all of them, released as one noised base whose
+# slices [offset_k, offset_k + n_k) are the parameters' gradients (Inductor writes each per-sample
+# gradient into its place in the concatenation). The values are the same: the norm is the same
+# sum of squares, each entry's clipped sum is the same sum over examples, and each entry of the
+# base gets its own normal draw (the streams of the call's tensors are numbered anew, so a seed
+# draws other values than before). The verifier reads the stacked sum as one clipped tensor
+# covered by the norm, and each output as a slice of the released base, no two overlapping
+# (verify._check_release_in_place).
+STACK_VECTORS = True    # benchmarks/step_ab.py switches it off to measure what it is worth
+
+
+@dataclasses.dataclass
+class _Stack:
+    group: str                  # the clipping group
+    members: list               # ParamGrad, in the parameters' order
+    offsets: list[int]          # member k's entries of the stacked row: offsets[k]:offsets[k + 1]
+    per_sample: torch.fx.Node   # [B, N]: the members' per-sample gradients side by side
+
+
+def _stack_vectors(grads: list[ParamGrad], config: DPConfig, emit: Emitter) -> list[_Stack]:
+    batch = emit.analysis.batch
+    by_key: dict[tuple, list[ParamGrad]] = {}
+    for pg in grads:
+        if pg.strategy == "ghost" or pg.per_sample is None or pg.grad.meta["val"].dim() != 1 \
+                or not _own_reduction(pg.per_sample):
+            continue
+        val = pg.per_sample.meta["val"]
+        shape = emit.analysis.shape(val)
+        if len(shape) != 2 or shape[0] != batch or not shape[1].is_Integer:
+            continue
+        by_key.setdefault((config.group_of(pg.name), val.dtype), []).append(pg)
+    stacks = []
+    for (group, _), members in by_key.items():
+        if len(members) < 2:
+            continue
+        sizes = [int(emit.analysis.shape(pg.per_sample.meta["val"])[1]) for pg in members]
+        cat = emit(aten.cat.default, [pg.per_sample for pg in members], 1)
+        stacks.append(_Stack(group, members, list(itertools.accumulate(sizes, initial=0)), cat))
+    return stacks
+
+
+def _own_reduction(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is (a view of) a sum dpfx emitted: a per-sample gradient that exists for
+    the clipping alone. One the graph already holds (an MLP bias's: the output gradient itself)
+    keeps its own squared norm, which a ghost norm of the same tensor shares (Note [Emitted
+    nodes are shared] in emit.py); stacked, it would be copied and its norm taken again."""
+    while node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
+            and node.meta.get("dpfx_emitted") and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node.target is aten.sum.dim_IntList and bool(node.meta.get("dpfx_emitted"))
 
 
 def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> torch.fx.Node:

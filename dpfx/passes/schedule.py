@@ -8,21 +8,22 @@ layer below it, which the non-private backward freed after that layer.
 
 Note [Norms run as early as their inputs]
 Each emitted node that the per-sample norms depend on, and that is not larger than its largest
-tensor input, moves to right after its last input. Such a node (a view, a one-to-one copy, a
-Gram (B, R, R) of (B, R, N) rows with R <= N, an elementwise product, a reduction) lets its
-inputs die where the original backward's last use of them is, and holds at most as much in their
-place. A node that grows (a materialized per-sample gradient (B, out, in) from (B, T, *) rows
-with T < out, in, or a convolution's) stays at the end: run early, it would coincide with the
-layer's own backward kernels (measured on a GroupNorm CNN: 6.6 -> 9.0 MB when every emitted node
-moved) and hold more than its inputs until the clip. Then each moved node whose early place
-frees less than it holds goes back down, to just before its first reader: what it frees is every
-input whose storage it is the last to read, counted at the input's size for a tensor of the
-original backward and at what the input itself freed for one that moved with it. So a copy made
-early only for a Gram, whose partner Gram (of a convolution's patches) is late, goes back down
-with that Gram: together they free nothing the book-keeping product does not read again.
-Nothing downstream of a clip coefficient moves: the clipped sums and the noise stay in emission
-order, one book-keeping product at a time. Moving a node up, never above an input, and back
-down, never below a reader, keeps the order topological; the values are unchanged.
+tensor input, moves to right after its last input. Such a node (a view, a one-to-one copy, a Gram
+(B, R, R) of (B, R, N) rows with R <= N, an elementwise product, a reduction) lets its inputs die
+where the original backward's last use of them is, and holds at most as much in their place. A node
+that grows (a materialized per-sample gradient (B, out, in) from (B, T, *) rows with T < out, in, or
+a convolution's) stays at the end: run early, it would coincide with the layer's own backward
+kernels (measured on a GroupNorm CNN: 6.6 -> 9.0 MB when every emitted node moved) and hold more
+than its inputs until the clip. Then each moved node whose early place frees less than it holds goes
+back down, to just before its first reader (but a part of a stack of vector parameters' per-sample
+gradients, whose first reader is the stack): what it frees is every input whose storage it is the
+last to read, counted at the input's size for a tensor of the original backward and at what the
+input itself freed for one that moved with it. So a copy made early only for a Gram, whose partner
+Gram (of a convolution's patches) is late, goes back down with that Gram: together they free nothing
+the book-keeping product does not read again. Nothing downstream of a clip coefficient moves: the
+clipped sums and the noise stay in emission order, one book-keeping product at a time. Moving a node
+up, never above an input, and back down, never below a reader, keeps the order topological; the
+values are unchanged.
 (tests/test_schedule.py)
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch.fx as fx
 
 from ..rules import at_nominal
 from .batch import sym_expr
+
+aten = torch.ops.aten
 
 
 def _size(node: fx.Node) -> float | None:
@@ -137,10 +140,21 @@ def place_norms_early(graph: fx.Graph) -> int:
     sunk = 0
     for node in reversed(moved):
         size = _size(node)
-        if node.target in _VIEWS or not node.users or not size or freed[node] >= size:
+        if node.target in _VIEWS or not node.users or not size or freed[node] >= size \
+                or _stacked(node):
             continue
         first = min(node.users)
         if node.next is not first:
             first.prepend(node)
             sunk += 1
     return len(moved) - sunk
+
+
+def _stacked(node: fx.Node) -> bool:
+    """Whether ``node`` (through views) is a part of a stack of vector parameters' per-sample
+    gradients (Note [Vector parameters' per-sample gradients stacked] in clip_noise.py). Its
+    first reader is the stack, after the last part: sunk there, a per-sample sum over tokens
+    would hold the layer's (B, T, d) output gradient, which the layer's own backward frees,
+    through every layer below. It stays where it moved, as when its own norm read it there."""
+    return any(r.target is aten.cat.default and r.meta.get("dpfx_emitted")
+               for r in _readers(node))

@@ -12,8 +12,8 @@
    output; each output must descend from a ``noise_scale`` node whose factor is sigma * C and
    whose input is a slice of a standard normal draw that no other parameter's slice overlaps,
    or (CPU) from the graph's one ``dpfx::add_noise_`` call, with std sigma * C, one noised sum
-   per parameter (with ``noise="optimizer"``: be the tagged clipped sum, with no noise in the
-   graph); every clipped
+   per parameter or disjoint constant slices of one (stacked vector parameters) (with
+   ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
    factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` with the C of the
    parameter's clipping group, and the coefficient that scales the per-sample gradients that
@@ -353,7 +353,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     if len(calls) > 1:  # one key a step; Note [Noise added in place] (cpu_noise.py)
         raise PrivacyError(f"the backward graph calls dpfx::add_noise_ {len(calls)} times, not "
                            f"once: two calls could draw the same noise")
-    slots = {}          # (add_noise_ call, getitem index) -> the parameter it releases
+    slots = {}          # (add_noise_ call, getitem index) -> [(start, end, parameter)]
     for name, out in grads.items():
         if out in leaked:
             path = _leak_path(cut, sources, out)
@@ -386,10 +386,14 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
             noise_slices.append((name, _noise_slice(name, noise_src)))
         slot = _check_release(name, out, an, config)
         if slot is not None:
-            if slot in slots:
-                raise PrivacyError(f"parameters '{slots[slot]}' and '{name}' share the noise of "
-                                   f"sum {slot[1] - 1} of {slot[0].name}")
-            slots[slot] = name
+            call, index, start, end = slot
+            slots.setdefault((call, index), []).append((start, end, name))
+    for (call, index), spans in slots.items():
+        spans.sort(key=lambda s: s[:2])
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise PrivacyError(f"parameters '{first}' and '{second}' share the noise of sum "
+                                   f"{index - 1} of {call.name}")
     _check_disjoint(noise_slices)
     _check_no_other_batch_mixing(gm, an)
 
@@ -453,8 +457,13 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis,
     item = node     # the output itself may be a move (tagged private_grad)
     while item.target in _RELEASE_MOVES and item.meta.get("dpfx") in (None, "private_grad"):
         item = item.args[0]
+    span = None     # Note [Vector parameters' per-sample gradients stacked] (clip_noise.py)
+    if item.target is aten.slice.Tensor and item.meta.get("dpfx") in (None, "private_grad"):
+        span, item = item, item.args[0]
     if item.target is operator.getitem and _is_add_noise(item.args[0]):
-        return _check_release_in_place(name, item, an, config, refuse)
+        return _check_release_in_place(name, item, an, config, refuse, span)
+    if span is not None:
+        refuse(f"{span.name} slices what is not a sum that dpfx::add_noise_ released")
     if config.loss_reduction == "mean":
         if config.expected_batch_size is not None:
             exact = node.target is aten.mul.Tensor and isinstance(node.args[1], float) and \
@@ -514,12 +523,14 @@ def _is_add_noise(node) -> bool:
 
 
 def _check_release_in_place(name: str, item: fx.Node, an: BatchAnalysis, config: DPConfig,
-                            refuse) -> tuple[fx.Node, int]:
+                            refuse, span: fx.Node | None = None) -> tuple:
     """The release of Note [Noise added in place] (cpu_noise.py): the output is cast?(moves(
     getitem(call, k + 1))) of an auto_functionalized_v2 of dpfx::add_noise_ whose std is sigma *
     C and whose (multiplier, divisor) is exactly 1/D, whose sum k is a whole base of its own (no
-    view of one), and whose base k is the clipped side of this parameter alone. Returns the
-    (call, index) slot, which no other parameter may take."""
+    view of one), and whose base k is a clipped side; or cast?(moves(``span``)), ``span`` a
+    slice [start, end) of a 1-D getitem(call, k + 1), step 1, constant bounds (Note [Vector
+    parameters' per-sample gradients stacked] in clip_noise.py). Returns (call, index, start,
+    end): the entries of sum k this parameter takes, which no other parameter's may overlap."""
     call, index = item.args
     kwargs = call.kwargs
     bases = kwargs.get("_all_bases")
@@ -550,7 +561,16 @@ def _check_release_in_place(name: str, item: fx.Node, an: BatchAnalysis, config:
     _walk_clipped_side([bases[index - 1]], noise, refuse)
     if noise:
         refuse(f"its clipped sum accumulates into noise before {call.name} adds more")
-    return call, index
+    if span is None:
+        return call, index, 0, float("inf")     # the whole sum
+    length = item.meta["val"].shape[0] if item.meta["val"].dim() == 1 else None
+    given = list(span.args[1:])
+    dim, start, end, step = given + [0, None, None, 1][len(given):]
+    if span.kwargs or not isinstance(length, int) or dim != 0 or step != 1 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x for x in (start, end)):
+        refuse(f"{span.name} is not a slice [start, end) of {item.name}, step 1, with constant "
+               f"bounds")
+    return call, index, min(start, length), min(end, length)
 
 
 def _is_one(x) -> bool:
