@@ -28,6 +28,11 @@ against each on its own (Note [Vector parameters' per-sample gradients stacked])
 
     python benchmarks/step_ab.py vector_stacks hf_gpt2_256 16 --rounds 20
 
+A round's order is not neutral: the variant stepped right after the baseline can pay for what
+the baseline's step left in memory (GPT-2 small, B = 4: about 5% of the step, whichever variant
+came first; ``latest/step_ab_vector_stacks.md``), so a difference of that size is read with the
+variants also in the other order (``--reverse``).
+
 On CPU the table also counts each step's minor page faults (``getrusage``'s ``ru_minflt``: fresh
 pages of buffers the allocator mapped for the step), the cost of glibc returning large freed
 buffers to the system. ``dpfx`` runs dpfx beside torch.compile alone, for comparisons across
@@ -206,6 +211,10 @@ if __name__ == "__main__":
     ap.add_argument("batch", type=int)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--reverse", action="store_true",
+                    help="the variants in the other order (a round's position is not neutral)")
     args = ap.parse_args()
-    print(table(args.model, args.batch, EXPERIMENTS[args.experiment], args.rounds,
-                device=args.device))
+    variants = EXPERIMENTS[args.experiment]
+    if args.reverse:
+        variants = dict(reversed(list(variants.items())))
+    print(table(args.model, args.batch, variants, args.rounds, device=args.device))
