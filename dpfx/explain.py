@@ -5,7 +5,10 @@
     report.write("dumps/")        # forward.txt, backward.captured.txt, backward.private.txt + .png
 
 explain compiles with backend="eager" (the same rewritten graphs as Inductor gets, without the C++
-compile), runs one forward on copies of the inputs, and never touches ``p.grad``.
+compile), runs one forward on copies of the inputs, and never touches ``p.grad``. "stacked" in the
+strategy column: the parameter's per-sample gradient shares one norm and one clipped sum with the
+other vector parameters of its clipping group (Note [Vector parameters' per-sample gradients
+stacked] in passes/clip_noise.py).
 """
 from __future__ import annotations
 
@@ -72,7 +75,8 @@ def explain(model: torch.nn.Module, *example_inputs, **options) -> Report:
     for pg in backend.param_grads:
         cost = pg.costs[0] if len(pg.costs) == 1 else _merge(pg.costs)
         key = "ghost_" if pg.strategy == "ghost" else ""
-        rows.append(ParamRow(pg.name, tuple(shapes[pg.name].shape), pg.rules, pg.strategy,
+        strategy = pg.strategy + (", stacked" if pg.stacked else "")
+        rows.append(ParamRow(pg.name, tuple(shapes[pg.name].shape), pg.rules, strategy,
                              cost[key + "form"], _pretty(cost[key + "flops"]),
                              _pretty(cost[key + "memory"])))
     return Report(rows, dict(backend.stages.graphs))

@@ -16,6 +16,10 @@ def test_explain_reports_every_parameter_and_leaves_grads_alone(tmp_path):
     assert rows["proj.weight"].rules == ["mm"] and rows["proj.weight"].strategy == "ghost"
     assert "Gram" in rows["proj.weight"].form
     assert rows["pos"].strategy == "materialize"
+    # the two vector parameters summed over tokens share a norm and a clipped sum; the head's
+    # bias gradient is the output gradient itself and stays on its own
+    assert rows["proj.bias"].strategy == rows["gamma"].strategy == "materialize, stacked"
+    assert rows["head.bias"].strategy == "materialize"
     assert rows["pos"].rules == ["sum"] and rows["pos"].shape == (1, 6, 8)
     assert "B" in rows["proj.weight"].flops
     text = str(report)

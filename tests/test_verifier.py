@@ -705,6 +705,41 @@ def test_stacked_vector_parameters_outside_the_norm_are_rejected(monkeypatch):
     verify_backward(result.gm, result.analysis, result.private, config)
 
 
+class _TwoBiases(nn.Module):
+    """Two biases added to one activation: one per-sample gradient node serves both."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2 = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+        self.ln, self.fc = nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(self.ln(x + self.b1 + self.b2)).mean(1)
+
+
+def test_stacked_parts_that_are_one_node_are_noised_apart(monkeypatch):
+    """Two parameters whose per-sample gradients are one node (Note [Emitted nodes are shared])
+    are two parts of the stack, two slices of the noised sum: exact at sigma 0 (each counted in
+    the norm), and with noise, two different draws."""
+    monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
+    torch.manual_seed(0)
+    model = _TwoBiases()
+    x, y = torch.randn(5, 4, 6) * 3, torch.randint(0, 3, (5,))
+    for sigma in (0.0, 1.0):
+        dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=sigma,
+                          expected_batch_size=4, backend="eager")
+        got = run_dpfx(dp, model, F.cross_entropy, x, y)
+        private = dp._dpfx_backend.last_backward.private
+        assert private["b1"].target is private["b2"].target is aten.slice.Tensor
+        assert private["b1"].args[2:] != private["b2"].args[2:]
+        if sigma == 0.0:
+            assert_close(got, dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.05,
+                                           expected_batch_size=4))
+            torch.testing.assert_close(got["b1"], got["b2"])
+        else:
+            assert not torch.allclose(got["b1"], got["b2"], atol=1e-3)
+
+
 def test_stacked_vector_parameters_per_clipping_group(monkeypatch):
     """Per-layer clipping stacks within a group only: fc1's and fc2's biases each stay whole
     (one member per group), and the graph verifies."""

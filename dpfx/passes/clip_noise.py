@@ -279,6 +279,8 @@ def _stack_vectors(grads: list[ParamGrad], config: DPConfig, emit: Emitter) -> l
         sizes = [int(emit.analysis.shape(pg.per_sample.meta["val"])[1]) for pg in members]
         cat = emit(aten.cat.default, [pg.per_sample for pg in members], 1)
         stacks.append(_Stack(group, members, list(itertools.accumulate(sizes, initial=0)), cat))
+        for pg in members:
+            pg.stacked = True   # dpfx.explain shows it
     return stacks
 
 

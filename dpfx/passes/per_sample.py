@@ -51,6 +51,7 @@ class ParamGrad:
     strategy: str = "materialize"
     ghost: Any = None  # rules.Ghost when strategy == "ghost"
     chain: list[fx.Node] = dataclasses.field(default_factory=list)  # frontier -> output ops
+    stacked: bool = False  # Note [Vector parameters' per-sample gradients stacked] (clip_noise.py)
 
 
 @dataclasses.dataclass
