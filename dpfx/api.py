@@ -407,7 +407,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
-            track_norms: bool = False, self_check: bool = True,
+            track_norms: bool = False, self_check: bool | str = True,
             allow_input_grads: bool = False, loss=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
@@ -431,7 +431,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     ranks] in optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
     (not private: see stats.py). ``self_check``: before a compiled graph first trains, run it on
     synthetic batches against dpfx's verified graph and check that examples stay independent
-    (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor.
+    (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor, and
+    skipped for compiled code that has passed it before in Inductor's cache directory (Note [A
+    self-check is not repeated on code it has passed]); ``"always"`` runs it even then.
     ``allow_input_grads``: accept inputs that require grad; their gradients are not private
     (refused by default). ``loss``: ``fn(output, *targets)``, captured and proven with the model
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss

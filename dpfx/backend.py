@@ -158,7 +158,7 @@ class DPBackend:
                        if _input_index(n) in self._targets}
             check = GraphCheck(reference, layouts, info.batch_symbols,
                                set(batch_inputs), _device_of(example_inputs), self.decisions,
-                               targets)
+                               targets, always=self.config.self_check == "always")
             self._checks[kwargs.get("graph_id")] = check
 
         def run_forward(args):
@@ -275,7 +275,7 @@ class DPBackend:
         return run_backward
 
     def _checking(self) -> bool:
-        return self.config.self_check and self.config.backend == "inductor" \
+        return self.config.self_check is not False and self.config.backend == "inductor" \
             and self.problems is None
 
     def _lower(self, gm, example_inputs, kwargs):

@@ -33,7 +33,7 @@ class DPConfig:
     strategy: str = "auto"
     noise: str = "graph"
     track_norms: bool = False
-    self_check: bool = True
+    self_check: bool | str = True
     allow_input_grads: bool = False
 
     def __post_init__(self):
@@ -77,8 +77,9 @@ class DPConfig:
             raise ValueError(f"noise must be one of {NOISE_MODES}, got {self.noise!r}")
         if not isinstance(self.track_norms, bool):
             raise ValueError(f"track_norms must be a bool, got {self.track_norms!r}")
-        if not isinstance(self.self_check, bool):
-            raise ValueError(f"self_check must be a bool, got {self.self_check!r}")
+        if not isinstance(self.self_check, bool) and self.self_check != "always":
+            raise ValueError(f"self_check must be True, False or 'always', got "
+                             f"{self.self_check!r}")
         if not isinstance(self.allow_input_grads, bool):
             raise ValueError(f"allow_input_grads must be a bool, got {self.allow_input_grads!r}")
 

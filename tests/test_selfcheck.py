@@ -95,7 +95,8 @@ def test_passes_a_correct_graph_with_noise(monkeypatch):
     model = MLP(d_in=8, hidden=64)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     want = dp_sgd_grads(model, mse, x, y, max_grad_norm=1.0, expected_batch_size=4)
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0, expected_batch_size=4)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=2.0, expected_batch_size=4,
+                      self_check="always")    # the check is under test, on code it may have passed
     got = run_dpfx(dp, model, mse, x, y)
     assert "forward" in compared and "backward" in compared, compared
     noise = torch.cat([(got[k] - want[k]).flatten() for k in want])
@@ -127,7 +128,7 @@ def test_self_check_runs_outside_the_first_calls_dispatch_modes(monkeypatch):
 
     monkeypatch.setattr(dpfx.selfcheck, "_call", call)
     model = MLP()
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert modes and set(modes) == {0}
 
@@ -462,7 +463,7 @@ def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
     """A streamed output the eager reference did not hand over would go unchecked: refused."""
     monkeypatch.setattr(dpfx.selfcheck, "_record", lambda position, want: None)
     model = MLP()
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     with pytest.raises(dpfx.PrivacyError, match="released no gradient"):
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
@@ -481,3 +482,63 @@ def test_an_infinite_output_does_not_loosen_the_others():
     _compare("backward", 2, ["big", "grad"], [big.clone(), grad.clone()], [big, grad])
     with pytest.raises(dpfx.PrivacyError, match="output grad"):
         _compare("backward", 2, ["big", "grad"], [big.clone(), grad * 1.01], [big, grad])
+
+
+def _check_runs(monkeypatch) -> list:
+    """The batch sizes the self-check runs the graphs at, as it runs them."""
+    real_check_at, sizes = dpfx.selfcheck.GraphCheck._check_at, []
+
+    def check_at(self, b, *args):
+        sizes.append(b)
+        return real_check_at(self, b, *args)
+
+    monkeypatch.setattr(dpfx.selfcheck.GraphCheck, "_check_at", check_at)
+    return sizes
+
+
+def _mlp_step(self_check=True):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check=self_check)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    return model
+
+
+def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
+    """Note [A self-check is not repeated on code it has passed]: a second compile that finds
+    the same code in Inductor's cache skips the check its first compile passed; code never
+    checked there (a first compile with self_check=False), self_check="always", and a callable
+    that is not Inductor's cached code (a miscompiling wrapper) are checked every time."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = _check_runs(monkeypatch)
+    _mlp_step(self_check=False)                       # fills the cache, checks nothing
+    assert runs == []
+    _mlp_step()                                       # the cache's code, never checked: checked
+    assert runs == list(dpfx.selfcheck.SIZES)
+    markers = list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())
+    assert len(markers) == 1 and markers[0].stat().st_size == 0
+    counters.clear()
+    model = _mlp_step()                               # the same code again: not re-checked
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2
+    assert runs == list(dpfx.selfcheck.SIZES)
+    assert model.fc1.weight.grad is not None
+    _mlp_step(self_check="always")
+    assert runs == 2 * list(dpfx.selfcheck.SIZES)
+    # other code (a wider layer): checked, and marked apart
+    torch._dynamo.reset()
+    wide = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    dp = dpfx.compile(wide, max_grad_norm=1.0, noise_multiplier=1.0)
+    mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert runs == 3 * list(dpfx.selfcheck.SIZES)
+    assert len(list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())) == 2
+    # the checked code, miscompiled after Inductor: the wrapper is no cached code, so it is checked
+    _miscompile(monkeypatch, "backward", _nudge_gradients)
+    with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
+        _mlp_step()
+    assert runs[-1] in dpfx.selfcheck.SIZES and len(runs) == 3 * len(dpfx.selfcheck.SIZES) + 1
+
+
+def test_self_check_setting_is_validated():
+    with pytest.raises(ValueError, match="self_check must be True, False or 'always'"):
+        dpfx.compile(MLP(), max_grad_norm=1.0, noise_multiplier=1.0, self_check="sometimes")
