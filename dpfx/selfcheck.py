@@ -69,6 +69,10 @@ def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """The graph as it is now, kept for running eagerly (lowering rewrites ``gm`` in place), its
     mutating calls on dead intermediates made in place (Note [The eager reference mutates in
     place where nothing else sees it])."""
+    return fx.GraphModule(gm, _eager_graph(gm))
+
+
+def _eager_graph(gm: fx.GraphModule) -> fx.Graph:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.find_nodes(op="call_function",
@@ -76,7 +80,19 @@ def eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
         _mutate_in_place(node)
     _sink_tensor_sources(graph)
     graph.set_codegen(_BoxedCodeGen())    # Note [The self-check's runs free their inputs]
-    return fx.GraphModule(gm, graph)
+    return graph
+
+
+def _attributes(gm: fx.GraphModule, graph: fx.Graph) -> dict:
+    """What the graph's get_attr nodes read from ``gm``, by name, as it is now: the root of the
+    module built from ``graph`` later (Note [The eager reference is built when the check runs])."""
+    values = {}
+    for node in graph.find_nodes(op="get_attr"):
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        values[node.target] = value
+    return values
 
 
 # Note [The eager reference creates a tensor where it is first read]
@@ -128,10 +144,16 @@ def _fresh(node) -> bool:
         not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
+# Note [The eager reference is built when the check runs]
+# Lowering rewrites the graph in place, so the check's copy is taken before; but a check may never
+# run (Note [A self-check is not repeated on code it has passed]): on a warm cache, generating and
+# compiling the copies' Python was all that was left of it (GPT-2 d=256: 0.15 of 0.18 s). So a
+# Half holds the copied graph and the values its get_attr nodes read, and builds the module at its
+# first use.
 @dataclasses.dataclass
 class Half:
     """One graph (forward or backward): its eager copy, compiled callable and placeholders."""
-    reference: fx.GraphModule
+    eager: fx.GraphModule | tuple[fx.Graph, dict]   # the copy, or what builds it
     compiled: Callable
     inputs: list[tuple[str, Any]]         # placeholder name, meta value
     outputs: list[str | None]             # output node names (saved tensors keep them)
@@ -144,12 +166,22 @@ class Half:
     def of(cls, gm: fx.GraphModule, compiled: Callable) -> "Half":
         out = gm.graph.find_nodes(op="output")[0].args[0]
         out = out if isinstance(out, (list, tuple)) else [out]
-        reference = eager_copy(gm)
-        return cls(reference, compiled,
+        graph = _eager_graph(gm)
+        streamed = _stream_graph(graph)
+        eager = (graph, _attributes(gm, graph)) \
+            if not graph.find_nodes(op="call_module") else fx.GraphModule(gm, graph)
+        return cls(eager, compiled,
                    [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")],
                    [o.name if isinstance(o, fx.Node) else None for o in out],
                    [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out],
-                   _has_random_ops(gm), _computes_in_16_bits(gm), _stream_releases(reference))
+                   _has_random_ops(gm), _computes_in_16_bits(gm), streamed)
+
+    @property
+    def reference(self) -> fx.GraphModule:
+        if isinstance(self.eager, tuple):
+            graph, attributes = self.eager
+            self.eager = fx.GraphModule(attributes, graph)
+        return self.eager
 
 
 def _computes_in_16_bits(gm: fx.GraphModule) -> bool:
@@ -182,7 +214,14 @@ def _computes_in_16_bits(gm: fx.GraphModule) -> bool:
 def _stream_releases(gm: fx.GraphModule) -> tuple[int, ...]:
     """Rewrites ``gm`` (an eager copy) so that each dpfx::add_noise_ sum is released, cast and
     handed to ``_record`` as soon as it is computed; returns the output positions so handed."""
-    graph = gm.graph
+    streamed = _stream_graph(gm.graph)
+    if streamed:
+        gm.recompile()
+    return streamed
+
+
+def _stream_graph(graph: fx.Graph) -> tuple[int, ...]:
+    """``_stream_releases`` on the graph alone."""
     output = graph.find_nodes(op="output")[0]
     outs = output.args[0]
     if not isinstance(outs, (list, tuple)):
@@ -257,7 +296,6 @@ def _stream_releases(gm: fx.GraphModule) -> tuple[int, ...]:
     for call in calls:
         graph.erase_node(call)
     graph.lint()
-    gm.recompile()
     return tuple(streamed)
 
 

@@ -511,17 +511,22 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     checked there (a first compile with self_check=False), self_check="always", and a callable
     that is not Inductor's cached code (a miscompiling wrapper) are checked every time."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    runs = _check_runs(monkeypatch)
+    runs, checks = _check_runs(monkeypatch), _checks_of(monkeypatch)
     _mlp_step(self_check=False)                       # fills the cache, checks nothing
-    assert runs == []
+    assert runs == [] and checks == []
     _mlp_step()                                       # the cache's code, never checked: checked
     assert runs == list(dpfx.selfcheck.SIZES)
+    assert not checks[-1].skipped
+    assert isinstance(checks[-1].forward.eager, torch.fx.GraphModule)
     markers = list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())
     assert len(markers) == 1 and markers[0].stat().st_size == 0
     counters.clear()
     model = _mlp_step()                               # the same code again: not re-checked
     assert counters["inductor"]["fxgraph_cache_hit"] == 2
     assert runs == list(dpfx.selfcheck.SIZES)
+    # Note [The eager reference is built when the check runs]: skipped, so never built
+    assert checks[-1].skipped and isinstance(checks[-1].forward.eager, tuple) \
+        and isinstance(checks[-1].backward.eager, tuple)
     assert model.fc1.weight.grad is not None
     _mlp_step(self_check="always")
     assert runs == 2 * list(dpfx.selfcheck.SIZES)
