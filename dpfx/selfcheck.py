@@ -30,8 +30,10 @@ and checks:
 
 A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs,
 at each size, two compiled runs and one eager run of the forward and one of each of the backward:
-a few percent of the first step on small models, 14% on GPT-2 small (docs/ARCHITECTURE.md);
-``dpfx.compile(..., self_check=False)`` skips it.
+a few percent of the first step on small models, a quarter of GPT-2 small's cold one (11.3 of
+46 s on the 2-core AMD EPYC, 2026-11-27; docs/ARCHITECTURE.md);
+``dpfx.compile(..., self_check=False)`` skips it. Code that has passed it once is not checked
+again (Note [A self-check is not repeated on code it has passed]), unless ``self_check="always"``.
 tests/test_selfcheck.py hands it deliberately miscompiled graphs.
 """
 from __future__ import annotations

@@ -544,6 +544,18 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     assert runs[-1] in dpfx.selfcheck.SIZES and len(runs) == 3 * len(dpfx.selfcheck.SIZES) + 1
 
 
+def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch):
+    """With Inductor's FX-graph cache off the compiled code has no cache key to name a marker
+    by: every compile is checked, and no marker is left."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = _check_runs(monkeypatch)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _mlp_step()
+        _mlp_step()
+    assert runs == 2 * list(dpfx.selfcheck.SIZES)
+    assert not (tmp_path / "inductor" / "dpfx_selfcheck").exists()
+
+
 def test_self_check_setting_is_validated():
     with pytest.raises(ValueError, match="self_check must be True, False or 'always'"):
         dpfx.compile(MLP(), max_grad_norm=1.0, noise_multiplier=1.0, self_check="sometimes")
