@@ -556,6 +556,14 @@ def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch
     assert not (tmp_path / "inductor" / "dpfx_selfcheck").exists()
 
 
+def test_a_gpu_graph_is_never_marked():
+    """On a GPU the check always runs (Triton's launch configurations are picked at run time)."""
+    from types import SimpleNamespace
+
+    check = SimpleNamespace(device=torch.device("cuda"))
+    assert dpfx.selfcheck._passed_marker(check, {}) is None
+
+
 def test_self_check_setting_is_validated():
     with pytest.raises(ValueError, match="self_check must be True, False or 'always'"):
         dpfx.compile(MLP(), max_grad_norm=1.0, noise_multiplier=1.0, self_check="sometimes")
