@@ -28,7 +28,8 @@ from torch._inductor.compile_fx import compile_fx
 from .config import DPConfig
 from .errors import CaptureError, PrivacyError
 from .loss_graph import TARGETS, capture_loss
-from .lowering import inductor_patches, lower, optimization_hints_once
+from . import warm
+from .lowering import cache_key_pass, inductor_patches, lower, optimization_hints_once
 from .passes.batch import sym_expr
 from .selfcheck import GraphCheck, Half
 from .passes import ForwardInfo, Stages, compile_backward, compile_forward
@@ -84,12 +85,27 @@ class DPBackend:
         # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
         # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
         # Note [Optimization hints, computed once per expression] in lowering.py.
-        with torch._functorch.config.patch(enable_autograd_cache=False,
+        # Note [A warm start without the joint trace] (warm.py): on CPU, AOTAutogradCache holds
+        # dpfx's own output code, which runs dpfx's inner compiler again when it is loaded.
+        # (torch's own switch for that cache, enable_autograd_cache, turns it off here too)
+        cached = self.config.backend == "inductor" and _device_of(example_inputs).type == "cpu" \
+            and torch._functorch.config.enable_autograd_cache
+        patches = inductor_patches(example_inputs)
+        if cached:
+            patches = {**patches, "post_grad_custom_post_pass":
+                       cache_key_pass(torch._inductor.config.post_grad_custom_post_pass)}
+        with torch._functorch.config.patch(enable_autograd_cache=cached,
+                                           bundled_autograd_cache=cached,
                                            force_non_lazy_backward_lowering=True,
                                            ban_recompute_reductions=True), \
-                optimization_hints_once():
-            return compile_fx(gm, example_inputs, inner_compile=self._inner,
-                              config_patches=inductor_patches(example_inputs))
+                optimization_hints_once(), warm.compiling(self) as compiling:
+            compiled = compile_fx(gm, example_inputs, inner_compile=self._inner,
+                                  config_patches=patches)
+        if compiling.compiled == 0 and compiling.hits:
+            raise PrivacyError("dpfx: a compiled graph came back from a cache without dpfx's "
+                               "passes having run on it; dpfx refuses to train with it (a dpfx "
+                               "bug: please report)")
+        return compiled
 
     @staticmethod
     def _constants(model: torch.nn.Module) -> set[int]:
@@ -128,7 +144,16 @@ class DPBackend:
 
     # -- inner compiler: one call for the forward, one for the backward --------------------------
     def _inner(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Any:
+        if self.config.backend != "inductor" or _device_of(example_inputs).type != "cpu":
+            return self.compile_graph(gm, example_inputs, kwargs)
+        graph = warm.snapshot(gm)     # before dpfx's passes rewrite it
+        return warm.DPOutputCode(self.compile_graph(gm, example_inputs, kwargs), graph, kwargs)
+
+    def compile_graph(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict) -> Any:
+        """dpfx's inner compiler proper: on a fresh trace, or on a graph loaded from
+        AOTAutogradCache (warm.py)."""
         self.compiles += 1
+        warm.state.compiled += 1
         if kwargs.get("is_backward"):
             runner = self._backward(gm, example_inputs, kwargs)
         else:

@@ -70,6 +70,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .cpu_builds import merged_cpu_builds
 from .errors import CaptureError
+from .warm import canonical_attributes
 
 # Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
 # unbacked (a stride assertion fails at run time; plain torch.compile fails the same way).
@@ -170,6 +171,12 @@ class _CacheKey(CustomGraphPass):
         return f"dpfx-{_source_digest()}-{theirs}".encode()
 
 
+def cache_key_pass(user_pass) -> _CacheKey:
+    """Inductor's post-grad custom pass for a dpfx compile: ``user_pass`` (or none) under a uuid
+    that names dpfx's sources, for Inductor's and AOTAutogradCache's keys."""
+    return user_pass if isinstance(user_pass, _CacheKey) else _CacheKey(user_pass)
+
+
 @functools.cache
 def _source_digest() -> str:
     """One hash of dpfx's sources (Python and C). The compiled code of a graph bakes in what
@@ -197,12 +204,17 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
         return make_boxed_func(gm.forward)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     shape_env = fake_mode.shape_env if fake_mode is not None else None
-    key = _CacheKey(torch._inductor.config.post_grad_custom_post_pass)
+    key = cache_key_pass(torch._inductor.config.post_grad_custom_post_pass)
+    # Note [A warm start without the joint trace] (warm.py): the FX-graph cache stays on under
+    # AOTAutogradCache's bundled mode, and the key of a graph rebuilt from that cache is the
+    # key of the graph aot_autograd built.
+    canonical_attributes(gm)
 
     def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
                 dtype_rules_once(), fusion_refusals_kept(), \
+                torch._functorch.config.patch(bundled_autograd_cache=False), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
 

@@ -1,0 +1,186 @@
+"""A warm start without aot_autograd's joint trace: dpfx's graphs in AOTAutogradCache's entries.
+
+# Note [A warm start without the joint trace]
+A user's second run of a script found Inductor's code in its cache, but dpfx still traced the
+joint graph on the unbacked batch and partitioned it (aot_autograd: 8.2 of GPT-2 small's 17.7 s
+warm first step), which torch.compile skips through AOTAutogradCache. That cache hands back the
+inner compiler's results without calling it (Note [No caches that skip the inner compiler] in
+backend.py), so dpfx takes part in it this way, on CPU:
+
+- The inner compiler returns a ``DPOutputCode``: dpfx's runner for the graph, and the graph as
+  aot_autograd handed it over, before any of dpfx's passes, serialized with torch's
+  ``GraphPickler``. AOTAutogradCache runs in its bundled mode, which stores the inner compiler's
+  results whole with aot_autograd's runtime metadata; when it saves an entry, the runner (which
+  holds compiled code and live state) is dropped and only the graph is kept.
+- The cache's key carries dpfx's identity: dpfx's custom post-grad pass, whose uuid hashes dpfx's
+  sources (``lowering._CacheKey``), is in Inductor's configuration for the whole compile, so no
+  entry of a plain torch.compile (or of another dpfx version) has a dpfx key.
+- On a hit, AOTAutogradCache rebuilds the runtime wrappers from its entry and calls each output
+  code's ``post_compile`` with the call's inputs, the forward's first. There ``DPOutputCode``
+  loads its graph and runs dpfx's inner compiler on it, exactly as on a miss: batch analysis,
+  rewrite, proof, lowering (Inductor's FX-graph cache hits: the same rewritten graph) and the
+  self-check. Nothing the proof reads comes from the file but the graph itself: every node's fake
+  value is computed again from the call's inputs (the forward's) and from the forward's outputs
+  (the backward's saved values; a tangent's layout is the entry's, its shape checked against
+  the forward output it is the gradient of).
+- Every compile counts the graphs dpfx's inner compiler compiled (``compiled``) and
+  AOTAutogradCache's hits: a hit after which dpfx compiled nothing (an entry whose code was not
+  dpfx's) is refused by the backend.
+- Any failure while rebuilding (a graph that no longer loads, a proof that refuses) makes
+  AOTAutogradCache fall back to the full compile, which then runs dpfx's passes on a fresh trace.
+
+The rebuild costs what propagating fake values through both graphs costs (GPT-2 small about 2 s,
+against the 8.2 s trace). (tests/test_warm_start.py)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._inductor.output_code import OutputCode
+
+# compile_fx_inner's arguments kept with a graph: what the inner compiler reads and what enters
+# Inductor's FX-graph cache key (``boxed_forward_device_index`` and ``cudagraphs`` are made anew)
+_KEPT = ("is_backward", "graph_id", "is_inference", "static_input_idxs", "get_decomp_fn",
+         "compile_region_name")
+
+
+class _State(threading.local):
+    backend: Any = None                # the DPBackend compiling now
+    compiled: int = 0                  # graphs its inner compiler compiled in this compile
+    forward_outputs: list | None = None   # the rebuilt forward's output values
+    device_index: Any = None
+
+
+state = _State()
+
+
+class compiling:
+    """While a DPBackend compiles: the backend rebuilds read, and the count of graphs that went
+    through dpfx's inner compiler."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self._hits = counters["aot_autograd"]["autograd_cache_hit"]
+        self.outer = (state.backend, state.compiled, state.forward_outputs, state.device_index)
+        state.backend, state.compiled, state.forward_outputs, state.device_index = \
+            self.backend, 0, None, None
+        return self
+
+    def __exit__(self, *exc):
+        from torch._dynamo.utils import counters
+
+        self.hits = counters["aot_autograd"]["autograd_cache_hit"] - self._hits
+        self.compiled = state.compiled
+        state.backend, state.compiled, state.forward_outputs, state.device_index = self.outer
+        return False
+
+
+def snapshot(gm: fx.GraphModule) -> bytes | None:
+    """The graph as aot_autograd handed it over, serialized; None if it cannot be."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    try:
+        return GraphPickler.dumps(gm, Options(ops_filter=None))
+    except Exception:       # a graph GraphPickler cannot write is compiled, just not cached
+        return None
+
+
+class DPOutputCode(OutputCode):
+    """dpfx's compiled graph for AOTAutogradCache: the runner, and what rebuilds it."""
+
+    def __init__(self, runner: Callable, graph: bytes | None, kwargs: dict):
+        self._runner = runner
+        self._graph = graph
+        self._kwargs = {k: v for k, v in kwargs.items() if k in _KEPT}
+        self._boxed_call = True
+
+    def __call__(self, inputs):
+        return self._runner(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+        if self._graph is None:
+            raise BypassAOTAutogradCache("dpfx: the graph could not be serialized")
+        self._runner = None
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self._runner is not None:
+            return
+        backend = state.backend
+        if backend is None:
+            raise RuntimeError("dpfx: a cached graph loaded outside a dpfx compile")
+        gm, inputs = _rebuild(self._graph, self._kwargs, example_inputs)
+        from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+        from torch._inductor.utils import BoxedBool
+
+        if state.device_index is None:
+            state.device_index = BoxedDeviceIndex(None)
+        kwargs = {**self._kwargs, "boxed_forward_device_index": state.device_index,
+                  "cudagraphs": BoxedBool(False)}
+        self._runner = backend.compile_graph(gm, inputs, kwargs)
+
+
+def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule, list]:
+    """The stored graph with fake values computed from the call's inputs (the forward) or from
+    the rebuilt forward's outputs (the backward), and the inputs to compile it with."""
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    loaded = GraphPickler.loads(graph, fake_mode)
+    gm = fx.GraphModule(loaded, loaded.graph)
+    if "shape_env" not in gm.__dict__:
+        gm.shape_env = None
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if not kwargs.get("is_backward"):
+        inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    else:
+        outputs = state.forward_outputs
+        if outputs is None:
+            raise RuntimeError("dpfx: a cached backward loaded before its forward")
+        by_name = {name: value for name, value in outputs if name is not None}
+        inputs = []
+        for ph in placeholders:
+            desc = ph.meta.get("desc")
+            if ph.name in by_name:
+                inputs.append(by_name[ph.name])
+            elif type(desc).__name__ == "TangentAOTInput":
+                forward_value = outputs[desc.output.idx][1]
+                tangent = ph.meta.get("val")
+                if not isinstance(tangent, torch.Tensor) or \
+                        tuple(tangent.shape) != tuple(forward_value.shape) or \
+                        tangent.dtype != forward_value.dtype:
+                    raise RuntimeError(f"dpfx: the cached tangent {ph.name} does not match the "
+                                       f"forward output it is the gradient of")
+                inputs.append(tangent)
+            else:
+                raise RuntimeError(f"dpfx: no value for the cached backward's input {ph.name}")
+    if len(inputs) != len(placeholders):
+        raise RuntimeError("dpfx: the cached graph's inputs do not match the call's")
+    with fake_mode:
+        FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    if not kwargs.get("is_backward"):
+        out = gm.graph.find_nodes(op="output")[0].args[0]
+        state.forward_outputs = [(o.name, o.meta["val"]) if isinstance(o, fx.Node) else (None, o)
+                                 for o in out]
+    return gm, inputs
+
+
+def canonical_attributes(gm: fx.GraphModule) -> None:
+    """Inductor's FX-graph cache key pickles the module's attributes in their insertion order,
+    which differs between a module aot_autograd built and one rebuilt from a cached graph: both
+    are put in one order (names sorted), so that the same graph has the same key."""
+    items = sorted(gm.__dict__.items())
+    gm.__dict__.clear()
+    gm.__dict__.update(items)
