@@ -8,9 +8,13 @@ backends execute the same rewritten graphs.
 
 # Note [No caches that skip the inner compiler]
 AOTAutogradCache returns compiled artifacts without calling the inner compiler; a hit for a graph
-first compiled without dpfx would hand back *non-private* gradients. It is disabled for every dpfx
-compile. Inductor's FX graph cache stays on: its key is the rewritten graph itself.
-(tests/test_inductor.py::test_plain_torch_compile_first_does_not_leak)
+first compiled without dpfx would hand back *non-private* gradients. So it serves a dpfx compile
+only as Note [A warm start without the joint trace] (warm.py) sets it up: on CPU, in its bundled
+mode, holding dpfx's own output code, which calls dpfx's inner compiler again when it is loaded,
+under a key that carries dpfx's source digest; a hit after which dpfx compiled nothing is
+refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
+graph itself. (tests/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
+tests/test_warm_start.py)
 """
 from __future__ import annotations
 
@@ -92,8 +96,9 @@ class DPBackend:
             and torch._functorch.config.enable_autograd_cache
         patches = inductor_patches(example_inputs)
         if cached:
-            patches = {**patches, "post_grad_custom_post_pass":
-                       cache_key_pass(torch._inductor.config.post_grad_custom_post_pass)}
+            patches = {**patches, "post_grad_custom_post_pass": cache_key_pass(
+                torch._inductor.config.post_grad_custom_post_pass,
+                extra=repr([str(d) for d in self.decisions]))}
         with torch._functorch.config.patch(enable_autograd_cache=cached,
                                            bundled_autograd_cache=cached,
                                            force_non_lazy_backward_lowering=True,

@@ -48,8 +48,9 @@ be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes dpfx
 this file alone: the generated code bakes in what dpfx's own ops' fake kernels said (output
 strides) and calls their kernels, so a dpfx whose ops changed must not reuse another version's
 entries, which the graph alone (the same op names and arguments) would match
-(tests/test_inductor.py::test_cache_key_covers_every_dpfx_source). AOTAutogradCache is off for
-dpfx (Note [No caches that skip the inner compiler] in backend.py).
+(tests/test_inductor.py::test_cache_key_covers_every_dpfx_source). The same pass is in
+Inductor's settings for the whole compile, so that AOTAutogradCache's key carries it too (Note
+[No caches that skip the inner compiler] in backend.py).
 """
 from __future__ import annotations
 
@@ -159,8 +160,9 @@ def _unbacked_matrix_layout(t: torch.Tensor) -> bool:
 class _CacheKey(CustomGraphPass):
     """A no-op pass whose uuid gives dpfx's lowerings their own FX-graph cache entries."""
 
-    def __init__(self, user_pass):
+    def __init__(self, user_pass, extra: str = ""):
         self.user_pass = user_pass
+        self.extra = extra
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.user_pass is not None:
@@ -168,13 +170,17 @@ class _CacheKey(CustomGraphPass):
 
     def uuid(self) -> bytes:
         theirs = self.user_pass.uuid() if self.user_pass is not None else None
-        return f"dpfx-{_source_digest()}-{theirs}".encode()
+        return f"dpfx-{_source_digest()}-{theirs}-{self.extra}".encode()
 
 
-def cache_key_pass(user_pass) -> _CacheKey:
+def cache_key_pass(user_pass, extra: str = "") -> _CacheKey:
     """Inductor's post-grad custom pass for a dpfx compile: ``user_pass`` (or none) under a uuid
-    that names dpfx's sources, for Inductor's and AOTAutogradCache's keys."""
-    return user_pass if isinstance(user_pass, _CacheKey) else _CacheKey(user_pass)
+    that names dpfx's sources and ``extra`` (the batch-size decisions the graph was captured
+    under: Note [Deciding a branch on the batch size]), for Inductor's and AOTAutogradCache's
+    keys."""
+    if isinstance(user_pass, _CacheKey):
+        return user_pass if not extra else _CacheKey(user_pass.user_pass, extra)
+    return _CacheKey(user_pass, extra)
 
 
 @functools.cache

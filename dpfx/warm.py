@@ -51,6 +51,7 @@ class _State(threading.local):
     backend: Any = None                # the DPBackend compiling now
     compiled: int = 0                  # graphs its inner compiler compiled in this compile
     forward_outputs: list | None = None   # the rebuilt forward's output values
+    forward_strides: list | None = None   # the strides its compiled code gives them
     device_index: Any = None
 
 
@@ -128,7 +129,14 @@ class DPOutputCode(OutputCode):
             state.device_index = BoxedDeviceIndex(None)
         kwargs = {**self._kwargs, "boxed_forward_device_index": state.device_index,
                   "cudagraphs": BoxedBool(False)}
-        self._runner = backend.compile_graph(gm, inputs, kwargs)
+        if kwargs.get("is_backward"):
+            self._runner = backend.compile_graph(gm, inputs, kwargs)
+            return
+        # the strides Inductor's forward gives its outputs, which the backward is compiled for
+        # (aot_autograd does the same: Note [A cached graph keeps its traced strides])
+        with torch._guards.TracingContext.report_output_strides() as strides:
+            self._runner = backend.compile_graph(gm, inputs, kwargs)
+        state.forward_strides = list(strides) if strides is not None else None
 
 
 def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule, list]:
@@ -143,38 +151,72 @@ def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule
     if "shape_env" not in gm.__dict__:
         gm.shape_env = None
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    cached = {node: node.meta.get("val") for node in gm.graph.nodes}
     if not kwargs.get("is_backward"):
         inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        if len(inputs) != len(placeholders):
+            raise RuntimeError("dpfx: the cached graph's inputs do not match the call's")
+        for ph, value in zip(placeholders, inputs):
+            _check_shape(ph, value, cached[ph])
     else:
+        # Each input is the entry's traced value, checked against the rebuilt forward's (a saved
+        # value by its name, a tangent by the output it is the gradient of), and laid out as
+        # the compiled forward lays that output out (aot_autograd does the same).
         outputs = state.forward_outputs
         if outputs is None:
             raise RuntimeError("dpfx: a cached backward loaded before its forward")
-        by_name = {name: value for name, value in outputs if name is not None}
+        index = {name: k for k, (name, _) in enumerate(outputs) if name is not None}
+        strides = state.forward_strides or []
         inputs = []
         for ph in placeholders:
             desc = ph.meta.get("desc")
-            if ph.name in by_name:
-                inputs.append(by_name[ph.name])
+            if ph.name in index:
+                k = index[ph.name]
+                value = outputs[k][1]
+                if isinstance(value, torch.Tensor):
+                    _check_shape(ph, value, cached[ph])
+                    value = _strided(cached[ph], strides[k] if k < len(strides) else None)
             elif type(desc).__name__ == "TangentAOTInput":
-                forward_value = outputs[desc.output.idx][1]
-                tangent = ph.meta.get("val")
-                if not isinstance(tangent, torch.Tensor) or \
-                        tuple(tangent.shape) != tuple(forward_value.shape) or \
-                        tangent.dtype != forward_value.dtype:
-                    raise RuntimeError(f"dpfx: the cached tangent {ph.name} does not match the "
-                                       f"forward output it is the gradient of")
-                inputs.append(tangent)
+                _check_shape(ph, outputs[desc.output.idx][1], cached[ph])
+                value = cached[ph]
             else:
                 raise RuntimeError(f"dpfx: no value for the cached backward's input {ph.name}")
-    if len(inputs) != len(placeholders):
-        raise RuntimeError("dpfx: the cached graph's inputs do not match the call's")
+            inputs.append(value)
     with fake_mode:
         FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:      # the entry's graph computes what it says it computes
+        _check_shape(node, node.meta.get("val"), cached[node])
     if not kwargs.get("is_backward"):
         out = gm.graph.find_nodes(op="output")[0].args[0]
         state.forward_outputs = [(o.name, o.meta["val"]) if isinstance(o, fx.Node) else (None, o)
                                  for o in out]
     return gm, inputs
+
+
+def _strided(value, stride):
+    """``value`` with the static strides the compiled forward gave it, where they differ."""
+    if not isinstance(value, torch.Tensor) or stride is None or \
+            not all(isinstance(x, int) for x in stride) or \
+            all(isinstance(a, int) and a == b for a, b in zip(value.stride(), stride)):
+        return value
+    with value.fake_mode:
+        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _check_shape(node: fx.Node, value, cached) -> None:
+    """``cached`` (the entry's value of ``node``) has the dtype and shape of ``value`` (computed
+    from the call's inputs), compared as expressions: no guard on the batch."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if not isinstance(cached, torch.Tensor) or cached.dtype != value.dtype or \
+            len(cached.shape) != len(value.shape) or \
+            any(_expr(a) != _expr(b) for a, b in zip(cached.shape, value.shape)):
+        raise RuntimeError(f"dpfx: the cached graph's {node.name} does not match what its inputs "
+                           f"give")
 
 
 def canonical_attributes(gm: fx.GraphModule) -> None:
