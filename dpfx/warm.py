@@ -14,23 +14,29 @@ backend.py), so dpfx takes part in it this way, on CPU:
   holds compiled code and live state) is dropped and only the graph is kept.
 - The cache's key carries dpfx's identity: dpfx's custom post-grad pass, whose uuid hashes dpfx's
   sources (``lowering._CacheKey``), is in Inductor's configuration for the whole compile, so no
-  entry of a plain torch.compile (or of another dpfx version) has a dpfx key.
+  entry of a plain torch.compile (or of another dpfx version) has a dpfx key. The uuid also
+  names the batch-size decisions the graph was captured under (Note [Deciding a branch on the
+  batch size]): the same dynamo code captured for B = 1 and for other sizes is two graphs.
 - On a hit, AOTAutogradCache rebuilds the runtime wrappers from its entry and calls each output
   code's ``post_compile`` with the call's inputs, the forward's first. There ``DPOutputCode``
   loads its graph and runs dpfx's inner compiler on it, exactly as on a miss: batch analysis,
   rewrite, proof, lowering (Inductor's FX-graph cache hits: the same rewritten graph) and the
   self-check. Nothing the proof reads comes from the file but the graph itself: every node's fake
-  value is computed again from the call's inputs (the forward's) and from the forward's outputs
-  (the backward's saved values; a tangent's layout is the entry's, its shape checked against
-  the forward output it is the gradient of).
+  value is computed again from the call's inputs (the forward's) and from the rebuilt forward's
+  outputs (the backward's), and must agree with the entry's in shape and dtype. The backward's
+  inputs keep the entry's traced layouts, restrided where the compiled forward lays an output
+  out otherwise (what aot_autograd does before compiling a backward): its code asserts them.
 - Every compile counts the graphs dpfx's inner compiler compiled (``compiled``) and
   AOTAutogradCache's hits: a hit after which dpfx compiled nothing (an entry whose code was not
   dpfx's) is refused by the backend.
 - Any failure while rebuilding (a graph that no longer loads, a proof that refuses) makes
   AOTAutogradCache fall back to the full compile, which then runs dpfx's passes on a fresh trace.
+  A graph ``GraphPickler`` cannot write (its metadata names a class defined inside a function)
+  is compiled as before, without an entry.
 
-The rebuild costs what propagating fake values through both graphs costs (GPT-2 small about 2 s,
-against the 8.2 s trace). (tests/test_warm_start.py)
+The rebuild costs loading the graphs, propagating fake values through them and the cache's key:
+GPT-2 small's warm aot_autograd phase 8.7 -> 4.1 s, its warm first step 18.1 -> 13.5 s
+(benchmarks/latest/first_step_warm_aot_cache.md). (tests/test_warm_start.py)
 """
 from __future__ import annotations
 
@@ -69,9 +75,10 @@ class compiling:
         from torch._dynamo.utils import counters
 
         self._hits = counters["aot_autograd"]["autograd_cache_hit"]
-        self.outer = (state.backend, state.compiled, state.forward_outputs, state.device_index)
-        state.backend, state.compiled, state.forward_outputs, state.device_index = \
-            self.backend, 0, None, None
+        self.outer = (state.backend, state.compiled, state.forward_outputs, state.device_index,
+                      state.forward_strides)
+        state.backend, state.compiled, state.forward_outputs, state.device_index, \
+            state.forward_strides = self.backend, 0, None, None, None
         return self
 
     def __exit__(self, *exc):
@@ -79,7 +86,8 @@ class compiling:
 
         self.hits = counters["aot_autograd"]["autograd_cache_hit"] - self._hits
         self.compiled = state.compiled
-        state.backend, state.compiled, state.forward_outputs, state.device_index = self.outer
+        state.backend, state.compiled, state.forward_outputs, state.device_index, \
+            state.forward_strides = self.outer
         return False
 
 
@@ -133,7 +141,7 @@ class DPOutputCode(OutputCode):
             self._runner = backend.compile_graph(gm, inputs, kwargs)
             return
         # the strides Inductor's forward gives its outputs, which the backward is compiled for
-        # (aot_autograd does the same: Note [A cached graph keeps its traced strides])
+        # (aot_autograd records them so too)
         with torch._guards.TracingContext.report_output_strides() as strides:
             self._runner = backend.compile_graph(gm, inputs, kwargs)
         state.forward_strides = list(strides) if strides is not None else None
