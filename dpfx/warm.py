@@ -58,6 +58,7 @@ class _State(threading.local):
     compiled: int = 0                  # graphs its inner compiler compiled in this compile
     forward_outputs: list | None = None   # the rebuilt forward's output values
     forward_strides: list | None = None   # the strides its compiled code gives them
+    serial: int = 0                    # compiles so far: a rebuilt pair's own graph id
     device_index: Any = None
 
 
@@ -79,6 +80,7 @@ class compiling:
                       state.forward_strides)
         state.backend, state.compiled, state.forward_outputs, state.device_index, \
             state.forward_strides = self.backend, 0, None, None, None
+        state.serial += 1
         return self
 
     def __exit__(self, *exc):
@@ -135,8 +137,11 @@ class DPOutputCode(OutputCode):
 
         if state.device_index is None:
             state.device_index = BoxedDeviceIndex(None)
+        # the pair's graph id, under which the backend pairs a backward with its forward, made
+        # unique in this process (the entry's was given by another process's counter)
         kwargs = {**self._kwargs, "boxed_forward_device_index": state.device_index,
-                  "cudagraphs": BoxedBool(False)}
+                  "cudagraphs": BoxedBool(False),
+                  "graph_id": ("cached", state.serial, self._kwargs.get("graph_id"))}
         if kwargs.get("is_backward"):
             self._runner = backend.compile_graph(gm, inputs, kwargs)
             return
