@@ -149,7 +149,9 @@ def _before_release(module_ref, backend_ref, state):
             optimizer = module._dpfx_optimizer() if module._dpfx_optimizer else None
             if optimizer is not None:
                 optimizer._open_release()
-            elif not module.releases and "transformers" in sys.modules:
+            elif not module.releases and "transformers.trainer" in sys.modules:
+                # a Trainer among the callers means its module was imported; importing dpfx.hf
+                # (and with it transformers' Trainer and peft) costs 0.17 s otherwise
                 from .hf import warn_if_plain_trainer
                 warn_if_plain_trainer(module)
             module.releases += 1

@@ -80,6 +80,31 @@ def test_plain_trainer_trains_a_dpfx_model(tmp_path):
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+PLAIN_LOOP = """
+import sys, torch, transformers, dpfx
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_layer=1, n_head=2, n_embd=16, vocab_size=37, n_positions=16))
+dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.5, backend="eager")
+ids = torch.randint(0, 37, (3, 8))
+dp(input_ids=ids, labels=ids).loss.backward()
+assert dp.releases == 1
+print(sorted(m for m in ("dpfx.hf", "transformers.trainer", "peft") if m in sys.modules))
+"""
+
+
+def test_a_plain_loop_does_not_import_the_trainer():
+    """The plain-Trainer warning looks for a Trainer among the callers only where
+    transformers' trainer module was imported: a plain loop over an HF model does not import it
+    (nor peft, which it imports) at its first backward."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", PLAIN_LOOP], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_torch_compile_over_a_dpfx_module_is_a_no_op():
     """torch.compile(dp_model) (what TrainingArguments(torch_compile=True) does) runs dpfx's
     module as it is: the same gradients, not a crash inside dynamo."""

@@ -142,3 +142,38 @@ def test_a_larger_model_warm(cache):
         want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.5, expected_batch_size=4)
         assert_close(run_dpfx(dp, model, mse, x, y), want, rtol=1e-4, atol=1e-6)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+
+def test_an_entry_holds_the_inputs_fake_values_only(cache, monkeypatch):
+    """Note [An entry holds no fake value it would not read]: the stored graphs carry their
+    placeholders' fake values and no other node's; the graphs dpfx goes on to rewrite keep all
+    of theirs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    stored, kept = [], []
+    snapshot = dpfx.warm.snapshot
+
+    def spy(gm):
+        before = {n: dict(n.meta) for n in gm.graph.nodes}
+        data = snapshot(gm)
+        stored.append(data)
+        kept.append(all(n.meta == before[n] for n in gm.graph.nodes))
+        return data
+
+    monkeypatch.setattr(dpfx.warm, "snapshot", spy)
+    torch.manual_seed(0)
+    model = Seq()
+    x, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 4)
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.5, expected_batch_size=4)
+    assert_close(run_dpfx(_compile(model), model, mse, x, y), want, rtol=1e-4, atol=1e-6)
+    assert len(stored) == 2 and all(kept)
+    for data in stored:
+        graph = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv())).graph
+        placeholders = graph.find_nodes(op="placeholder")
+        assert placeholders and all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt))
+                                    for n in placeholders)
+        inner = [n for n in graph.nodes if n.op == "call_function"]
+        assert inner and not any(k in n.meta for n in inner
+                                 for k in ("val", "tensor_meta", "example_value"))
