@@ -516,3 +516,32 @@ def test_fused_attention_side_outputs_are_left_out_of_the_self_check():
     with pytest.raises(dpfx.PrivacyError, match="on output out"):
         _compare("forward", 2, ["out", "seed"], [out[0], seed[0]], [out[1] * 2, seed[1]],
                  skip={1})
+
+
+def test_batch_analysis_reads_each_shape_once(monkeypatch):
+    """Note [Shapes are read once] (dpfx/passes/batch.py): a value read by many nodes has its sizes
+    converted once per analysis, each query gets its own list, and the layouts are those of the
+    value's readers as before."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dpfx.passes.batch import BatchAnalysis, BatchDim
+
+    def f(x, w):
+        h = x @ w
+        return (h.relu() + h.sigmoid() + h.tanh() + h * 2).sum(-1)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 5), torch.randn(5, 4))
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    batch = x.meta["val"].shape[0].node.expr
+    converted = []
+    size = BatchAnalysis.size
+    monkeypatch.setattr(BatchAnalysis, "size", lambda self, s: converted.append(s) or size(self, s))
+    an = BatchAnalysis(gm.graph, {batch}, {x.name: BatchDim(0)})
+    values = {id(n.meta["val"]): n.meta["val"] for n in gm.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert len(converted) == sum(v.dim() for v in values.values())
+    mm = next(iter(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)))
+    assert all(an.layout(n) == BatchDim(0) for n in mm.users)
+    first = an.shape(mm.meta["val"])
+    first.append("changed")
+    assert an.shape(mm.meta["val"]) == first[:-1] and len(first) == 3
