@@ -28,6 +28,11 @@ against each on its own (Note [Vector parameters' per-sample gradients stacked])
 
     python benchmarks/step_ab.py vector_stacks hf_gpt2_256 16 --rounds 20
 
+and for a pointwise value read by several kernels stored once where its inputs then die, against
+Inductor's choice of computing it inside each (Note [A shared sum stored so that its inputs die]):
+
+    python benchmarks/step_ab.py shared_sums resnet_gn 256 --rounds 20
+
 A round's order is not neutral: the variant stepped right after the baseline can pay for what
 the baseline's step left in memory (GPT-2 small, B = 4: about 5% of the step, whichever variant
 came first; ``latest/step_ab_vector_stacks.md``), so a difference of that size is read with the
@@ -65,22 +70,25 @@ def nothing() -> ContextManager:
 
 def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
           baseline: str = "compile", device: str = "cpu") -> str:
-    """Median and min step (ms) of every variant and of the baseline method, and on CPU the
-    median minor page faults of a step, as markdown. On a GPU each step is timed to the
-    device's synchronization."""
+    """Median and min step (ms) of every variant and of the baseline method, the peak tensor
+    bytes of one step after warm-up (``run.step_peak_bytes``), and on CPU the median minor page
+    faults of a step, as markdown. On a GPU each step is timed to the device's
+    synchronization."""
     everything = {**variants, f"non-private {baseline}": (baseline, nothing)}
-    steps, x, y = {}, None, None
+    import run
+
+    run.DEVICE = torch.device(device)
+    steps, peaks, x, y = {}, {}, None, None
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for name, (method, switch) in everything.items():
         net, x, y = models.build(model, batch)
         if device != "cpu":
-            import run
-            run.DEVICE = torch.device(device)
             net, x, y = run.on_device(net, x, y)
         with switch():
             steps[name] = methods.make(method, net, batch, x, y).step
             for _ in range(3):
                 steps[name](x, y)
+            peaks[name] = run.step_peak_bytes(steps[name], x, y)
     times = {name: [] for name in steps}
     faults = {name: [] for name in steps}
     for _ in range(rounds):
@@ -95,15 +103,17 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     base = statistics.median(times[f"non-private {baseline}"])
     on_cpu = device == "cpu"
+    base_peak = peaks[f"non-private {baseline}"]
     rows = [f"| {name} | {statistics.median(t) * 1e3:.2f} | {min(t) * 1e3:.2f} | "
-            f"{statistics.median(t) / base:.2f} |"
+            f"{statistics.median(t) / base:.2f} | {peaks[name] / 1e6:.1f} | "
+            f"{peaks[name] / base_peak:.2f} |"
             + (f" {statistics.median(faults[name]):.0f} |" if on_cpu else "")
             for name, t in times.items()]
-    head = f"| variant | median step (ms) | min (ms) | x {baseline} |" \
-        + (" minor page faults a step |" if on_cpu else "")
+    head = f"| variant | median step (ms) | min (ms) | x {baseline} | step memory (MB) | " \
+        f"x {baseline} |" + (" minor page faults a step |" if on_cpu else "")
     return "\n".join([f"Whole steps of the benchmark {model} at B={batch}, {rounds} interleaved "
-                      f"rounds:", "", head, "|---|---:|---:|---:|" + ("---:|" if on_cpu else ""),
-                      *rows, ""])
+                      f"rounds:", "", head, "|---|---:|---:|---:|---:|---:|"
+                      + ("---:|" if on_cpu else ""), *rows, ""])
 
 
 @contextlib.contextmanager
@@ -183,6 +193,25 @@ def vectors_unstacked() -> ContextManager:
         clip_noise.STACK_VECTORS = real
 
 
+def shared_sums_inlined() -> ContextManager:
+    """Inductor's own choice for a pointwise value read by several kernels (dpfx before
+    2026-11-28): computed inside each (Note [A shared sum stored so that its inputs die]).
+    Inductor's FX-graph cache is off for it: its key does not see the switch, so the other
+    variant's code would come back from the cache."""
+    from dpfx import lowering
+
+    @contextlib.contextmanager
+    def switch():
+        real = lowering.shared_sums_stored
+        lowering.shared_sums_stored = lambda: contextlib.nullcontext([])
+        try:
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                yield
+        finally:
+            lowering.shared_sums_stored = real
+    return switch()
+
+
 EXPERIMENTS = {
     "dpfx": {"dpfx": ("dpfx", nothing)},
     "combo_kernels": {
@@ -201,7 +230,10 @@ EXPERIMENTS = {
     "dpfx, conv products in chunks of 1 MiB (before)": ("dpfx", conv_chunks_by_bytes)},
     "vector_stacks": {
     "dpfx, vector parameters stacked (the default)": ("dpfx", nothing),
-    "dpfx, each on its own (before)": ("dpfx", vectors_unstacked)}}
+    "dpfx, each on its own (before)": ("dpfx", vectors_unstacked)},
+    "shared_sums": {
+    "dpfx, shared sums stored (the default)": ("dpfx", nothing),
+    "dpfx, Inductor's choice (before)": ("dpfx", shared_sums_inlined)}}
 
 
 if __name__ == "__main__":

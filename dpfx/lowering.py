@@ -12,7 +12,9 @@ cpu_builds.py), takes the vector strides of polynomial indices without ``sympy.s
 [Inductor's dtype rules, set up once]), keeps the scheduler's refusals of pairs that share no
 data across its fusion rounds (Note [Fusion refusals kept across Inductor's fusion rounds]) and
 computes the optimization hint of each size expression once per capture (Note [Optimization
-hints, computed once per expression]).
+hints, computed once per expression]). One patch changes the code, for memory: a pointwise value
+read by several kernels is stored once where that lets the buffers it reads die (Note [A shared
+sum stored so that its inputs die]).
 
 # Note [Inductor must not assume what it cannot check]
 While lowering, Inductor's ``sizevars.check(expr)`` means "this is true, make sure it is checked".
@@ -219,7 +221,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
     def attempt(**settings):
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
-                dtype_rules_once(), fusion_refusals_kept(), \
+                dtype_rules_once(), fusion_refusals_kept(), shared_sums_stored(), \
                 torch._functorch.config.patch(bundled_autograd_cache=False), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
@@ -441,6 +443,86 @@ def fusion_refusals_kept():
         yield refused
     finally:
         Scheduler.can_fuse, WhyNoFuse.__call__ = can_fuse, why
+
+
+# Note [A shared sum stored so that its inputs die]
+# Inductor computes a pointwise value read by several kernels inside each of them unless it reads
+# more than four buffers (``realize_reads_threshold``): every buffer it reads then lives until
+# the last of those kernels. A ResNet's downsampling block sums the input gradients of its two
+# convolutions (the 3x3 and the 1x1 shortcut read one activation), and the block before reads
+# that sum, through the ReLU's mask, in its GroupNorm backward and again through its identity
+# shortcut, kernels apart: both gradients were held through a whole block. In the GroupNorm
+# ResNet's backward at B = 256 (9 convolutions, 32x32 images) three such 16.8 MB gradients were
+# alive at dpfx's step peak (torch.compile's graph holds such a pair too, but its peak comes
+# earlier). During dpfx's lowering a pointwise node with several readers is stored as a buffer
+# where that lets at least two buffers of its size and dtype die at its kernel: buffers whose
+# every reader is the node or a single-reader pointwise node inlined into it. It then holds one
+# buffer where it held two or more, and its readers load it instead of computing it each from
+# two or more loads, so neither the bytes held nor the loads grow (a buffer read only inside one
+# fused kernel is not written at all: Inductor drops it); the values are the same (the same
+# expression, computed once). The GroupNorm ResNet at B = 256 (the AMD EPYC, 2026-11-28,
+# benchmarks/latest/step_ab_shared_sums.md): step memory 216.0 -> 205.2 MB (1.26 -> 1.19x
+# torch.compile's 171.9), the step 3-6% faster (20 interleaved rounds, both orders); HF Llama's
+# four residual sums are stored, its step and memory unchanged. Set for dpfx's lowering only,
+# and restored after; dpfx's source digest keys Inductor's FX-graph cache.
+# (tests/test_lowering_memory.py)
+@contextlib.contextmanager
+def shared_sums_stored():
+    """Note [A shared sum stored so that its inputs die]."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.graph import GraphLowering
+        run_node = GraphLowering.run_node
+    except (ImportError, AttributeError):
+        yield []
+        return
+
+    lowered: dict = {}      # node -> its value (the interpreter drops a value after its last use)
+    made: list[str] = []    # the nodes stored
+
+    def stored(self, n):
+        result = lowered[n] = run_node(self, n)
+        if _inlined(result) and len(n.users) > 1 and _frees_buffers(lowered, n):
+            result.realize()
+            made.append(n.name)
+        return result
+
+    def _inlined(value):
+        return isinstance(value, ir.TensorBox) and isinstance(value.data, ir.StorageBox) \
+            and isinstance(value.data.data, ir.Pointwise)
+
+    def _frees_buffers(values, n) -> bool:
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, torch.Tensor):
+            return False
+        inlined, frontier, seen = {n}, list(n.all_input_nodes), set()
+        while frontier:     # the single-reader pointwise nodes computed inside n's kernels
+            m = frontier.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if len(m.users) == 1 and _inlined(values.get(m)):
+                inlined.add(m)
+                frontier.extend(m.all_input_nodes)
+        size = _numel(val)
+        freed = [m for m in seen - inlined
+                 if isinstance(values.get(m), ir.TensorBox)
+                 and isinstance(values[m].data, ir.StorageBox)
+                 and ir.IRNode.is_realized_node(values[m].data.data) and set(m.users) <= inlined
+                 and isinstance(m.meta.get("val"), torch.Tensor)
+                 and m.meta["val"].dtype == val.dtype and _numel(m.meta["val"]) == size]
+        return len(freed) >= 2
+
+    GraphLowering.run_node = stored
+    try:
+        yield made
+    finally:
+        GraphLowering.run_node = run_node
+
+
+def _numel(t: torch.Tensor):
+    n = t.numel()
+    return n.node.expr if isinstance(n, torch.SymInt) else n
 
 
 # Note [Optimization hints, computed once per expression]

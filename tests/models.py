@@ -138,6 +138,30 @@ class ResNetGN(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class ProjectedResNet(nn.Module):
+    """A stem, an identity residual block, and a downsampling block whose shortcut is a strided
+    1x1 convolution (ResNet's projection shortcut). The downsampling block's two convolutions
+    read one activation, so its gradient is the sum of their input gradients, which the block
+    before reads twice: in its second GroupNorm's backward and through its identity shortcut."""
+
+    def __init__(self, c=4, n_classes=3):
+        super().__init__()
+        self.stem = nn.Conv2d(1, c, 3, padding=1, bias=False)
+        self.gn0 = nn.GroupNorm(2, c)
+        self.block = ResBlock(c)
+        self.conv1 = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(2, 2 * c)
+        self.conv2 = nn.Conv2d(2 * c, 2 * c, 3, padding=1, bias=False)
+        self.gn2 = nn.GroupNorm(2, 2 * c)
+        self.short = nn.Conv2d(c, 2 * c, 1, stride=2, bias=False)
+        self.head = nn.Linear(2 * c, n_classes)
+
+    def forward(self, x):
+        h = self.block(torch.relu(self.gn0(self.stem(x))))
+        out = self.gn2(self.conv2(torch.relu(self.gn1(self.conv1(h)))))
+        return self.head(torch.relu(out + self.short(h)).mean((2, 3)))
+
+
 class ChannelsLastLinearPool(nn.Module):
     """A Linear on the channels-last permute of a conv's output, permuted back and pooled (the
     pattern of torchvision's ConvNeXt block): the mean over the permuted tensor is restrided
