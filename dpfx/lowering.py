@@ -222,6 +222,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
         with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), \
                 smaller_cpu_kernel_groups(), merged_cpu_builds(), polynomial_vector_strides(), \
                 dtype_rules_once(), fusion_refusals_kept(), shared_sums_stored(), \
+                fake_values_kept(), \
                 torch._functorch.config.patch(bundled_autograd_cache=False), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=key, **settings):
             return compile_fx_inner(gm, example_inputs, **kwargs)
@@ -521,8 +522,96 @@ def shared_sums_stored():
 
 
 def _numel(t: torch.Tensor):
-    n = t.numel()
-    return n.node.expr if isinstance(n, torch.SymInt) else n
+    return _expr(t.numel())
+
+
+# Note [Inductor lowers the fake values dpfx proved]
+# Inductor's ``codegen_and_compile`` opens by propagating fake values through the whole graph again
+# (``additional_fake_tensor_prop``): 0.63 s of GPT-2 d=256's cold first step, each node on the
+# unbacked batch's symbolic shapes. A graph dpfx hands over already
+# carries every node's fake value: aot_autograd's, those dpfx's emitter computed for the nodes
+# it added, and a warm start's rebuilt ones (Note [A warm start without the joint trace] in
+# warm.py); the proof read exactly these. During dpfx's lowering, where every placeholder's value
+# has the shape, strides and dtype of the compile's example input and every other node has a
+# value (but an op without outputs, such as a runtime assert, which propagation gives none),
+# Inductor lowers those values instead of recomputing them: what it lowers is then what was
+# proved. Any other graph is propagated as Inductor does. The values are the ones the
+# propagation gives: the test suite propagates again in every lowering of a dpfx graph and
+# compares every node's shape, strides and dtype (tests/conftest.py), and
+# tests/test_lowering_patches.py compares the generated code. Cold first steps (the AMD EPYC,
+# 2026-11-28, one run each, benchmarks/latest/first_step_fake_values_kept.md): GPT-2 small 46.2 ->
+# 44.8 s (its two lowerings 18.7 -> 16.7 s), GPT-2 d=256 16.1 -> 15.4 s. A warm start hits
+# Inductor's FX-graph cache before the propagation. Set for dpfx's lowering only, and restored
+# after.
+_CHECK_KEPT_VALUES = False    # tests: propagate anyway and require the same values
+
+
+@contextlib.contextmanager
+def fake_values_kept():
+    """Note [Inductor lowers the fake values dpfx proved]."""
+    try:
+        from torch._inductor import compile_fx as inductor
+        propagate = inductor.fake_tensor_prop
+    except (ImportError, AttributeError):
+        yield []
+        return
+    graphs: list[int] = []      # the node counts of the graphs lowered on their own values
+
+    def kept(gm, example_inputs, force_allow_non_fake_inputs=False):
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        if fake_mode is None or force_allow_non_fake_inputs or \
+                not _values_complete(gm, example_inputs):
+            return propagate(gm, example_inputs, force_allow_non_fake_inputs)
+        if _CHECK_KEPT_VALUES:
+            nodes = [n for n in gm.graph.nodes if n.op != "output"]
+            before = [_layout(n.meta.get("val")) for n in nodes]
+            propagate(gm, example_inputs, force_allow_non_fake_inputs)
+            after = [_layout(n.meta.get("val")) for n in nodes]
+            assert before == after, [n.name for n, a, b in zip(nodes, before, after) if a != b]
+        graphs.append(len(gm.graph.nodes))
+        return fake_mode
+
+    inductor.fake_tensor_prop = kept
+    try:
+        yield graphs
+    finally:
+        inductor.fake_tensor_prop = propagate
+
+
+def _values_complete(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return False
+    for node, value in zip(placeholders, example_inputs):
+        val = node.meta.get("val")
+        if isinstance(value, torch.Tensor) != isinstance(val, torch.Tensor) or \
+                (isinstance(value, torch.Tensor) and _layout(val) != _layout(value)):
+            return False
+    return all("val" in n.meta or _returns_nothing(n) for n in gm.graph.nodes
+               if n.op not in ("placeholder", "output"))
+
+
+def _returns_nothing(node: torch.fx.Node) -> bool:
+    """An op without outputs (``_assert_scalar``), which propagation gives no value either."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and not node.users and schema is not None \
+        and len(schema.returns) == 0
+
+
+def _layout(value):
+    """A fake value's shape, strides, dtype and device as expressions (a structure of them)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(_expr(s) for s in value.shape), tuple(_expr(s) for s in value.stride()),
+                value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return _expr(value)
+    return value if isinstance(value, (int, float, bool, type(None))) else type(value)
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 # Note [Optimization hints, computed once per expression]

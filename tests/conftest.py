@@ -15,6 +15,12 @@ _CORES = max(1, min(2, os.cpu_count() or 1))
 torch.set_num_threads(max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch._inductor.config.cpp.threads = _CORES
 
+# Note [Inductor lowers the fake values dpfx proved] (dpfx/lowering.py): in every test that lowers
+# a dpfx graph, Inductor's propagation runs anyway and must give every node the value dpfx kept.
+import dpfx.lowering  # noqa: E402
+
+dpfx.lowering._CHECK_KEPT_VALUES = True
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -2,10 +2,11 @@
 indices] (dpfx's stride of a polynomial index is Inductor's: the same Integer where Inductor finds
 a constant, an equal expression otherwise; other indices are Inductor's own answer), Note
 [Inductor's dtype rules, set up once] (the table rebuilt when a rule changes), Note [Fusion
-refusals kept across Inductor's fusion rounds] (each kept refusal Inductor's own) and Note
+refusals kept across Inductor's fusion rounds] (each kept refusal Inductor's own), Note
 [Optimization hints, computed once per expression] (torch's answer, asked again when what it
-reads changes) in dpfx/lowering.py. The code dpfx's lowering generates is the same with and
-without them."""
+reads changes) and Note [Inductor lowers the fake values dpfx proved] (every node's value the one
+Inductor's propagation gives) in dpfx/lowering.py. The code dpfx's lowering generates is the same
+with and without them."""
 import contextlib
 
 import sympy
@@ -166,12 +167,12 @@ def test_optimization_hints_once_per_expression_and_state():
 
 
 def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool = True):
-    """The gradients and generated modules of a dpfx step, and Inductor's ``can_fuse`` calls
-    and dpfx's kept refusals in its lowering."""
+    """The gradients and generated modules of a dpfx step, Inductor's ``can_fuse`` calls and
+    dpfx's kept refusals in its lowering, and the graphs lowered on their own fake values."""
     from torch._inductor.scheduler import Scheduler
 
     inductors = Scheduler.can_fuse
-    asked, kept = [], []
+    asked, kept, lowered_on_own_values = [], [], []
 
     def counted(self, *args, **kwargs):
         asked.append(1)
@@ -179,7 +180,7 @@ def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool 
 
     monkeypatch.setattr(Scheduler, "can_fuse", counted)
     if patched:
-        keeping = lowering.fusion_refusals_kept
+        keeping, values_kept = lowering.fusion_refusals_kept, lowering.fake_values_kept
 
         @contextlib.contextmanager
         def recorded():
@@ -187,12 +188,21 @@ def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool 
                 yield refused
                 kept.append(len(refused))
 
+        @contextlib.contextmanager
+        def values_recorded():
+            with values_kept() as graphs:
+                yield graphs
+                lowered_on_own_values.extend(graphs)
+
         monkeypatch.setattr(lowering, "fusion_refusals_kept", recorded)
         monkeypatch.setattr(lowering, "_CHECK_KEPT_REFUSALS", check)
+        monkeypatch.setattr(lowering, "fake_values_kept", values_recorded)
+        monkeypatch.setattr(lowering, "_CHECK_KEPT_VALUES", check)
     else:
         monkeypatch.setattr(lowering, "polynomial_vector_strides", contextlib.nullcontext)
         monkeypatch.setattr(lowering, "dtype_rules_once", contextlib.nullcontext)
         monkeypatch.setattr(lowering, "fusion_refusals_kept", contextlib.nullcontext)
+        monkeypatch.setattr(lowering, "fake_values_kept", lambda: contextlib.nullcontext([]))
         monkeypatch.setattr(dpfx.backend, "optimization_hints_once", contextlib.nullcontext)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
     with torch._inductor.config.patch(force_disable_caches=True):
@@ -200,7 +210,8 @@ def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool 
     monkeypatch.undo()
     assert Scheduler.can_fuse is inductors
     # every compile gets the next AOT id, named in the module's first line
-    return grads, [c.split("\n", 1)[1] for c in codes], len(asked), sum(kept)
+    return grads, [c.split("\n", 1)[1] for c in codes], len(asked), sum(kept), \
+        lowered_on_own_values
 
 
 def test_same_code_and_gradients_through_inductor(monkeypatch):
@@ -212,6 +223,7 @@ def test_same_code_and_gradients_through_inductor(monkeypatch):
     from torch._inductor.scheduler import WhyNoFuse
 
     dtype_init, why_call = DtypePropagationOpsHandler.__init__, WhyNoFuse.__call__
+    propagate = torch._inductor.compile_fx.fake_tensor_prop
     not_asked = 0
     for model, loss_fn, x, y in [
             (SeqModel(), mse, torch.randn(3, 6, 8), torch.randn(3, 4)),
@@ -219,23 +231,26 @@ def test_same_code_and_gradients_through_inductor(monkeypatch):
         torch.manual_seed(0)
         want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.05, expected_batch_size=3)
         lowering._polynomial_strides.cache_clear()
-        got, fast_code, asked_checked, kept = _lowered_code(model, loss_fn, x, y, True,
-                                                            monkeypatch)
+        got, fast_code, asked_checked, kept, own_values = _lowered_code(model, loss_fn, x, y,
+                                                                        True, monkeypatch)
+        assert len(own_values) == 2       # the forward and the backward, values compared
         assert lowering._polynomial_strides.cache_info().currsize == 1
         assert lowering._polynomial_strides(INDUCTOR).cache_info().misses > 0
         assert cpp.stride_at_vec_range is INDUCTOR
         assert DtypePropagationOpsHandler.__init__ is dtype_init
         assert WhyNoFuse.__call__ is why_call
+        assert torch._inductor.compile_fx.fake_tensor_prop is propagate
         assert_close(got, want)
-        got_plain, plain_code, asked_plain, _ = _lowered_code(model, loss_fn, x, y, False,
-                                                             monkeypatch)
+        got_plain, plain_code, asked_plain, _, none = _lowered_code(model, loss_fn, x, y, False,
+                                                                   monkeypatch)
+        assert none == []
         assert_close(got_plain, want)
         assert len(fast_code) == len(plain_code) >= 2
         assert fast_code == plain_code
         # the same questions, each kept refusal asked again as well (and refused again)
         assert kept > 0 and asked_checked == asked_plain
-        got_kept, kept_code, asked_kept, _ = _lowered_code(model, loss_fn, x, y, True,
-                                                           monkeypatch, check=False)
+        got_kept, kept_code, asked_kept, _, _ = _lowered_code(model, loss_fn, x, y, True,
+                                                              monkeypatch, check=False)
         assert_close(got_kept, want)
         assert kept_code == plain_code and asked_kept <= asked_plain
         not_asked += asked_plain - asked_kept
