@@ -549,13 +549,13 @@ _CHECK_KEPT_VALUES = False    # tests: propagate anyway and require the same val
 @contextlib.contextmanager
 def fake_values_kept():
     """Note [Inductor lowers the fake values dpfx proved]."""
-    try:
-        from torch._inductor import compile_fx as inductor
-        propagate = inductor.fake_tensor_prop
-    except (ImportError, AttributeError):
-        yield []
-        return
+    from torch._inductor import compile_fx as inductor
+
+    propagate = getattr(inductor, "fake_tensor_prop", None)
     graphs: list[int] = []      # the node counts of the graphs lowered on their own values
+    if propagate is None:
+        yield graphs
+        return
 
     def kept(gm, example_inputs, force_allow_non_fake_inputs=False):
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
