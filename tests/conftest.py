@@ -16,7 +16,8 @@ torch.set_num_threads(max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_C
 torch._inductor.config.cpp.threads = _CORES
 
 # Note [Inductor lowers the fake values dpfx proved] (dpfx/lowering.py): in every test that lowers
-# a dpfx graph, Inductor's propagation runs anyway and must give every node the value dpfx kept.
+# a dpfx graph, Inductor's propagation runs anyway, on the side, and must give every node the value
+# dpfx kept; the graph is then lowered on the kept values, as outside the tests.
 import dpfx.lowering  # noqa: E402
 
 dpfx.lowering._CHECK_KEPT_VALUES = True
