@@ -327,21 +327,24 @@ def driver(args) -> None:
 
 
 def poisson_table(rows: list[dict]) -> str:
-    """Medians over repeats of the first step (B), the second (B - 1) and both, cold, and the
-    second step's dynamo compiles; x: both steps over torch.compile's."""
-    out = ["| model | method | first step (s) | second step, B - 1 (s) | its compiles | both (s) "
-           "| x compile |", "|---|---|---:|---:|---:|---:|---:|"]
+    """Medians over repeats of the first step (B), the second (B - 1) and both, cold and (where
+    run) warm, and the second step's dynamo compiles; x: both steps over torch.compile's."""
+    out = ["| model | caches | method | first step (s) | second step, B - 1 (s) | its compiles "
+           "| both (s) | x compile |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in rows):
-        def med(method, key):
-            vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
-                    and not r["warm"] and key in r]
-            return statistics.median(vals) if vals else float("nan")
-        base = med("compile", "total") + med("compile", "second")
-        for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
-            first, second = med(method, "total"), med(method, "second")
-            out.append(f"| {model} | {method} | {first:.2f} | {second:.2f} | "
-                       f"{med(method, 'second compiles'):.0f} | {first + second:.2f} | "
-                       f"{(first + second) / base:.2f} |")
+        for warm in (False, True):
+            def med(method, key):
+                vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
+                        and r["warm"] == warm and key in r]
+                return statistics.median(vals) if vals else float("nan")
+            base = med("compile", "total") + med("compile", "second")
+            if base != base:        # not run (--cold-only)
+                continue
+            for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
+                first, second = med(method, "total"), med(method, "second")
+                out.append(f"| {model} | {'warm' if warm else 'cold'} | {method} | {first:.2f} | "
+                           f"{second:.2f} | {med(method, 'second compiles'):.0f} | "
+                           f"{first + second:.2f} | {(first + second) / base:.2f} |")
     return "\n".join(out)
 
 

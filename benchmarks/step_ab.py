@@ -33,6 +33,11 @@ Inductor's choice of computing it inside each (Note [A shared sum stored so that
 
     python benchmarks/step_ab.py shared_sums resnet_gn 256 --rounds 20
 
+and for every per-sample gradient materialized against dpfx's default choice of forms
+(docs/ARCHITECTURE.md, "Strategies"), at a realistic size:
+
+    python benchmarks/step_ab.py strategy hf_gpt2_256 16 --rounds 8
+
 A round's order is not neutral: the variant stepped right after the baseline can pay for what
 the baseline's step left in memory (GPT-2 small, B = 4: about 5% of the step, whichever variant
 came first; ``latest/step_ab_vector_stacks.md``), so a difference of that size is read with the
@@ -231,6 +236,9 @@ EXPERIMENTS = {
     "vector_stacks": {
     "dpfx, vector parameters stacked (the default)": ("dpfx", nothing),
     "dpfx, each on its own (before)": ("dpfx", vectors_unstacked)},
+    "strategy": {
+    "dpfx, strategy auto (the default)": ("dpfx", nothing),
+    "dpfx, strategy materialize": ("dpfx_materialize", nothing)},
     "shared_sums": {
     "dpfx, shared sums stored (the default)": ("dpfx", nothing),
     "dpfx, Inductor's choice (before)": ("dpfx", shared_sums_inlined)}}
