@@ -101,6 +101,8 @@ def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious
         symbol = _batch_symbol(self, orig_expr)
         if active is None or symbol is None:
             e.dpfx_expr, e.dpfx_model_stack = orig_expr, _model_stack()   # for api.py's error
+            # no input's batch dim in it: a branch on a value of the data (capture_errors.py)
+            e.dpfx_on_data = not (orig_expr.free_symbols & set(self.unbacked_inputs))
             raise
         if not _in_model_code():
             generic = self._maybe_evaluate_static(orig_expr, size_oblivious=True)

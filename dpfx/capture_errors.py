@@ -104,13 +104,29 @@ def symbolic_batch_error(e: Exception) -> CaptureError:
                f"the examples, a list with one entry per example, int(x.shape[0]). dpfx keeps "
                f"the batch symbolic so that one graph serves every batch size. Compute over the "
                f"whole batch with tensor ops instead.")
+    elif getattr(guard, "dpfx_on_data", False):
+        # Note [A branch on the data is not a branch on the batch size]
+        # A Python ``if`` on a tensor's value (``if torch.any(var < 0): raise``, ``.item()`` in
+        # a condition) makes an unbacked symbol of the data, not of the batch: no batch size
+        # decides it, and one graph cannot hold both branches. It is named as what it is, with
+        # the way out that keeps the computation private: outside the compiled code (a loss
+        # computed in the training loop is checked there, loss_check.py).
+        # (tests/test_loss_graph.py::test_captured_loss_branching_on_data_is_named)
+        why = (f"the code branches on a value computed from the data ({expr}: a Python `if` on "
+               f"a tensor, `.item()` or `bool()` of one, such as torch's own check "
+               f"`if torch.any(var < 0)` in F.gaussian_nll_loss), at the line below. One graph "
+               f"serves every batch, so nothing in it may branch on the data. Move that code "
+               f"out of the compiled module; for a loss, compute it in the training loop "
+               f"(`loss = fn(dp_model(x), y); loss.backward()`, which dpfx checks there) "
+               f"rather than with dpfx.compile(..., loss=fn).")
     else:
         why = (f"torch could not decide {expr} for a symbolic batch size. dpfx decides a "
                f"comparison of the batch size alone, at each call's size; this one also involves "
                f"a value computed from the data or another dynamic size. Make the condition "
                f"independent of the batch size, or file an issue with the expression and line.")
-    return CaptureError(f"the model cannot be captured with a symbolic batch size: {why}"
-                        f"{_in_the_models_code(stack)}")
+    head = ("the model cannot be captured as one graph" if getattr(guard, "dpfx_on_data", False)
+            else "the model cannot be captured with a symbolic batch size")
+    return CaptureError(f"{head}: {why}{_in_the_models_code(stack)}")
 
 
 def _is_condition(expr) -> bool:

@@ -371,8 +371,40 @@ def _constant_pad_nd_replayed(input: torch.Tensor, pad, value=0):
     return _pad_replayed(input, pad, "constant", value)
 
 
+# Note [A loss's own validation is not replayed]
+# ``F.gaussian_nll_loss`` (``nn.GaussianNLLLoss``) refuses a variance with a negative entry by a
+# Python ``if`` on ``torch.any(var < 0)``: on fake tensors with a symbolic batch, a branch on a
+# value of the whole batch, which the replay refuses as data-dependent. The branch only raises,
+# and the user's own call has already run on the step's real tensors without raising (the
+# replay follows the call), so the loss's value is the rest of its code: it is replayed as that
+# code, torch's line for line but for the check (the variance clamped at ``eps`` under
+# ``no_grad``, so that gradients pass through the clamp as in torch). A variance that is a
+# statistic of the batch is still refused, at the op that computes it.
+# (tests/test_loss_corpus.py, the "gaussian_nll" idioms and the coupled
+# "gaussian_nll_batch_variance")
+def _gaussian_nll_replayed(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    if isinstance(var, float):
+        var = var * torch.ones_like(input)
+    if var.size() != input.size():
+        if input.size()[:-1] == var.size():
+            var = torch.unsqueeze(var, -1)
+        elif not (input.ndim == var.ndim and sum(
+                y for x, y in zip(input.size(), var.size()) if x != y) == 1):
+            raise ValueError("var is of incorrect size")
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    if reduction == "mean":
+        return loss.mean()
+    return loss.sum() if reduction == "sum" else loss
+
+
 REPLAYED_AS = {F.ctc_loss: _ctc_replayed, F.pad: _pad_replayed,
-               torch.constant_pad_nd: _constant_pad_nd_replayed}
+               torch.constant_pad_nd: _constant_pad_nd_replayed,
+               F.gaussian_nll_loss: _gaussian_nll_replayed}
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:

@@ -264,6 +264,23 @@ def gaussian_nll_by_hand(reg, d):
     return 0.5 * (log_var + (d["target"][:, :1] - mean) ** 2 / log_var.exp()).mean()
 
 
+def gaussian_nll_module(reg, d):
+    """A heteroscedastic regression head through ``nn.GaussianNLLLoss`` (mean, a variance from
+    the outputs), whose torch code branches on ``torch.any(var < 0)``."""
+    return nn.GaussianNLLLoss()(reg[:, :1], d["target"][:, :1], reg[:, 1:].exp())
+
+
+def gaussian_nll_full_sum(reg, d):
+    """``F.gaussian_nll_loss`` with its constant term, summed, over ``len``; the variance one
+    dim short of the input (torch's homoscedastic form, unsqueezed inside)."""
+    return F.gaussian_nll_loss(reg[:, :1], d["target"][:, :1], F.softplus(reg[:, 1]),
+                               full=True, reduction="sum") / len(reg)
+
+
+def gaussian_nll_float_var(reg, d):
+    return F.gaussian_nll_loss(reg, d["target"], 0.5)
+
+
 def half_the_loss(cls, d):
     return 0.5 * F.cross_entropy(cls, d["labels"])
 
@@ -386,6 +403,9 @@ CORPUS = {
     "huber_sum_over_len": ("reg", huber_sum_over_len, huber_sum_over_len),
     "gaussian_nll_by_hand": ("reg", gaussian_nll_by_hand,
                              lambda o, d: gaussian_nll_by_hand(o, d) * 2),
+    "gaussian_nll_module": ("reg", gaussian_nll_module, gaussian_nll_module),
+    "gaussian_nll_full_sum": ("reg", gaussian_nll_full_sum, gaussian_nll_full_sum),
+    "gaussian_nll_float_var": ("reg", gaussian_nll_float_var, gaussian_nll_float_var),
     "half_the_loss": ("cls", half_the_loss, plain_cross_entropy),
     "negated_log_likelihood": ("cls", negated_log_likelihood, negated_log_likelihood),
     "multi_task": ("all", multi_task, multi_task),
@@ -542,6 +562,12 @@ def _logsumexp_batch(cls, d):
     return torch.logsumexp(cls, 0).sum()
 
 
+def _gaussian_nll_batch_variance(reg, d):
+    """The Gaussian NLL with the batch's variance of the predictions as every example's."""
+    mean = reg[:, :1]
+    return F.gaussian_nll_loss(mean, d["target"][:, :1], mean.var(0, keepdim=True).expand_as(mean))
+
+
 COUPLED = {   # name: (output, loss, the op the refusal names)
     "ohem_topk": ("cls", _ohem, "topk"),
     "batch_softmax": ("cls", _batch_softmax, "amax"),
@@ -553,6 +579,7 @@ COUPLED = {   # name: (output, loss, the op the refusal names)
     "detached_batch_scale": ("cls", _detached_batch_scale, None),
     "margin_ranking_neighbours": ("reg", _margin_ranking_neighbours, None),
     "logsumexp_batch": ("cls", _logsumexp_batch, "amax"),
+    "gaussian_nll_batch_variance": ("reg", _gaussian_nll_batch_variance, None),
 }
 
 
@@ -577,7 +604,7 @@ def test_coupled_losses_are_refused(name):
 CANARY_IDIOMS = ["sum_over_size0", "sum_over_len", "sum_over_shape0", "plain_cross_entropy",
                  "distillation_batchmean", "hf_causal_lm", "masked_token_mean",
                  "multi_task_sums_over_len", "times_reciprocal", "token_python_ints",
-                 "bert_pretraining", "lm_plus_distillation"]
+                 "bert_pretraining", "lm_plus_distillation", "gaussian_nll_full_sum"]
 
 
 def _neighbours():

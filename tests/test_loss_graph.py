@@ -22,9 +22,14 @@ from reference import CLIP_EPS
 from sweep import examples, reductions
 
 KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
-# CTC's kernel has an output size that depends on the data: dynamo cannot capture it with a
-# symbolic batch (the plain loop replays it through a per-example op and trains it).
-CAPTURED = sorted(set(corpus.CORPUS) - {"ctc"})
+# CTC's kernel has an output size that depends on the data, and F.gaussian_nll_loss branches on
+# the data (`if torch.any(var < 0)`, its check of a variance tensor): dynamo cannot capture them
+# with a symbolic batch. The plain loop trains both (it replays CTC through a per-example op,
+# the Gaussian NLL without the check its real call made); the captured form refuses them, by
+# name (test_captured_loss_branching_on_data_is_named).
+DATA_BRANCHES = {"ctc", "gaussian_nll_module", "gaussian_nll_full_sum"}
+CAPTURED = sorted(set(corpus.CORPUS) - DATA_BRANCHES)
+COUPLED = sorted(set(corpus.COUPLED) - {"gaussian_nll_batch_variance"})
 
 
 def _fn(which, f):
@@ -118,7 +123,7 @@ def test_captured_losses_through_inductor(name):
         assert dp.compile_count in (2, 4), dp.compile_count
 
 
-@pytest.mark.parametrize("name", sorted(corpus.COUPLED))
+@pytest.mark.parametrize("name", COUPLED)
 def test_coupled_losses_are_refused_at_the_first_call(name):
     """Refused while compiling, with the op (or dpfx's own refusal of the op) and the line,
     before anything is written."""
@@ -136,8 +141,28 @@ def test_coupled_losses_are_refused_at_the_first_call(name):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["gaussian_nll_module", "gaussian_nll_batch_variance"])
+def test_captured_loss_branching_on_data_is_named(name):
+    """A captured loss whose torch code branches on the data (F.gaussian_nll_loss's check of its
+    variance) is refused at the first call as a branch on the data, with the user's line and the
+    plain loop as the way out, before anything is written; the plain loop trains the
+    per-example one (tests/test_loss_corpus.py)."""
+    which, loss = (corpus.CORPUS[name][:2] if name in corpus.CORPUS
+                   else corpus.COUPLED[name][:2])
+    torch.manual_seed(0)
+    model = corpus.Net()
+    dp = _compile(model, which, loss, max_grad_norm=1.0, backend="eager")
+    ids, d = corpus._batch(5)
+    with pytest.raises(dpfx.CaptureError) as info:
+        dp.loss(ids, *[d[k] for k in KEYS])
+    message = str(info.value)
+    assert "branches on a value computed from the data" in message, message
+    assert "test_loss_corpus.py:" in message and "loss.backward()" in message, message
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("name", corpus.CANARY_IDIOMS)
+@pytest.mark.parametrize("name", [n for n in corpus.CANARY_IDIOMS if n not in DATA_BRANCHES])
 def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction):
     """The auditor's canary of tests/test_loss_corpus.py, in the captured form."""
     which, loss, term = corpus.CORPUS[name]
