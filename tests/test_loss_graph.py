@@ -128,17 +128,23 @@ def test_coupled_losses_are_refused_at_the_first_call(name):
     """Refused while compiling, with the op (or dpfx's own refusal of the op) and the line,
     before anything is written."""
     which, loss, op = corpus.COUPLED[name]
+    message = _refused_at_the_first_call(which, loss, dpfx.PrivacyError)
+    assert "test_loss_corpus.py" in message, message
+    if op is not None and name != "in_batch_negatives":     # torch.roll: dpfx's own refusal
+        assert f"op {op}" in message, message
+
+
+def _refused_at_the_first_call(which, loss, error) -> str:
+    """The message of ``error``, raised by the first call of the captured loss, which wrote
+    nothing."""
     torch.manual_seed(0)
     model = corpus.Net()
     dp = _compile(model, which, loss, max_grad_norm=1.0, backend="eager")
     ids, d = corpus._batch(5)
-    with pytest.raises(dpfx.PrivacyError) as info:
+    with pytest.raises(error) as info:
         dp.loss(ids, *[d[k] for k in KEYS])
-    message = str(info.value)
-    assert "test_loss_corpus.py" in message, message
-    if op is not None and name != "in_batch_negatives":     # torch.roll: dpfx's own refusal
-        assert f"op {op}" in message, message
     assert all(p.grad is None for p in model.parameters())
+    return str(info.value)
 
 
 @pytest.mark.parametrize("name", ["gaussian_nll_module", "gaussian_nll_batch_variance"])
@@ -149,16 +155,9 @@ def test_captured_loss_branching_on_data_is_named(name):
     per-example one (tests/test_loss_corpus.py)."""
     which, loss = (corpus.CORPUS[name][:2] if name in corpus.CORPUS
                    else corpus.COUPLED[name][:2])
-    torch.manual_seed(0)
-    model = corpus.Net()
-    dp = _compile(model, which, loss, max_grad_norm=1.0, backend="eager")
-    ids, d = corpus._batch(5)
-    with pytest.raises(dpfx.CaptureError) as info:
-        dp.loss(ids, *[d[k] for k in KEYS])
-    message = str(info.value)
+    message = _refused_at_the_first_call(which, loss, dpfx.CaptureError)
     assert "branches on a value computed from the data" in message, message
     assert "test_loss_corpus.py:" in message and "loss.backward()" in message, message
-    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
