@@ -668,10 +668,13 @@ def _replay_refusal(e: Exception, program: dict) -> loss_check.LossRefused:
             "DynamicOutputShapeException", "DataDependentOutputException"):
         return loss_check.LossRefused(call, op, at_replay=True, reason=(
             "computes a value whose size or branch depends on the values of the whole batch "
-            "(bincount, unique, nonzero, a Python `if` on a tensor): dpfx cannot prove it keeps "
-            "examples apart, and over the batch's labels it usually does not (a class "
-            "histogram). Compute per-example values only; constants such as class weights "
-            "should come from the training set, not the batch"))
+            "(bincount, unique, nonzero, a Python `if` on a tensor, rows selected by a boolean "
+            "mask): dpfx cannot prove it keeps examples apart, and over the batch's labels it "
+            "usually does not (a class histogram). Compute per-example values only; constants "
+            "such as class weights should come from the training set, not the batch. For rows "
+            "selected by a mask (`loss[mask].mean()`, `x.masked_select(mask)`, "
+            "`logits[mask]`), keep every row and mask it instead: `(loss * mask).sum() / "
+            "mask.sum()`, or `ignore_index=` for token labels"))
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return loss_check.LossRefused(call, op, at_replay=True, reason=(
         f"could not be replayed with a symbolic batch size ({first}); a common cause is "

@@ -600,6 +600,35 @@ def test_coupled_losses_are_refused(name):
     assert all(p.grad is None for p in model.parameters())
 
 
+def _selected_rows_mean(tok, d):
+    """Token losses of the rows a boolean mask selects, averaged (``loss[mask].mean()``)."""
+    per = F.cross_entropy(tok.reshape(-1, V), d["tokens"].reshape(-1).clamp(min=0),
+                          reduction="none")
+    return per[(d["tokens"] != IGNORE).reshape(-1)].mean()
+
+
+def _masked_select_mean(tok, d):
+    per = F.cross_entropy(tok.transpose(1, 2), d["tokens"].clamp(min=0), reduction="none")
+    return per.masked_select(d["tokens"] != IGNORE).mean()
+
+
+@pytest.mark.parametrize("loss", [_selected_rows_mean, _masked_select_mean])
+def test_rows_selected_by_a_mask_are_refused_with_the_masked_form(loss):
+    """Rows selected by a boolean mask have a data-dependent count, which the replay cannot
+    prove per example: refused before anything is written, naming the masked form that trains
+    (``masked_token_mean`` above: the same loss, proven and exact)."""
+    torch.manual_seed(0)
+    model = Net()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    ids, d = _batch(5)
+    with pytest.raises(dpfx.PrivacyError) as info:
+        loss(dp(ids)[0], d).backward()
+    message = str(info.value)
+    assert "test_loss_corpus.py:" in message and "(loss * mask).sum() / mask.sum()" in message, \
+        message
+    assert all(p.grad is None for p in model.parameters())
+
+
 # -- the auditor's test ----------------------------------------------------------------------
 CANARY_IDIOMS = ["sum_over_size0", "sum_over_len", "sum_over_shape0", "plain_cross_entropy",
                  "distillation_batchmean", "hf_causal_lm", "masked_token_mean",
