@@ -131,7 +131,7 @@ class DPModule(torch.nn.Module):
             kwargs = hf_loss[0]
         out = self._run(args, kwargs, None)
         if hf_loss is not None and hf_loss[1] is not None:
-            out["loss"] = hf_loss[1](out.logits)
+            out["loss"] = hf_loss[1](out)
         return out
 
     @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")

@@ -21,7 +21,11 @@ By the model's head (its class name, or a PEFT wrapper's base model's):
   ``prepare_decoder_input_ids_from_labels`` (a shift within each example) when not given, then
   the token cross-entropy;
 - sequence classification (``...ForSequenceClassification``): transformers'
-  ``ForSequenceClassificationLoss`` (regression, single- or multi-label by ``problem_type``).
+  ``ForSequenceClassificationLoss`` (regression, single- or multi-label by ``problem_type``);
+- extractive question answering (``...ForQuestionAnswering``, called with ``start_positions=``
+  and ``end_positions=`` instead of labels): transformers' ``ForQuestionAnsweringLoss`` on the
+  start and end logits (the mean of the two cross-entropies, positions outside the sequence
+  ignored).
 
 Any other head given ``labels=`` is refused with the fix (call it without labels and compute the
 loss on the logits).
@@ -43,6 +47,9 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
     function of the logits, or None without labels)."""
     if not hasattr(model, "config"):
         return None
+    qa = _question_answering_loss(model, kwargs)
+    if qa is not None:
+        return qa
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor):
         if "num_items_in_batch" in kwargs:
@@ -58,24 +65,44 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
     # other head ignores it (its normalizer is removed from each example's term either way)
     extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
     if name.endswith(_CAUSAL) and hasattr(base, "loss_function"):
-        return kwargs, lambda logits: base.loss_function(
-            logits, labels, vocab_size=config.vocab_size, **extra)
+        return kwargs, lambda out: base.loss_function(
+            out.logits, labels, vocab_size=config.vocab_size, **extra)
     if name.endswith(_TOKENS):
-        return kwargs, lambda logits: _token_cross_entropy(logits, labels)
+        return kwargs, lambda out: _token_cross_entropy(out.logits, labels)
     if name.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False) \
             and hasattr(base, "prepare_decoder_input_ids_from_labels"):
         if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
             kwargs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
-        return kwargs, lambda logits: _token_cross_entropy(logits, labels)
+        return kwargs, lambda out: _token_cross_entropy(out.logits, labels)
     if name.endswith("ForSequenceClassification"):
         from transformers.loss.loss_utils import ForSequenceClassificationLoss
 
-        return kwargs, lambda logits: ForSequenceClassificationLoss(labels, logits, config)
+        return kwargs, lambda out: ForSequenceClassificationLoss(labels, out.logits, config)
     raise PrivacyError(
         f"{name} computes its loss from labels= inside its forward, which would mix the batch's "
         f"examples in dpfx's graph; dpfx computes it outside for causal and masked language "
         f"models, sequence-to-sequence models, and sequence and token classifiers. Call the "
         f"model without labels= and compute the loss on out.logits.")
+
+
+_QA_TARGETS = ("start_positions", "end_positions")
+
+
+def _question_answering_loss(model: torch.nn.Module, kwargs: dict):
+    """For a question-answering head called with both positions: (kwargs without them and
+    without Trainer's token count, the model's loss on the output's start and end logits)."""
+    if not all(isinstance(kwargs.get(k), torch.Tensor) for k in _QA_TARGETS):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not type(base).__name__.endswith("ForQuestionAnswering"):
+        return None
+    from transformers.loss.loss_utils import ForQuestionAnsweringLoss
+
+    start, end = (kwargs[k] for k in _QA_TARGETS)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _QA_TARGETS}
+    extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
+    return kwargs, lambda out: ForQuestionAnsweringLoss(out.start_logits, out.end_logits, start,
+                                                        end, **extra)
 
 
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -704,6 +704,16 @@ def normalizer_values(verdict: Verdict, batch: int, inputs: list) -> tuple:
         for i, v in enumerate(inputs)))
 
 
+def _power(value, q: int) -> float:
+    """``value ** q`` for a normalizer; infinite for a count of 0 under a negative power (a token
+    mean whose batch has no token left that is not ignored: that term's sum is 0, and the term
+    is left out of the release, where Python's float power would raise)."""
+    value = float(value)
+    if value == 0.0 and q < 0:
+        return math.inf
+    return value ** q
+
+
 def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
                ) -> tuple[float, bool] | str:
     """The factor by which the backward's starting gradient is multiplied on this step so that
@@ -718,7 +728,7 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
         # the steady state's common case, what the loop below computes for one term
         b = float(batch) ** verdict.terms[0].weight_power
         for i, q in verdict.terms[0].normalizers:
-            b *= float(values[i]) ** q
+            b *= _power(values[i], q)
         if b == 0 or not math.isfinite(b):
             return 1.0, False
         verdict.weights = ((1.0,), batch)
@@ -728,17 +738,21 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
         b, w = float(batch) ** term.weight_power, 1.0
         for i, q in term.normalizers:
             if i in verdict.scalar_normalizers:
-                w *= float(values[i]) ** q
+                w *= _power(values[i], q)
             else:
-                b *= float(values[i]) ** q
+                b *= _power(values[i], q)
         batch_parts.append(b)
         weights.append(w)
-    first = batch_parts[0]
-    per_term = any(abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in batch_parts[1:])
+    # A term whose batch-dependent part is 0 or infinite (a token mean over no token that is
+    # not ignored) has nothing in it this step: it is left out (ratio 0), and the others keep
+    # their own scales, as they would with it present.
+    present = [b for b in batch_parts if b != 0 and math.isfinite(b)]
     top = max(abs(w) for w in weights)
-    if not per_term and (first == 0 or not math.isfinite(first)) or top == 0 or \
-            not math.isfinite(top):
+    if not present or top == 0 or not math.isfinite(top):
         return 1.0, False
+    first = present[0]
+    per_term = len(present) < len(batch_parts) or any(
+        abs(s - first) > 1e-6 * max(abs(first), abs(s)) for s in present[1:])
     relative = tuple(w / top for w in weights)
     if verdict.weights is not None and _follows_batch(verdict.weights, relative, batch):
         return (f"the Python numbers weighting its terms changed with the batch size "

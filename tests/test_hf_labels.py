@@ -155,6 +155,60 @@ def test_hf_heads_with_labels(kind, backend):
         assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
 
 
+def _bert_qa():
+    return transformers.BertForQuestionAnswering(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_question_answering_with_positions(backend):
+    """An extractive QA head called with start_positions= and end_positions= (SQuAD training):
+    the model's loss value, and each example's gradient of its own term, the sum of its start
+    and end cross-entropies (the mean of the two and their batch means divided out), against a
+    batch-of-one loop. Example 0's start lies outside the sequence (ignored): at B = 3 the two
+    terms' counts differ, and at B = 1 the start term is empty (the model's loss is NaN) and
+    only the end term is released, on the same scale."""
+    torch.manual_seed(0)
+    model = _bert_qa()
+    model.train()
+    bound = 4.0
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, backend=backend)
+    params = dict(model.named_parameters())
+    clipped = unclipped = 0
+    for batch in (3, 1):
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(1, VOCAB, (batch, T), generator=g)
+        mask = torch.ones(batch, T, dtype=torch.long)
+        start, end = (torch.randint(0, T, (batch,), generator=g) for _ in range(2))
+        start[0] = T + 3
+        positions = dict(start_positions=start, end_positions=end)
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask, **positions).loss
+        model.zero_grad(set_to_none=True)
+        out = dp(input_ids=ids, attention_mask=mask, **positions)
+        torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain,
+                                   equal_nan=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dpfx.LossScaleWarning)
+            out.loss.backward()
+        want = {k: torch.zeros_like(p) for k, p in params.items()}
+        for i in range(batch):
+            one = model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
+            term = sum(F.cross_entropy(logits, pos[i:i + 1].clamp(0, T), ignore_index=T,
+                                       reduction="sum")
+                       for logits, pos in ((one.start_logits, start), (one.end_logits, end)))
+            grads = torch.autograd.grad(term, list(params.values()), allow_unused=True)
+            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
+            norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads)))
+            clipped, unclipped = clipped + (norm > bound), unclipped + (norm <= bound)
+            for k, x in zip(params, grads):
+                want[k] += x * min(1.0, bound / (norm + CLIP_EPS))
+        got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
+        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+    assert clipped and unclipped, "the bound must clip some examples and not others"
+
+
 def test_other_hf_heads_with_labels_refused():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32)

@@ -514,6 +514,23 @@ def test_per_example_losses_through_inductor():
                               _reference(grads, bound, batch))
 
 
+@pytest.mark.parametrize("name", ["hf_causal_lm", "masked_token_mean", "bert_pretraining"])
+def test_a_batch_with_every_token_ignored(name):
+    """A token mean over a batch whose tokens are all ignored divides by a count of 0 (the loss
+    is NaN): its term is empty and left out, the others keep their scale (BERT's next-sentence
+    term, clipped as on any other step), and nothing raises. Through Inductor, bound biting."""
+    which, loss, term = CORPUS[name]
+    torch.manual_seed(0)
+    model = Net()
+    ids, d = _batch(3)
+    d["tokens"][:] = IGNORE
+    grads = _per_example(model, which, term, ids, d)
+    bound = _bites(grads)
+    dp = dpfx.compile(model, max_grad_norm=max(bound, 1e-3), noise_multiplier=0.0)
+    got = _dpfx_step(dp, model, which, loss, ids, d)
+    _assert_close(name, model, got, _reference(grads, max(bound, 1e-3), 3))
+
+
 # -- coupled losses --------------------------------------------------------------------------
 def _ohem(cls, d):
     """Online hard example mining: the batch's k hardest examples."""
