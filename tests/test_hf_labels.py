@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
-from dpfx import loss_track
+from dpfx import loss_steady, loss_track
 from reference import CLIP_EPS, assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -57,7 +57,9 @@ def _reference(model, ids, mask, labels, bound):
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_gpt2_labels_loss_value_and_gradient(backend):
     # the warning below comes once per loss structure and process: forget the other backend's
+    # verdicts, in the full path's cache and the steady state's
     loss_track._VERDICTS.clear()
+    loss_steady._STEADY.clear()
     model = _gpt2()
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend=backend)
     for batch in (4, 1):
@@ -113,6 +115,20 @@ MODELS = {  # kind: (model, the example's own term on a batch of one, from the m
 }
 
 
+def _step_with_the_models_loss(model, dp, **call) -> None:
+    """One private step on the head's own loss: ``out.loss`` is the model's value (NaN where
+    the model's is), then its backward."""
+    with torch.no_grad():
+        plain = model(**call).loss
+    model.zero_grad(set_to_none=True)
+    out = dp(**call)
+    torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain,
+                               equal_nan=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpfx.LossScaleWarning)
+        out.loss.backward()
+
+
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_hf_heads_with_labels(kind, backend):
@@ -130,14 +146,7 @@ def test_hf_heads_with_labels(kind, backend):
         ids = torch.randint(1, VOCAB, (batch, T), generator=g)
         mask = torch.ones(batch, T, dtype=torch.long)
         labels = _labels_for(kind, batch, g)
-        with torch.no_grad():
-            plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        model.zero_grad(set_to_none=True)
-        out = dp(input_ids=ids, attention_mask=mask, labels=labels)
-        torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", dpfx.LossScaleWarning)
-            out.loss.backward()
+        _step_with_the_models_loss(model, dp, input_ids=ids, attention_mask=mask, labels=labels)
         want = {k: torch.zeros_like(p) for k, p in params.items()}
         for i in range(batch):
             one = dict(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
@@ -183,15 +192,7 @@ def test_question_answering_with_positions(backend):
         start, end = (torch.randint(0, T, (batch,), generator=g) for _ in range(2))
         start[0] = T + 3
         positions = dict(start_positions=start, end_positions=end)
-        with torch.no_grad():
-            plain = model(input_ids=ids, attention_mask=mask, **positions).loss
-        model.zero_grad(set_to_none=True)
-        out = dp(input_ids=ids, attention_mask=mask, **positions)
-        torch.testing.assert_close(out.loss.detach().as_subclass(torch.Tensor), plain,
-                                   equal_nan=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", dpfx.LossScaleWarning)
-            out.loss.backward()
+        _step_with_the_models_loss(model, dp, input_ids=ids, attention_mask=mask, **positions)
         want = {k: torch.zeros_like(p) for k, p in params.items()}
         for i in range(batch):
             one = model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
