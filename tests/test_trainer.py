@@ -282,10 +282,11 @@ def test_dp_trainer_refuses_what_it_cannot_account(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["seq2seq", "sequence-classification", "lora-seq2seq"])
+@pytest.mark.parametrize("head", ["seq2seq", "sequence-classification", "lora-seq2seq",
+                                  "question-answering"])
 def test_dp_trainer_heads(tmp_path, head):
-    """Other heads' labels= losses train through the DP Trainer, through Inductor; epsilon is
-    the accountant's."""
+    """Other heads' labels= losses (question answering's start and end positions) train through
+    the DP Trainer, through Inductor; epsilon is the accountant's."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     if head.endswith("seq2seq"):
@@ -298,6 +299,13 @@ def test_dp_trainer_heads(tmp_path, head):
             peft = pytest.importorskip("peft")
             model = peft.get_peft_model(model, peft.LoraConfig(
                 r=2, target_modules=["q", "v"], lora_dropout=0.0, task_type="SEQ_2_SEQ_LM"))
+    elif head == "question-answering":     # SQuAD-style fine-tuning
+        model = transformers.BertForQuestionAnswering(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        data = [{"input_ids": torch.randint(1, VOCAB, (T,), generator=g),
+                 "start_positions": torch.randint(0, T, (), generator=g),
+                 "end_positions": torch.randint(0, T, (), generator=g)} for _ in range(12)]
     else:
         model = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
             n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, num_labels=3,
