@@ -20,8 +20,9 @@ By the model's head (its class name, or a PEFT wrapper's base model's):
   ``decoder_input_ids`` made from the labels by the model's own
   ``prepare_decoder_input_ids_from_labels`` (a shift within each example) when not given, then
   the token cross-entropy;
-- sequence classification (``...ForSequenceClassification``): transformers'
-  ``ForSequenceClassificationLoss`` (regression, single- or multi-label by ``problem_type``);
+- sequence, image, audio and video classification (``...ForSequenceClassification``,
+  ``...ForImageClassification``, ...): transformers' ``ForSequenceClassificationLoss``, which
+  its loss mapping gives all four (regression, single- or multi-label by ``problem_type``);
 - extractive question answering (``...ForQuestionAnswering``, called with ``start_positions=``
   and ``end_positions=`` instead of labels): transformers' ``ForQuestionAnsweringLoss`` on the
   start and end logits (the mean of the two cross-entropies, positions outside the sequence
@@ -39,6 +40,8 @@ from .errors import PrivacyError
 
 _CAUSAL = ("ForCausalLM", "LMHeadModel")
 _TOKENS = ("ForMaskedLM", "ForTokenClassification")
+_CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
+                "ForVideoClassification")
 
 
 def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
@@ -74,15 +77,16 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
         if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
             kwargs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
         return kwargs, lambda out: _token_cross_entropy(out.logits, labels)
-    if name.endswith("ForSequenceClassification"):
+    if name.endswith(_CLASSIFIERS):
         from transformers.loss.loss_utils import ForSequenceClassificationLoss
 
         return kwargs, lambda out: ForSequenceClassificationLoss(labels, out.logits, config)
     raise PrivacyError(
         f"{name} computes its loss from labels= inside its forward, which would mix the batch's "
         f"examples in dpfx's graph; dpfx computes it outside for causal and masked language "
-        f"models, sequence-to-sequence models, and sequence and token classifiers. Call the "
-        f"model without labels= and compute the loss on out.logits.")
+        f"models, sequence-to-sequence models, sequence, token, image, audio and video "
+        f"classifiers and question answering. Call the model without labels= and compute the "
+        f"loss on out.logits.")
 
 
 _QA_TARGETS = ("start_positions", "end_positions")

@@ -210,6 +210,48 @@ def test_question_answering_with_positions(backend):
     assert clipped and unclipped, "the bound must clip some examples and not others"
 
 
+IMAGE_CLASSIFIERS = {
+    "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
+    "convnext": lambda: transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+        num_labels=3)),
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", sorted(IMAGE_CLASSIFIERS))
+def test_image_classifiers_with_labels(kind, backend):
+    """Image classification heads (ViT, ConvNeXt: fine-tuning on CIFAR-style data) called with
+    pixel_values= and labels=: the model's loss value, and each example's gradient of its own
+    cross-entropy against a batch-of-one loop, the bound clipping some examples."""
+    torch.manual_seed(0)
+    model = IMAGE_CLASSIFIERS[kind]()
+    model.train()
+    bound = {"convnext": 5.0, "vit": 5.8}[kind]     # between the examples' norms
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, backend=backend)
+    params = dict(model.named_parameters())
+    norms = []
+    for batch in (3, 1):
+        g = torch.Generator().manual_seed(batch)
+        pixels = torch.randn(batch, 3, 8, 8, generator=g)
+        labels = torch.randint(0, 3, (batch,), generator=g)
+        _step_with_the_models_loss(model, dp, pixel_values=pixels, labels=labels)
+        want = {k: torch.zeros_like(p) for k, p in params.items()}
+        for i in range(batch):
+            term = F.cross_entropy(model(pixel_values=pixels[i:i + 1]).logits, labels[i:i + 1])
+            grads = torch.autograd.grad(term, list(params.values()), allow_unused=True)
+            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
+            norms.append(float(torch.sqrt(sum(x.pow(2).sum() for x in grads))))
+            for k, x in zip(params, grads):
+                want[k] += x * min(1.0, bound / (norms[-1] + CLIP_EPS))
+        got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
+        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+    assert min(norms) < bound < max(norms), norms
+
+
 def test_other_hf_heads_with_labels_refused():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32)
