@@ -45,9 +45,9 @@ _CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification", "ForAudio
 
 
 def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
-    """None when the model is not a Hugging Face one or the call has neither ``labels=`` nor
-    Trainer's ``num_items_in_batch``; else (kwargs for the model without them, the loss as a
-    function of the logits, or None without labels)."""
+    """None when the model is not a Hugging Face one or the call has neither ``labels=`` (a
+    question-answering head's two positions) nor Trainer's ``num_items_in_batch``; else (kwargs for the model without them, the loss as a
+    function of the model's output, or None without labels)."""
     if not hasattr(model, "config"):
         return None
     qa = _question_answering_loss(model, kwargs)
