@@ -23,6 +23,7 @@ By the model's head (its class name, or a PEFT wrapper's base model's):
 - sequence, image, audio and video classification (``...ForSequenceClassification``,
   ``...ForImageClassification``, ...): transformers' ``ForSequenceClassificationLoss``, which
   its loss mapping gives all four (regression, single- or multi-label by ``problem_type``);
+- multiple choice (``...ForMultipleChoice``): cross-entropy over the (B, choices) logits;
 - extractive question answering (``...ForQuestionAnswering``, called with ``start_positions=``
   and ``end_positions=`` instead of labels): transformers' ``ForQuestionAnsweringLoss`` on the
   start and end logits (the mean of the two cross-entropies, positions outside the sequence
@@ -81,12 +82,14 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
         from transformers.loss.loss_utils import ForSequenceClassificationLoss
 
         return kwargs, lambda out: ForSequenceClassificationLoss(labels, out.logits, config)
+    if name.endswith("ForMultipleChoice"):
+        return kwargs, lambda out: F.cross_entropy(out.logits, labels)
     raise PrivacyError(
         f"{name} computes its loss from labels= inside its forward, which would mix the batch's "
         f"examples in dpfx's graph; dpfx computes it outside for causal and masked language "
         f"models, sequence-to-sequence models, sequence, token, image, audio and video "
-        f"classifiers and question answering. Call the model without labels= and compute the "
-        f"loss on out.logits.")
+        f"classifiers, multiple choice and question answering. Call the model without labels= "
+        f"and compute the loss on out.logits.")
 
 
 _QA_TARGETS = ("start_positions", "end_positions")

@@ -252,6 +252,44 @@ def test_image_classifiers_with_labels(kind, backend):
     assert min(norms) < bound < max(norms), norms
 
 
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_multiple_choice_with_labels(backend):
+    """A multiple-choice head (SWAG, RACE) called with (B, choices, T) ids and labels=: the
+    model flattens the choices into the rows, (B * choices, T), and expands its default
+    token_type_ids buffer to them (Note [A constant broadcast over k rows per example] in
+    dpfx/passes/batch.py). The model's loss value, and each example's gradient of its own
+    cross-entropy against a batch-of-one loop, the bound clipping some examples."""
+    torch.manual_seed(0)
+    model = transformers.BertForMultipleChoice(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model.train()
+    params = dict(model.named_parameters())
+    data = []
+    for batch in (3, 1):
+        g = torch.Generator().manual_seed(batch)
+        data.append((torch.randint(1, VOCAB, (batch, 3, T), generator=g),
+                     torch.randint(0, 3, (batch,), generator=g)))
+    grads = [[_grads(model, F.cross_entropy(model(input_ids=ids[i:i + 1]).logits, y[i:i + 1]))
+              for i in range(len(y))] for ids, y in data]
+    norms = sorted(float(torch.sqrt(sum(x.pow(2).sum() for x in g))) for gs in grads for g in gs)
+    bound = norms[len(norms) // 2]
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, backend=backend)
+    for (ids, y), per_example in zip(data, grads):
+        _step_with_the_models_loss(model, dp, input_ids=ids, labels=y)
+        want = [sum(g[j] * min(1.0, bound / (float(torch.sqrt(sum(x.pow(2).sum() for x in g)))
+                                             + CLIP_EPS)) for g in per_example) / len(y)
+                for j in range(len(params))]
+        got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
+        assert_close(got, dict(zip(params, want)), rtol=1e-4, atol=1e-6)
+
+
+def _grads(model, loss) -> list:
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params)]
+
+
 def test_other_hf_heads_with_labels_refused():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32)

@@ -240,6 +240,53 @@ def test_merged_dim_split_otherwise_is_refused():
         dp(torch.randn(3, 5, 4))
 
 
+# -- a constant broadcast over K rows per example (multiple choice) ---------------------------------
+class ChoiceRows(nn.Module):
+    """(B, K, d) flattened to (B*K, d) and added to a constant buffer expanded to the B*K rows,
+    as HF's multiple-choice heads expand their token_type_ids (Note [A constant broadcast over
+    k rows per example] in dpfx/passes/batch.py); ``time_major`` flattens (K, B, d) instead,
+    ``statistic`` expands a batch statistic of the rows rather than the buffer."""
+
+    def __init__(self, time_major=False, statistic=False):
+        super().__init__()
+        self.time_major, self.statistic = time_major, statistic
+        self.emb, self.fc, self.head = nn.Embedding(2, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.register_buffer("kind", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        b, k, d = x.shape
+        rows = (x.transpose(0, 1) if self.time_major else x).reshape(b * k, d)
+        h = torch.tanh(self.fc(rows))
+        if self.statistic:
+            h = h + h.mean(0, keepdim=True).expand(b * k, d)
+        else:
+            h = h + self.emb(self.kind.expand(b * k))
+        out = self.head(h).view(k, b) if self.time_major else self.head(h).view(b, k)
+        return out.t() if self.time_major else out
+
+
+def _choices(b):
+    return (torch.randn(b, 3, 4),), torch.randint(0, 3, (b,))
+
+
+def test_constant_broadcast_over_choice_rows():
+    """Batch sizes 1, 3 (= K) and 4 through Inductor against the batch-of-one loop; the
+    embedding read through the broadcast rows gets each example's K rows."""
+    torch.manual_seed(0)
+    check(ChoiceRows(), _choices, F.cross_entropy, [1, 3, 4])
+
+
+@pytest.mark.parametrize("variant", ["time_major", "statistic"])
+def test_constant_broadcast_does_not_hide_a_disagreement_or_a_statistic(variant):
+    """Rows flattened the other way disagree with the broadcast's batch-major layout, and a batch
+    statistic expanded to the rows is no constant: both stay refused."""
+    dp = dpfx.compile(ChoiceRows(**{variant: True}), max_grad_norm=C, noise_multiplier=0.0,
+                      backend="eager")
+    match = "disagree|mixes the batch" if variant == "time_major" else "reduces over the batch"
+    with pytest.raises(dpfx.PrivacyError, match=match):
+        dp(torch.randn(5, 3, 4))
+
+
 # -- HF ConvNeXt: channels-last strides made inside the model --------------------------------------
 class ConvNextLogits(nn.Module):
     def __init__(self):

@@ -297,7 +297,33 @@ class BatchAnalysis:
             moved = self._move(node, src, src_layout, val)
             if moved is not NotImplemented:
                 return moved
+        elif node.target is aten.expand.default and isinstance(src, fx.Node) \
+                and not self.is_batched(src) and src not in self.data_dependent:
+            broadcast = self._broadcast(val)
+            if broadcast is not None:
+                return broadcast
         return self._inherit(node, val)
+
+    # Note [A constant broadcast over k rows per example]
+    # A batch-free tensor that holds no data expanded along a dim of size k*B (HF's multiple
+    # choice: the default token_type_ids buffer expanded to the (B * choices) flattened rows)
+    # has the same values in every row, so every layout of the merged dim describes it; without
+    # one the dim is Ambiguous and the model is refused. It takes the batch-major one, (B, k)
+    # flattened (BatchDim(d, 1, k)), which is how models flatten the rows it is combined with
+    # (``input_ids.view(-1, T)`` of (B, choices, T)); a consumer laid out otherwise still finds
+    # the two layouts in disagreement and refuses. A batch-free value computed from the data (a
+    # batch statistic) is not a constant: it keeps the old reading, and the op that computed it
+    # is refused by the forward check either way.
+    # (tests/test_hf_labels.py::test_multiple_choice_with_labels)
+    def _broadcast(self, val: torch.Tensor) -> BatchDim | None:
+        shape = self.shape(val)
+        dims = [d for d, s in enumerate(shape) if self.has_batch(s)]
+        if len(dims) != 1:
+            return None
+        k = _simplify(shape[dims[0]] / self.batch)
+        if not _whole(k) or self.has_batch(k) or not k.is_Integer or int(k) < 1:
+            return None
+        return BatchDim(dims[0], sympy.Integer(1), k)
 
     def _move(self, node: fx.Node, src: fx.Node, bd: BatchDim, val: torch.Tensor) -> Any:
         """Layout through ops that move dims; NotImplemented for everything else."""
