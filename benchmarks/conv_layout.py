@@ -8,7 +8,7 @@
 dpfx's graphs keep convolutions in the default (NCHW) layout: with the batch unbacked, torch
 traces a convolution's output as contiguous while the kernel returns channels-last for a
 channels-last input (dpfx refuses such inputs, api.py), and Inductor's layout optimization, which
-converts a convolution's operands to channels-last, miscompiles Conv2d then (lowering.py,
+converts a convolution's operands to channels-last, miscompiles Conv2d then (lower/inductor.py,
 INDUCTOR_PATCHES). Non-private torch.compile with static shapes runs every convolution
 channels-last. This script times the backward calls of both graphs on the CNN's shapes
 (models.CNN: 3->32->64->64, 3x3, stride 2, on 32x32) in both layouts, one call at a time:
@@ -20,7 +20,7 @@ median time.
 - weight grad: ``[False, True, False]``, dpfx's ghost clipped sum (conv3);
 - all: ``[True, True, True]``, the non-private backward's call;
 - dpfx op: ``dpfx::conv2d_input_grad`` (Note [Conv2d input gradients in channels-last] in
-  rules/convolution.py), NCHW in and out, channels-last inside; "ATen's layout copies": the same
+  ops/conv.py), NCHW in and out, channels-last inside; "ATen's layout copies": the same
   with its two layout changes by ATen's copy instead of dpfx's transpose kernel.
 
 The script imports dpfx (and with it Inductor), as a training process does: without that import
@@ -120,14 +120,14 @@ def main() -> None:
 def aten_layout_copies():
     """dpfx::conv2d_input_grad's NCHW <-> channels-last changes by ATen's copies instead of
     dpfx's transpose kernel (csrc/transpose.c)."""
-    from dpfx.rules import convolution
+    from dpfx.ops import conv as conv_kernels
 
-    own = convolution._in_layout
-    convolution._in_layout = lambda x, memory_format: x.contiguous(memory_format=memory_format)
+    own = conv_kernels._in_layout
+    conv_kernels._in_layout = lambda x, memory_format: x.contiguous(memory_format=memory_format)
     try:
         yield
     finally:
-        convolution._in_layout = own
+        conv_kernels._in_layout = own
 
 
 if __name__ == "__main__":

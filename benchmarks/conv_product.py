@@ -1,6 +1,6 @@
 """The per-sample Conv2d weight-gradient product: patches of the whole batch then one bmm, against
 dpfx::conv2d_per_sample_grad's chunks of examples (Note [Per-sample conv2d gradients in chunks
-of examples], dpfx/rules/convolution.py), at several chunk sizes in bytes and at dpfx's own
+of examples], dpfx/ops/conv.py), at several chunk sizes in bytes and at dpfx's own
 (at least 8 examples up to 4 MiB), interleaved in one process;
 with ``--orientation``, the op on the benchmark ResNet's nine convolutions with each chunk's
 products taken as (C_resp, P) x (P, C*K) and transposed where dpfx takes them so (Note [The
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from run import machine_info  # noqa: E402
 
-from dpfx.rules import convolution  # noqa: E402
+from dpfx.ops import conv as conv_kernels  # noqa: E402
 
 # (B, C_in, H = W, C_out, stride): the benchmark CNN's three layers at B = 32, then layers of
 # CIFAR-sized ResNets whose patches reach tens of MiB.
@@ -49,8 +49,8 @@ def _median_ms(fn, calls: int) -> float:
 def run(repeats: int, calls: int) -> str:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     rows = []
-    default = convolution._CHUNK_BYTES
-    default_chunk = convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES
+    default = conv_kernels._CHUNK_BYTES
+    default_chunk = conv_kernels._CHUNK_BYTES, conv_kernels._CHUNK_MIN_EXAMPLES
     for batch, c_in, size, c_out, stride in SHAPES:
         torch.manual_seed(0)
         x = torch.randn(batch, c_in, size, size)
@@ -65,13 +65,13 @@ def run(repeats: int, calls: int) -> str:
         variants = {"whole batch": whole}
         for mib in CHUNKS_MIB:
             def chunked(mib=mib):
-                convolution._CHUNK_BYTES = mib << 20
-                convolution._CHUNK_MIN_EXAMPLES = 1
+                conv_kernels._CHUNK_BYTES = mib << 20
+                conv_kernels._CHUNK_MIN_EXAMPLES = 1
                 return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
             variants[f"{mib} MiB chunks"] = chunked
 
         def dpfx_chunks():
-            convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES = default_chunk
+            conv_kernels._CHUNK_BYTES, conv_kernels._CHUNK_MIN_EXAMPLES = default_chunk
             return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
         variants["dpfx's chunks (8 examples up to 4 MiB, else 1 MiB)"] = dpfx_chunks
         torch.testing.assert_close(variants[f"{CHUNKS_MIB[0]} MiB chunks"](), whole())
@@ -80,7 +80,7 @@ def run(repeats: int, calls: int) -> str:
         for _ in range(repeats):
             for name, fn in variants.items():
                 best[name] = min(best[name], _median_ms(fn, n))
-        convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES = default_chunk
+        conv_kernels._CHUNK_BYTES, conv_kernels._CHUNK_MIN_EXAMPLES = default_chunk
         patches_mib = batch * c_in * 9 * out_size ** 2 * 4 / 2 ** 20
         rows.append((f"B={batch}, {c_in}->{c_out}, {size}x{size}, stride {stride}",
                      patches_mib, best))
@@ -106,7 +106,7 @@ RESNET = [(3, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 32, 32
 
 def orientation(batch: int, repeats: int, calls: int) -> str:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    default = convolution._TRANSPOSED_PRODUCT
+    default = conv_kernels._TRANSPOSED_PRODUCT
     lines, totals = [], {False: 0.0, True: 0.0}
     for c_in, c_out, size, stride, k in RESNET:
         torch.manual_seed(0)
@@ -116,7 +116,7 @@ def orientation(batch: int, repeats: int, calls: int) -> str:
         args = ([k, k], [1, 1], [pad, pad], [stride, stride])
 
         def op(transposed):
-            convolution._TRANSPOSED_PRODUCT = transposed
+            conv_kernels._TRANSPOSED_PRODUCT = transposed
             return torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, 1)
         torch.testing.assert_close(op(True), op(False))
         best = {False: float("inf"), True: float("inf")}
@@ -128,7 +128,7 @@ def orientation(batch: int, repeats: int, calls: int) -> str:
             totals[transposed] += best[transposed]
         lines.append(f"| {c_in}->{c_out}, {k}x{k}, {size}x{size}, stride {stride} | "
                      f"{best[False]:.2f} | {best[True]:.2f} |")
-    convolution._TRANSPOSED_PRODUCT = default
+    conv_kernels._TRANSPOSED_PRODUCT = default
     info = machine_info(torch.get_num_threads())
     head = [f"`python benchmarks/conv_product.py --orientation --batch {batch}` at dpfx "
             f"{info.get('dpfx_commit', '?')}: {info['cpu']}, {info['torch_threads']} threads, "

@@ -141,7 +141,7 @@ class Timers:
 def instrument_dpfx(timers: Timers) -> None:
     import dpfx.backend as backend
     import dpfx.passes as passes
-    import dpfx.selfcheck as selfcheck
+    import dpfx.lower.selfcheck as selfcheck
 
     timers.wrap(passes.BatchAnalysis, "__init__", "batch analysis")
     timers.wrap(passes.BatchAnalysis, "rerun", "batch analysis")
@@ -209,7 +209,7 @@ def worker(args) -> None:
     # (Note [The LSTM's baseline] in models.py); torch.compile alone would run ATen's fused kernel
     unrolled = args.method == "compile" and models.BASELINE.get(args.model) == "compile_unrolled"
     if unrolled:
-        from dpfx.traceable import traceable_torch
+        from dpfx.capture.traceable import traceable_torch
     def step(x, y):
         if args.method == "dpfx_loss":
             run.loss(x, y).backward()

@@ -11,7 +11,7 @@ current kernel, dpfx with the revision's, the latter with the input-gradient op'
 by ATen's copies as well (``conv_layout.py``), non-private torch.compile), interleaved over
 ``--rounds`` rounds: what the kernels are worth in the step.
 
-``--against`` builds the revision's ``csrc/im2col.c`` with ``dpfx/native.py``'s compiler and
+``--against`` builds the revision's ``csrc/im2col.c`` with ``dpfx/ops/native.py``'s compiler and
 flags, under its own symbol names, and checks that it and the current kernel give ATen's values
 bit for bit before timing. Each cell is the minimum over ``--repeats`` rounds of the median of
 ``--calls`` calls (ms), every call allocating its output as the op does.
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from run import machine_info  # noqa: E402
 
-from dpfx import native  # noqa: E402
+from dpfx.ops import native  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # (B, C, H = W, stride): the benchmark CNN's three 3x3 layers at B = 32, the same at stride 1,

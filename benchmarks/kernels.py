@@ -78,7 +78,7 @@ LAYERS = [
     ("py: autograd engine (and untimed hooks)", "torch.autograd", "_engine_run_backward"),
     ("py: dpfx gradient guard hooks", "dpfx.api", "check_gradient"),
     ("py: dpfx post-accumulate hooks", "dpfx.api", "after_accumulate"),
-    ("py: dpfx loss tracking and check", "dpfx.loss_track", "TrackedTensor.__torch_function__"),
+    ("py: dpfx loss tracking and check", "dpfx.loss.track", "TrackedTensor.__torch_function__"),
     ("py: dpfx forward call (with dynamo's guards, aot_autograd's runtime)", "dpfx.api",
      "DPModule.forward"),
     ("py: dpfx forward call, loss captured (the same)", "dpfx.api", "DPModule.loss"),
@@ -450,7 +450,7 @@ GPU_HEAD = ("| model | B | method | wall ms | host ms | GPU busy ms | kernels / 
 
 def noise_table(sizes: list[int], threads=(1, 2), repeats: int = 5) -> str:
     """ns per sample of the noise kernels and the memory bounds (see the module doc)."""
-    import dpfx.cpu_noise  # noqa: F401  (registers the dpfx ops)
+    import dpfx.ops.noise  # noqa: F401  (registers the dpfx ops)
 
     buf = torch.zeros(max(sizes))
     cases = [

@@ -1,5 +1,5 @@
-"""What the loss check costs a step: the plain loop (dpfx/loss_track.py, loss_check.py) and the
-loss captured with the model (dpfx/loss_graph.py).
+"""What the loss check costs a step: the plain loop (dpfx/loss/track.py, loss/check.py) and the
+loss captured with the model (dpfx/loss/captured.py).
 
     python benchmarks/loss_check.py
 

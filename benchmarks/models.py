@@ -285,7 +285,7 @@ BASELINE = {"lstm": "compile_unrolled"}
 # Note [The LSTM's baseline]
 # torch.compile does not trace nn.LSTM: its "non-private torch.compile" step is ATen's fused LSTM
 # kernel. dpfx trains the same layer through its written-out recurrence (one step per time step,
-# dpfx/rnn.py), so the fair baseline for dpfx's DP cost is that unrolled graph compiled without
+# dpfx/capture/rnn.py), so the fair baseline for dpfx's DP cost is that unrolled graph compiled without
 # DP (methods.nonprivate_compile_unrolled); both are reported.
 
 

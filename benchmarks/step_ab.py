@@ -124,46 +124,46 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
 @contextlib.contextmanager
 def optimizer_flat() -> ContextManager:
     """DPOptimizer writes every gradient through the flat buffer (as for several ranks)."""
-    import dpfx.optim
-    real = dpfx.optim.DPOptimizer._write_in_place
-    dpfx.optim.DPOptimizer._write_in_place = lambda *args: False
+    import dpfx.loop.optim
+    real = dpfx.loop.optim.DPOptimizer._write_in_place
+    dpfx.loop.optim.DPOptimizer._write_in_place = lambda *args: False
     try:
         yield
     finally:
-        dpfx.optim.DPOptimizer._write_in_place = real
+        dpfx.loop.optim.DPOptimizer._write_in_place = real
 
 
 @contextlib.contextmanager
 def optimizer_flat_buffered() -> ContextManager:
     """The flat buffer plus a buffer of normals scaled into a second one, then added: the
     optimizer's noise before 2026-11-27."""
-    import dpfx.optim
-    from dpfx.noise import gaussian
-    real = dpfx.optim.DPOptimizer._add_noise
+    import dpfx.loop.optim
+    from dpfx.loop.noise import gaussian
+    real = dpfx.loop.optim.DPOptimizer._add_noise
 
     def buffered(self, flat, std):
         if std:
             flat += gaussian(flat.numel(), std, self._generator, device=flat.device)
 
-    dpfx.optim.DPOptimizer._add_noise = buffered
+    dpfx.loop.optim.DPOptimizer._add_noise = buffered
     try:
         with optimizer_flat():
             yield
     finally:
-        dpfx.optim.DPOptimizer._add_noise = real
+        dpfx.loop.optim.DPOptimizer._add_noise = real
 
 
 @contextlib.contextmanager
 def no_combo_kernels() -> ContextManager:
     """dpfx's GPU graphs lowered without Inductor's combo kernels (its setting before
     2026-11-27; Note [Combo kernels on the GPU])."""
-    import dpfx.lowering
-    real = dict(dpfx.lowering.GPU_PATCHES)
-    dpfx.lowering.GPU_PATCHES.clear()
+    import dpfx.lower.inductor
+    real = dict(dpfx.lower.inductor.GPU_PATCHES)
+    dpfx.lower.inductor.GPU_PATCHES.clear()
     try:
         yield
     finally:
-        dpfx.lowering.GPU_PATCHES.update(real)
+        dpfx.lower.inductor.GPU_PATCHES.update(real)
 
 
 def combo_kernels() -> ContextManager:
@@ -176,13 +176,13 @@ def combo_kernels() -> ContextManager:
 def conv_chunks_by_bytes() -> ContextManager:
     """The per-sample conv2d product's chunks bounded by 1 MiB of patches alone (dpfx before
     2026-11-27; Note [Per-sample conv2d gradients in chunks of examples])."""
-    from dpfx.rules import convolution
-    real = convolution._CHUNK_MIN_EXAMPLES
-    convolution._CHUNK_MIN_EXAMPLES = 1
+    from dpfx.ops import conv as conv_kernels
+    real = conv_kernels._CHUNK_MIN_EXAMPLES
+    conv_kernels._CHUNK_MIN_EXAMPLES = 1
     try:
         yield
     finally:
-        convolution._CHUNK_MIN_EXAMPLES = real
+        conv_kernels._CHUNK_MIN_EXAMPLES = real
 
 
 @contextlib.contextmanager
@@ -203,17 +203,17 @@ def shared_sums_inlined() -> ContextManager:
     2026-11-28): computed inside each (Note [A shared sum stored so that its inputs die]).
     Inductor's FX-graph cache is off for it: its key does not see the switch, so the other
     variant's code would come back from the cache."""
-    from dpfx import lowering
+    from dpfx.lower import fast as lower_fast
 
     @contextlib.contextmanager
     def switch():
-        real = lowering.shared_sums_stored
-        lowering.shared_sums_stored = lambda: contextlib.nullcontext([])
+        real = lower_fast.shared_sums_stored
+        lower_fast.shared_sums_stored = lambda: contextlib.nullcontext([])
         try:
             with torch._inductor.config.patch(fx_graph_cache=False):
                 yield
         finally:
-            lowering.shared_sums_stored = real
+            lower_fast.shared_sums_stored = real
     return switch()
 
 

@@ -5,20 +5,23 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()          # every trainable p.grad holds the DP-SGD gradient
 """
-from . import audit, data, ledger, privacy, stats
-from .api import DPModule, compile
-from .config import FixedSeedWarning
-from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
-                     save_checkpoint)
-from .errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
-from .explain import Report, explain
-from .loss_track import LossScaleWarning, track_batch
-from .lowering import ComboKernelsWarning
-from .modules import replace_batchnorm
-from .data import VirtualBatches, split_batch
-from .optim import DPOptimizer
-from .passes import Problem
-from .validate import validate
+from dpfx import audit, privacy
+from dpfx.loop import data
+from dpfx.privacy import ledger
+from dpfx.ops import norms as stats
+from dpfx.api import DPModule, compile
+from dpfx.config import FixedSeedWarning
+from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
+                         save_checkpoint)
+from dpfx.errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
+from dpfx.report.explain import Report, explain
+from dpfx.loss.track import LossScaleWarning, track_batch
+from dpfx.lower.inductor import ComboKernelsWarning
+from dpfx.capture.modules import replace_batchnorm
+from dpfx.loop.data import VirtualBatches, split_batch
+from dpfx.loop.optim import DPOptimizer
+from dpfx.passes import Problem
+from dpfx.report.validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",

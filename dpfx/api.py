@@ -18,20 +18,21 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from . import batch_branches, fsdp, traceable
-from .backend import DPBackend
-from .capture import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
-                      default_stance, own_entry, steady_swaps)
-from .capture_errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
-from .config import DPConfig, warn_fixed_seed
-from .errors import CaptureError, DPFXError, PrivacyError
-from .hf_labels import hf_labels_loss
-from .loss_graph import TARGETS, captured, loss_entry
-from . import loss_track
-from .loss_track import TrackedTensor, check_inputs, track, untrack
-from .modules import check_modules, norm_layers
-from .release import (GradientLedger, after_accumulate, check_gradient, check_loop_inputs,
-                      track_release)
+from dpfx.capture import batch_branches, traceable
+from dpfx.loop import fsdp
+from dpfx.backend import DPBackend
+from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
+                                default_stance, own_entry, steady_swaps)
+from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
+from dpfx.config import DPConfig, warn_fixed_seed
+from dpfx.errors import CaptureError, DPFXError, PrivacyError
+from dpfx.loss.hf_labels import hf_labels_loss
+from dpfx.loss.captured import TARGETS, captured, loss_entry
+from dpfx.loss import track as loss_track
+from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
+from dpfx.capture.modules import check_modules, norm_layers
+from dpfx.loss.gate import ReleaseGate
+from dpfx.loop.release import check_loop_inputs, warn_if_plain_trainer
 
 
 class DPModule(torch.nn.Module):
@@ -40,28 +41,19 @@ class DPModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, config: DPConfig, loss=None):
         super().__init__()
         self._orig_mod = model
-        backend = DPBackend(model, config)
+        # the release state of this model has one owner (loss/gate.py)
+        backend = DPBackend(model, config, ReleaseGate(warn_if_plain_trainer))
         object.__setattr__(self, "_dpfx_backend", backend)
-        # Note [Sharded DP-SGD] in fsdp.py: set by compile() for a model sharded with fully_shard
+        # Note [Sharded DP-SGD] in loop/fsdp.py: set by compile() for a model sharded with fully_shard
         object.__setattr__(self, "_sharding", None)
-        # Note [Deciding a branch on the batch size] (batch_branches.py): one compiled entry per
+        # Note [Deciding a branch on the batch size] (capture/batch_branches.py): one compiled entry per
         # set of decisions; a model that never branches on the batch has one.
         object.__setattr__(self, "_dpfx_entries", [])
         object.__setattr__(self, "_dpfx_loss_entries", [])
         object.__setattr__(self, "_loss_fn", loss)
-        # noise="optimizer": the clipped sums of every backward accumulate here, not in p.grad
-        # (Note [Clipped sums stay out of p.grad]).
-        self.clipped_sums: dict[str, torch.Tensor] = {}
-        self.examples = 0            # examples in the accumulated backward passes
-        self._pending_examples = 0   # examples of forwards whose backward has not run yet
         # Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
-        # Note [One release per accounted step] and Note [Only dpfx's gradients reach a private
-        # step] in release.py
-        self.releases = 0
-        self._dpfx_optimizer = None      # a weakref to the DPOptimizer stepping this model
-        self._ledger = GradientLedger()
         self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         # Note [The steady-state call]
         self._params = [p for _, p, _ in self._trainable_at_compile]
@@ -73,17 +65,33 @@ class DPModule(torch.nn.Module):
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
-                    p.register_post_accumulate_grad_hook(
-                        functools.partial(after_accumulate, weakref.ref(self), name))
+                    p.register_post_accumulate_grad_hook(functools.partial(
+                        _after_accumulate, weakref.ref(backend), name))
 
     @property
     def norm_stats(self):
-        """``dpfx.stats.NormStats`` when compiled with ``track_norms=True``, else None."""
+        """``dpfx.ops.norms.NormStats`` when compiled with ``track_norms=True``, else None."""
         return self._dpfx_backend.norm_stats
 
+    @property
+    def clipped_sums(self) -> dict[str, torch.Tensor]:
+        """noise="optimizer": the clipped sums of the backward passes since the last step, per
+        parameter (Note [Clipped sums stay out of p.grad] in loss/gate.py)."""
+        return self._dpfx_backend.gate.clipped_sums
+
+    @property
+    def examples(self) -> int:
+        """The examples whose clipped gradients are in ``clipped_sums``."""
+        return self._dpfx_backend.gate.examples
+
+    @property
+    def releases(self) -> int:
+        """Backward passes of dpfx's graph so far (Note [One release per accounted step] in
+        loss/gate.py)."""
+        return self._dpfx_backend.gate.releases
+
     def reset_clipped_sums(self) -> None:
-        self.clipped_sums.clear()
-        self.examples = 0
+        self._dpfx_backend.gate.reset_sums()
 
     @property
     def dp_config(self) -> DPConfig:
@@ -112,7 +120,7 @@ class DPModule(torch.nn.Module):
     # caches are read again after any capture (``_after_capture``: a module added after compile
     # makes dynamo capture again, where the graph's own verifier sees it first, and a trainable
     # parameter added or replaced is refused there, backend.py). What only a capture reads is
-    # set up only when dynamo captures (Note [Settings only a capture reads] in capture.py); the swaps
+    # set up only when dynamo captures (Note [Settings only a capture reads] in capture/entry.py); the swaps
     # dynamo's guards check are a plain class with direct assignments, not a generator context
     # manager or config.patch. Everything that can differ per call (inputs
     # requiring grad, frozen parameters, a normalization layer switched to training, the
@@ -138,7 +146,7 @@ class DPModule(torch.nn.Module):
     def loss(self, inputs, *targets) -> torch.Tensor:
         """``fn(model(inputs), *targets)`` for the ``fn`` given to ``dpfx.compile(model,
         loss=fn)``, as one compiled graph whose proof covers the loss (Note [The loss inside
-        the graph] in loss_graph.py). ``inputs``: the model's input (a tensor), its positional
+        the graph] in loss/captured.py). ``inputs``: the model's input (a tensor), its positional
         inputs (a tuple or list), or its keyword inputs (a dict). Every target carries the
         batch in dim 0. Call ``backward()`` on the result (or on a positive multiple of it)."""
         if self._loss_fn is None:
@@ -158,7 +166,7 @@ class DPModule(torch.nn.Module):
         return self._empty_loss(args, kwargs, targets)
 
     def _empty_loss(self, args: tuple, kwargs: dict, targets: list) -> torch.Tensor:
-        """Note [An empty batch and the captured loss] in loss_graph.py."""
+        """Note [An empty batch and the captured loss] in loss/captured.py."""
         out = untrack(self._run(args, kwargs, None))
         with torch.no_grad():
             value = self._loss_fn(out, *targets)
@@ -206,7 +214,7 @@ class DPModule(torch.nn.Module):
         if training and backend.problems is None:
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
-        backend.forward_ran = False
+        backend.gate.begin_forward()
         capturing = False
         entry = self._entry_for(batch, targets is not None)
         backend.decisions = entry.decisions
@@ -220,12 +228,12 @@ class DPModule(torch.nn.Module):
             sharding.gather()
         try:
             stance = default_stance()
-            # Note [Only the swaps the guards read, between captures] in traceable.py
+            # Note [Only the swaps the guards read, between captures] in capture/traceable.py
             with (entry.swaps if stance else traceable.ALL), \
                     (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if stance:
                     out = entry.compiled(*args, **kwargs)
-                else:   # Note [Settings only a capture reads] in capture.py
+                else:   # Note [Settings only a capture reads] in capture/entry.py
                     with DynamoSettings(), BatchMarked(tensors), \
                             batch_branches.deciding(batch, entry.decisions):
                         out = entry.compiled(*args, **kwargs)
@@ -263,21 +271,17 @@ class DPModule(torch.nn.Module):
             entry.swaps = steady_swaps(entry.fn, args, kwargs)
         if sharding is not None and not training:
             sharding.release()      # nothing will read the gathered parameters again
-        if training and not backend.forward_ran:
-            raise PrivacyError(
-                "the forward did not run through dpfx's compiled graph (torch.compile fell back "
-                "to eager); the gradients would not be private")
+        backend.gate.end_forward(training, batch)
         if backend.compiles != self._compiles_seen:
             self._after_capture()
         if training:
-            self.__dict__["_pending_examples"] = batch   # a plain int: skip Module.__setattr__
             if not self._all_guarded:
                 self._guard_gradients()
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
-            track_release(self, outputs, tensors)
+            backend.gate.track(outputs, tensors)
             if targets is not None:
                 return captured(out, backend)     # Note [The loss inside the graph]
-            # Note [The loss inside the proof] in loss_track.py
+            # Note [The loss inside the proof] in loss/track.py
             out = track(out, backend, batch, self._param_ids, tensors)
         return out
 
@@ -329,7 +333,7 @@ class DPModule(torch.nn.Module):
     # Either failure raises a PrivacyError before that gradient is accumulated. A backward that
     # never ran dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
     # post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step()
-    # refuses (Note [Only dpfx's gradients reach a private step] in release.py). A parameter the
+    # refuses (Note [Only dpfx's gradients reach a private step] in loop/release.py). A parameter the
     # model does not use is left alone.
     def _guard_gradients(self) -> None:
         backend = self._dpfx_backend
@@ -338,7 +342,7 @@ class DPModule(torch.nn.Module):
         for name, p in self._orig_mod.named_parameters():
             if p.requires_grad and name not in self._grad_guards:
                 self._grad_guards[name] = p.register_hook(functools.partial(
-                    check_gradient, weakref.ref(backend), name, weakref.ref(self), weakref.ref(p)))
+                    _check_gradient, weakref.ref(backend), name, weakref.ref(p)))
         # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
         # any later change of requires_grad, and a parameter added later makes dynamo capture
         # again (then the walk runs again: _after_capture).
@@ -352,7 +356,7 @@ _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config
 class _Entry:
     decisions: list          # batch_branches.Decision: the batch sizes this entry serves
     compiled: Any            # torch.compile of dpfx's own entry function
-    capture: "CaptureSettings"   # dynamo's callback (capture.py)
+    capture: "CaptureSettings"   # dynamo's callback (capture/entry.py)
     fn: Any                  # the entry function (its code object is dynamo's cache key)
     swaps: traceable.Swaps = traceable.ALL   # what a steady-state call swaps
     captures: int = 0        # capture.captures when ``swaps`` was chosen
@@ -366,6 +370,22 @@ _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 def _remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
+
+
+def _check_gradient(backend_ref, name: str, param_ref, grad: torch.Tensor) -> None:
+    """A trainable parameter's tensor hook (Note [Every gradient a parameter receives is
+    dpfx's]): the gate checks the gradient before autograd accumulates it."""
+    backend = backend_ref()
+    if backend is not None:
+        backend.gate.check_gradient(name, param_ref(), grad, backend.graph_params)
+
+
+def _after_accumulate(backend_ref, name: str, p: torch.Tensor) -> None:
+    """A trainable parameter's post-accumulate-grad hook (Note [Clipped sums stay out of
+    p.grad] in loss/gate.py)."""
+    backend = backend_ref()
+    if backend is not None:
+        backend.gate.accumulated(name, p, backend.config.noise)
 
 
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -428,16 +448,16 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     divides once per optimizer step (virtual batches, secure noise, distributed training).
     The default ``noise`` is "graph", or "optimizer" when torch.distributed is initialized with
     more than one rank (the noise is then added once across ranks: Note [Noise once across
-    ranks] in optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
-    (not private: see stats.py). ``self_check``: before a compiled graph first trains, run it on
+    ranks] in loop/optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
+    (not private: see ops/norms.py). ``self_check``: before a compiled graph first trains, run it on
     synthetic batches against dpfx's verified graph and check that examples stay independent
-    (Note [Checking what Inductor generated] in selfcheck.py); on by default for Inductor, and
+    (Note [Checking what Inductor generated] in lower/selfcheck.py); on by default for Inductor, and
     skipped for compiled code that has passed it before in Inductor's cache directory (Note [A
     self-check is not repeated on code it has passed]); ``"always"`` runs it even then.
     ``allow_input_grads``: accept inputs that require grad; their gradients are not private
     (refused by default). ``loss``: ``fn(output, *targets)``, captured and proven with the model
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
-    inside the graph] in loss_graph.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
+    inside the graph] in loss/captured.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
     for tests: it warns (``dpfx.FixedSeedWarning``).
     """
     if not isinstance(model, torch.nn.Module):
@@ -462,7 +482,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     units = fsdp.units(model)
     if not units:
         return _module_class(model)(model, config, loss)
-    # Note [Sharded DP-SGD] in fsdp.py: the module is built over FSDP's unsharded parameters
+    # Note [Sharded DP-SGD] in loop/fsdp.py: the module is built over FSDP's unsharded parameters
     # (the objects its graph and gradient guards bind to), then the units go back to shards.
     if config.noise != "optimizer":
         raise ValueError("a model sharded with fully_shard is noised shard by shard at the "

@@ -9,7 +9,7 @@ backends execute the same rewritten graphs.
 # Note [No caches that skip the inner compiler]
 AOTAutogradCache returns compiled artifacts without calling the inner compiler; a hit for a graph
 first compiled without dpfx would hand back *non-private* gradients. So it serves a dpfx compile
-only as Note [A warm start without the joint trace] (warm.py) sets it up: on CPU, in its bundled
+only as Note [A warm start without the joint trace] (lower/warm.py) sets it up: on CPU, in its bundled
 mode, holding dpfx's own output code, which calls dpfx's inner compiler again when it is loaded,
 under a key that carries dpfx's source digest; a hit after which dpfx compiled nothing is
 refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
@@ -29,32 +29,30 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
-from .config import DPConfig
-from .errors import CaptureError, PrivacyError
-from .loss_graph import TARGETS, capture_loss
-from . import warm
-from .lowering import cache_key_pass, inductor_patches, lower, optimization_hints_once
-from .passes.batch import sym_expr
-from .selfcheck import GraphCheck, Half
-from .passes import ForwardInfo, Stages, compile_backward, compile_forward
-from .release import check_backward_may_run
-from .stats import NormStats
+from dpfx.config import DPConfig
+from dpfx.errors import CaptureError, PrivacyError
+from dpfx.loss.captured import TARGETS, capture_loss
+from dpfx.lower import warm
+from dpfx.lower.fast import optimization_hints_once
+from dpfx.lower.inductor import cache_key_pass, inductor_patches, lower
+from dpfx.graph.batch import sym_expr
+from dpfx.lower.selfcheck import GraphCheck, Half
+from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
+from dpfx.loss.gate import ReleaseGate
+from dpfx.ops.norms import NormStats
 
 
 class DPBackend:
     """One per ``dpfx.compile`` call: knows the model's parameters and the DP options."""
 
-    def __init__(self, model: torch.nn.Module, config: DPConfig):
+    def __init__(self, model: torch.nn.Module, config: DPConfig, gate: ReleaseGate):
         self.config = config
+        self.gate = gate    # asked by the graphs' runners; the release state is its alone
         self._model = weakref.ref(model)
         self.param_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         self.buffer_ids = self._constants(model)
         self._forward: dict[Any, ForwardInfo] = {}
-        self.forward_ran = False
         self.compiles = 0
-        self.last_graph_task = -1
-        self.release_checked = False   # set by release.track_release's hook, consumed per backward
-        self.produced: dict[str, torch.Tensor] = {}  # the last backward's gradient per parameter
         self._checks: dict[Any, GraphCheck] = {}
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
@@ -66,7 +64,6 @@ class DPBackend:
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
-        self.loss_released = False  # set while a checked loss runs its backward (loss_track.py)
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -78,7 +75,7 @@ class DPBackend:
         self._targets = {i for i, s in enumerate(sources) if s and TARGETS in s}
         self.graph_params = {k[len("param:"):] for k in self._input_kinds
                              if k.startswith("param:")}
-        # Note [The loss inside the graph] in loss_graph.py
+        # Note [The loss inside the graph] in loss/captured.py
         batch = next((v.shape[0] for v, k in zip(
             (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")),
             self._input_kinds) if k == "input" and isinstance(v, torch.Tensor) and v.dim()), None)
@@ -88,8 +85,8 @@ class DPBackend:
         # at the first forward, not suppressed until (or skipped before) the first backward.
         # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
         # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
-        # Note [Optimization hints, computed once per expression] in lowering.py.
-        # Note [A warm start without the joint trace] (warm.py): on CPU, AOTAutogradCache holds
+        # Note [Optimization hints, computed once per expression] in lower/inductor.py.
+        # Note [A warm start without the joint trace] (lower/warm.py): on CPU, AOTAutogradCache holds
         # dpfx's own output code, which runs dpfx's inner compiler again when it is loaded.
         # (torch's own switch for that cache, enable_autograd_cache, turns it off here too)
         cached = self.config.backend == "inductor" and _device_of(example_inputs).type == "cpu" \
@@ -156,7 +153,7 @@ class DPBackend:
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict) -> Any:
         """dpfx's inner compiler proper: on a fresh trace, or on a graph loaded from
-        AOTAutogradCache (warm.py)."""
+        AOTAutogradCache (lower/warm.py)."""
         self.compiles += 1
         warm.state.compiled += 1
         if kwargs.get("is_backward"):
@@ -180,7 +177,7 @@ class DPBackend:
         check = None
         if reference is not None:
             reference.compiled = compiled
-            # the captured loss's value: a sum over the batch by design (loss_graph.py)
+            # the captured loss's value: a sum over the batch by design (loss/captured.py)
             layouts = ["loss" if i in info.loss_outputs else
                        "side" if i in info.side_outputs else lay
                        for i, lay in enumerate(info.output_layouts)]
@@ -198,7 +195,7 @@ class DPBackend:
                 check.run(args)
                 if saved is not None:
                     self.norm_stats.__dict__.update(saved)
-            self.forward_ran = True
+            self.gate.graph_forward()
             return compiled(args)
 
         run_forward._boxed_call = True
@@ -247,7 +244,7 @@ class DPBackend:
         # Note [Noise from ATen's generator on CPU]
         # Inductor's fused Philox randn costs ~15x ATen's torch.randn on CPU (22 ms vs 1.4 ms for
         # 300k numbers on 2 cores), and ATen's is single-threaded MT19937. On CPU the graph's
-        # noise is dpfx::standard_normal (cpu_noise.py: Philox + Box-Muller on every core, 0.31
+        # noise is dpfx::standard_normal (ops/noise.py: Philox + Box-Muller on every core, 0.31
         # ms for 300k), an extern kernel for Inductor; fallback_random keeps any other random op
         # on ATen's kernels.
         check = self._checks.get(kwargs.get("graph_id"))
@@ -264,13 +261,13 @@ class DPBackend:
         positions = {pg.name: pg.output_index for pg in self.param_grads}
 
         def produced(outs):
-            # for release.check_gradient: Note [Every gradient a parameter receives is dpfx's]
-            self.produced = {name: outs[i] for name, i in positions.items()}
+            # for the gate's check_gradient: Note [Every gradient a parameter receives is dpfx's]
+            self.gate.produced({name: outs[i] for name, i in positions.items()})
             return outs
 
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
-                check_backward_may_run(self)
+                self.gate.admit_backward()
                 _check_zero_tangents(args, zero_tangents)
                 return produced(compiled(args))
 
@@ -286,7 +283,7 @@ class DPBackend:
         generator = _device_generator(device)
 
         def run_backward(args):
-            check_backward_may_run(self)
+            self.gate.admit_backward()
             _check_zero_tangents(args, zero_tangents)
             if self._generator is None:
                 step_seed = secrets.randbits(62)
@@ -323,7 +320,7 @@ class DPBackend:
 
 def _loss_tangent_is_one(gm: fx.GraphModule, names: list[str]) -> None:
     """The captured loss's tangent is 1: CapturedLoss's backward starts there with exactly that
-    (Note [The loss inside the graph] in loss_graph.py). Read as the constant, it is no input
+    (Note [The loss inside the graph] in loss/captured.py). Read as the constant, it is no input
     whose value the proof would have to follow."""
     for ph in gm.graph.find_nodes(op="placeholder"):
         if ph.name in names and ph.users:

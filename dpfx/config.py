@@ -5,7 +5,7 @@ import dataclasses
 import math
 import warnings
 
-from .errors import PrivacyError
+from dpfx.errors import PrivacyError
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")

@@ -19,11 +19,11 @@ calibrates sigma for that budget first. Everything is derived from one place:
 * ``dpfx.compile(model, expected_batch_size=D, ...)``;
 * ``DPOptimizer`` records (sigma, q) in the accountant at every optimizer step, so epsilon
   counts exactly the steps taken; with ``ledger=path`` it first appends the step to a
-  write-ahead privacy ledger, so that a crash loses no step (``ledger.py``).
+  write-ahead privacy ledger, so that a crash loses no step (``privacy/ledger.py``).
 
 Noise goes into the backward graph (fastest) unless the run needs it at the optimizer: virtual
 batches (``max_physical_batch_size``), ``secure_mode``, or torch.distributed with more than one
-rank (then each rank samples its shard: Note [Distributed Poisson sampling] in data.py).
+rank (then each rank samples its shard: Note [Distributed Poisson sampling] in loop/data.py).
 """
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint_file, fsdp, privacy
-from .api import DPModule, compile as dp_compile
-from .data import PoissonBatchSampler, expected_batch_size, poisson_loader
-from .data import VirtualBatches
-from .optim import DPOptimizer
-from .ranks import rank_of, world_of
+from dpfx.privacy import checkpoint as checkpoint_file
+from dpfx.loop import fsdp
+from dpfx import privacy
+from dpfx.api import DPModule, compile as dp_compile
+from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, poisson_loader
+from dpfx.loop.data import VirtualBatches
+from dpfx.loop.optim import DPOptimizer
+from dpfx.loop.ranks import rank_of, world_of
 
 
 @dataclasses.dataclass
@@ -77,7 +79,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     (workers, pinning, collate_fn) are reused; its own batching is replaced by Poisson sampling.
     Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
     ``epochs``), and one of ``batch_size`` (expected) or ``sample_rate``.
-    ``ledger``: a file path for the write-ahead privacy ledger (``dpfx/ledger.py``): each step is
+    ``ledger``: a file path for the write-ahead privacy ledger (``dpfx/privacy/ledger.py``): each step is
     on disk before its update, and a run made again with the same path counts every step the
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
@@ -85,7 +87,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
-                         "make them replayable (Note [Secure sampling] in data.py)")
+                         "make them replayable (Note [Secure sampling] in loop/data.py)")
     if isinstance(data, DataLoader):
         loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
                             and k not in ("prefetch_factor",)}, **loader_kwargs}
@@ -167,14 +169,14 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
 # cannot be replayed, by design, and continue with fresh noise (so does a sampler without a
 # generator). The privacy ledger (``make_private(ledger=)``) is not in the checkpoint: it is its
 # own file, written ahead of every step, and may hold steps the checkpoint does not (Note
-# [Write-ahead privacy ledger] in ledger.py).
+# [Write-ahead privacy ledger] in privacy/ledger.py).
 
 def save_checkpoint(path, private: PrivateTraining | None = None, *, model=None, optimizer=None,
                     loader=None, **extra) -> None:
     """Save model parameters, optimizer state, the accountant's ledger and the seeded generators
     together, so that epsilon keeps counting after a restart (``load_checkpoint``). The file is
     replaced atomically: a save that fails or is killed leaves the previous checkpoint as it
-    was (Note [Checkpoint files] in checkpoint_file.py). ``extra``: tensors, numbers, strings,
+    was (Note [Checkpoint files] in privacy/checkpoint.py). ``extra``: tensors, numbers, strings,
     None, and lists, tuples and str-keyed dicts of them."""
     model, optimizer, loader = _parts(private, model, optimizer, loader)
     if not isinstance(optimizer, DPOptimizer):

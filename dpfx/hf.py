@@ -26,10 +26,10 @@ schedules, saving stay Trainer's):
   Trainer's checkpoints (its ``optimizer.pt``) carry the accountant and resuming keeps
   counting; each checkpoint also gets ``dp_accountant.json``, readable without torch; with
   checkpoints on, every step is first written to the privacy ledger ``output_dir/
-  privacy.ledger`` (ledger.py), and a resumed run counts the larger of the two;
+  privacy.ledger`` (privacy/ledger.py), and a resumed run counts the larger of the two;
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
-- the model's own ``labels=`` loss is taken per example (hf_labels.py), with every scalar
-  applied after the batch reduction removed (Note [The per-example term] in loss_check.py).
+- the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
+  applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
 A plain ``Trainer`` given a ``dpfx.compile``'d model trains too (one release per optimizer
 step), but samples shuffled fixed-size batches and accounts nothing: dpfx says so once
@@ -42,18 +42,18 @@ import dataclasses
 import json
 import math
 import os
-import warnings
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from . import privacy
-from .api import DPModule, compile as dp_compile
-from .data import expected_batch_size, poisson_loader
-from .errors import PrivacyError
-from .loss_track import TrackedTensor, track_batch, untrack
-from .data import split_batch
-from .optim import DPOptimizer
+from dpfx import privacy
+from dpfx.api import DPModule, compile as dp_compile
+from dpfx.loop.data import expected_batch_size, poisson_loader
+from dpfx.errors import PrivacyError
+from dpfx.loss.track import TrackedTensor, track_batch, untrack
+from dpfx.loop.data import split_batch
+from dpfx.loop.optim import DPOptimizer
+from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
 
 ACCOUNTANT_FILE = "dp_accountant.json"
 LEDGER_FILE = "privacy.ledger"
@@ -67,10 +67,12 @@ class DPTrainer(Trainer):
     ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
     at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
     tests and replayable runs; by default each run samples afresh). ``ledger``: the privacy
-    ledger's path (Note [Write-ahead privacy ledger] in ledger.py); by default
+    ledger's path (Note [Write-ahead privacy ledger] in privacy/ledger.py); by default
     ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
     two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
     ``dpfx.compile`` (backend, strategy, seed, self_check)."""
+
+    accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *,
                  max_grad_norm: float = 1.0, noise_multiplier: float | None = None,
@@ -293,26 +295,3 @@ def _batch_size(batch) -> int:
         if isinstance(t, torch.Tensor) and t.dim():
             return t.shape[0]
     return 0
-
-
-class UnaccountedTrainingWarning(UserWarning):
-    """A dpfx model trains in a plain transformers.Trainer: nothing counts epsilon."""
-
-
-def warn_if_plain_trainer(module) -> None:
-    """Called once per model at its first release: a plain Trainer among the callers samples
-    shuffled fixed-size batches (not Poisson) and keeps no accountant."""
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer) and not isinstance(owner, DPTrainer):
-            warnings.warn(
-                "a dpfx model is training in a plain transformers.Trainer: each optimizer step "
-                "is a private release, but the batches are shuffled fixed-size ones (not Poisson "
-                "sampling) and nothing counts epsilon. Use dpfx.hf.DPTrainer for Poisson "
-                "batches, the accountant and epsilon in the logs.",
-                UnaccountedTrainingWarning, stacklevel=2)
-            return
-        frame = frame.f_back

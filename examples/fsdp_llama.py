@@ -7,7 +7,7 @@ A small character-level Llama (tied input and output embeddings) is sharded as u
 decoders: ``fully_shard`` on every decoder layer, then on the root. ``dpfx.make_private`` compiles
 it: each rank Poisson-samples its part of the data, dpfx's private graph runs on the gathered
 parameters, ``step()`` reduce-scatters the clipped sums to the ranks that own each shard, and
-each rank noises its own shard once (Note [Sharded DP-SGD] in dpfx/fsdp.py). The parameters,
+each rank noises its own shard once (Note [Sharded DP-SGD] in dpfx/loop/fsdp.py). The parameters,
 their gradients and AdamW's state stay shards. The text is the Zen of Python, which ships with
 Python (nothing is downloaded).
 """

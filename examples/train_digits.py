@@ -4,7 +4,7 @@
     python examples/train_digits.py --target-epsilon 1
     python examples/train_digits.py --non-private         # the same model and steps, no DP
 
-``dpfx.make_private_with_epsilon`` wires it all: Poisson-sampled batches (dpfx.data), noise
+``dpfx.make_private_with_epsilon`` wires it all: Poisson-sampled batches (dpfx.loop.data), noise
 calibrated to the target epsilon for the planned number of steps (dpfx.privacy, PLD accountant),
 the step compiled by dpfx through Inductor, and the accountant counting every optimizer step; the
 epsilon actually spent is reported from it. ``--max-physical-batch-size 64`` runs each Poisson
@@ -28,7 +28,7 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 import dpfx
-from dpfx.data import poisson_loader
+from dpfx.loop.data import poisson_loader
 
 
 def make_model(kind: str) -> nn.Module:
@@ -76,7 +76,7 @@ def main() -> None:
                     help="run each Poisson batch as physical batches of at most this size "
                          "(virtual batches: noise once per logical step)")
     ap.add_argument("--secure-mode", action="store_true",
-                    help="draw the noise from the OS CSPRNG (dpfx.noise)")
+                    help="draw the noise from the OS CSPRNG (dpfx.loop.noise)")
     args = ap.parse_args()
 
     distributed = "RANK" in os.environ and not args.non_private    # launched by torchrun

@@ -167,7 +167,7 @@ class ChannelsLastLinearPool(nn.Module):
     pattern of torchvision's ConvNeXt block): the mean over the permuted tensor is restrided
     with ``as_strided``, whose backward scatters the gradient into a flat ``(6*B,)`` buffer with
     ``as_strided_scatter`` and reads it back (Note [as_strided reads storage] in
-    dpfx/passes/batch.py)."""
+    dpfx/graph/batch.py)."""
 
     def __init__(self, dim=4, hidden=6, n_classes=3):
         super().__init__()

@@ -68,7 +68,7 @@ def batch_loss(loss_fn, out, targets):
     """``loss_fn`` (written for a batch of one) on the whole batch. The test losses are a mean or
     a sum of elementwise terms, so this is a constant times the sum of the per-example losses,
     and dpfx takes each example's gradient of its own loss whatever the constant (Note
-    [The per-example term] in dpfx/loss_check.py); a loop
+    [The per-example term] in dpfx/loss/check.py); a loop
     over ``out[i:i + 1]`` would write the batch size as a Python number, which dpfx refuses."""
     return loss_fn(out, targets)
 

@@ -1,4 +1,4 @@
-"""The CPU noise kernel (cpu_noise.py, csrc/philox_normal.c): Philox4x32-10 bit for bit against
+"""The CPU noise kernel (ops/noise.py, csrc/philox_normal.c): Philox4x32-10 bit for bit against
 Random123's known answers and an independent Python Philox, Box-Muller against a float64
 reference, and the samples' distribution. dpfx's noise is only as good as this."""
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dpfx
-from dpfx import cpu_noise
+from dpfx.ops import noise as cpu_noise
 from models import MLP, mse
 from reference import run_dpfx
 

@@ -292,7 +292,7 @@ def test_canary_moves_the_release_by_at_most_c_over_d():
 
 
 def test_char_lstm():
-    """nn.LSTM, unrolled at capture (dpfx/rnn.py) where cuDNN's fused kernel would run, through
+    """nn.LSTM, unrolled at capture (dpfx/capture/rnn.py) where cuDNN's fused kernel would run, through
     Triton: the Opacus tutorial's char-LSTM at batch sizes 0, 1, 7 (= T) and 4."""
     from test_rnn import CharLSTM, scale_weights
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from dpfx.data import EmptyBatchCollate, PoissonBatchSampler, expected_batch_size, poisson_loader
+from dpfx.loop.data import (EmptyBatchCollate, PoissonBatchSampler, expected_batch_size,
+                            poisson_loader)
 
 
 def _indicators(sampler) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpfx
-from dpfx.noise import secure_standard_normal
+from dpfx.loop.noise import secure_standard_normal
 from models import MLP, SeqModel, mse
 from noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
 from reference import CLIP_EPS, assert_close, clip_fraction, dp_sgd_grads, per_example_grads

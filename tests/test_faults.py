@@ -6,7 +6,7 @@ the optimizer step, inside a checkpoint save, anywhere. Each next process makes 
 with the same privacy ledger, loads the checkpoint and reports its accountant's count. With
 ``counted`` the previous process's resumed count plus the updates it reported finished (the
 releases: an update the world saw), the new count must lie in [counted, counted + 1] (Note
-[Write-ahead privacy ledger] in dpfx/ledger.py). A full disk is a real one for the writing
+[Write-ahead privacy ledger] in dpfx/privacy/ledger.py). A full disk is a real one for the writing
 process (RLIMIT_FSIZE: writes past the limit fail with EFBIG, short writes included), and
 damaged, truncated and foreign files are cut and flipped byte by byte.
 """
@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dpfx
-from dpfx import checkpoint_file
-from dpfx.ledger import PrivacyLedger, reconcile
+from dpfx.privacy import checkpoint as checkpoint_file
+from dpfx.privacy.ledger import PrivacyLedger, reconcile
 
 SIGMA, Q, C = 1.0, 0.125, 1.0
 

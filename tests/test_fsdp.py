@@ -10,7 +10,7 @@ that, a shard noised by none 0; shards of different ranks draw independent noise
 fixed seed. Parameters, gradients and optimizer state stay DTensor shards, evaluation reshards
 after its forward, and each rank's checkpoint of its shards loads into a fresh sharded run.
 Configurations dpfx does not support are refused on every rank with what to change (Note
-[Sharded DP-SGD] in dpfx/fsdp.py).
+[Sharded DP-SGD] in dpfx/loop/fsdp.py).
 """
 import os
 

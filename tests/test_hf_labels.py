@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
-from dpfx import loss_steady, loss_track
+from dpfx.loss import steady as loss_steady, track as loss_track
 from reference import CLIP_EPS, assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -257,7 +257,7 @@ def test_multiple_choice_with_labels(backend):
     """A multiple-choice head (SWAG, RACE) called with (B, choices, T) ids and labels=: the
     model flattens the choices into the rows, (B * choices, T), and expands its default
     token_type_ids buffer to them (Note [A constant broadcast over k rows per example] in
-    dpfx/passes/batch.py). The model's loss value, and each example's gradient of its own
+    dpfx/graph/batch.py). The model's loss value, and each example's gradient of its own
     cross-entropy against a batch-of-one loop, the bound clipping some examples."""
     torch.manual_seed(0)
     model = transformers.BertForMultipleChoice(transformers.BertConfig(

@@ -69,21 +69,21 @@ def test_empty_batch_with_odd_strides_does_not_recompile():
 
 
 def test_cache_key_covers_every_dpfx_source(tmp_path):
-    """Note [dpfx's own FX-graph cache entries] (lowering.py): Inductor's cached code bakes in
+    """Note [dpfx's own FX-graph cache entries] (lower/inductor.py): Inductor's cached code bakes in
     the strides dpfx's own ops' fake kernels gave, so a change to any of dpfx's sources, not
-    only lowering.py, must give other cache entries; the same sources give the same key
+    only lower/inductor.py, must give other cache entries; the same sources give the same key
     wherever they lie."""
     import os
     import shutil
 
-    from dpfx import lowering
+    from dpfx.lower import inductor as lowering
 
-    package = os.path.dirname(os.path.abspath(lowering.__file__))
+    package = os.path.dirname(os.path.abspath(dpfx.__file__))
     copy = tmp_path / "dpfx"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert lowering.source_digest(str(copy)) == lowering._source_digest()
     keys = {lowering.source_digest(str(copy))}
-    for changed in ("rules/convolution.py", "cpu_noise.py", "csrc/im2col.c"):
+    for changed in ("rules/convolution.py", "ops/noise.py", "ops/csrc/im2col.c"):
         with open(copy / changed, "a") as f:
             f.write("\n")
         keys.add(lowering.source_digest(str(copy)))
@@ -91,7 +91,7 @@ def test_cache_key_covers_every_dpfx_source(tmp_path):
 
 
 def test_kernel_groups_split_at_100_arguments(monkeypatch):
-    """Note [CPU kernel groups of at most 100 arguments] (lowering.py): dpfx's backward tail of a
+    """Note [CPU kernel groups of at most 100 arguments] (lower/inductor.py): dpfx's backward tail of a
     many-parameter model is written as several C++ functions, the limit is dpfx's alone (plain
     torch.compile keeps Inductor's), and the split code is exact."""
     from torch._inductor.codegen.cpp import CppScheduling
@@ -105,7 +105,8 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
         return set_flush(self, status)
 
     monkeypatch.setattr(CppScheduling, "_set_flush_status", recording)
-    from dpfx import lowering
+    from dpfx.lower import inductor as lowering
+    from dpfx.lower import fast as lower_fast
     inner = lowering.compile_fx_inner
 
     def seen(*args, **kwargs):
@@ -124,20 +125,20 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
             got = run_dpfx(dp, model, mse, x, y)
             want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=3)
             assert_close(got, want, rtol=1e-4, atol=1e-6)
-    assert limits == [lowering.KERNEL_GROUP_ARGS] * 2       # forward and backward
-    assert lowering.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
+    assert limits == [lower_fast.KERNEL_GROUP_ARGS] * 2       # forward and backward
+    assert lower_fast.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
     assert CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM == before == 500
 
 
 def test_merged_cpu_builds(tmp_path, monkeypatch):
-    """Note [One C++ build per compile worker] (cpu_builds.py): the kernels of each dpfx graph
+    """Note [One C++ build per compile worker] (lower/cpu_builds.py): the kernels of each dpfx graph
     are built as at most one unit per compile worker, exact at B = 3, 0, 1 and 16 (the width);
     a second compile on the same cache directory loads the units without g++; a plain
     torch.compile keeps one build per kernel. A unit g++ refuses is built kernel by kernel."""
     from torch._inductor import async_compile, codecache
     from torch._inductor.utils import fresh_cache
 
-    from dpfx import cpu_builds
+    from dpfx.lower import cpu_builds
 
     assert cpu_builds.deal([5, 1, 4, 1, 3], 2) == [[0, 1, 3], [2, 4]]
     assert cpu_builds.split('#include <a.h>\nextern "C" void kernel(int* p)\n{}\n')[0] == \
@@ -207,12 +208,13 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
 
 
 def test_combo_kernels_only_for_graphs_on_the_gpu(monkeypatch):
-    """Note [Combo kernels on the GPU] in lowering.py: a graph whose inputs live on a CUDA device
+    """Note [Combo kernels on the GPU] in lower/inductor.py: a graph whose inputs live on a CUDA device
     is lowered with combo kernels; a CPU graph (the C++ backend, which has none) is not, and the
     setting reaches the compile a CPU step actually runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dpfx import backend, lowering
+    from dpfx import backend
+    from dpfx.lower import inductor as lowering
     with FakeTensorMode():
         on_gpu = [torch.empty(4, 3, device="cuda"), 4]
         on_cpu = [torch.empty(4, 3), 4]
@@ -235,7 +237,7 @@ def test_a_graph_combo_kernels_fail_on_is_lowered_without_them(monkeypatch):
     """Should Inductor fail to lower a graph with combo kernels (dpfx's GPU setting), the same
     verified graph is lowered without them, with a warning, and trains exactly; a failure
     without them is raised as it was."""
-    from dpfx import lowering
+    from dpfx.lower import inductor as lowering
     real, tried = lowering.compile_fx_inner, []
 
     def flaky(*args, **kwargs):

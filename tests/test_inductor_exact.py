@@ -1,5 +1,5 @@
 """What Inductor runs must be the graph dpfx proved (Note [Inductor must not assume what it cannot
-check] in dpfx/lowering.py). Each model in CASES compiled to code that mixed examples, or failed
+check] in dpfx/lower/inductor.py). Each model in CASES compiled to code that mixed examples, or failed
 on a guard, before the fix; NormedTokens checks the stacked release of vector parameters. Every
 test runs through Inductor with a cold and then a warm FX-graph cache, at batch sizes equal to
 the model's other dims (heads, T, d)."""
@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx
-from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
+from dpfx.lower.exact import UncheckedAssumption, no_unchecked_assumptions
 from models import TiedAutoencoder, TiedLM, TwoLookupLM
 from reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
 

@@ -303,7 +303,7 @@ def _freeze_counts_inside_captures(monkeypatch) -> list:
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_heap_frozen_only_during_a_capture(monkeypatch, backend):
-    """Note [The heap frozen during a capture] in capture.py: while dpfx captures, the objects
+    """Note [The heap frozen during a capture] in capture/entry.py: while dpfx captures, the objects
     that existed before are frozen; after it, none are, and cyclic garbage from before the capture
     is collected; a refused capture unfreezes too; the gradient is DP-SGD's."""
     import gc

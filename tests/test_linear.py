@@ -83,7 +83,7 @@ def _squared_norm_sources(gm) -> list:
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_one_squared_norm_per_tensor(reduction):
     """Ghost Linear layers with biases: the weight's ghost norm |a_i|^2 |g_i|^2 and the bias's
-    |g_i|^2 share one reduction of g (Note [One squared norm per tensor] in passes/emit.py), so
+    |g_i|^2 share one reduction of g (Note [One squared norm per tensor] in graph/emit.py), so
     the graph takes four sums of squares (the input, fc1's output gradient, the hidden
     activation, fc2's output gradient), each of a different tensor, not six; and the gradients
     stay DP-SGD's for batches of 5, 0 and 1 with clipping that bites."""
@@ -119,7 +119,7 @@ class ThreeReaders(nn.Module):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_shared_input_is_processed_once(reduction):
-    """Note [Emitted nodes are shared] (passes/emit.py): the three ghost norms take one Gram
+    """Note [Emitted nodes are shared] (graph/emit.py): the three ghost norms take one Gram
     matrix of the shared input (4 bmm: it and the three output gradients' Grams, not 6) and the
     three clipped sums one clip-scaled copy of it; gradients stay DP-SGD's for batches of 5
     (clipping bites), 0 and 1, and through Inductor."""
@@ -179,7 +179,7 @@ def test_parameters_with_one_clipped_sum_get_their_own_noise(backend):
 
 def test_random_and_mutating_ops_are_never_shared():
     """The noise draw is emitted anew every time: two draws must stay two."""
-    from dpfx.passes.emit import _pure_key
+    from dpfx.graph.emit import _pure_key
 
     assert _pure_key(torch.ops.dpfx.standard_normal.default, (10, "cpu"), {}, "noise") is None
     assert _pure_key(torch.ops.aten.randn.default, ([10],), {}, "noise") is None
@@ -369,7 +369,7 @@ def test_frozen_parameters_take_no_part():
 def test_width_one_hidden_layer_matches_reference(d_in, d_out, extra, batch, bias, reduction,
                                                   strategy):
     """A Linear fed one feature that needs a gradient used to fail capture on Eq(u0, 1) (Note
-    [A Linear with one input feature] in traceable.py): fc2 is written as a broadcast
+    [A Linear with one input feature] in capture/traceable.py): fc2 is written as a broadcast
     product, so its weight takes the sum rule; fc1, on data that needs no gradient, is untouched."""
     torch._dynamo.reset()
     model = MLP(d_in, 1, d_out, bias)
@@ -442,7 +442,7 @@ class BilinearModel(nn.Module):
        bias=st.booleans(), reduction=st.sampled_from(["mean", "sum"]),
        strategy=st.sampled_from(["materialize", "ghost", "auto"]))
 def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
-    """nn.Bilinear captures through dpfx.traceable's written-out F.bilinear: the weight is an mm
+    """nn.Bilinear captures through dpfx.capture.traceable's written-out F.bilinear: the weight is an mm
     (either strategy), the bias a sum."""
     torch._dynamo.reset()
     torch.manual_seed(batch)
@@ -463,7 +463,7 @@ def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
 
 class ViewMinusOne(nn.Module):
     """``x.view(x.shape[0], -1)`` and ``reshape(x.size(0), -1, 4)``: torch's size inference
-    divides by the batch; dpfx.traceable writes the -1 out so that B = 0 still runs."""
+    divides by the batch; dpfx.capture.traceable writes the -1 out so that B = 0 still runs."""
 
     def __init__(self):
         super().__init__()

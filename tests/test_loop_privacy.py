@@ -1,7 +1,7 @@
 """The training loop around dpfx's graph: one release per forward and per accounted step, only
 dpfx's gradients in a private step (post-processing of the release: tests/test_post_processing.py),
 inputs that require grad, secure sampling, fixed seeds and private settings that cannot change after
-compile (dpfx/release.py)."""
+compile (dpfx/loop/release.py)."""
 import logging
 import warnings
 
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from dpfx.data import PoissonBatchSampler
+from dpfx.loop.data import PoissonBatchSampler
 from reference import assert_close, dp_sgd_grads
 
 C = 0.5
@@ -325,7 +325,7 @@ def test_loop_refusals_through_inductor():
 
 class FrozenStatsNet(nn.Module):
     """Eval-mode BatchNorm and InstanceNorm with running statistics (each example normalized
-    alone, written out by traceable.py), and a roll over a non-batch dim."""
+    alone, written out by capture/traceable.py), and a roll over a non-batch dim."""
 
     def __init__(self):
         super().__init__()
@@ -431,7 +431,8 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
     decisions are in place for every capture, a first one and a later one (a new entry for
     no_grad), and a steady-state call sets none of them up; the user's dynamo config is the same
     after every call."""
-    from dpfx import api, capture
+    from dpfx import api
+    from dpfx.capture import entry as capture
     from dpfx.backend import DPBackend
 
     seen, entered = [], []
@@ -476,7 +477,7 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
 
 class _RollsWhenEvaluating(nn.Module):
     """Reads F.conv2d and F.linear in training; only in eval mode also torch.roll over the
-    features, whose own version fails on the unbacked batch (traceable.py's stand-in does not)."""
+    features, whose own version fails on the unbacked batch (capture/traceable.py's stand-in does not)."""
 
     def __init__(self):
         super().__init__()
@@ -496,7 +497,7 @@ def test_steady_calls_swap_only_what_the_guards_read(backend):
     swaps what the guards of the entry's graphs read and no more; no call captures again for
     want of a swap (Poisson batch sizes 0 and 1 included); a later capture (eval mode, which
     reads torch.roll) runs with every swap; and between calls torch's own functions are back."""
-    from dpfx import traceable
+    from dpfx.capture import traceable
 
     torch.manual_seed(0)
     model = _RollsWhenEvaluating()
@@ -529,7 +530,7 @@ def test_steady_swaps_are_all_where_the_guards_cannot_be_read(monkeypatch, guard
     """Where dynamo's guards cannot be read (None) or name too little for the graph this call
     ran to pass them (the model reads conv2d too), a steady call swaps everything, as
     before, and never captures again."""
-    from dpfx import capture, traceable
+    from dpfx.capture import entry as capture, traceable
 
     monkeypatch.setattr(capture, "names_guards_read", lambda code: guard_names)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The loss inside the proof (dpfx/loss_track.py, dpfx/loss_check.py).
+"""The loss inside the proof (dpfx/loss/track.py, dpfx/loss/check.py).
 
 Accepted losses are checked against the torch.func reference (each example's gradient of its own
 loss, clipped, summed, divided); losses that couple examples are refused with the op and the
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from dpfx import loss_check
+from dpfx.loss import check as loss_check
 from reference import assert_close, dp_sgd_grads, per_example_grads
 from sweep import examples
 
@@ -41,7 +41,7 @@ def _ce_tokens(logits, y, **kw):
 
 
 # (name, loss on the batch, the same per-example loss on a batch of one as the reference sees it)
-# Note [The per-example term] in dpfx/loss_check.py: a token mean becomes each
+# Note [The per-example term] in dpfx/loss/check.py: a token mean becomes each
 # example's token sum; a mean or sum over examples keeps each example's own term.
 LOSSES = {
     "cross_entropy": (lambda o, a, y, w: _ce_tokens(o, y),
@@ -246,7 +246,7 @@ def test_backward_keyword_forms(monkeypatch):
     """Tensor.backward hands its defaults on as keywords: loss.backward() with or without them
     takes the fast path (no signature binding), passes retain_graph and inputs on, and every form,
     fast or bound, releases the DP-SGD gradient."""
-    from dpfx import loss_track
+    from dpfx.loss import track as loss_track
     model, x, y = _fc()
     dp = dpfx.compile(model, max_grad_norm=0.3, noise_multiplier=0.0, backend="eager")
     want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.3)
@@ -332,7 +332,7 @@ def test_token_mean_neighbours_move_at_most_C():
     assert torch.sqrt(sum((after[k] - before[k]).pow(2).sum() for k in before)) > bound
 
 
-# Note [The steady-state key] in dpfx/loss_steady.py: a loss proven once is not proven again
+# Note [The steady-state key] in dpfx/loss/steady.py: a loss proven once is not proven again
 # while its recorded calls stay the same; a loss that changes is proven (or refused) again.
 SWITCHED = {   # name: (the private loss, the leaking one it turns into, the op refused)
     "batch_centering": (lambda o, y, d: F.cross_entropy(o, y),
@@ -354,7 +354,7 @@ def no_written_tensors():
     process (loss_track._WRITTEN); an earlier test's, kept alive by a traceback pytest holds,
     would turn it off here. Those tests are over: their tensors are forgotten."""
     import gc
-    from dpfx import loss_track
+    from dpfx.loss import track as loss_track
     gc.collect()
     loss_track._WRITTEN.clear()
 
@@ -364,7 +364,7 @@ def no_written_tensors():
 def test_steady_state_switch_to_a_leaking_loss_is_refused(name):
     """A private loss for N steps (all but the first in the steady state), then a leaking one:
     refused at the switch, before anything is written."""
-    from dpfx import loss_steady
+    from dpfx.loss import steady as loss_steady
     model, x, y = _fc()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
     private, leaking, op = SWITCHED[name]
@@ -389,7 +389,7 @@ def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
     """A token mean whose count of ignored labels changes every step, at changing batch sizes:
     the count read from nll_loss's node (Note [A token mean's count]) gives the full path's
     release (up to the order of the kernels' sums)."""
-    from dpfx import loss_steady
+    from dpfx.loss import steady as loss_steady
     torch.manual_seed(0)
     model = Tokens()
     ids, y, w = _data(6, seed=5)
@@ -419,7 +419,7 @@ def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
 def test_steady_state_cache_is_bounded(monkeypatch):
     """Many distinct losses: the steady-state cache keeps the most recent _CACHE_SIZE, and a
     loss dropped from it takes the full path again."""
-    from dpfx import loss_steady
+    from dpfx.loss import steady as loss_steady
     monkeypatch.setattr(loss_steady, "_CACHE_SIZE", 4)
     loss_steady._STEADY.clear()
     model, x, y = _fc()

@@ -5,7 +5,7 @@ source it follows is named), trained through dpfx's loop (``loss.backward()`` on
 outputs) and compared with a batch-of-one reference: each example's gradient of its own term,
 clipped with a bound that bites on about half the examples, summed, divided. The per-example
 term is the loss with every scalar applied after the batch reduction removed (Note [The
-per-example term] in dpfx/loss_check.py): the batch size written any way (a mean, ``size(0)``,
+per-example term] in dpfx/loss/check.py): the batch size written any way (a mean, ``size(0)``,
 ``len(y)``, ``shape[0]``, a Python int, ``reduction="batchmean"``), a token count, a constant
 factor on the whole loss. Means over an example's own positions stay means.
 
@@ -736,7 +736,7 @@ LABEL_STATISTICS = {   # computed from the batch's labels before they meet an ou
 
 
 def _loader_batch(n=6):
-    from dpfx.data import PoissonLoader
+    from dpfx.loop.data import PoissonLoader
 
     ids, d = _batch(n, seed=5)
     loader = PoissonLoader(torch.utils.data.TensorDataset(ids, d["labels"]),

@@ -1,5 +1,5 @@
 """The captured loss's gradient program in its cross-entropy form (Note [The cross-entropy form]
-in dpfx/loss_form.py) and ``dpfx::loss_gradient`` (Note [The loss inside the graph], step 4).
+in dpfx/loss/form.py) and ``dpfx::loss_gradient`` (Note [The loss inside the graph], step 4).
 
 The rewritten program against autograd's own, traced the way ``_Program.gradient`` traces it,
 over shapes, batch sizes 0 and 1, ignored targets, class weights, label smoothing and all three
@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dpfx
-from dpfx.loss_form import cross_entropy_form
+from dpfx.loss.form import cross_entropy_form
 from sweep import examples
 
 aten = torch.ops.aten
@@ -93,7 +93,7 @@ def test_a_program_without_the_pattern_is_left_alone():
 
 
 def test_loss_gradient_is_zero_with_the_gradient_it_is_given():
-    from dpfx.loss_graph import loss_gradient
+    from dpfx.loss.captured import loss_gradient
 
     out = torch.randn(3, 5, requires_grad=True)
     g = torch.randn(3, 5)
@@ -136,7 +136,7 @@ def test_captured_cross_entropy_through_inductor(batch):
         if y[i] == -100:
             continue
         model.zero_grad(set_to_none=True)
-        # each example's own term (Note [The per-example term] in dpfx/loss_check.py)
+        # each example's own term (Note [The per-example term] in dpfx/loss/check.py)
         F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
         gs = {k: p.grad.clone() for k, p in model.named_parameters()}
         norm = float(torch.sqrt(sum(g.pow(2).sum() for g in gs.values())))

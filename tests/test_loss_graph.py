@@ -1,5 +1,5 @@
 """The loss captured with the model: ``dpfx.compile(model, loss=fn)``, ``dp.loss(x, *targets)``
-(Note [The loss inside the graph] in dpfx/loss_graph.py).
+(Note [The loss inside the graph] in dpfx/loss/captured.py).
 
 The plain loop's loss corpus (tests/test_loss_corpus.py: losses as libraries and scripts write
 them) is run again in the captured form: each per-example loss against the same batch-of-one

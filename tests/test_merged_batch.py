@@ -5,7 +5,7 @@ A model may flatten each example's rows into the batch dim: HF OPT runs its last
 hidden states flattened to (B*T, d); augmentation multiplicity (De et al. 2022) flattens K views
 of each image, (B, K, C, H, W) -> (B*K, C, H, W), runs a convolution and a GroupNorm, and averages
 each example's K losses. The batch analysis follows the merged dim through the flatten (Note
-[Multi-output ops inherit per output] in dpfx/passes/batch.py), the forward check proves that each
+[Multi-output ops inherit per output] in dpfx/graph/batch.py), the forward check proves that each
 op reads only its rows (Note [Ops that read across dims they do not name] in passes/verify.py),
 and the convolution rule sums each example's K rows (Note [A convolution over K rows per
 example] in rules/convolution.py). Batch sizes include 1 and one equal to the merged factor (T or
@@ -13,7 +13,7 @@ K), where a shape alone cannot tell the batch from the other dim. Ops that do re
 batch stay refused.
 
 HF ConvNeXt hands its depthwise convolutions tensors with channels-last strides made inside the
-model (Note [Channels-last strides made inside the model] in dpfx/traceable.py).
+model (Note [Channels-last strides made inside the model] in dpfx/capture/traceable.py).
 """
 import pytest
 import torch
@@ -139,7 +139,7 @@ def test_augmentation_multiplicity_ghost_falls_back_to_materialize():
 class ViewsPermutedPool(nn.Module):
     """K views as B*K images, a Linear on the channels-last permute, permuted back and pooled to
     one position: Inductor restrides the pooled mean with as_strided, whose backward scatters
-    into a flat (4*B*K,) buffer (Note [as_strided reads storage] in dpfx/passes/batch.py), each
+    into a flat (4*B*K,) buffer (Note [as_strided reads storage] in dpfx/graph/batch.py), each
     example's K rows in its own block."""
 
     def __init__(self):
@@ -244,7 +244,7 @@ def test_merged_dim_split_otherwise_is_refused():
 class ChoiceRows(nn.Module):
     """(B, K, d) flattened to (B*K, d) and added to a constant buffer expanded to the B*K rows,
     as HF's multiple-choice heads expand their token_type_ids (Note [A constant broadcast over
-    k rows per example] in dpfx/passes/batch.py); ``time_major`` flattens (K, B, d) instead,
+    k rows per example] in dpfx/graph/batch.py); ``time_major`` flattens (K, B, d) instead,
     ``statistic`` expands a batch statistic of the rows rather than the buffer."""
 
     def __init__(self, time_major=False, statistic=False):
@@ -400,7 +400,7 @@ def _audio(b):
 
 
 def test_wav2vec2_requires_grad_inside_the_forward():
-    """Note [Setting requires_grad inside the forward] (dpfx/requires_grad_skip.py): the feature
+    """Note [Setting requires_grad inside the forward] (dpfx/capture/requires_grad_skip.py): the feature
     encoder's ``hidden_states.requires_grad = True`` is skipped during capture."""
     torch.manual_seed(0)
     model = Wav2Vec2Logits().train()
@@ -528,7 +528,7 @@ def test_fused_attention_kernels(batch_dim):
     backward keep examples apart when the batch is in a leading (batch or head) dim, its RNG
     state outputs are no reduction over the batch, and attention along a dim that holds the batch
     is refused."""
-    from dpfx.passes.batch import BatchAnalysis
+    from dpfx.graph.batch import BatchAnalysis
     from dpfx.passes.verify import mixing_ops
 
     gm = _attention_graph(batch_dim)
@@ -548,7 +548,7 @@ def test_fused_attention_side_outputs_are_left_out_of_the_self_check():
     kernel's RNG seed and offset (never written without dropout) are marked, and the self-check's
     comparison leaves them out, while it still refuses any other output that differs."""
     from dpfx.passes import Stages, compile_forward
-    from dpfx.selfcheck import _compare
+    from dpfx.lower.selfcheck import _compare
 
     gm = _attention_graph(0)
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
@@ -566,12 +566,12 @@ def test_fused_attention_side_outputs_are_left_out_of_the_self_check():
 
 
 def test_batch_analysis_reads_each_shape_once(monkeypatch):
-    """Note [Shapes are read once] (dpfx/passes/batch.py): a value read by many nodes has its sizes
+    """Note [Shapes are read once] (dpfx/graph/batch.py): a value read by many nodes has its sizes
     converted once per analysis, each query gets its own list, and the layouts are those of the
     value's readers as before."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dpfx.passes.batch import BatchAnalysis, BatchDim
+    from dpfx.graph.batch import BatchAnalysis, BatchDim
 
     def f(x, w):
         h = x @ w

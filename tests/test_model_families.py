@@ -8,7 +8,7 @@ checkpointing forces), with ``labels=``; encoder-decoders with their default con
 BERT with ``gradient_checkpointing_enable()``. transformers' code compares the batch size with
 constants on these paths (``batch_size != position_ids.shape[0]``, ``keys.numel() == 0``): each
 graph then serves the sizes where the comparisons come out as at capture, and a flipped one
-compiles another (Note [Deciding a branch on the batch size] in dpfx/batch_branches.py); the
+compiles another (Note [Deciding a branch on the batch size] in dpfx/capture/batch_branches.py); the
 tests check that every size gets the model's own answer.
 
 The default run has one model per mechanism; the wide sweep is marked slow.
@@ -195,7 +195,7 @@ def test_convnext_block(backend):
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_linear_on_permuted_activation_then_pooling(backend):
     """tests/models.py's ChannelsLastLinearPool (Note [as_strided reads storage] in
-    dpfx/passes/batch.py): the backward's scatter and read keep each example's gradient in its
+    dpfx/graph/batch.py): the backward's scatter and read keep each example's gradient in its
     own block of the flat buffer (a batch of 6 equals the hidden width). The pooling takes its
     memory format from the permuted input's strides, which eager reads otherwise at B = 0 and
     B = 1 (a size-1 dim's stride is free): three graphs, the general one compiled last."""

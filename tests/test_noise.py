@@ -166,7 +166,7 @@ def test_a_generator_state_from_another_device_type_is_refused():
 def test_add_gaussian_in_place(layout):
     """noise.add_gaussian_ adds N(0, std^2) to every entry where the tensor lies, seeded by its
     generator: the kernel's in-place pass, or (a layout it cannot take) a buffer of normals."""
-    from dpfx.noise import add_gaussian_
+    from dpfx.loop.noise import add_gaussian_
     x = torch.full((300, 200), 5.0)
     x = x if layout == "contiguous" else x.t()
     before = x.data_ptr()

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import dpfx
-from dpfx import stats
+from dpfx.ops import norms as stats
 from models import MLP, mse
 from reference import assert_close, batch_loss, loop_dp_sgd_grads, run_dpfx_multi
 from test_engine import per_layer_reference

@@ -1,6 +1,6 @@
 """Recurrent layers (nn.RNN, nn.GRU, nn.LSTM, packed sequences) against a batch-of-one reference.
 
-dpfx captures the stock modules through the stand-in of dpfx/rnn.py (the recurrence in F.linear
+dpfx captures the stock modules through the stand-in of dpfx/capture/rnn.py (the recurrence in F.linear
 and gates). Each test checks the stand-in's forward against torch's own module, then compares
 dpfx with sigma = 0 and a C that clips to the DP-SGD gradient computed example by example with
 torch autograd on the unmodified module (vmap does not batch torch's fused RNN kernels), for every
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
 import dpfx
-from dpfx import rnn
+from dpfx.capture import rnn
 from sweep import examples
 
 SETTINGS = settings(max_examples=examples(12), deadline=None, derandomize=True,
@@ -56,7 +56,7 @@ def reference(model, inputs, targets, reduction, expected):
 def run(dp, model, inputs, targets, reduction):
     model.zero_grad(set_to_none=True)
     out = dp(*inputs)
-    # the batch's mean; dpfx takes each example's own term for either reduction (loss_check.py)
+    # the batch's mean; dpfx takes each example's own term for either reduction (loss/check.py)
     loss = out.sum() * 0.0 if targets.shape[0] == 0 else xent(out, targets)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}

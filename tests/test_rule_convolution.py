@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 from dpfx.rules import convolution
+from dpfx.ops import conv as conv_kernels
 from models import xent
 from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 from sweep import examples
@@ -234,8 +235,8 @@ def test_im2col_without_the_native_kernel_runs_aten(monkeypatch):
     x = torch.randn(3, 2, 5, 6)
     args = ([3, 2], [1, 2], [1, 1], [2, 1])
     expected = torch.ops.aten.im2col(x, *args)
-    assert convolution.native.library() is not None      # the CI machine has gcc
-    monkeypatch.setattr(convolution.native, "library", lambda: None)
+    assert conv_kernels.native.library() is not None      # the CI machine has gcc
+    monkeypatch.setattr(conv_kernels.native, "library", lambda: None)
     assert torch.equal(torch.ops.dpfx.im2col(x, *args), expected)
     monkeypatch.undo()
     half = x.to(torch.bfloat16)
@@ -286,16 +287,16 @@ def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel,
     expected = torch.bmm(response, patches.reshape(batch * groups, c_img // groups * kernel ** 2,
                                                    positions).transpose(1, 2))
     per_example = x.element_size() * patches[:1].numel()
-    before = (convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES,
-              convolution._TRANSPOSED_PRODUCT)
-    convolution._CHUNK_BYTES = chunk_examples * per_example
-    convolution._CHUNK_MIN_EXAMPLES = 1     # chunks of chunk_examples (test_examples_per_chunk)
-    convolution._TRANSPOSED_PRODUCT = transposed
+    before = (conv_kernels._CHUNK_BYTES, conv_kernels._CHUNK_MIN_EXAMPLES,
+              conv_kernels._TRANSPOSED_PRODUCT)
+    conv_kernels._CHUNK_BYTES = chunk_examples * per_example
+    conv_kernels._CHUNK_MIN_EXAMPLES = 1     # chunks of chunk_examples (test_examples_per_chunk)
+    conv_kernels._TRANSPOSED_PRODUCT = transposed
     try:
         got = torch.ops.dpfx.conv2d_per_sample_grad(response, x, *args, groups)
     finally:
-        (convolution._CHUNK_BYTES, convolution._CHUNK_MIN_EXAMPLES,
-         convolution._TRANSPOSED_PRODUCT) = before
+        (conv_kernels._CHUNK_BYTES, conv_kernels._CHUNK_MIN_EXAMPLES,
+         conv_kernels._TRANSPOSED_PRODUCT) = before
     assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got, expected)
 
@@ -303,7 +304,7 @@ def test_per_sample_conv2d_grad_in_chunks(batch, groups, channels, size, kernel,
 def test_examples_per_chunk():
     """Note [Per-sample conv2d gradients in chunks of examples]: 1 MiB of patches a chunk, on CPU
     at least 8 examples while they stay under 4 MiB, at least one, equal chunks."""
-    per_chunk = convolution._examples_per_chunk
+    per_chunk = conv_kernels._examples_per_chunk
     kib, mib = 1 << 10, 1 << 20
     assert per_chunk(256, 576 * kib, "cpu") == 7          # the ResNet's 16 -> 16 layers
     assert per_chunk(256, 288 * kib, "cpu") == 8          # its 32 -> 32 layer (1 MiB: 3)
@@ -359,7 +360,7 @@ def test_channels_last_input_is_made_contiguous():
     """Note [Inputs enter row-major] (dpfx/api.py): a channels-last input is copied row-major
     before dpfx's graph (which needs no copy of its own), and trains exactly. Channels-last
     strides made inside the model: Note [Channels-last strides made inside the model]
-    (dpfx/traceable.py), tests/test_merged_batch.py."""
+    (dpfx/capture/traceable.py), tests/test_merged_batch.py."""
     torch._dynamo.reset()
     x, y = torch.randn(3, 2, 6, 6).contiguous(memory_format=torch.channels_last), labels(3)
     model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)
@@ -572,7 +573,7 @@ def test_one_channel_conv_into_linear_matches_reference(dim, in_ch, size, batch,
                                                         first_layer):
     """A conv with one output channel and one output position flattens to one feature, and the
     head's Linear(1, n) used to fail capture on Eq(u0, 1) (Note [A Linear with one input
-    feature] in traceable.py); the head's weight now takes the sum rule."""
+    feature] in capture/traceable.py); the head's weight now takes the sum rule."""
     torch._dynamo.reset()
     x = torch.randn(batch, in_ch, *[size] * dim) * 3
     y = labels(batch)
@@ -688,9 +689,9 @@ def test_layout_changes_equal_torch_copies(shape, dtype, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        last = convolution._in_layout(x, torch.channels_last)
-        back = convolution._in_layout(last, torch.contiguous_format)
-        odd = convolution._in_layout(x.transpose(2, 3), torch.channels_last)
+        last = conv_kernels._in_layout(x, torch.channels_last)
+        back = conv_kernels._in_layout(last, torch.contiguous_format)
+        odd = conv_kernels._in_layout(x.transpose(2, 3), torch.channels_last)
     finally:
         torch.set_num_threads(before)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, x)
@@ -701,12 +702,12 @@ def test_layout_changes_equal_torch_copies(shape, dtype, threads):
 
 def test_layout_changes_without_the_native_kernel(monkeypatch):
     x = torch.randn(2, 5, 3, 4)
-    monkeypatch.setattr(convolution.native, "library", lambda: None)
-    last = convolution._in_layout(x, torch.channels_last)
+    monkeypatch.setattr(conv_kernels.native, "library", lambda: None)
+    last = conv_kernels._in_layout(x, torch.channels_last)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, x)
     half = x.to(torch.bfloat16)
     monkeypatch.undo()
-    assert torch.equal(convolution._in_layout(half, torch.channels_last), half)
+    assert torch.equal(conv_kernels._in_layout(half, torch.channels_last), half)
 
 
 def _cnn(channels=(3, 8, 16)):

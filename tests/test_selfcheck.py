@@ -1,5 +1,5 @@
 """The self-check of the compiled code (Note [Checking what Inductor generated] in
-dpfx/selfcheck.py) against deliberately miscompiled graphs, and against the real torch bug that
+dpfx/lower/selfcheck.py) against deliberately miscompiled graphs, and against the real torch bug that
 motivated it with dpfx's own fix switched off."""
 import contextlib
 import math
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dpfx
 import dpfx.backend
-import dpfx.lowering
+import dpfx.lower.inductor
 from torch._dynamo.utils import counters
 from models import MLP, mse
 from reference import assert_close, dp_sgd_grads, run_dpfx
@@ -67,13 +67,13 @@ def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, 
 
 def _spy_on_comparisons(monkeypatch) -> list:
     """The graphs the self-check compares, in order ("forward", "backward"), as it compares them."""
-    real_compare, compared = dpfx.selfcheck._compare, []
+    real_compare, compared = dpfx.lower.selfcheck._compare, []
 
     def compare(which, *args, **kwargs):
         compared.append(which)
         return real_compare(which, *args, **kwargs)
 
-    monkeypatch.setattr(dpfx.selfcheck, "_compare", compare)
+    monkeypatch.setattr(dpfx.lower.selfcheck, "_compare", compare)
     return compared
 
 
@@ -118,15 +118,15 @@ def test_self_check_runs_outside_the_first_calls_dispatch_modes(monkeypatch):
     """Note [The self-check runs outside the first call's dispatch modes]: aot_autograd's
     custom-op aliasing mode wraps the compiled forward's first call, where the check runs; none
     of the check's graph runs may pay for it (it made GPT's self-check 3x slower)."""
-    import dpfx.selfcheck
+    import dpfx.lower.selfcheck
 
-    real_call, modes = dpfx.selfcheck._call, []
+    real_call, modes = dpfx.lower.selfcheck._call, []
 
     def call(fn, args, device, consume=False):
         modes.append(len(torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
         return real_call(fn, args, device, consume)
 
-    monkeypatch.setattr(dpfx.selfcheck, "_call", call)
+    monkeypatch.setattr(dpfx.lower.selfcheck, "_call", call)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
@@ -138,10 +138,10 @@ def test_catches_the_real_torch_miscompile(tmp_path, monkeypatch):
     B == 1: a cold cache fails on a guard, and a warm cache runs code that mixes examples. The
     self-check must refuse the warm-cache code before it trains."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(dpfx.lowering, "no_unchecked_assumptions",
+    monkeypatch.setattr(dpfx.lower.inductor, "no_unchecked_assumptions",
                         lambda env: contextlib.nullcontext())
-    monkeypatch.setattr(dpfx.lowering, "bmm_operands_contiguous", contextlib.nullcontext)
-    # AOTAutogradCache off (Note [A warm start without the joint trace] in warm.py): with it,
+    monkeypatch.setattr(dpfx.lower.inductor, "bmm_operands_contiguous", contextlib.nullcontext)
+    # AOTAutogradCache off (Note [A warm start without the joint trace] in lower/warm.py): with it,
     # the third attempt stops at the first attempts' guard instead, before any code runs
     with torch._functorch.config.patch(enable_autograd_cache=False):
         _miscompiled_only_on_a_warm_cache()
@@ -199,7 +199,7 @@ def test_non_contiguous_input_is_checked(batch):
 def test_comparison_lines_up_nans_and_infinities():
     """Note [The self-check's comparisons are few passes over the data]: finite outputs take the
     short path, an output holding a NaN or an infinity the one that lines them up."""
-    from dpfx.selfcheck import _close
+    from dpfx.lower.selfcheck import _close
 
     want = torch.randn(64, 32) * 1e-3
     near = want + 1e-9 * torch.randn(64, 32)
@@ -219,7 +219,7 @@ def test_comparison_lines_up_nans_and_infinities():
 def test_norm_in_float32_rows_matches_float64(case):
     """Note [Norms in float32 rows, summed in float64]: as accurate as a float64 norm wherever
     float32 squares are exact enough, and the float64 norm where they are not."""
-    from dpfx.selfcheck import _raw_norm
+    from dpfx.lower.selfcheck import _raw_norm
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(3001, 1024, generator=g)
@@ -255,7 +255,7 @@ def test_gap_and_norm_match_float64(case):
     """Note [The self-check's comparisons stream through the cache]: ||x - y|| and ||y||, taken
     in chunks over paired memory, are the float64 norms of y and of the float32 difference,
     exact where float32 squares lose; other layouts take x - y, with the same results."""
-    from dpfx.selfcheck import _CHUNK, _gap_and_norm, _paired
+    from dpfx.lower.selfcheck import _CHUNK, _gap_and_norm, _paired
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3 * _CHUNK + 555, generator=g)
@@ -329,13 +329,13 @@ def test_noise_does_not_hide_a_wrong_clipped_sum(monkeypatch):
 
 def _checks_of(monkeypatch) -> list:
     """The GraphChecks that run, as they run."""
-    real_run, seen = dpfx.selfcheck.GraphCheck.run, []
+    real_run, seen = dpfx.lower.selfcheck.GraphCheck.run, []
 
     def run(self, args):
         seen.append(self)
         return real_run(self, args)
 
-    monkeypatch.setattr(dpfx.selfcheck.GraphCheck, "run", run)
+    monkeypatch.setattr(dpfx.lower.selfcheck.GraphCheck, "run", run)
     return seen
 
 
@@ -361,14 +361,14 @@ def test_reference_releases_each_gradient_as_it_is_computed(monkeypatch):
             assert node.kwargs["_only_clone_these_bases"] == ()
             live |= set(node.kwargs["_all_bases"])
             most = max(most, len(live))
-        elif node.target is dpfx.selfcheck._record:
+        elif node.target is dpfx.lower.selfcheck._record:
             live.clear()
     assert most == 1
 
 
 def test_record_refuses_outside_the_checks_noiseless_run():
     """One release call per sum is the whole release only without noise."""
-    from dpfx.selfcheck import _record, _recording
+    from dpfx.lower.selfcheck import _record, _recording
 
     with pytest.raises(RuntimeError, match="outside the check"):
         _record(0, torch.ones(3))
@@ -376,7 +376,7 @@ def test_record_refuses_outside_the_checks_noiseless_run():
     try:
         with pytest.raises(RuntimeError, match="outside the check"):
             _record(0, torch.ones(3))
-        with dpfx.cpu_noise.noiseless():
+        with dpfx.ops.noise.noiseless():
             _record(0, torch.ones(3))
         assert _recording.measured[0].within(1e-3, 1.0)
     finally:
@@ -388,7 +388,7 @@ def test_reference_clones_what_the_rest_of_the_graph_sees():
     only the release reads is noised in place; a graph input keeps its clone (the caller's
     tensor is not touched), and a graph releasing an input is not streamed."""
     import operator
-    from dpfx.selfcheck import _stream_releases, eager_copy
+    from dpfx.lower.selfcheck import _stream_releases, eager_copy
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -406,7 +406,7 @@ def test_reference_clones_what_the_rest_of_the_graph_sees():
     assert _stream_releases(ref) == ()
     x = torch.randn(5)
     before = x.clone()
-    with dpfx.cpu_noise.noiseless():
+    with dpfx.ops.noise.noiseless():
         three_s, three_x, same_x = ref([x])
     assert torch.equal(x, before) and torch.equal(same_x, before)
     torch.testing.assert_close(three_s, 6 * before)
@@ -418,7 +418,7 @@ def test_reference_frees_each_input_after_its_last_use():
     boxed and empties the list, so an input the caller handed over is freed after its last use,
     not held to the end of the run."""
     import weakref
-    from dpfx.selfcheck import eager_copy
+    from dpfx.lower.selfcheck import eager_copy
 
     graph = torch.fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
@@ -439,7 +439,7 @@ def test_reference_creates_a_tensor_where_it_is_first_read():
     """Note [The eager reference creates a tensor where it is first read]: a tensor made from
     sizes alone moves to just before its first reader in the eager copy; a random op keeps its
     place (its draws depend on it); the values do not change."""
-    from dpfx.selfcheck import eager_copy
+    from dpfx.lower.selfcheck import eager_copy
 
     aten = torch.ops.aten
     graph = torch.fx.Graph()
@@ -468,7 +468,7 @@ def test_reference_creates_a_tensor_where_it_is_first_read():
 
 def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
     """A streamed output the eager reference did not hand over would go unchecked: refused."""
-    monkeypatch.setattr(dpfx.selfcheck, "_record", lambda position, want: None)
+    monkeypatch.setattr(dpfx.lower.selfcheck, "_record", lambda position, want: None)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     with pytest.raises(dpfx.PrivacyError, match="released no gradient"):
@@ -480,7 +480,7 @@ def test_an_infinite_output_does_not_loosen_the_others():
     """Note [The self-check's floor scales with the graph]: the scale is the largest RMS entry of
     the finite outputs; an output holding an infinity (on both sides alike) must not make every
     other output's floor infinite."""
-    from dpfx.selfcheck import _compare
+    from dpfx.lower.selfcheck import _compare
 
     g = torch.Generator().manual_seed(0)
     big = torch.randn(100, generator=g)
@@ -493,13 +493,13 @@ def test_an_infinite_output_does_not_loosen_the_others():
 
 def _check_runs(monkeypatch) -> list:
     """The batch sizes the self-check runs the graphs at, as it runs them."""
-    real_check_at, sizes = dpfx.selfcheck.GraphCheck._check_at, []
+    real_check_at, sizes = dpfx.lower.selfcheck.GraphCheck._check_at, []
 
     def check_at(self, b, *args):
         sizes.append(b)
         return real_check_at(self, b, *args)
 
-    monkeypatch.setattr(dpfx.selfcheck.GraphCheck, "_check_at", check_at)
+    monkeypatch.setattr(dpfx.lower.selfcheck.GraphCheck, "_check_at", check_at)
     return sizes
 
 
@@ -522,7 +522,7 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     _mlp_step(self_check=False)                       # fills the cache, checks nothing
     assert runs == [] and checks == []
     _mlp_step()                                       # the cache's code, never checked: checked
-    assert runs == list(dpfx.selfcheck.SIZES)
+    assert runs == list(dpfx.lower.selfcheck.SIZES)
     assert not checks[-1].skipped
     assert isinstance(checks[-1].forward.eager, torch.fx.GraphModule)
     markers = list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())
@@ -530,25 +530,25 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     counters.clear()
     model = _mlp_step()                               # the same code again: not re-checked
     assert counters["inductor"]["fxgraph_cache_hit"] == 2
-    assert runs == list(dpfx.selfcheck.SIZES)
+    assert runs == list(dpfx.lower.selfcheck.SIZES)
     # Note [The eager reference is built when the check runs]: skipped, so never built
     assert checks[-1].skipped and isinstance(checks[-1].forward.eager, tuple) \
         and isinstance(checks[-1].backward.eager, tuple)
     assert model.fc1.weight.grad is not None
     _mlp_step(self_check="always")
-    assert runs == 2 * list(dpfx.selfcheck.SIZES)
+    assert runs == 2 * list(dpfx.lower.selfcheck.SIZES)
     # other code (a wider layer): checked, and marked apart
     torch._dynamo.reset()
     wide = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
     dp = dpfx.compile(wide, max_grad_norm=1.0, noise_multiplier=1.0)
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
-    assert runs == 3 * list(dpfx.selfcheck.SIZES)
+    assert runs == 3 * list(dpfx.lower.selfcheck.SIZES)
     assert len(list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())) == 2
     # the checked code, miscompiled after Inductor: the wrapper is no cached code, so it is checked
     _miscompile(monkeypatch, "backward", _nudge_gradients)
     with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
         _mlp_step()
-    assert runs[-1] in dpfx.selfcheck.SIZES and len(runs) == 3 * len(dpfx.selfcheck.SIZES) + 1
+    assert runs[-1] in dpfx.lower.selfcheck.SIZES and len(runs) == 3 * len(dpfx.lower.selfcheck.SIZES) + 1
 
 
 def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch):
@@ -559,7 +559,7 @@ def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch
     with torch._inductor.config.patch(fx_graph_cache=False):
         _mlp_step()
         _mlp_step()
-    assert runs == 2 * list(dpfx.selfcheck.SIZES)
+    assert runs == 2 * list(dpfx.lower.selfcheck.SIZES)
     assert not (tmp_path / "inductor" / "dpfx_selfcheck").exists()
 
 
@@ -568,7 +568,7 @@ def test_a_gpu_graph_is_never_marked():
     from types import SimpleNamespace
 
     check = SimpleNamespace(device=torch.device("cuda"))
-    assert dpfx.selfcheck._passed_marker(check, {}) is None
+    assert dpfx.lower.selfcheck._passed_marker(check, {}) is None
 
 
 def test_self_check_setting_is_validated():

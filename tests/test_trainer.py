@@ -128,7 +128,7 @@ class _Recording(hf.DPTrainer):
     """Keeps each logical batch the trainer stepped on."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        from dpfx.loss_track import untrack
+        from dpfx.loss.track import untrack
         self.batches = getattr(self, "batches", []) + [
             {k: v.clone() for k, v in untrack(inputs).items()}]
         return super().training_step(model, inputs, num_items_in_batch)

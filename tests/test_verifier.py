@@ -294,7 +294,7 @@ class StridedView(nn.Module):
 
 
 def test_as_strided_within_each_example_trains():
-    """Note [as_strided reads storage] in passes/batch.py: positions 6b + 1, 6b + 3, 6b + 5
+    """Note [as_strided reads storage] in graph/batch.py: positions 6b + 1, 6b + 3, 6b + 5
     are in example b's block of the (B, 6) storage, so the view keeps examples apart."""
     model = StridedView(lambda b: ((b, 3), (6, 2), 1))
     dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager")
@@ -587,10 +587,10 @@ def test_optimizer_noise_graph_must_not_carry_noise():
 
 
 def test_size_equality_is_exact_and_memoized():
-    """Note [Size arithmetic is memoized] in passes/batch.py: expand decides polynomial sizes,
+    """Note [Size arithmetic is memoized] in graph/batch.py: expand decides polynomial sizes,
     simplify the rest (quotients, as views divide strides), in both directions."""
     from torch.utils._sympy.functions import FloorDiv
-    from dpfx.passes.batch import _equal
+    from dpfx.graph.batch import _equal
 
     b, t = sympy.symbols("u0 s1", integer=True, positive=True)
     assert _equal(b * t * 16, 16 * t * b)

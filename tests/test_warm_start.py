@@ -1,4 +1,4 @@
-"""Note [A warm start without the joint trace] (dpfx/warm.py): a second compile of the same model
+"""Note [A warm start without the joint trace] (dpfx/lower/warm.py): a second compile of the same model
 finds dpfx's graphs in AOTAutogradCache, skips aot_autograd's trace, runs dpfx's passes, proof,
 lowering and self-check on the loaded graphs, and trains exactly as a cold compile; nothing but
 dpfx's own entries serves a dpfx compile, and a rebuild that fails falls back to a full one."""
@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import dpfx
-import dpfx.warm
+import dpfx.lower.warm
 from models import MLP, mse
 from reference import assert_close, dp_sgd_grads, run_dpfx
 
@@ -76,7 +76,7 @@ def test_a_hit_that_dpfx_did_not_compile_is_refused(cache, monkeypatch):
     torch.manual_seed(0)
     model = MLP()
     _exact(_compile(model), model, 4)
-    monkeypatch.setattr(dpfx.warm.DPOutputCode, "post_compile", lambda self, *args: None)
+    monkeypatch.setattr(dpfx.lower.warm.DPOutputCode, "post_compile", lambda self, *args: None)
     dp = _compile(model)
     model.zero_grad(set_to_none=True)
     with pytest.raises(dpfx.PrivacyError, match="without dpfx's passes"):
@@ -92,7 +92,7 @@ def test_a_failed_rebuild_falls_back_to_a_full_compile(cache, monkeypatch):
     def fail(*args):
         raise RuntimeError("the entry no longer loads")
 
-    monkeypatch.setattr(dpfx.warm, "_rebuild", fail)
+    monkeypatch.setattr(dpfx.lower.warm, "_rebuild", fail)
     counters.clear()
     dp = _compile(model)
     _exact(dp, model, 3)
@@ -153,7 +153,7 @@ def test_an_entry_holds_the_inputs_fake_values_only(cache, monkeypatch):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     stored, kept = [], []
-    snapshot = dpfx.warm.snapshot
+    snapshot = dpfx.lower.warm.snapshot
 
     def spy(gm):
         before = {n: dict(n.meta) for n in gm.graph.nodes}
@@ -162,7 +162,7 @@ def test_an_entry_holds_the_inputs_fake_values_only(cache, monkeypatch):
         kept.append(all(n.meta == before[n] for n in gm.graph.nodes))
         return data
 
-    monkeypatch.setattr(dpfx.warm, "snapshot", spy)
+    monkeypatch.setattr(dpfx.lower.warm, "snapshot", spy)
     torch.manual_seed(0)
     model = Seq()
     x, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 4)

@@ -222,7 +222,7 @@ def test_orthogonal_is_refused_naming_parameter_and_construct(orthogonal_map, co
 def test_orthogonal_cayley_matches_reference(backend):
     """The Cayley map's linalg.solve backward traces with a symbolic batch since torch's size
     questions inside kernels are answered by dpfx (Note [Deciding a branch on the batch size] in
-    batch_branches.py): one compile, exact at batch sizes 4, 1 and 3 with clipping biting."""
+    capture/batch_branches.py): one compile, exact at batch sizes 4, 1 and 3 with clipping biting."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))

@@ -49,8 +49,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import privacy
-from ..api import compile as dp_compile
+from dpfx import privacy
+from dpfx.api import compile as dp_compile
 
 
 def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import run
+from dpfx.audit import run
 def builtin_setup(name: str, batch: int, seed: int = 0):
     """(model, (x, y), (x_c, y_c)) for the CLI's built-in models: random data, 4 classes, and a
     canary far from the data (an input 5x larger), whose gradient is clipped."""

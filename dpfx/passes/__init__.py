@@ -18,17 +18,18 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..config import DPConfig
-from ..errors import CaptureError
-from ..printer import format_graph
-from .batch import BatchAnalysis, BatchDim, Layout
-from .clip_noise import insert_clip_and_noise
-from .emit import Emitter
-from .per_sample import ParamGrad, RewriteContext, rewrite_per_sample
-from .schedule import place_norms_early
-from .stack_time import stack_over_time
-from .verify import (attention_side_output, check_forward, forward_problems, module_of,
-                     verify_backward)
+from dpfx.config import DPConfig
+from dpfx.errors import CaptureError
+from dpfx.graph import tags
+from dpfx.graph.printer import format_graph
+from dpfx.graph.batch import BatchAnalysis, BatchDim, Layout
+from dpfx.passes.clip_noise import insert_clip_and_noise
+from dpfx.graph.emit import Emitter
+from dpfx.passes.per_sample import ParamGrad, RewriteContext, rewrite_per_sample
+from dpfx.passes.schedule import place_norms_early
+from dpfx.passes.stack_time import stack_over_time
+from dpfx.passes.verify import (attention_side_output, check_forward, forward_problems, module_of,
+                                verify_backward)
 
 aten = torch.ops.aten
 
@@ -49,7 +50,7 @@ class ForwardInfo:
     batch_symbols: set
     layouts: dict[str, Layout]  # forward node name -> layout (saved tensors keep their names)
     output_layouts: list[Layout]
-    # outputs of a captured loss without a batch dim: its value, its normalizers (loss_graph.py)
+    # outputs of a captured loss without a batch dim: its value, its normalizers (loss/captured.py)
     loss_outputs: set = dataclasses.field(default_factory=set)
     # outputs that are a fused attention kernel's RNG state or book-keeping, saved for its
     # backward (Note [Attention kernels keep the leading dims apart] in verify.py); the
@@ -90,12 +91,10 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
     seeds = {name: BatchDim(d) for name, d in batch_inputs.items()}
     an = BatchAnalysis(gm.graph, symbols, seeds)
     stages.record("forward", gm, symbols)
-    # Note [The loss inside the graph] in loss_graph.py: the captured loss's gradient program
+    # Note [The loss inside the graph] in loss/captured.py: the captured loss's gradient program
     # was proven before aot_autograd, by the loss check's rules
-    from ..loss_graph import is_tagged
-
     for node in gm.graph.nodes:
-        if is_tagged(node):
+        if tags.is_loss(node):
             node.meta["dpfx"] = "loss"
     if problems is not None:
         problems.extend(Problem("privacy", m) for m in forward_problems(gm, an, skip={"loss"}))
@@ -107,7 +106,7 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
         batch_symbols=symbols,
         layouts={n.name: an.layout(n) for n in gm.graph.nodes},
         output_layouts=[an.layout(o) if isinstance(o, fx.Node) else None for o in outs],
-        loss_outputs={i for i, o in enumerate(outs) if isinstance(o, fx.Node) and is_tagged(o)
+        loss_outputs={i for i, o in enumerate(outs) if isinstance(o, fx.Node) and tags.is_loss(o)
                       and an.layout(o) is None},
         side_outputs={i for i, o in enumerate(outs)
                       if isinstance(o, fx.Node) and attention_side_output(o)},
@@ -122,7 +121,7 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 # than run a graph whose traced layouts are not the real ones, such convolutions are refused
 # with the fix. The input reaches here channels-last only when a model calls torch's convolution
 # by a name dpfx does not swap: ``F.conv2d`` and ``F.conv3d`` read ``input.contiguous()`` during
-# capture (Note [Channels-last strides made inside the model] in traceable.py); a channels-last
+# capture (Note [Channels-last strides made inside the model] in capture/traceable.py); a channels-last
 # weight is refused. (tests/test_rule_convolution.py::test_channels_last_weight_is_refused_clearly)
 def _check_convolution_layouts(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default):
@@ -252,11 +251,11 @@ def _drop_dead_convolution_outputs(graph: fx.Graph) -> None:
 def _input_gradients_channels_last(graph: fx.Graph, fake_mode) -> None:
     """Route each input-gradient-only ``convolution_backward`` of a 2-D float32 convolution
     through ``dpfx::conv2d_input_grad`` (Note [Conv2d input gradients in channels-last] in
-    rules/convolution.py): the same gradient, computed channels-last, without ATen's NCHW
+    ops/conv.py): the same gradient, computed channels-last, without ATen's NCHW
     conversions. CPU graphs only (the caller checks)."""
     import operator
 
-    from ..rules.convolution import ConvArgs
+    from dpfx.rules.convolution import ConvArgs
 
     op = torch.ops.dpfx.conv2d_input_grad.default
     for node in graph.find_nodes(op="call_function",
@@ -289,8 +288,8 @@ def _input_gradients_channels_last(graph: fx.Graph, fake_mode) -> None:
 
 
 def _batch_symbols(gm: fx.GraphModule, batch_inputs: dict[str, int]) -> set:
-    from ..errors import CaptureError
-    from .batch import sym_expr
+    from dpfx.errors import CaptureError
+    from dpfx.graph.batch import sym_expr
     import sympy
 
     symbols = set()

@@ -13,7 +13,7 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
 
 The last two lines are the GPU graphs' release (Inductor fuses the draw into the add). CPU
 graphs release every clipped sum through one ``dpfx::add_noise_`` call, which adds the noise and
-divides in place, drawing the normals in registers (Note [Noise added in place] in cpu_noise.py);
+divides in place, drawing the normals in registers (Note [Noise added in place] in ops/noise.py);
 there the materialized per-sample gradients of a group's 1-D parameters that dpfx sums itself
 (biases, norm weights) are stacked into one [B, N], one norm and one clipped sum for all, each
 parameter's gradient a slice of one noised base (Note [Vector parameters' per-sample gradients
@@ -33,7 +33,7 @@ Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and
 group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at
 ``clipped[p]`` (tagged "clipped_grad"): ``dpfx.DPOptimizer`` adds the noise and divides once per
 logical step (virtual batches, secure noise, distributed). With ``track_norms`` the norms pass
-through ``dpfx::observe_norms`` (stats.py) before the clip factor: it records them and reports
+through ``dpfx::observe_norms`` (ops/norms.py) before the clip factor: it records them and reports
 non-finite examples once. All of it is ordinary ATen but the CPU noise, so Inductor fuses the
 norms into the kernels that produce the per-sample gradients and, on GPU, the noise into the
 final pointwise kernel. One draw (GPU: ``aten.randn``, sliced) or one call (CPU:
@@ -51,12 +51,12 @@ import operator
 import sympy
 import torch
 
-from .. import cpu_noise, stats  # noqa: F401  (register dpfx::standard_normal, ::observe_norms)
-from ..config import CLIP_EPS, DPConfig
-from ..rules import Clip, at_least_float32, at_nominal
-from .batch import BatchDim
-from .emit import Emitter
-from .per_sample import ParamGrad
+import dpfx.ops  # noqa: F401  (registers the dpfx:: ops the graphs hold)
+from dpfx.config import CLIP_EPS, DPConfig
+from dpfx.rules import Clip, at_least_float32, at_nominal
+from dpfx.graph.batch import BatchDim
+from dpfx.graph.emit import Emitter
+from dpfx.passes.per_sample import ParamGrad
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -90,7 +90,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         norm = emit(aten.sqrt.default, norm_sq)
         norms[key] = emit(aten.mul.Tensor, norm, batch) if mean else norm
     if norm_sink is not None:
-        # Stacked so that one opaque call sees every group of one backward pass (stats.py): it
+        # Stacked so that one opaque call sees every group of one backward pass (ops/norms.py): it
         # records them for norm_stats and reports non-finite examples once.
         rows = [emit(aten.unsqueeze.default, n, 0) for n in norms.values()]
         seen = emit(torch.ops.dpfx.observe_norms.default, emit(aten.cat.default, rows),
@@ -153,7 +153,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
     numels = {name: sympy.Mul(*shape) for name, shape in shapes.items()}
     total = emit.size(sympy.Add(*numels.values()))
-    if device.type == "cpu":    # Philox + Box-Muller on every core (cpu_noise.py)
+    if device.type == "cpu":    # Philox + Box-Muller on every core (ops/noise.py)
         noise = emit(torch.ops.dpfx.standard_normal.default, total, device, tag="noise")
     else:                       # Inductor lowers randn to its fused Philox
         noise = emit(aten.randn.default, [total], dtype=torch.float32, device=device,
@@ -187,7 +187,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 
 
 # The device types whose graphs add the noise with dpfx::add_noise_ (Note [Noise added in
-# place], cpu_noise.py). On GPU, Inductor fuses aten.randn's Philox into the pointwise kernel
+# place], ops/noise.py). On GPU, Inductor fuses aten.randn's Philox into the pointwise kernel
 # that adds it, which is the same single pass. Tests empty it to check that form on CPU.
 NOISE_IN_PLACE = {"cpu"}
 

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import rules
-from ..errors import UnsupportedOpError
-from ..rules import fallback
-from ..rules.fallback import FallbackRefused
-from ..rules.lift import LiftRefused
-from .batch import BatchAnalysis
-from .emit import Emitter
-from .verify import module_of
+from dpfx import rules
+from dpfx.errors import UnsupportedOpError
+from dpfx.rules import fallback
+from dpfx.rules.fallback import FallbackRefused
+from dpfx.rules.lift import LiftRefused
+from dpfx.graph.batch import BatchAnalysis
+from dpfx.graph.emit import Emitter
+from dpfx.passes.verify import module_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -32,8 +32,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..rules import at_nominal
-from .batch import sym_expr
+from dpfx.rules import at_nominal
+from dpfx.graph.batch import sym_expr
 
 aten = torch.ops.aten
 

@@ -1,6 +1,6 @@
 """A weight used once per time step: its per-step gradient products stacked into one product.
 
-    lstm = nn.LSTM(64, 128, batch_first=True)    # under dpfx, the recurrence written out (rnn.py)
+    lstm = nn.LSTM(64, 128, batch_first=True)    # under dpfx, the recurrence written out (capture/rnn.py)
 
     captured:  grad[w_hh] = add(add(mm(permute(g_1), h_1), mm(permute(g_2), h_2)), mm(permute(g_3), h_3))
     stacked:   grad[w_hh] = mm(permute(view(cat([g_1, g_2, g_3], 1), [B*3, 4H])),
@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .batch import BatchAnalysis, BatchDim
-from .emit import Emitter
+from dpfx.graph.batch import BatchAnalysis, BatchDim
+from dpfx.graph.emit import Emitter
 
 aten = torch.ops.aten
 

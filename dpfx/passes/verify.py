@@ -38,10 +38,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .. import cpu_noise, stats  # noqa: F401  (dpfx::standard_normal, ::observe_norms)
-from ..config import DPConfig
-from ..errors import PrivacyError
-from .batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
+import dpfx.ops  # noqa: F401  (registers the dpfx:: ops the graphs hold)
+from dpfx.config import DPConfig
+from dpfx.errors import PrivacyError
+from dpfx.graph.batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -344,7 +344,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
         raise PrivacyError("noise='optimizer' graphs must leave the noise to dpfx.DPOptimizer")
     noise_slices = []
     calls = [n for n in graph.nodes if _is_add_noise(n)]
-    if len(calls) > 1:  # one key a step; Note [Noise added in place] (cpu_noise.py)
+    if len(calls) > 1:  # one key a step; Note [Noise added in place] (ops/noise.py)
         raise PrivacyError(f"the backward graph calls dpfx::add_noise_ {len(calls)} times, not "
                            f"once: two calls could draw the same noise")
     slots = {}          # (add_noise_ call, getitem index) -> [(start, end, parameter)]
@@ -439,7 +439,7 @@ def _release_ancestors(g: nx.DiGraph, out: fx.Node, memo: dict | None = None) ->
 # through norm-preserving data movement and adds of such sides only (a tied weight's uses, each
 # clipped sum once), one final scaling by 1/D (the configured expected batch size, or a division
 # by the batch size symbol; none for a "sum" loss), and a dtype cast. The CPU form (Note [Noise
-# added in place], cpu_noise.py) is cast?(moves(getitem(add_noise_ call, k + 1))) with the
+# added in place], ops/noise.py) is cast?(moves(getitem(add_noise_ call, k + 1))) with the
 # call's std, multiplier and divisor pinned and its base k walked as the clipped side above.
 # (tests/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
 _RELEASE_MOVES = {
@@ -529,7 +529,7 @@ def _is_add_noise(node) -> bool:
 
 def _check_release_in_place(name: str, item: fx.Node, an: BatchAnalysis, config: DPConfig,
                             refuse, span: fx.Node | None = None) -> tuple:
-    """The release of Note [Noise added in place] (cpu_noise.py): the output is cast?(moves(
+    """The release of Note [Noise added in place] (ops/noise.py): the output is cast?(moves(
     getitem(call, k + 1))) of an auto_functionalized_v2 of dpfx::add_noise_ whose std is sigma *
     C and whose (multiplier, divisor) is exactly 1/D, whose sum k is a whole base of its own (no
     view of one), and whose base k is a clipped side; or cast?(moves(``span``)), ``span`` a
@@ -757,7 +757,7 @@ def _norm_sources(factor: fx.Node) -> set[fx.Node]:
     on through torch's backward would accept anything upstream of the norm: with per-layer
     clipping, fc2's output gradient is upstream of fc1's per-sample gradients without being
     part of fc1's norm. A row picked out of the stacked norms that ``dpfx::observe_norms`` sees
-    descends from that row's group only (stats.py)."""
+    descends from that row's group only (ops/norms.py)."""
     seen, todo = set(), [factor]
     while todo:
         node = todo.pop()

@@ -38,8 +38,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from . import Rule
-from ..passes.batch import BatchDim, sym_expr
+from dpfx.rules.registry import Rule
+from dpfx.graph.batch import BatchDim, sym_expr
 
 aten = torch.ops.aten
 

@@ -27,7 +27,7 @@ import torch
 
 import torch.fx as fx
 
-from . import LiftRule, register_lift
+from dpfx.rules.registry import LiftRule, register_lift
 
 aten = torch.ops.aten
 prims = torch.ops.prims

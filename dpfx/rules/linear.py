@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import Ghost, Rows, Rule, at_least_float32, register
-from ..passes.batch import BatchDim
+from dpfx.rules.registry import Ghost, Rows, Rule, at_least_float32, register
+from dpfx.graph.batch import BatchDim
 
 aten = torch.ops.aten
 

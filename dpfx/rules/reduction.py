@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from . import Rule, register
-from ..passes.batch import BatchDim
+from dpfx.rules.registry import Rule, register
+from dpfx.graph.batch import BatchDim
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def rewrite_sum(node, ctx):
     if not kwargs and all(shape[d] == 1 for d in dims):
         # A bias on (B, d) features: each example's gradient is its own row, a reshape (so that
         # its norm is the one the weight's ghost norm takes of the same rows: Note [One squared
-        # norm per tensor] in passes/emit.py).
+        # norm per tensor] in graph/emit.py).
         out = [ctx.analysis.batch, *ctx.analysis.shape(node.meta["val"])]
         if out == shape:
             return front

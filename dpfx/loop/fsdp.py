@@ -1,0 +1,253 @@
+"""Models sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): dpfx's private graph runs
+on the gathered parameters, and ``DPOptimizer.step()`` reduce-scatters the clipped sums to the
+ranks that own each shard, where each coordinate is noised once (Note [Sharded DP-SGD]).
+
+# Note [Sharded DP-SGD]
+A clip needs each example's norm over every parameter, so no shard can be clipped before all
+of them are known. dpfx keeps its one private graph per model (the graph the verifier proves and
+the self-check runs) and moves FSDP's collectives out of it:
+
+- **Forward** (``DPModule.forward``): every FSDP unit is unsharded with FSDP's own
+  ``unshard()`` (an all-gather of public values: the parameters are outputs of earlier private
+  steps), and dpfx's compiled graph runs with FSDP's forward hooks set aside for the call, so
+  dynamo captures the model as if it were not sharded, and FSDP neither reshards nor
+  reduce-scatters anything behind dpfx's back. The gathered parameters are FSDP's own unsharded
+  ``nn.Parameter`` objects, the same objects every step (FSDP frees and refills their storage),
+  so dpfx's gradient guards and the captured graph stay bound to them. A forward without grad
+  (evaluation) reshards right after the call.
+- **Backward**: dpfx's graph leaves sum_i clip(g_i) of the rank's examples, one full-size tensor
+  per parameter, in ``dp_model.clipped_sums`` (noise="optimizer" is required).
+- **Step** (``DPOptimizer.step()``): the units are resharded (the gathered storage is freed and
+  the sharded DTensor parameters are back on the modules); the clipped sums are laid out one row
+  per destination rank (each parameter's chunk for that rank, padded to the parameter's largest
+  chunk, then that rank's example count) and reduce-scattered with one collective; each rank adds
+  N(0, sigma^2 S^2) to the coordinates it received, divides by D, and writes them as DTensor
+  gradients with the shard's placement; the inner optimizer steps the shards.
+
+Every coordinate is owned by one rank (FSDP's ``Shard`` placement over a 1-D mesh partitions
+each parameter), so each is noised exactly once. Unlike the replicated path, where rank 0 noises
+everything (Note [Noise once across ranks] in loop/optim.py), every rank draws the noise of its own
+shard: the guarantee needs each rank's generator to be independent (OS-seeded by default; a
+test's fixed ``seed`` is mixed with the rank so that no two shards share a stream).
+
+What stays sharded: the parameters at rest, the gradients the optimizer sees, the optimizer
+state. What does not: during a step every rank holds the whole model's parameters and its
+clipped sums (one full-size tensor per parameter), like FSDP with the whole model as one unit.
+Carrying per-example norms across units (a unit's per-example squared norms kept, its clipped
+sum formed once all units are known) would bound that by the largest unit, at the price of a
+second backward (Opacus's two-pass scheme) or per-unit graphs; not built.
+
+Refused, with what to change: FSDP's mixed precision (``MixedPrecisionPolicy`` with a
+``param_dtype`` or ``reduce_dtype``; use ``torch.autocast`` around the forward), CPU offload,
+units over several modules (``fully_shard([a, b])``), and 2-D meshes (HSDP).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def units(model: torch.nn.Module) -> list:
+    """The FSDP2 units inside ``model`` (itself included), in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class Sharding:
+    """The FSDP2 units of one compiled model, and the collectives dpfx runs for them."""
+
+    def __init__(self, model: torch.nn.Module, found: list):
+        self.units = found
+        self._states = [_state_of(u, name) for name, u in _named_units(model, found)]
+        mesh = self._mesh(model)
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    def _mesh(self, model: torch.nn.Module):
+        meshes = set()
+        for name, p in model.named_parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None:
+                raise ValueError(
+                    f"parameter '{name}' is not sharded: with FSDP, every parameter must belong "
+                    f"to a fully_shard unit (call fully_shard on the root module too)")
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"parameter '{name}' is sharded over a {mesh.ndim}-D mesh (HSDP); dpfx "
+                    f"shards over a 1-D mesh: fully_shard(module, mesh=init_device_mesh(device, "
+                    f"(world,)))")
+            meshes.add(mesh)
+        if len(meshes) != 1:
+            raise ValueError("the model's FSDP units use different meshes; shard every unit "
+                             "over the same 1-D mesh")
+        return meshes.pop()
+
+    # -- the forward -------------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Every unit's parameters unsharded on the modules (a no-op for a unit that is)."""
+        for unit in self.units:
+            unit.unshard()
+
+    def release(self) -> None:
+        """Every unit back to its shards; the gathered storage is freed."""
+        for unit in self.units:
+            unit.reshard()
+
+    @contextlib.contextmanager
+    def hooks_off(self):
+        """FSDP's forward hooks set aside for dpfx's compiled call (Note [Sharded DP-SGD])."""
+        taken = []
+        for unit, state in zip(self.units, self._states):
+            for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__self__", None) is state:
+                        taken.append((hooks, key, hook))
+                        del hooks[key]
+        try:
+            yield
+        finally:
+            for hooks, key, hook in taken:
+                hooks[key] = hook
+
+    # -- the step ----------------------------------------------------------------------------------
+    def check_same_structure(self) -> None:
+        """The ranks shard one model: every rank must hold the same names, shapes and placements
+        (the values differ by design: each rank holds its shards)."""
+        mine = self._structure
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(other != everyone[0] for other in everyone[1:]):
+            raise ValueError("the ranks shard different models (parameter names, shapes or "
+                             "placements differ); build and fully_shard the same model on every "
+                             "rank before DPOptimizer")
+
+    def check_own_path(self, path) -> None:
+        """A checkpoint of a sharded model holds this rank's shards: every rank writes its own
+        file (``torch.save`` of DTensors keeps the local shard and its placement)."""
+        self.release()
+        paths = [None] * self.world
+        dist.all_gather_object(paths, os.path.abspath(os.fspath(path)), group=self.group)
+        if len(set(paths)) != self.world:
+            raise ValueError("every rank saves its own shards of a sharded model: give each rank "
+                             "its own checkpoint path (e.g. f'ckpt.rank{rank}.pt') and load each "
+                             "rank's file on the same rank, with the same sharding")
+
+    def bind(self, named: list) -> None:
+        """The sharded trainable parameters, in the optimizer's order, and their layouts."""
+        self._named = named
+        self._layouts = [_Layout(name, p, self.world, self.rank) for name, p in named]
+        self._structure = hashlib.sha256(repr([
+            (name, tuple(p.shape), str(p.dtype), repr(p.placements)) for name, p in named])
+            .encode()).hexdigest()
+        self.row = sum(layout.padded for layout in self._layouts) + 1     # + the example count
+
+    def reduce_scatter(self, sums: dict, examples: int, device) -> tuple[torch.Tensor, int]:
+        """This rank's coordinates of the sum over ranks of the clipped sums (float32, the
+        padding included), and the examples of every rank."""
+        rows = torch.zeros(self.world, self.row, dtype=torch.float32, device=device)
+        offset = 0
+        for layout in self._layouts:
+            full = sums.get(layout.name)
+            if full is not None:
+                for r, chunk in enumerate(layout.chunks(full)):
+                    rows[r, offset:offset + chunk.numel()] = chunk.reshape(-1)
+            offset += layout.padded
+        rows[:, -1] = float(examples)
+        mine = torch.empty(self.row, dtype=torch.float32, device=device)
+        _reduce_scatter(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=self.group)
+        return mine[:-1], int(round(float(mine[-1])))
+
+    def write_grads(self, mine: torch.Tensor, ledger) -> None:
+        """Each sharded parameter's gradient: this rank's coordinates, as a DTensor with the
+        parameter's placement."""
+        from torch.distributed.tensor import DTensor
+
+        offset = 0
+        for layout, (name, p) in zip(self._layouts, self._named):
+            local = mine[offset:offset + layout.local_numel].view(layout.local_shape)
+            p.grad = DTensor.from_local(local.to(p.dtype).clone(), p.device_mesh, p.placements,
+                                        shape=p.shape, stride=p.stride())
+            ledger.released(name, p)
+            offset += layout.padded
+
+    def seed(self, seed: int) -> int:
+        """A fixed seed mixed with the rank: no two shards draw the same noise stream."""
+        digest = hashlib.sha256(f"dpfx-shard-noise:{seed}:{self.rank}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 2
+
+
+# torch 2.13 renamed reduce_scatter_tensor, which warns
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Layout:
+    """Where one sharded parameter's coordinates go: its chunk per rank (FSDP's ``Shard(dim)``:
+    ``torch.chunk`` along dim, empty chunks at the end), padded to its largest chunk."""
+
+    def __init__(self, name: str, p, world: int, rank: int):
+        from torch.distributed.tensor import Shard
+
+        (placement,) = p.placements
+        if not isinstance(placement, Shard):
+            raise ValueError(f"parameter '{name}' is placed {placement}, not sharded; dpfx "
+                             f"expects fully_shard's Shard placement")
+        self.name, self.dim, self.world = name, placement.dim, world
+        self.shape = tuple(p.shape)
+        local = p.to_local()
+        self.local_shape, self.local_numel = tuple(local.shape), local.numel()
+        rest = 1
+        for i, size in enumerate(self.shape):
+            if i != self.dim:
+                rest *= size
+        size = self.shape[self.dim] if self.shape else 1
+        self.padded = -(-size // world) * rest
+        mine = self.chunks(torch.empty(self.shape, device="meta"))
+        expected = tuple(mine[rank].shape) if rank < len(mine) else None
+        if expected != self.local_shape and not (expected is None and self.local_numel == 0):
+            raise ValueError(f"parameter '{name}': this rank's shard has shape "
+                             f"{self.local_shape}, dpfx's layout expects {expected}; this FSDP "
+                             f"version shards differently from torch.chunk along dim {self.dim}")
+
+    def chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"the clipped sum of '{self.name}' has shape {tuple(full.shape)}, "
+                             f"the parameter {self.shape}")
+        return list(torch.chunk(full.to(torch.float32), self.world, dim=self.dim))[:self.world]
+
+
+def _named_units(model: torch.nn.Module, found: list):
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names.get(id(u), "") or "(root)", u) for u in found]
+
+
+def _state_of(unit, name: str):
+    state = unit._get_fsdp_state()
+    if len(getattr(state, "_modules", (unit,))) != 1:
+        raise ValueError(f"FSDP unit '{name}' groups several modules (fully_shard([a, b])); "
+                         f"dpfx needs one module per unit: call fully_shard on each")
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            policy = fsdp_param.mp_policy
+            if policy.param_dtype is not None or policy.reduce_dtype is not None:
+                raise ValueError(
+                    f"FSDP unit '{name}' has a MixedPrecisionPolicy (param_dtype="
+                    f"{policy.param_dtype}, reduce_dtype={policy.reduce_dtype}); dpfx reduces the "
+                    f"clipped sums itself in float32. Shard without mp_policy and run the forward "
+                    f"under torch.autocast for 16-bit compute")
+            if fsdp_param.offload_to_cpu:
+                raise ValueError(f"FSDP unit '{name}' offloads its parameters to the CPU "
+                                 f"(CPUOffloadPolicy); dpfx does not support offloading: shard "
+                                 f"without offload_policy")
+    return state

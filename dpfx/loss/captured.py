@@ -1,0 +1,611 @@
+"""The loss captured with the model: proven at capture, its gradient in the graph, no check per
+step.
+
+    dp = dpfx.compile(model, loss=F.cross_entropy, max_grad_norm=1.0, noise_multiplier=1.1)
+    loss = dp.loss(x, y)       # fn(model(x), y), one compiled graph
+    loss.backward()            # every trainable p.grad is the DP-SGD gradient
+
+# Note [The loss inside the graph]
+The plain loop computes the loss outside dpfx's graph, so loss/track.py follows it call by call
+and proves it at every backward: about 0.15 ms a step on the benchmark MLP, Python paid right
+after the kernels. With ``dpfx.compile(model, loss=fn)``, dynamo captures ``fn(model(*inputs),
+*targets)`` as one graph, the targets marked with the batch symbol like every input, so
+``len(y)``, ``y.shape`` and ``y.size(0)`` are symbols, and every other Python value ``fn`` reads
+is a constant dynamo guards on (a new value captures again, and the new graph is proven again).
+The model's outputs pass through ``dpfx::model_output``, an identity that marks where the model
+ends. Before Inductor's aot_autograd sees the graph, ``capture_loss``:
+
+1. cuts the tail: what the loss computes outside the model (from the marked outputs, the
+   targets, sizes of the batch); a tail that reads a parameter or another value of the model
+   is refused (a regularizer's gradient would reach p.grad unclipped);
+2. replays it under ``make_fx`` with Inductor's decompositions on fake tensors with one batch
+   symbol, each Python number that multiplies or divides a tensor as a scalar input (as the
+   plain loop's check does), and proves it with the loss check's own proof
+   (``loss_check.analyze``): no op mixes examples, and ``loss = sum_k c_k sum_i t_k(z_i)``,
+   ``c_k = s_k w_k B^p prod_j N_j^q``;
+3. builds the loss whose gradient is the per-example term's (Note [The per-example term] in
+   loss/check.py, the plain loop's semantics): each term times ``f_k = target / (B^p prod_j
+   N_j^q max_j |w_j|)`` (target 1/B for loss_reduction "mean", which the backward graph
+   undoes, else 1), in graph nodes computed from the normalizers and the batch symbol; where
+   every term has the same batch-dependent part, dynamo's own tail times one factor, else the
+   replayed tail with each term scaled. Its value stays ``fn``'s (``L_g + detach(L - L_g)``);
+4. traces that loss's *gradient program* with make_fx and autograd's own formulas: the value
+   and ``G_j = d L_g / d out_j`` (softmax cross-entropy rewritten into the form Inductor
+   streams best: Note [The cross-entropy form] in loss/form.py), and puts it in place of
+   dynamo's tail, returning ``value + sum_j dpfx::loss_gradient(out_j, G_j)``: an op whose value
+   is 0 (Inductor's decomposition makes it the constant, so nothing is read for it) and whose
+   gradient with respect to ``out_j`` is ``tangent * G_j``. The value is ``fn``'s and the
+   gradient reaching the model's outputs is exactly G. Where G is computed is aot_autograd's
+   partitioner's choice: it saves the logits and each row's statistics and recomputes G in the
+   backward, written over the logits, as torch.compile does for a loss that is not private.
+   The normalizers' reductions over the batch stay in the forward (dpfx compiles with
+   functorch's ``ban_recompute_reductions``: the partitioner never recomputes one), so the
+   backward sees only their values, batch-free saved scalars proven in step 2 (a token count
+   N enters G as ``f / N`` with ``f`` carrying N: per example, but not visibly so to the
+   rules); a reduction over the batch in the backward is refused by its per-sample rules.
+   Each of its nodes is tagged ``dpfx_loss`` in its ``custom`` metadata, which aot_autograd
+   carries onto the ATen nodes it makes from them: the forward check exempts exactly the
+   tagged nodes from its mixing rules (proven in step 2), the self-check exempts the loss's
+   batch-free outputs from its independence check, and the backward graph reads the loss's
+   tangent as the constant 1 (the only gradient the release lets reach it).
+
+An empty batch takes the model's own graph (Note [An empty batch and the captured loss]).
+
+``dp.loss`` returns a ``CapturedLoss``. Its backward (``loss.backward()``,
+``torch.autograd.backward``, ``torch.autograd.grad``) sets the release flag the backward graph
+requires; a positive Python multiple of it (``loss / accum_steps``, Trainer's ``loss *= k``)
+is released the same, the multiple removed like every scalar after the batch reduction; any
+other use of it yields plain tensors, whose backward reaches dpfx's graph unreleased and is
+refused there. What runs per step beyond the graph: one type change of the loss and the flag.
+(tests/test_loss_graph.py)
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from dpfx.loss.gate import BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES
+from dpfx.ops.loss import model_output
+from dpfx.loss import check as loss_check
+from dpfx.loss.form import cross_entropy_form
+from dpfx.errors import PrivacyError
+from dpfx.graph import tags
+from dpfx.graph.batch import sym_expr
+
+aten = torch.ops.aten
+TARGETS = "dpfx_targets"
+
+
+_ENTRIES = itertools.count()
+
+
+def loss_entry(model: torch.nn.Module, fn):
+    """dpfx's entry for a captured loss, with a code object of its own (Note [dpfx's own entry
+    frame] in capture/entry.py): the targets come in ``kwargs[TARGETS]``."""
+    def dpfx_loss(*args, **kwargs):
+        targets = kwargs.pop(TARGETS)
+        out = model(*args, **kwargs)
+        return fn(_mark(out), *targets)
+
+    dpfx_loss.__code__ = dpfx_loss.__code__.replace(co_name=f"dpfx_loss_{next(_ENTRIES)}")
+    return dpfx_loss
+
+
+def _mark(out):
+    if isinstance(out, torch.Tensor):
+        return model_output(out)
+    if isinstance(out, dict):
+        for k in list(out.keys()):
+            if isinstance(out[k], torch.Tensor):
+                out[k] = model_output(out[k])
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_mark(o) for o in out)
+    return out
+
+
+def capture_loss(gm: fx.GraphModule, reduction: str, batch_symbol) -> bool:
+    """Note [The loss inside the graph], steps 1-4, on dynamo's graph in place; whether it had a
+    loss (a plain dpfx forward has none). ``batch_symbol``: dynamo's symbol of the batch."""
+    graph = gm.graph
+    marks = list(graph.find_nodes(op="call_function", target=torch.ops.dpfx.model_output.default))
+    if not marks:
+        return False
+    output = graph.find_nodes(op="output")[0]
+    outs = output.args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    model = set(marks).union(*(loss_check.ancestors(m) for m in marks))
+    if len(outs) != 1 or not isinstance(outs[0], fx.Node) or outs[0] in model or \
+            not _is_tensor(outs[0]):
+        raise PrivacyError(
+            "the loss function given to dpfx.compile(loss=...) must return one tensor, the "
+            "loss: the mean or sum over the batch of per-example losses")
+    loss = outs[0]
+    # step 1: the tail, and what it reads from outside
+    tail = [n for n in graph.nodes if n in loss_check.ancestors(loss) | {loss} and n not in model
+            and n.op in ("call_function", "call_method", "call_module", "get_attr")]
+    inputs: list[fx.Node] = []
+    for node in tail:
+        for a in node.all_input_nodes:
+            if a not in tail and a not in inputs:
+                inputs.append(a)
+    inputs.sort(key=lambda n: (n not in marks, list(graph.nodes).index(n)))
+    # step 2
+    program = _Program(graph, tail, loss, inputs, marks, batch_symbol)
+    try:
+        verdict = loss_check.analyze(program.replayed, program.placeholders, program.lines,
+                                     program.factors)
+    except loss_check.LossRefused as e:
+        where = f" ({e.record})" if e.record else ""
+        raise PrivacyError(
+            f"the loss given to dpfx.compile(loss=...) is not a sum of per-example terms: op "
+            f"{e.op}{where} {e.reason}. Compute one loss per example from its own output "
+            f"and targets, and take the mean or sum over dim 0.") from None
+    # step 3: the scaled loss, and its gradient with respect to the outputs
+    scaled = _Scaling(verdict, program, reduction).graph(gm, tail, loss)
+    marked = [m for m in marks if m in inputs]
+    gradient = program.gradient(scaled, len(marked))
+    # step 4: in place of dynamo's tail
+    env = {ph: (n.args[0] if n in marks else n)
+           for ph, n in zip(gradient.graph.find_nodes(op="placeholder"), inputs)}
+    with graph.inserting_before(output):
+        before = set(graph.nodes)
+        for node in gradient.graph.nodes:
+            if node.op in ("call_function", "get_attr"):
+                env[node] = _copy(gm, gradient, node, env)
+        value, *grads = [env[n] for n in gradient.graph.find_nodes(op="output")[0].args[0]]
+        dtype = _value(loss).dtype
+        shown = value
+        for mark, g in zip(marked, grads):
+            shown = graph.call_function(aten.add.Tensor, (shown, graph.call_function(
+                torch.ops.dpfx.loss_gradient.default, (mark.args[0], g, dtype))))
+        for node in graph.nodes:
+            if node not in before:
+                for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
+                    node.meta.pop(key, None)
+                custom = dict(node.meta.get("custom") or {})
+                custom[tags.LOSS] = True
+                node.meta["custom"] = custom
+    output.args = ((shown,) if isinstance(output.args[0], (tuple, list)) else shown,)
+    for mark in marks:
+        mark.replace_all_uses_with(mark.args[0])
+    graph.eliminate_dead_code()     # the marks and dynamo's tail
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _value(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+# In dynamo's graph, the calls whose Python-number operand scales a tensor (loss_check.SCALING
+# as dynamo records them): the number is replayed as a scalar input, as the plain loop's check
+# does (Note [Python numbers in the loss] in loss/check.py), so the proof tells a number the
+# loss is scaled by from a constant inside a term (label smoothing's) the same way.
+_SCALING_CALLS = {operator.mul, operator.truediv, operator.imul, operator.itruediv, torch.mul,
+                  torch.div, torch.true_divide, torch.multiply, torch.divide}
+_SCALING_METHODS = {"mul", "div", "true_divide", "multiply", "divide", "mul_", "div_",
+                    "__mul__", "__rmul__", "__truediv__"}
+
+
+class _Program:
+    """The tail as a graph of its own, replayed under make_fx with Inductor's decompositions on
+    fake tensors whose batch dim is one symbol (Note [The loss inside the graph], steps 1-2)."""
+
+    def __init__(self, graph: fx.Graph, tail: list, loss: fx.Node, inputs: list, marks: list,
+                 batch_symbol):
+        from torch._inductor.decomposition import select_decomp_table
+
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for i, node in enumerate(inputs):
+            env[node] = sub.placeholder(f"in_{i}")
+        self.numbers: list = []        # the Python numbers lifted to scalar inputs, in order
+        lifted: dict[tuple, fx.Node] = {}
+        for node in tail:
+            if _scales(node):
+                for i, a in enumerate(node.args[:2]):
+                    if loss_check.is_number(a):
+                        self.numbers.append(a)
+                        lifted[node, i] = sub.placeholder(f"number_{len(self.numbers) - 1}")
+        for node in tail:
+            copy = sub.node_copy(node, lambda a: env[a])
+            if _scales(node):
+                copy.args = tuple(lifted.get((node, i), a) for i, a in enumerate(copy.args))
+            env[node] = copy
+        sub.output(env[loss])
+        module = fx.GraphModule(graph.owning_module, sub)
+
+        shape_env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=shape_env)
+        symbol = shape_env.create_symbol(loss_check._BATCH_HINT,
+                                         ConstantSource("dpfx_loss_batch"), DimDynamic.DYNAMIC)
+        sym_batch = shape_env.create_symintnode(symbol, hint=loss_check._BATCH_HINT)
+        self.placeholders, self.factors, fakes = [], [], []
+        for node in inputs:
+            ph, factor, fake = _stand_in(node, node in marks, batch_symbol, sym_batch, mode)
+            self.placeholders.append(ph)
+            self.factors.append(factor)
+            fakes.append(fake)
+        for value in self.numbers:
+            self.placeholders.append(loss_check.Placeholder.scalar(value))
+            self.factors.append(None)
+            with mode:
+                fakes.append(torch.empty((), dtype=self.placeholders[-1].dtype))
+        with mode, torch.fx.traceback.preserve_node_meta():
+            self.replayed = make_fx(lambda *xs: fx.Interpreter(module).run(*xs),
+                                    decomposition_table=select_decomp_table(),
+                                    tracing_mode="real")(*fakes)
+        self.replayed.graph.eliminate_dead_code()
+        self.lines = {n: _line(n) for n in self.replayed.graph.nodes}
+        self.inputs, self.mode, self.fakes = inputs, mode, fakes[:len(inputs)]
+
+    def gradient(self, scaled: fx.GraphModule, outputs: int) -> fx.GraphModule:
+        """The program (value, d scaled / d output_j for the first ``outputs`` inputs), traced
+        in ATen ops with autograd's own backward formulas."""
+        def program(*xs):
+            with torch.enable_grad():
+                xs = [x.detach().requires_grad_() if i < outputs else x
+                      for i, x in enumerate(xs)]
+                value = scaled(*xs)[0]
+                grads = torch.autograd.grad(value, xs[:outputs], allow_unused=True)
+            return (value.detach(), *[torch.zeros_like(x) if g is None else g.detach()
+                                      for x, g in zip(xs, grads)])
+
+        with self.mode:
+            gm = make_fx(program, tracing_mode="real")(*self.fakes)
+        cross_entropy_form(gm)
+        return gm
+
+    def value_of(self, placeholder_index: int):
+        """The Python number a scalar placeholder stands for (None for another input)."""
+        k = placeholder_index - len(self.inputs)
+        return self.numbers[k] if k >= 0 else None
+
+
+def _scales(node: fx.Node) -> bool:
+    """A product or quotient of a tensor and a Python number (not of sizes)."""
+    return ((node.op == "call_function" and node.target in _SCALING_CALLS) or (
+        node.op == "call_method" and node.target in _SCALING_METHODS)) and any(
+        isinstance(a, fx.Node) and _is_tensor(a) for a in node.args[:2])
+
+
+def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
+    """The placeholder, batch factor and fake value that stand for ``node`` in the replay."""
+    val = node.meta.get("example_value", node.meta.get("val"))
+    src = node.args[0] if is_mark else node
+    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+        k = _multiple(sym_expr(val), batch_symbol)
+        if k is None:
+            raise PrivacyError(
+                f"the loss given to dpfx.compile(loss=...) reads a size ({val}) that is not a "
+                f"multiple of the batch size; compute it from the loss's own tensors")
+        return (loss_check.Placeholder((), torch.int64, torch.device("cpu"), False), None,
+                k * sym_batch if k else int(val))
+    if not isinstance(val, torch.Tensor):
+        raise PrivacyError(f"the loss given to dpfx.compile(loss=...) reads {src.name}, which "
+                           f"is not a tensor or a size")
+    if not is_mark and node.op != "placeholder":
+        raise PrivacyError(
+            f"the loss given to dpfx.compile(loss=...) reads a value computed inside the model "
+            f"({node.name}) besides the model's outputs; return it from the model")
+    if not is_mark and _reads_a_parameter(node):
+        raise PrivacyError(
+            f"the loss given to dpfx.compile(loss=...) reads the model's parameter or buffer "
+            f"{_source(node)}: a regularizer on the weights would reach p.grad unclipped. Add "
+            f"weight decay in the optimizer instead.")
+    shape = [sym_expr(s) for s in val.shape]
+    if not shape or shape[0] != batch_symbol or any(
+            batch_symbol in s.free_symbols for s in shape[1:]):
+        raise PrivacyError(
+            f"the loss given to dpfx.compile(loss=...) reads {_source(node)} of shape "
+            f"{tuple(val.shape)}: every tensor it reads must carry the batch in dim 0 and only "
+            f"there (targets, masks and weights one row per example)")
+    rest = [int(s) for s in shape[1:]]
+    with mode:
+        fake = torch.empty((sym_batch, *rest), dtype=val.dtype, device=val.device)
+    return (loss_check.Placeholder((None, *rest), val.dtype, val.device, is_output=is_mark,
+                                   is_data=not is_mark), 1, fake)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(val, torch.Tensor)
+
+
+def _multiple(expr, symbol) -> int | None:
+    """k where ``expr`` is k times the batch symbol (0 where it is a constant)."""
+    if not expr.free_symbols:
+        return 0
+    k = sympy.simplify(expr / symbol)
+    return int(k) if k.is_Integer else None
+
+
+def _reads_a_parameter(node: fx.Node) -> bool:
+    name = _source(node)
+    return not (name.startswith("L['args']") or name.startswith("L['kwargs']"))
+
+
+def _source(node: fx.Node) -> str:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    try:
+        return source.name if isinstance(source.name, str) else source.name()
+    except AttributeError:
+        return node.name
+
+
+def _line(node: fx.Node) -> str | None:
+    """The user's line of a replayed node: the last frame of its stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i][len('File '):]}: {code}"
+    return None
+
+
+class _Scaling:
+    """Step 3 in graph nodes: for each term, ``f_k = target / (b_k max_j |w_j|)``, b_k = B^p
+    prod N^q over the normalizers computed from the inputs, w_k = prod v^q over the Python
+    numbers (compile-time constants, guarded by dynamo), target 1/B for loss_reduction "mean";
+    1 where f_k is not finite or b_k is 0 (loss_check.eval_scale's rule)."""
+
+    def __init__(self, verdict, program: _Program, reduction: str):
+        self.verdict, self.program, self.reduction = verdict, program, reduction
+        extracted = None if verdict.evaluate_normalizers is None else \
+            verdict.evaluate_normalizers.__self__.graph
+        self.extracted = extracted
+        outs = [] if extracted is None else extracted.find_nodes(op="output")[0].args[0]
+        phs = [] if extracted is None else list(extracted.find_nodes(op="placeholder"))
+        # normalizer index -> its Python number, for those that are one
+        self.numbers = {i: program.value_of(phs.index(n)) for i, n in enumerate(outs)
+                        if i in verdict.scalar_normalizers}
+        weights = [self.weight(t) for t in verdict.terms]
+        self.top = max((abs(w) for w in weights), default=1.0) or 1.0
+
+    def batch_part(self, term) -> tuple:
+        return term.weight_power, tuple((i, q) for i, q in term.normalizers
+                                        if i not in self.numbers)
+
+    def weight(self, term) -> float:
+        w = 1.0
+        for i, q in term.normalizers:
+            if i in self.numbers:
+                w *= float(self.numbers[i]) ** q
+        return w
+
+    def factors(self, graph: fx.Graph, batch: fx.Node, normalizers: list, dtype,
+                terms: list) -> list[fx.Node]:
+        def call(target, *args, **kwargs):
+            return graph.call_function(target, args, kwargs)
+
+        one = call(aten.scalar_tensor.default, 1.0, dtype=torch.float64)
+        target = call(aten.reciprocal.default, batch) if self.reduction == "mean" else one
+        out = []
+        for term in terms:
+            power, norms = self.batch_part(term)
+            b = call(aten.pow.Tensor_Scalar, batch, power)
+            for i, q in norms:
+                n = call(aten._to_copy.default, normalizers[i], dtype=torch.float64)
+                b = call(aten.mul.Tensor, b, call(aten.pow.Tensor_Scalar, n, q))
+            f = call(aten.div.Tensor, target, call(aten.mul.Tensor, b, self.top))
+            ok = call(aten.logical_and.default, call(aten.isfinite.default, f),
+                      call(aten.ne.Scalar, b, 0))
+            out.append(call(aten._to_copy.default, call(aten.where.self, ok, f, one),
+                            dtype=dtype))
+        return out
+
+    def graph(self, dynamo: fx.GraphModule, tail: list, loss: fx.Node) -> fx.GraphModule:
+        """The loss's graph on placeholders for the program's inputs (the marked outputs
+        first): its value is ``fn``'s, its gradient each example's own term's."""
+        gm = fx.GraphModule(dynamo, fx.Graph())
+        graph = gm.graph
+        inputs = self.program.inputs
+        env = {}
+        for i, node in enumerate(inputs):
+            env[node] = graph.placeholder(f"in_{i}")
+            env[node].meta.update(example_value=_value(node))
+        by_position = {i: env[n] for i, n in enumerate(inputs)}
+        for i in range(len(inputs), len(self.program.placeholders)):
+            by_position[i] = graph.call_function(
+                aten.scalar_tensor.default, (self.program.value_of(i),), {"dtype": torch.float64})
+        batch = graph.call_function(aten.scalar_tensor.default, (graph.call_function(
+            aten.sym_size.int, (by_position[0], 0)),), {"dtype": torch.float64})
+        normalizers = self._normalizers(gm, by_position)
+        if len({self.batch_part(t) for t in self.verdict.terms}) <= 1:
+            # one batch-dependent part for the whole loss: dynamo's own tail (its ops keep
+            # their own backward formulas) times one factor
+            for node in tail:
+                env[node] = graph.node_copy(node, lambda a: env[a])
+            value = env[loss]
+            f, = self.factors(graph, batch, normalizers, _value(loss).dtype,
+                              self.verdict.terms[:1] or [loss_check.Term(0, ())])
+            scaled = graph.call_function(aten.mul.Tensor, (value, f))
+        else:
+            # Note [Terms on their own scales] in loss/check.py: the replayed tail, each term
+            # times its own factor, the linear part above the terms computed again
+            replayed = self.program.replayed
+            renv = {ph: by_position[i]
+                    for i, ph in enumerate(replayed.graph.find_nodes(op="placeholder"))}
+            for node in replayed.graph.nodes:
+                if node.op in ("call_function", "get_attr"):
+                    renv[node] = _copy(gm, replayed, node, renv)
+            value = renv[replayed.graph.find_nodes(op="output")[0].args[0]]
+            by_name = {n.name: renv[n] for n in replayed.graph.nodes if n in renv}
+            terms = [by_name[name] for name in self.verdict.term_nodes]
+            factors = self.factors(graph, batch, normalizers, _value_of(value), self.verdict.terms)
+            copies = {t: graph.call_function(aten.mul.Tensor, (t, f))
+                      for t, f in zip(terms, factors)}
+            copied = set(renv.values())
+            above: set = set()
+            for node in list(graph.nodes):
+                if node in copied and any(a in above or a in copies
+                                          for a in node.all_input_nodes):
+                    above.add(node)
+            for node in list(graph.nodes):
+                if node in above:
+                    copies[node] = graph.node_copy(node, lambda a: copies.get(a, a))
+            scaled = copies.get(value, value)
+        graph.output((_shown(graph, value, scaled),))
+        for node in graph.nodes:
+            if node.op != "placeholder":   # aot_autograd traces the graph again on its own
+                for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
+                    node.meta.pop(key, None)
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+        return gm
+
+    def _normalizers(self, gm: fx.GraphModule, by_position: dict) -> list:
+        """The extracted normalizer graph's nodes copied into ``gm`` (its placeholders, by
+        position, are ``by_position``)."""
+        if self.extracted is None:
+            return []
+        phs = list(self.extracted.find_nodes(op="placeholder"))
+        env = {ph: by_position[i] for i, ph in enumerate(phs)}
+        for node in self.extracted.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                return [env[n] for n in node.args[0]]
+            env[node] = _copy(gm, self.extracted.owning_module, node, env)
+        return []
+
+
+def _value_of(node: fx.Node) -> torch.dtype:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+def _copy(gm: fx.GraphModule, source: fx.GraphModule, node: fx.Node, env: dict) -> fx.Node:
+    """``node`` of ``source`` copied into ``gm``, a constant it reads copied along."""
+    if node.op == "get_attr":
+        name = f"dpfx_loss_constant_{next(_CONSTANTS)}"
+        setattr(gm, name, getattr(source, node.target))
+        return gm.graph.get_attr(name)
+    return gm.graph.node_copy(node, lambda a: env[a])
+
+
+_CONSTANTS = itertools.count()
+
+
+def _shown(graph: fx.Graph, loss: fx.Node, scaled: fx.Node) -> fx.Node:
+    """The value of ``loss`` with the gradient of ``scaled``."""
+    return graph.call_function(aten.add.Tensor, (scaled, graph.call_function(
+        aten.detach.default, (graph.call_function(aten.sub.Tensor, (loss, scaled)),))))
+
+
+# Note [An empty batch and the captured loss]
+# With no example there is nothing to prove or scale: the release is the noise alone, whatever the
+# loss computes. A loss's own checks on the batch size can also make dynamo decide a comparison
+# (``numel() > 0`` inside F.cross_entropy on a (B, V, T) input) and capture a graph for B = 0,
+# which Inductor then fails to lower. So ``DPModule.loss`` runs an empty batch through the
+# model's own graph (the plain forward's entry, compiled once, the first time an empty batch
+# comes), computes ``fn`` on its empty outputs for the value shown, and releases a zero
+# gradient through the outputs: the backward graph adds the noise.
+# (tests/test_loss_graph.py::test_batch_sizes_compile_once_and_match_through_inductor_cold_and_warm)
+
+
+# -- the release --------------------------------------------------------------------------------
+class CapturedLoss(torch.Tensor):
+    """The loss ``DPModule.loss`` returns: ``_dpfx_loss`` is (backend, the positive multiple of
+    the captured loss it is)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in BACKWARD_CALLS:
+            return _release(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is _T.__repr__:
+                return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
+            result = func(*args, **kwargs)
+        if func in _SCALING and isinstance(result, torch.Tensor) and result.requires_grad:
+            loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
+            k = _multiple_of(func, args, loss)
+            if k is not None:
+                result.__class__ = CapturedLoss     # fresh, or the loss itself (in place)
+                result._dpfx_loss = (loss._dpfx_loss[0], loss._dpfx_loss[1] * k)
+        return result
+
+
+_T = torch.Tensor
+_NEGATIONS = {_T.__neg__, _T.neg, torch.neg}
+_DIVISIONS = {_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div}
+_SCALING = {_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul} | _NEGATIONS | \
+    _DIVISIONS
+
+
+def _multiple_of(func, args, loss) -> float | None:
+    """The Python number ``func`` multiplies the captured ``loss`` by; None for anything else
+    (a product with a tensor, a number divided by the loss)."""
+    if loss is None:
+        return None
+    if func in _NEGATIONS:
+        return -1.0
+    if len(args) != 2:
+        return None
+    other = args[1] if args[0] is loss else args[0]
+    if isinstance(other, bool) or not isinstance(other, (int, float)) or (
+            func in _DIVISIONS and (args[0] is not loss or other == 0)):
+        return None
+    return 1.0 / other if func in _DIVISIONS else float(other)
+
+
+def captured(loss: torch.Tensor, backend) -> CapturedLoss:
+    """The compiled graph's fresh loss tensor, retyped in place (``as_subclass`` would put an
+    alias node into every backward)."""
+    loss.__class__ = CapturedLoss
+    loss._dpfx_loss = (backend, 1.0)
+    return loss
+
+
+def _release(func, args, kwargs):
+    if func is _T.backward and len(args) == 1 and kwargs.get("gradient") is None and \
+            args[0]._dpfx_loss[1] == 1.0 and kwargs.keys() <= BACKWARD_KWARGS:
+        # loss.backward(): the common call, without inspect's binding (Tensor.backward hands
+        # its defaults on as keywords). The implicit gradient of a scalar is the 1 given below.
+        with args[0]._dpfx_loss[0].gate.proven(), torch._C.DisableTorchFunctionSubclass():
+            return func(args[0], **kwargs)
+    bound = BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
+    params = bound.arguments
+    loss_name, grad_name = BACKWARD_CALLS[func]
+    roots = params[loss_name]
+    roots = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+    if len(roots) != 1 or not isinstance(roots[0], CapturedLoss):
+        raise PrivacyError("backward of a loss captured with dpfx.compile(loss=...) takes that "
+                           "loss alone: build the whole objective inside the loss function")
+    root = roots[0]
+    backend, k = root._dpfx_loss
+    given = params.get(grad_name)
+    if given is not None:
+        given = given[0] if isinstance(given, (tuple, list)) else given
+        k = k * float(given)
+    if not k > 0:
+        raise PrivacyError(
+            f"the captured loss was multiplied by {k} before its backward: dpfx releases each "
+            f"example's gradient of its own term, so only a positive multiple can be released "
+            f"(its size is removed anyway). Put the sign inside the loss function.")
+    with torch._C.DisableTorchFunctionSubclass():
+        # the gradient that reaches the captured loss is exactly 1, which the backward graph
+        # reads as the constant it is (Note [The loss inside the graph], step 4)
+        params[grad_name] = torch.full((), 1.0 / root._dpfx_loss[1], dtype=root.dtype,
+                                       device=root.device)
+        with backend.gate.proven():
+            return func(*bound.args, **bound.kwargs)
+
+
+
+

@@ -1,0 +1,404 @@
+"""The release gate: the one owner of the state that decides whether dpfx's backward may release,
+and of what it released. One per compiled model; its methods are that state's only writers.
+
+    gate = ReleaseGate(on_unaccounted_release)   # made by dpfx.compile, held by DPBackend
+    gate.begin_forward()                         # DPModule: a call of the compiled module
+    gate.graph_forward()                         #   DPBackend: dpfx's compiled forward ran
+    gate.end_forward(training, batch)            # DPModule: a training forward ran through it
+    gate.track(outputs, inputs)                  #   and its backward is hooked
+    with gate.proven():                          # the loss tracker or the captured loss: a loss
+        torch.autograd.backward(loss)            #   dpfx proved runs its backward, in which
+            gate.open_release()                  #   the hook: one release per forward and step
+            gate.admit_backward()                #   the backward graph's runner, before it writes
+            gate.produced(grads)                 #   what it wrote
+            gate.check_gradient(...)             #   each parameter's tensor hook
+            gate.accumulated(...)                #   each parameter's post-accumulate hook
+    gate.close_step()                            # DPOptimizer.step(), a skipped step, zero_grad()
+
+One forward moves through four states: *forward* (it ran through dpfx's graph), *proven* (its loss
+was proven a scaled sum of per-example terms), *released* (its backward graph clipped, and with
+noise="graph" noised, its examples' gradients) and *stepped* (DPOptimizer counted the release).
+Each check below refuses a move out of order before anything is written. The loss tracker, the
+captured loss, the backend and the optimizer ask the gate; none of them writes its fields
+(tests/test_layers.py::test_only_the_gate_writes_the_release_state).
+
+# Note [One release per forward]
+A backward of dpfx's graph is one release: it clips the forward's examples and, with
+noise="graph", adds fresh noise. Running it twice for one forward (``backward(retain_graph=True)``
+twice, ``torch.autograd.grad`` then ``backward``) releases every example twice, 2C in all, while
+one release is accounted. ``track`` finds the autograd node of dpfx's compiled function among the
+outputs' grad_fns and registers a pre-hook on it, which runs before that node's backward: the
+second run is refused before the graph writes anything. The backward graph's runner refuses to
+run unless that hook has run just before it (``admit_backward``), so a forward whose outputs hid
+the node from the search fails closed.
+
+# Note [One release per accounted step]
+Without a ``DPOptimizer``, every backward of dpfx's graph is its own DP-SGD release (with
+noise="graph", its own noise), counted in ``dp_model.releases``: accounting them is the caller's
+job, one Poisson-sampled Gaussian step each. A ``DPOptimizer`` counts one accountant step per
+``step()``, so once one is attached a second backward before ``step()`` is refused: with
+noise="graph" it would add a second noisy release to p.grad, with noise="optimizer" it would sum
+two sampled batches under one noise draw, both accounted as one step. Virtual batches are the
+one way to sum physical batches under one noise draw: ``signal_skip_step`` makes the next
+``step()`` a skipped one, which still closes its backward. A release that ``zero_grad()``
+discards unstepped (noise="graph": the noisy gradient was in p.grad) is counted in the
+accountant all the same; with noise="optimizer" nothing was released and nothing is counted.
+
+# Note [One forward per backward]
+Each backward graph clips the per-example gradients of its own forward. Two forwards that reach
+one backward (dp(a) + dp(b), a siamese net, two augmented views of each example) would be clipped
+separately: an example in both contributes up to 2C while the noise is sized for C, a silently
+weaker guarantee than accounted. Joint clipping needs both uses in one graph, so the fix is one
+forward that takes both inputs. dpfx detects the case exactly: two of its backward graphs running
+inside one autograd graph task (one .backward() call), or (loss/track.py) two forwards' outputs
+meeting in one loss. Each check runs before its graph, so the refused second graph has written
+nothing. (tests/test_inputs.py::test_two_forwards_one_backward_refused)
+
+# Note [Only dpfx's gradients reach a private step]
+``DPOptimizer.step()`` steps p.grad, into which autograd accumulates every backward since the last
+``zero_grad``: dpfx's, the raw model's, a module's sharing the weight. dpfx's gradient is the
+release; whatever is computed from it alone is post-processing and releases nothing more:
+``clip_grad_norm_``, ``clip_grad_value_``, weight decay ``p.grad.add_(p, alpha=wd)``, GradScaler's
+``unscale_``, reading it. So dpfx watches what autograd accumulates, not what user code does to
+the tensor it released into:
+
+- after every accumulation into p.grad, in any backward, the post-accumulate-grad hook of the
+  parameter (registered at compile, ``accumulated``) records which tensor p.grad now is and whose
+  gradient it holds: dpfx's release if that backward ran dpfx's graph (with noise="graph"; with
+  noise="optimizer" the clipped sum leaves p.grad at once, Note [Clipped sums stay out of
+  p.grad]), a plain gradient if it did not (the raw model, a module sharing the parameter, before
+  or after dpfx's backward, in its backward call or another);
+- dpfx's backward, in the parameter's tensor hook that runs just before it accumulates
+  (``check_gradient``), refuses a p.grad that is not None, not all zero, and not the tensor
+  holding dpfx's release;
+- ``step()`` refuses the same: a p.grad into which a plain backward accumulated (until
+  ``zero_grad()`` or a new release of dpfx's replaces it), or a tensor assigned to p.grad
+  (``p.grad = g``), which dpfx cannot vouch for.
+
+An edit in place of the tensor holding the release is the user's code, never autograd's, and is
+accepted as post-processing: dpfx takes it to be a function of the release and of public values
+(a weight decay reads the parameters, which are the output of earlier private steps). Copying a
+plain gradient into it (``p.grad.copy_(g)``) would be the user's own leak, which no check of the
+tensor can tell from clipping. ``torch.autograd.grad`` accumulates nothing and leaves p.grad as
+it was. A gradient that is all zero carries nothing, whoever wrote it: ``zero_grad(set_to_none=
+False)`` clears a plain gradient as ``zero_grad()`` does. The checks compare tensor identities;
+only a p.grad that is not dpfx's release has its values read (to see whether it is all zero).
+
+With noise="optimizer" p.grad is None between the backward and ``step()`` (the clipped sums wait
+in ``dp_model.clipped_sums``), so post-processing there finds nothing (``clip_grad_norm_``
+returns 0). ``step()`` writes the noised gradient into p.grad and then calls the inner
+optimizer's ``step()``; post-processing of that release goes in a pre-hook of the inner
+optimizer (``opt.original_optimizer.register_step_pre_hook``), which runs in between.
+(tests/test_post_processing.py, tests/test_loop_privacy.py)
+
+# Note [Clipped sums stay out of p.grad]
+With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until
+DPOptimizer adds the noise. The post-accumulate-grad hook (``accumulated``) moves it from p.grad
+into the gate's clipped sums and sets p.grad back to None, so an optimizer that is not a
+DPOptimizer finds no gradient at all (it skips the parameter) instead of an un-noised one. Only a
+backward that ran dpfx's graph is moved: a plain one's gradient stays in p.grad, recorded as
+plain, where DPOptimizer.step() refuses it. With noise="graph" the hook records p.grad as dpfx's
+release (Note [Only dpfx's gradients reach a private step]).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from typing import Callable
+
+import torch
+
+from dpfx.errors import PrivacyError
+
+_COMPILED_NODE = "CompiledFunctionBackward"
+
+TWO_FORWARDS = (
+    "two forwards of one dpfx model reached a single loss or backward (e.g. dp(a) + dp(b), a "
+    "siamese net, two augmented views): each forward would be clipped on its own, so an example "
+    "used in both could contribute up to 2*max_grad_norm while the noise is sized for one. "
+    "Compile one module whose forward takes all the inputs (forward(a, b) returning both "
+    "outputs) so every use of a parameter is clipped together, or call backward once per "
+    "forward (each is then its own DP step).")
+
+
+# The calls that start a backward, which the loss tracker and the captured loss intercept (each
+# runs it inside ``ReleaseGate.proven``): for each, the names of its loss and gradient arguments.
+BACKWARD_CALLS = {torch.Tensor.backward: ("self", "gradient"),
+                  torch.autograd.backward: ("tensors", "grad_tensors"),
+                  torch.autograd.grad: ("outputs", "grad_outputs")}
+BACKWARD_SIGNATURES = {f: inspect.signature(f) for f in BACKWARD_CALLS}
+# the keywords of ``loss.backward(...)`` that need no binding
+BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
+
+
+class ReleaseGate:
+    """The release state of one compiled model (module docstring)."""
+
+    def __init__(self, on_unaccounted_release: Callable[[], None] | None = None):
+        self._on_unaccounted_release = on_unaccounted_release
+        self._graph_ran = False    # this call ran dpfx's compiled forward
+        self._proven = 0             # > 0 while a loss dpfx proved runs its backward
+        self._hooked = False         # this forward's release hook ran just before its graph
+        self._graph_task = -1        # the autograd graph task of the last backward graph
+        self._produced: dict[str, torch.Tensor] = {}   # its gradient per parameter
+        self._releases = 0
+        self._stepper = None         # a weakref to the DPOptimizer counting this model's steps
+        self._noise = "graph"
+        self._unstepped = False      # a release since the last closed step
+        self._pending = 0            # examples of the forward whose backward has not run yet
+        self._examples = 0           # examples in the clipped sums
+        self._sums: dict[str, torch.Tensor] = {}
+        self.ledger = GradientLedger()
+
+    # -- what others read --------------------------------------------------------------------
+    @property
+    def releases(self) -> int:
+        """Backward passes of dpfx's graph run so far (Note [One release per accounted step])."""
+        return self._releases
+
+    @property
+    def unstepped(self) -> bool:
+        """A backward ran since the optimizer last closed a step."""
+        return self._unstepped
+
+    @property
+    def clipped_sums(self) -> dict[str, torch.Tensor]:
+        """noise="optimizer": each parameter's sum of clipped gradients since the last reset."""
+        return self._sums
+
+    @property
+    def examples(self) -> int:
+        """The examples whose clipped gradients are in ``clipped_sums``."""
+        return self._examples
+
+    def reset_sums(self) -> None:
+        self._sums.clear()
+        self._examples = 0
+
+    # -- forward -----------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._graph_ran = False
+
+    def graph_forward(self) -> None:
+        """dpfx's compiled forward ran (called by its runner)."""
+        self._graph_ran = True
+
+    def end_forward(self, training: bool, batch: int) -> None:
+        if not training:
+            return
+        if not self._graph_ran:
+            raise PrivacyError(
+                "the forward did not run through dpfx's compiled graph (torch.compile fell back "
+                "to eager); the gradients would not be private")
+        self._pending = batch
+
+    def track(self, outputs: list, inputs: list) -> None:
+        """Hook the backward of this forward's dpfx graph (Note [One release per forward])."""
+        stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
+        nodes = compiled_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], stop)
+        hook = _release_hook(weakref.ref(self), {"released": False})
+        for node in nodes:
+            node.register_prehook(hook)
+
+    # -- the backward ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def proven(self):
+        """While a loss dpfx proved runs its backward: dpfx's backward graph may release."""
+        self._proven += 1
+        try:
+            yield
+        finally:
+            self._proven -= 1
+
+    def open_release(self) -> None:
+        """The release hook of one forward, before its backward graph runs."""
+        stepper = self._stepper() if self._stepper is not None else None
+        if stepper is not None:
+            if self._unstepped:
+                raise second_backward_error(self._noise)
+        elif not self._releases and self._on_unaccounted_release is not None:
+            self._on_unaccounted_release()
+        self._unstepped = True
+        self._releases += 1
+        self._hooked = True
+
+    def admit_backward(self) -> None:
+        """Run by the backward graph's runner before it writes anything: the loss was proven
+        (loss/track.py), this forward's release hook ran (Note [One release per forward]), and
+        no other forward's graph ran in this backward (Note [One forward per backward])."""
+        if not self._proven:
+            raise PrivacyError(
+                "the backward reached dpfx's graph from a loss dpfx did not check: the model's "
+                "output left dpfx's tracking (a custom autograd.Function, .data, a NumPy round "
+                "trip, a tensor rebuilt from its values), so dpfx cannot prove that the loss "
+                "keeps examples apart. Compute the loss with torch ops on the output dpfx "
+                "returned. dpfx's graph has written no gradient.")
+        if not self._hooked:
+            raise PrivacyError(
+                "dpfx's backward graph ran without its release check (Note [One release per "
+                "forward] in loss/gate.py): dpfx could not find its compiled function among the "
+                "autograd nodes of the forward's outputs. Return the model's outputs as tensors "
+                "(or tuples, lists, dicts of them). This backward has written nothing.")
+        self._hooked = False
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task == self._graph_task:
+            raise PrivacyError(TWO_FORWARDS + " Zero the gradients before retrying: the first "
+                               "forward's have been written.")
+        self._graph_task = task
+
+    def produced(self, grads: dict[str, torch.Tensor]) -> None:
+        """The gradients the backward graph just output, per parameter name."""
+        self._produced = grads
+
+    def check_gradient(self, name: str, p: torch.Tensor | None, grad: torch.Tensor,
+                       graph_params: set[str]) -> None:
+        """Note [Every gradient a parameter receives is dpfx's] (api.py): the tensor hook of
+        parameter ``name``, before autograd accumulates ``grad`` into p.grad."""
+        if name not in graph_params:
+            raise PrivacyError(
+                f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read "
+                f"it: it is used outside the dpfx-compiled module (by the loss or another "
+                f"module), or by code that ran outside dpfx's graph. That gradient would be "
+                f"neither clipped nor noised. Use every trainable parameter inside the compiled "
+                f"module's forward, or freeze it (requires_grad=False). Gradients of this "
+                f"backward may be partly written: zero them before the next step.")
+        if torch._C._current_graph_task_id() != self._graph_task:
+            return
+        if self._produced.pop(name, None) is not grad:
+            raise PrivacyError(
+                f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
+                f"produced: it is also used outside the dpfx-compiled module in this backward (a "
+                f"regularizer on the weight in the loss, or another module sharing it), and "
+                f"autograd would add that plain gradient to the clipped, noised one. Move that "
+                f"use into the compiled module's forward, or detach it. Gradients of this "
+                f"backward may be partly written: zero them before the next step.")
+        if p is not None:
+            self.ledger.before_accumulate(name, p)
+
+    def accumulated(self, name: str, p: torch.Tensor, noise: str) -> None:
+        """After autograd accumulated into p.grad (Note [Clipped sums stay out of p.grad])."""
+        if p.grad is None:
+            return
+        if torch._C._current_graph_task_id() != self._graph_task:
+            self.ledger.accumulated_plain(name, p)
+            return
+        if noise == "graph":
+            self.ledger.released(name, p)
+            return
+        acc = self._sums.get(name)
+        if acc is None:
+            self._sums[name] = p.grad
+        else:
+            acc.add_(p.grad)
+        self._examples += self._pending
+        self._pending = 0
+        p.grad = None
+
+    # -- the step ----------------------------------------------------------------------------
+    def attach(self, optimizer, noise: str) -> None:
+        """A DPOptimizer counts this model's steps from now on."""
+        self._stepper = weakref.ref(optimizer)
+        self._noise = noise
+        self._unstepped = False     # releases before it are not its to step
+
+    def close_step(self) -> None:
+        """The optimizer took, skipped or discarded the step of the releases so far."""
+        self._unstepped = False
+
+
+def _release_hook(gate_ref, state: dict):
+    def hook(grad_outputs):
+        if state["released"]:
+            raise PrivacyError(
+                "a second backward of one dpfx forward (backward(retain_graph=True) twice, or "
+                "torch.autograd.grad then backward): every example of that batch would be "
+                "released again with fresh noise, 2*max_grad_norm in all, while one release is "
+                "accounted. Run a new forward for each backward. This backward has written "
+                "nothing.")
+        gate = gate_ref()
+        if gate is not None:
+            gate.open_release()
+        state["released"] = True
+    return hook
+
+
+def compiled_nodes(roots: list, stop: set = frozenset()) -> list:
+    """The autograd nodes of dpfx's compiled functions reachable from ``roots`` (autograd
+    nodes), not walking below them or into ``stop``."""
+    todo, seen, nodes = list(roots), set(), []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        if type(node).__name__ == _COMPILED_NODE:
+            nodes.append(node)
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def second_backward_error(noise: str) -> PrivacyError:
+    summed = ("add a second noisy release to p.grad" if noise == "graph" else
+              "sum two sampled batches' clipped gradients under one noise draw")
+    return PrivacyError(
+        f"a second backward before DPOptimizer.step(): it would {summed}, and the accountant "
+        f"counts one step per step(). Call step() after every backward; to accumulate "
+        f"micro-batches into one step use virtual batches (make_private(..., "
+        f"max_physical_batch_size=...) or dpfx.VirtualBatches), which noise the sum once and "
+        f"account it as one logical batch. This backward has written nothing.")
+
+
+class GradientLedger:
+    """Which tensor each parameter's p.grad was after autograd last accumulated into it, and
+    whether it then held dpfx's release or a plain gradient (Note [Only dpfx's gradients reach a
+    private step])."""
+
+    def __init__(self):
+        self._grads: dict[str, tuple[weakref.ref, bool]] = {}   # name -> (p.grad, dpfx's?)
+
+    def released(self, name: str, p: torch.Tensor) -> None:
+        """dpfx's backward accumulated its release into p.grad, or DPOptimizer wrote it."""
+        self._grads[name] = (weakref.ref(p.grad), True)
+
+    def accumulated_plain(self, name: str, p: torch.Tensor) -> None:
+        """A backward that did not run dpfx's graph accumulated into p.grad."""
+        self._grads[name] = (weakref.ref(p.grad), False)
+
+    def vouches(self, name: str, grad: torch.Tensor | None) -> bool:
+        entry = self._grads.get(name)
+        return entry is not None and entry[1] and entry[0]() is grad
+
+    def _unvouched(self, name: str, grad: torch.Tensor | None) -> str | None:
+        """What ``grad`` holds if it is set, not dpfx's release and not all zero, else None."""
+        if grad is None or self.vouches(name, grad) or not bool(grad.any()):
+            return None
+        entry = self._grads.get(name)
+        if entry is not None and entry[0]() is grad:
+            return ("autograd accumulated a plain gradient into it, in a backward outside "
+                    "dpfx's graph (the raw model's, or a module's sharing the parameter)")
+        return ("it is a tensor assigned to p.grad (p.grad = ...), which dpfx's backward did not "
+                "write")
+
+    def before_accumulate(self, name: str, p: torch.Tensor) -> None:
+        held = self._unvouched(name, p.grad)
+        if held is None:
+            return
+        raise PrivacyError(
+            f"parameter '{name}' already holds a gradient that is not dpfx's release: {held}; "
+            f"dpfx's private gradient would be added to it. Call zero_grad() before the "
+            f"private forward and backward. Gradients of this backward may be partly written: "
+            f"zero them before the next step.")
+
+    def check(self, named) -> None:
+        """At ``DPOptimizer.step()``: every p.grad is None, all zero, or dpfx's release."""
+        for name, p in named:
+            held = self._unvouched(name, p.grad)
+            if held is not None:
+                raise PrivacyError(
+                    f"parameter '{name}' has a gradient that is not dpfx's release: {held}. It "
+                    f"would not be private. A private step takes dpfx's release, edited in place "
+                    f"or not (clip_grad_norm_, weight decay, unscaling): zero_grad(), then "
+                    f"forward through the dpfx-compiled module and backward once. Nothing was "
+                    f"stepped.")
