@@ -333,7 +333,7 @@ class DPModule(torch.nn.Module):
     # Either failure raises a PrivacyError before that gradient is accumulated. A backward that
     # never ran dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
     # post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step()
-    # refuses (Note [Only dpfx's gradients reach a private step] in loop/release.py). A parameter the
+    # refuses (Note [Only dpfx's gradients reach a private step] in loss/gate.py). A parameter the
     # model does not use is left alone.
     def _guard_gradients(self) -> None:
         backend = self._dpfx_backend

@@ -85,7 +85,7 @@ class DPBackend:
         # at the first forward, not suppressed until (or skipped before) the first backward.
         # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
         # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
-        # Note [Optimization hints, computed once per expression] in lower/inductor.py.
+        # Note [Optimization hints, computed once per expression] in lower/fast.py.
         # Note [A warm start without the joint trace] (lower/warm.py): on CPU, AOTAutogradCache holds
         # dpfx's own output code, which runs dpfx's inner compiler again when it is loaded.
         # (torch's own switch for that cache, enable_autograd_cache, turns it off here too)

@@ -91,7 +91,7 @@ def test_cache_key_covers_every_dpfx_source(tmp_path):
 
 
 def test_kernel_groups_split_at_100_arguments(monkeypatch):
-    """Note [CPU kernel groups of at most 100 arguments] (lower/inductor.py): dpfx's backward tail of a
+    """Note [CPU kernel groups of at most 100 arguments] (lower/fast.py): dpfx's backward tail of a
     many-parameter model is written as several C++ functions, the limit is dpfx's alone (plain
     torch.compile keeps Inductor's), and the split code is exact."""
     from torch._inductor.codegen.cpp import CppScheduling

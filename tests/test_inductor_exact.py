@@ -1,5 +1,5 @@
 """What Inductor runs must be the graph dpfx proved (Note [Inductor must not assume what it cannot
-check] in dpfx/lower/inductor.py). Each model in CASES compiled to code that mixed examples, or failed
+check] in dpfx/lower/exact.py). Each model in CASES compiled to code that mixed examples, or failed
 on a guard, before the fix; NormedTokens checks the stacked release of vector parameters. Every
 test runs through Inductor with a cold and then a warm FX-graph cache, at batch sizes equal to
 the model's other dims (heads, T, d)."""

@@ -1,6 +1,6 @@
 """What dpfx does with the user's inputs: several tensors share one batch symbol, keyword inputs
 work, the caller's tensors come back untouched, and two forwards into one backward are refused
-(Note [One forward per backward] in dpfx/backend.py). What a capture meets in the process: an
+(Note [One forward per backward] in dpfx/loss/gate.py). What a capture meets in the process: an
 earlier plain compile of the same class, earlier captures and Logger methods added since."""
 import logging
 
@@ -138,7 +138,7 @@ def test_plain_compile_of_the_same_class_first(backend):
     """dynamo caches compiled code per code object, whatever the backend: after a plain
     torch.compile of another EmbeddingLSTM, dpfx's call was served the plain graph for the
     embedding (never clipped) and given only the LSTM frame. dpfx's own entry frame (Note [dpfx's
-    own entry frame] in api.py) keeps the whole model in its graph: exact, every parameter with
+    own entry frame] in capture/entry.py) keeps the whole model in its graph: exact, every parameter with
     its rule."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ class Logs(nn.Module):
 
 
 def test_logging_inside_the_forward_across_captures(monkeypatch):
-    """Note [Logging inside the forward] in api.py: every capture in the process skips the
+    """Note [Logging inside the forward] in capture/entry.py: every capture in the process skips the
     Logger calls, that of a second model, one after torch._dynamo.reset(), and one calling a
     Logger method added after the first capture (transformers adds ``warning_once`` when it is
     imported, which may be after dpfx compiled another model)."""

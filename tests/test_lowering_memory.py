@@ -1,5 +1,5 @@
 """dpfx's lowering patch that changes Inductor's code for memory: Note [A shared sum stored so
-that its inputs die] in dpfx/lower/inductor.py. The stored sum gives the same DP-SGD gradient at every
+that its inputs die] in dpfx/lower/fast.py. The stored sum gives the same DP-SGD gradient at every
 batch size, through Inductor, and its backward holds fewer bytes at its peak than Inductor's own
 choice."""
 import contextlib

@@ -5,7 +5,7 @@ the release must be finite and equal, at sigma 0, the DP-SGD gradient of the oth
 (tests/reference.py's batch-of-one loop over them), divided by the same D. Every strategy
 (materialize; ghost for mm with one and with several rows per example, conv and embedding),
 both loss reductions, batch sizes 1 (only the bad example: the release is zero) and 4, clipping
-that bites. Note [Non-finite examples contribute zero] in dpfx/rules/__init__.py.
+that bites. Note [Non-finite examples contribute zero] in dpfx/rules/registry.py.
 """
 import copy
 import math

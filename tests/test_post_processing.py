@@ -1,5 +1,5 @@
 """Post-processing of dpfx's release reaches a private step; a plain gradient does not
-(Note [Only dpfx's gradients reach a private step] in dpfx/loop/release.py).
+(Note [Only dpfx's gradients reach a private step] in dpfx/loss/gate.py).
 
 Every allowed edit is checked against the update computed by hand from the released gradient;
 every refused order leaves the parameters as they were, and the same loop without the foreign

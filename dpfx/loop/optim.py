@@ -20,7 +20,7 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   across ranks]), divides by D, writes p.grad and steps. p.grad is None between the backward and
   ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
   the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
-  step] in loop/release.py).
+  step] in loss/gate.py).
 * with ``ledger=`` (a path or a ``dpfx.privacy.ledger.PrivacyLedger``): before either of the above
   touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
   counts it (Note [Write-ahead privacy ledger] in privacy/ledger.py).
@@ -241,7 +241,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._open = True
             self._gate.close_step()
             return loss
-        # Note [Only dpfx's gradients reach a private step] in loop/release.py
+        # Note [Only dpfx's gradients reach a private step] in loss/gate.py
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
         self._privatize()

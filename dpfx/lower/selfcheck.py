@@ -6,7 +6,7 @@
 # Note [Checking what Inductor generated]
 The verifier proves the FX graph; Inductor then generates the code that runs, and torch's handling
 of an unbacked batch has had bugs the graph cannot show (Note [Inductor must not assume what it
-cannot check] in lower/inductor.py: a head split that mixed examples). So before a compiled forward and
+cannot check] in lower/exact.py: a head split that mixed examples). So before a compiled forward and
 backward pair first runs on the user's data, dpfx runs both on synthetic batches of SIZES examples
 (Note [The self-check's two batch sizes]) built like the user's inputs (floats with the inputs'
 mean and spread, integers within the inputs' range (a captured loss's integer targets: drawn

@@ -42,7 +42,7 @@ _NON_FINITE = ("dpfx: {n} example(s) in this batch had a non-finite per-sample g
 # Note [Non-finite examples are reported, not raised]
 # Raising would make a NaN in one example stop training, a signal an adversary who plants it can
 # observe; the graph already drops the example (Note [Non-finite examples contribute zero] in
-# rules/__init__.py), so dpfx only tells the user, once, and counts. Both ride on track_norms:
+# rules/registry.py), so dpfx only tells the user, once, and counts. Both ride on track_norms:
 # an observer in every graph cost 1.04x of an MLP step (the opaque call, measured interleaved
 # against the same graph without it), while the selects themselves cost nothing measurable.
 @torch.library.custom_op("dpfx::observe_norms", mutates_args=())

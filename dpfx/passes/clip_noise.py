@@ -23,7 +23,7 @@ For a parameter on the ghost strategy, ``sum(ps[p]**2, dims 1..)`` is the rule's
 ``clipped[p]`` its book-keeping product (see ``rules.Ghost``): the same values, never building ps;
 there every operand of the product is selected by ``keep``, not only the clip-scaled one. An
 example with a non-finite norm thus adds exactly zero, not 0 * NaN (Note [Non-finite examples
-contribute zero] in rules/__init__.py).
+contribute zero] in rules/registry.py).
 
 D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. Norms, clip factors
 and clipped sums are float32 for float32, bf16 and fp16 parameters, float64 where a clipping
@@ -103,7 +103,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         denom = emit(aten.add.Tensor, norm, CLIP_EPS)
         ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom),
                      config.clip_bounds[key])
-        # Note [Non-finite examples contribute zero] (rules/__init__.py): factor 0, and every
+        # Note [Non-finite examples contribute zero] (rules/registry.py): factor 0, and every
         # term of the example selected away from the clipped sums.
         # isfinite(norm), written as Inductor's decomposition writes it (abs(x) < inf; the C++
         # backend compiles with -fno-finite-math-only, so the comparison survives).
