@@ -18,7 +18,7 @@ from dpfx.report.explain import Report, explain
 from dpfx.loss.track import LossScaleWarning, track_batch
 from dpfx.lower.inductor import ComboKernelsWarning
 from dpfx.capture.modules import replace_batchnorm
-from dpfx.loop.data import VirtualBatches, split_batch
+from dpfx.loop.data import VirtualBatches, expected_batch_size, poisson_loader, split_batch
 from dpfx.loop.optim import DPOptimizer
 from dpfx.passes import Problem
 from dpfx.report.validate import validate
@@ -26,7 +26,7 @@ from dpfx.report.validate import validate
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
-    "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
+    "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
 ]
