@@ -10,7 +10,8 @@ from .api import DPModule, compile
 from .config import FixedSeedWarning
 from .engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                      save_checkpoint)
-from .errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
+from .errors import (CaptureError, DPFXError, OptionError, PeerError, PrivacyError,
+                     UnsupportedOpError)
 from .explain import Report, explain
 from .loss_track import LossScaleWarning, track_batch
 from .lowering import ComboKernelsWarning
@@ -23,6 +24,7 @@ from .validate import validate
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
+    "OptionError",
     "VirtualBatches", "split_batch", "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",

@@ -23,7 +23,7 @@ from .backend import DPBackend
 from .capture import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                       default_stance, own_entry, steady_swaps)
 from .capture_errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
-from .config import DPConfig, warn_fixed_seed
+from .config import DPConfig, check_loss, warn_fixed_seed
 from .errors import CaptureError, DPFXError, PrivacyError
 from .hf_labels import hf_labels_loss
 from .loss_graph import TARGETS, captured, loss_entry
@@ -442,6 +442,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
+    check_loss(loss)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             "dpfx.compile got a DistributedDataParallel module. DDP all-reduces every gradient "
