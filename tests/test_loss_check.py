@@ -602,3 +602,26 @@ def test_a_stack_selected_by_a_number_read_from_the_labels_is_refused():
                                                 r"read from the data"):
         dp.loss(ids, y)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.usefixtures("no_written_tensors")
+def test_stacked_batch_means_in_the_steady_state(monkeypatch):
+    """A stack of batch means (no Python number to evaluate) is found by the steady-state key
+    after its first proof, at changing batch sizes, and releases what the full path releases."""
+    from dpfx import loss_steady
+    loss, _ = STACKS["stack_of_means_mean"]
+    torch.manual_seed(0)
+    model = Tokens()
+    ids, y, _ = _data(5, seed=7)
+    dp = _stack_compile(model, "plain", loss, max_grad_norm=0.05, backend="eager")
+
+    def run():
+        return [_stack_step(dp, model, "plain", loss, ids[:batch], y[:batch])
+                for batch in (5, 3, 4, 5, 3, 4)]
+
+    hits = loss_steady.counters["hit"]
+    steady = run()
+    assert loss_steady.counters["hit"] - hits >= 4
+    monkeypatch.setattr(loss_steady, "lookup", lambda *a: None)
+    for a, b in zip(steady, run()):
+        assert_close(a, b, rtol=1e-5, atol=1e-7)
