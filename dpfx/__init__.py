@@ -13,7 +13,8 @@ from dpfx.api import DPModule, compile
 from dpfx.config import FixedSeedWarning
 from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                          save_checkpoint)
-from dpfx.errors import CaptureError, DPFXError, PeerError, PrivacyError, UnsupportedOpError
+from dpfx.errors import (CaptureError, DPFXError, OptionError, PeerError, PrivacyError,
+                         UnsupportedOpError)
 from dpfx.report.explain import Report, explain
 from dpfx.loss.track import LossScaleWarning, track_batch
 from dpfx.lower.inductor import ComboKernelsWarning
@@ -26,7 +27,8 @@ from dpfx.report.validate import validate
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
-    "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size", "make_private", "make_private_with_epsilon",
+    "OptionError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
+    "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
 ]

@@ -18,13 +18,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dpfx.capture import batch_branches, traceable
+from dpfx.capture.entry import batch_branches, traceable
 from dpfx.loop import fsdp
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
-from dpfx.config import DPConfig, warn_fixed_seed
+from dpfx.config import DPConfig, check_loss, warn_fixed_seed
 from dpfx.errors import CaptureError, DPFXError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
@@ -462,6 +462,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
+    check_loss(loss)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             "dpfx.compile got a DistributedDataParallel module. DDP all-reduces every gradient "

@@ -5,7 +5,7 @@ import dataclasses
 import math
 import warnings
 
-from dpfx.errors import PrivacyError
+from dpfx.errors import OptionError, PrivacyError
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
@@ -43,7 +43,11 @@ class DPConfig:
                   else (("", self.max_grad_norm),))
         if not bounds:
             raise ValueError("max_grad_norm: a per-layer dict needs at least one entry")
-        for key, c in bounds:
+        for entry in bounds:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValueError(f"max_grad_norm: one bound C, or per-layer (name prefix, C) "
+                                 f"pairs (a dict), got the entry {entry!r}")
+            key, c = entry
             if not isinstance(key, str):
                 raise ValueError(f"max_grad_norm: per-layer keys are parameter-name prefixes "
                                  f"(str), got {key!r}")
@@ -124,6 +128,28 @@ class DPConfig:
     def noise_std(self) -> float:
         """Standard deviation of the noise added to the clipped sum, before dividing by D."""
         return self.noise_multiplier * self.sensitivity
+
+
+def check_loss(loss) -> None:
+    """``loss=`` is a function ``fn(output, *targets)``, an ``nn.Module`` loss instance, or
+    None: anything else would only fail at the first ``dp_model.loss(...)``, as a capture
+    error about the model.
+    (tests/test_loss_graph.py::test_a_loss_that_is_not_a_function_is_refused_at_compile)"""
+    if loss is None:
+        return
+    if isinstance(loss, type):
+        raise OptionError(f"dpfx.compile(loss=...) takes a loss function fn(output, *targets), "
+                          f"got the class {loss.__name__}: pass an instance "
+                          f"(loss={loss.__name__}()) or a function")
+    if not callable(loss):
+        raise OptionError(f"dpfx.compile(loss=...) takes a loss function fn(output, *targets) "
+                          f"(such as F.cross_entropy or nn.CrossEntropyLoss()), got "
+                          f"{type(loss).__name__} {_shown(loss)}")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_bound(c, name: str) -> None:

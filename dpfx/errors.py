@@ -21,6 +21,11 @@ class UnsupportedOpError(DPFXError):
     """No rule can make a parameter's weight gradient per-sample."""
 
 
+class OptionError(DPFXError, TypeError):
+    """An option of ``dpfx.compile`` has a type it cannot take (``loss=3``): refused at the call,
+    before the model is wrapped, rather than at the first step."""
+
+
 class CaptureError(DPFXError):
     """The model could not be captured as one graph (a graph break, an unsupported input)."""
 

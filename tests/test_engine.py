@@ -114,6 +114,7 @@ def test_per_layer_clipping_through_inductor_with_norm_tracking():
     ({"fc1": 1.0}, "'fc2.weight' matches no per-layer key"),
     ({"fc1": -1.0, "fc2": 1.0}, r"max_grad_norm\['fc1'\] must be finite and > 0"),
     ({}, "at least one entry"),
+    ((1.0, 2.0), r"per-layer \(name prefix, C\) pairs \(a dict\), got the entry 1\.0"),
 ])
 def test_per_layer_bad_keys(bounds, match):
     with pytest.raises(ValueError, match=match):

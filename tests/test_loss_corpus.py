@@ -147,6 +147,15 @@ def stacked_time_steps(tok, d):
     return torch.stack(steps, dim=1).mean()
 
 
+def stacked_time_step_sums(tok, d):
+    """Per-time-step batch sums, stacked, summed, over the batch size (sequence-model training
+    loops): a stack of scalars, each a sum over the batch (Note [A stack of batch sums])."""
+    y = d["tokens"]
+    B = tok.shape[0]
+    return torch.stack([F.cross_entropy(tok[:, t], y[:, t], reduction="sum")
+                        for t in range(T)]).sum() / B
+
+
 def summed_time_steps(tok, d):
     y = d["tokens"].clamp(min=0)
     loss = 0
@@ -377,6 +386,7 @@ CORPUS = {
     "masked_token_mean": ("tok", masked_token_mean, _all_tokens_sum),
     "per_example_token_mean": ("tok", per_example_token_mean, per_example_token_mean),
     "stacked_time_steps": ("tok", stacked_time_steps, stacked_time_steps),
+    "stacked_time_step_sums": ("tok", stacked_time_step_sums, stacked_time_step_sums),
     "summed_time_steps": ("tok", summed_time_steps, lambda o, d: summed_time_steps(o, d) * T),
     "sum_over_size0": ("cls", sum_over_size0, sum_over_size0),
     "sum_over_len": ("cls", sum_over_len, sum_over_len),
@@ -650,7 +660,8 @@ def test_rows_selected_by_a_mask_are_refused_with_the_masked_form(loss):
 CANARY_IDIOMS = ["sum_over_size0", "sum_over_len", "sum_over_shape0", "plain_cross_entropy",
                  "distillation_batchmean", "hf_causal_lm", "masked_token_mean",
                  "multi_task_sums_over_len", "times_reciprocal", "token_python_ints",
-                 "bert_pretraining", "lm_plus_distillation", "gaussian_nll_full_sum"]
+                 "bert_pretraining", "lm_plus_distillation", "gaussian_nll_full_sum",
+                 "stacked_time_step_sums"]
 
 
 def _neighbours():

@@ -486,3 +486,32 @@ def test_hf_token_loss_exact_through_inductor(name):
         for p, w in zip(params, want):
             got = torch.zeros_like(p) if p.grad is None else p.grad
             torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss,named", [
+    (3, "got int 3"),
+    ("cross_entropy", "got str 'cross_entropy'"),
+    (torch.tensor(1.0), "got Tensor"),
+    ([F.cross_entropy], "got list"),
+    (nn.CrossEntropyLoss, r"got the class CrossEntropyLoss: pass an instance "
+                          r"\(loss=CrossEntropyLoss\(\)\)"),
+])
+def test_a_loss_that_is_not_a_function_is_refused_at_compile(loss, named):
+    """``loss=`` that is not a function (or an nn.Module loss instance) is refused by
+    dpfx.compile, naming the argument and what it got, before the model is wrapped; not at the
+    first ``dp.loss(...)`` as a capture error about the model."""
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hooks = (dict(model._forward_hooks), dict(model._forward_pre_hooks))
+    with pytest.raises(dpfx.OptionError, match=r"dpfx\.compile\(loss=\.\.\.\) takes a loss "
+                                               r"function.*" + named):
+        dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, loss=loss)
+    with pytest.raises(TypeError):      # an OptionError is a TypeError
+        dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, loss=loss)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert (dict(model._forward_hooks), dict(model._forward_pre_hooks)) == hooks
+    assert all(p.grad is None and not p._post_accumulate_grad_hooks for p in model.parameters())
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager",
+                      loss=nn.CrossEntropyLoss())        # an instance is a loss function
+    dp.loss(torch.randn(4, 3), torch.tensor([0, 1, 1, 0])).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -416,6 +416,25 @@ def unflatten(leaves: list, spec) -> tuple[tuple, dict]:
     return pytree.tree_unflatten(leaves, spec)
 
 
+# Note [A stack of batch sums]
+# A loss written per position, ``torch.stack([F.cross_entropy(o[:, t], y[:, t], reduction="sum")
+# for t in range(T)]).sum() / B``, stacks scalars that are each a sum over the batch: ATen
+# writes the stack as ``cat`` of unsqueezed scalars. A cat is linear (each entry of its result
+# is one entry of one input), so above the batch reductions it is walked like an add: each
+# input becomes its own term with the scale of the whole cat, and what follows the cat must
+# itself pass the terminal rule (sums, means, selections, constant weights). So the loss stays
+# ``sum_k c_k sum_i t_k(z_i)`` with public c_k; a max, a product, a softmax or a logsumexp over
+# the stacked vector is refused at that op, an index tensor at ``index``, and a selection whose
+# position is a number read from the data (``s[int(y[0, 0])]`` in the captured loss, an
+# unbacked symbol) is refused at the selection: it would make each example's term depend on
+# another example's values. An input of the cat that still carries the batch is refused as a
+# value that reaches the loss without a sum over the batch. A batch reduction reached along
+# several paths (``s.sum() + s[0]``; a selection walks every input of the cat) is one term per
+# path in the verdict, all with the same batch-dependent part, so the same factor: where each
+# term is scaled on its own, its node is scaled once (``scaled_terms``, as loss_graph's dict of
+# scaled copies does), and the paths' linear part above it adds the rest.
+# (tests/test_loss_check.py::test_stacked_batch_sums_match_reference,
+# tests/test_loss_check.py::test_stacks_that_mix_examples_are_refused)
 def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict,
             factors: list) -> Verdict:
     phs = list(gm.graph.find_nodes(op="placeholder"))
@@ -462,6 +481,11 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
                 return
             return walk(src, scale, norms)
         if t in _PASS_THROUGH:
+            if any(_is_size(a) and not _free(a.meta["val"]) <= {batch}
+                   for a in pytree.tree_leaves(node.args[1:])):
+                # Note [A stack of batch sums]: which entries a selection keeps is public
+                refuse(node, "selects entries by a number read from the data (example i's "
+                             "term would depend on another example's values)")
             sign = -1 if t is aten.neg.default else 1
             return walk(node.args[0], scale * sign, norms)
         if t in _SUMS_OF_TWO:
@@ -503,6 +527,11 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
                     return walk(a, scale, norms)        # a constant weight tensor
                 return walk(a, scale, norms + ((b, -1 if divide else 1),))
             return walk(a, scale, norms)                # a tensor constant: a weight
+        if t is aten.cat.default:
+            # Note [A stack of batch sums]
+            for part in node.args[0]:
+                walk(part, scale, norms)
+            return
         refuse(node, "is not a sum or mean over the batch of per-example terms (only sums, means, "
                      "constant weights and normalizers may combine examples)")
 
@@ -785,8 +814,12 @@ def scaled_terms(verdict: Verdict, inputs: list, ratios: list[float]) -> torch.T
             scales = graph.placeholder("dpfx_term_scales")
         by_name = {n.name: n for n in graph.nodes}
         old_names = {old.name: new for old, new in env.items()}
+        scaled_nodes = set()
         for k, name in enumerate(verdict.term_nodes):
             node = old_names.get(name, by_name.get(name))
+            if node in scaled_nodes:
+                continue    # Note [A stack of batch sums]: a term reached along several paths
+            scaled_nodes.add(node)
             users = list(node.users)
             with graph.inserting_after(node):
                 factor = graph.call_function(aten.select.int, (scales, 0, k))
