@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dpfx.capture.entry import batch_branches, traceable
+from dpfx.capture import batch_branches, traceable
 from dpfx.loop import fsdp
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
