@@ -23,7 +23,7 @@ CONFIGS = [("graph", "eager"), ("optimizer", "eager"), ("graph", "inductor")]
 
 
 def _make(noise: str, backend: str, init_seed: int):
-    from models import MLP
+    from support.models import MLP
 
     torch.manual_seed(init_seed)
     model = MLP()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dpfx
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
 C = 0.05
 

@@ -9,8 +9,8 @@ import torch
 
 import dpfx
 from dpfx import cpu_noise
-from models import MLP, mse
-from reference import run_dpfx
+from support.models import MLP, mse
+from support.reference import run_dpfx
 
 pytestmark = pytest.mark.skipif(not cpu_noise.available(), reason="no C compiler")
 

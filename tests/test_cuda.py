@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.rules.fallback import FallbackWarning
-from models import MLP, ResNetGN, mse
-from noise_stats import assert_noise_per_parameter, assert_uncorrelated
-from reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
+from support.models import MLP, ResNetGN, mse
+from support.noise_stats import assert_noise_per_parameter, assert_uncorrelated
+from support.reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
 
 # DPFX_TEST_DEVICE=cpu runs the same checks through Inductor's C++ backend (the checks' own test).
 DEV = os.environ.get("DPFX_TEST_DEVICE", "cuda")
@@ -336,8 +336,8 @@ import sys, torch, torch.nn.functional as F
 dev = sys.argv[1]
 torch.compile(lambda a: (a * 2).sin())(torch.randn(3, device=dev))   # before dpfx's import
 import dpfx
-from models import MLP
-from reference import assert_close, loop_dp_sgd_grads
+from support.models import MLP
+from support.reference import assert_close, loop_dp_sgd_grads
 torch.manual_seed(0)
 model = MLP(8, 16, 4).to(dev)
 dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4,

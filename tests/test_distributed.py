@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dpfx
-import gloo_ranks
-from models import MLP
-from noise_stats import assert_noise_per_parameter, assert_uncorrelated
-from reference import clip_fraction, dp_sgd_grads
+from support import gloo_ranks
+from support.models import MLP
+from support.noise_stats import assert_noise_per_parameter, assert_uncorrelated
+from support.reference import clip_fraction, dp_sgd_grads
 
 C, D, LR, SIGMA = 0.3, 6, 0.5, 2.0
 # Each step, each rank's batch (rank 1's second batch is empty; sizes differ across ranks).

@@ -12,10 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpfx
 from dpfx.noise import secure_standard_normal
-from models import MLP, SeqModel, mse
-from noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
-from reference import CLIP_EPS, assert_close, clip_fraction, dp_sgd_grads, per_example_grads
-from sweep import examples
+from support.models import MLP, SeqModel, mse
+from support.noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
+from support.reference import CLIP_EPS, assert_close, clip_fraction, dp_sgd_grads, per_example_grads
+from support.sweep import examples
 
 
 def per_layer_reference(model, loss_fn, x, y, bounds, loss_reduction="mean",

@@ -2,8 +2,8 @@
 import torch
 
 import dpfx
-from models import SeqModel, mse, MLP
-from reference import run_dpfx
+from support.models import SeqModel, mse, MLP
+from support.reference import run_dpfx
 
 STAGES = ["forward", "backward.captured", "backward.per_sample", "backward.private"]
 

@@ -14,7 +14,7 @@ def test_torchrun_restart_after_a_killed_rank(tmp_path):
         [os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-         "--nproc_per_node=2", "--max-restarts=3", os.path.join(here, "torchrun_resume.py"),
+         "--nproc_per_node=2", "--max-restarts=3", os.path.join(here, "support", "torchrun_resume.py"),
          str(tmp_path)], env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     finals = [json.loads((tmp_path / f"final{r}.json").read_text()) for r in range(2)]

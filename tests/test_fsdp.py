@@ -21,11 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-import gloo_ranks
-from models import MLP
-from noise_stats import (Z, assert_gaussian_scale, assert_uncorrelated, detectable_std_error,
-                         rms_standard_error)
-from reference import clip_fraction, loop_dp_sgd_grads
+from support import gloo_ranks
+from support.models import MLP
+from support.noise_stats import (Z, assert_gaussian_scale, assert_uncorrelated,
+                                 detectable_std_error, rms_standard_error)
+from support.reference import clip_fraction, loop_dp_sgd_grads
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
 

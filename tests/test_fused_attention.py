@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 aten = torch.ops.aten
 C = 0.05

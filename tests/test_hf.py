@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import CLIP_EPS, assert_close, run_dpfx
+from support.reference import CLIP_EPS, assert_close, run_dpfx
 
 transformers = pytest.importorskip("transformers")
 

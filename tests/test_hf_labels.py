@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx import loss_steady, loss_track
-from reference import CLIP_EPS, assert_close
+from support.reference import CLIP_EPS, assert_close
 
 transformers = pytest.importorskip("transformers")
 

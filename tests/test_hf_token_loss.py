@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
-from reference import CLIP_EPS
+from support.reference import CLIP_EPS
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,8 +7,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import dpfx
-from models import MLP, SeqModel, mse, xent
-from reference import assert_close, dp_sgd_grads, run_dpfx
+from support.models import MLP, SeqModel, mse, xent
+from support.reference import assert_close, dp_sgd_grads, run_dpfx
 
 
 @pytest.mark.parametrize("model_cls,loss_fn,shape,target", [

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import dpfx
 from dpfx import rules
 from dpfx.rules.fallback import FallbackWarning
-from reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 C, D = 0.05, 4
 

@@ -13,8 +13,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx
 from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
-from models import TiedAutoencoder, TiedLM, TwoLookupLM
-from reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
+from support.models import TiedAutoencoder, TiedLM, TwoLookupLM
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
 
 
 class MHAHead(nn.Module):

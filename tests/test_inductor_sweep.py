@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dpfx
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 C = 0.05
 

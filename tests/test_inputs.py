@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
-from sweep import examples
+from support.reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.sweep import examples
 
 
 class MaskedAttention(nn.Module):

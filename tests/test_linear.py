@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from models import (MLP, MatmulParam, SeqModel, TiedAutoencoder, TiedLM, TiedMLP, TwoLookupLM,
-                    mse, xent)
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
-from sweep import examples
+from support.models import (MLP, MatmulParam, SeqModel, TiedAutoencoder, TiedLM, TiedMLP,
+                            TwoLookupLM, mse, xent)
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from support.sweep import examples
 
 aten = torch.ops.aten
 SETTINGS = settings(max_examples=examples(25), deadline=None, derandomize=True)

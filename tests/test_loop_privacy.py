@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.data import PoissonBatchSampler
-from reference import assert_close, dp_sgd_grads
+from support.reference import assert_close, dp_sgd_grads
 
 C = 0.5
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 from dpfx import loss_check
-from reference import assert_close, dp_sgd_grads, per_example_grads
-from sweep import examples
+from support.reference import assert_close, dp_sgd_grads, per_example_grads
+from support.sweep import examples
 
 C = 0.05
 V, T = 5, 4

@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import CLIP_EPS
-from sweep import reductions
+from support.reference import CLIP_EPS
+from support.sweep import reductions
 
 V, T, K = 7, 4, 3     # vocabulary, tokens per example, classes (B = 4 collides with T)
 IGNORE = -100

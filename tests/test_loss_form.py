@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dpfx
 from dpfx.loss_form import cross_entropy_form
-from sweep import examples
+from support.sweep import examples
 
 aten = torch.ops.aten
 

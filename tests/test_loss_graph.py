@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import dpfx
 import test_loss_corpus as corpus
-from reference import CLIP_EPS
-from sweep import examples, reductions
+from support.reference import CLIP_EPS
+from support.sweep import examples, reductions
 
 KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
 # CTC's kernel has an output size that depends on the data, and F.gaussian_nll_loss branches on
@@ -188,7 +188,7 @@ def test_captured_losses_against_torch_func(batch, width, classes, reduction, ki
     """Shapes, batch sizes 0 to 7 (1 and ones equal to other dims among them), both
     reductions, a bound that bites on the full batch: the captured loss against torch.func's
     per-example gradients (tests/reference.py, which shares no code with dpfx)."""
-    from reference import dp_sgd_grads, per_example_grads
+    from support.reference import dp_sgd_grads, per_example_grads
 
     torch.manual_seed(batch * 31 + width)
     model = nn.Sequential(nn.Linear(width, 6), nn.Tanh(), nn.Linear(6, classes))

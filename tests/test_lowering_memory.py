@@ -9,8 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import dpfx
 import dpfx.lowering as lowering
-from models import ProjectedResNet, xent
-from reference import check_every_batch_size, run_dpfx
+from support.models import ProjectedResNet, xent
+from support.reference import check_every_batch_size, run_dpfx
 
 
 def _backward_peak(step) -> int:
@@ -73,7 +73,7 @@ def test_a_shared_sum_is_stored_so_that_its_inputs_die(monkeypatch):
 def test_a_sum_read_once_is_left_to_inductor(monkeypatch):
     """Where no buffer would die sooner (the ResBlock's identity shortcut adds one convolution's
     input gradient to a value computed in the same kernel), nothing is stored."""
-    from models import ResNetGN
+    from support.models import ResNetGN
 
     torch.manual_seed(0)
     model = ResNetGN(c=4)

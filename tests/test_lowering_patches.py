@@ -19,8 +19,8 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 import dpfx
 import dpfx.backend
 import dpfx.lowering as lowering
-from models import ResNetGN, SeqModel, mse, xent
-from reference import assert_close, dp_sgd_grads, run_dpfx
+from support.models import ResNetGN, SeqModel, mse, xent
+from support.reference import assert_close, dp_sgd_grads, run_dpfx
 
 INDUCTOR = cpp.stride_at_vec_range
 # as Inductor makes them: loop variables nonnegative integers, the unbacked batch an integer

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 transformers = pytest.importorskip("transformers")
 
@@ -343,7 +343,7 @@ def test_pooling_of_a_permuted_activation():
 def _swin_window_partition_model():
     """torchvision's Swin-T layout at toy size (shifted windows, patch merging, a permute before
     the pooled head), written out as torchvision writes it (torchvision is not a dependency)."""
-    from swin import TinySwin
+    from support.swin import TinySwin
     return TinySwin()
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import dpfx
-from models import mse
-from reference import clip_fraction, dp_sgd_grads, run_dpfx
+from support.models import mse
+from support.reference import clip_fraction, dp_sgd_grads, run_dpfx
 
 C = 0.05
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from models import ChannelsLastLinearPool
-from reference import assert_close, clip_fraction, loop_dp_sgd_grads, run_dpfx_multi
+from support.models import ChannelsLastLinearPool
+from support.reference import assert_close, clip_fraction, loop_dp_sgd_grads, run_dpfx_multi
 
 try:
     import transformers

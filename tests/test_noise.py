@@ -9,10 +9,10 @@ import torch
 
 import dpfx
 from dpfx.passes import clip_noise
-from models import MLP, mse
-from noise_stats import (assert_gaussian_scale, assert_noise_per_parameter, assert_uncorrelated,
-                         detectable_std_error)
-from reference import clip_fraction, dp_sgd_grads, run_dpfx
+from support.models import MLP, mse
+from support.noise_stats import (assert_gaussian_scale, assert_noise_per_parameter,
+                                 assert_uncorrelated, detectable_std_error)
+from support.reference import clip_fraction, dp_sgd_grads, run_dpfx
 
 SIGMA, C, D = 4.0, 0.5, 8
 

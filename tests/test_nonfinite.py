@@ -17,8 +17,8 @@ import torch.nn as nn
 
 import dpfx
 from dpfx import stats
-from models import MLP, mse
-from reference import assert_close, batch_loss, loop_dp_sgd_grads, run_dpfx_multi
+from support.models import MLP, mse
+from support.reference import assert_close, batch_loss, loop_dp_sgd_grads, run_dpfx_multi
 from test_engine import per_layer_reference
 
 C = 0.05

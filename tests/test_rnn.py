@@ -14,7 +14,7 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import dpfx
 from dpfx import rnn
-from sweep import examples
+from support.sweep import examples
 
 SETTINGS = settings(max_examples=examples(12), deadline=None, derandomize=True,
                     phases=[Phase.explicit, Phase.generate])

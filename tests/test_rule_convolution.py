@@ -20,9 +20,9 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 from dpfx.rules import convolution
-from models import xent
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
-from sweep import examples
+from support.models import xent
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from support.sweep import examples
 
 SETTINGS = settings(max_examples=examples(25), deadline=None, derandomize=True)
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

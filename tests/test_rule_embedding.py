@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 import dpfx.passes
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
-from sweep import examples
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from support.sweep import examples
 
 aten = torch.ops.aten
 SETTINGS = settings(max_examples=examples(20), deadline=None, derandomize=True)

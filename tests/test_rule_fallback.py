@@ -15,8 +15,8 @@ from hypothesis import Phase, example, given, settings, strategies as st
 
 import dpfx
 from dpfx.rules.fallback import FallbackWarning
-from reference import (assert_close, check_every_batch_size, clip_fraction, dp_sgd_grads,
-                       run_dpfx)
+from support.reference import (assert_close, check_every_batch_size, clip_fraction,
+                               dp_sgd_grads, run_dpfx)
 
 # Few examples (each compiles twice); no shrinking, which would recompile for minutes.
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,

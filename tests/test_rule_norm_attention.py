@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 import dpfx
-from reference import check_every_batch_size
-from sweep import examples
+from support.reference import check_every_batch_size
+from support.sweep import examples
 
 aten = torch.ops.aten
 

@@ -9,8 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import dpfx
 import dpfx.passes
-from models import xent
-from reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
+from support.models import xent
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
 aten = torch.ops.aten
 

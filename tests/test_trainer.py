@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from reference import CLIP_EPS
+from support.reference import CLIP_EPS
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

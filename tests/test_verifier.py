@@ -12,8 +12,8 @@ import dpfx
 from dpfx.config import DPConfig
 from dpfx.passes import clip_noise, verify
 from dpfx.passes.verify import verify_backward
-from models import MLP, ChannelsLastLinearPool, mse
-from reference import assert_close, dp_sgd_grads, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
+from support.models import MLP, ChannelsLastLinearPool, mse
+from support.reference import assert_close, dp_sgd_grads, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
 
 aten = torch.ops.aten
 CONFIG = DPConfig(max_grad_norm=0.1, noise_multiplier=1.0, backend="eager")
@@ -800,7 +800,7 @@ def test_tied_ghost_release_and_norm_are_checked(monkeypatch):
     """Note [Tied weights without per-sample gradients]: a tied table's release is the add of its
     uses' clipped sums; one use amplified before the add is refused, and so is a norm that drops
     a use (its clipped sum's operands are then outside what the clip factor was taken over)."""
-    from models import TiedLM
+    from support.models import TiedLM
     monkeypatch.setattr(clip_noise, "NOISE_IN_PLACE", {"cpu"})
 
     def rewritten():

@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 
 import dpfx
 import dpfx.warm
-from models import MLP, mse
-from reference import assert_close, dp_sgd_grads, run_dpfx
+from support.models import MLP, mse
+from support.reference import assert_close, dp_sgd_grads, run_dpfx
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize, parametrizations
 
 import dpfx
-from reference import (assert_close, check_every_batch_size, clip_fraction, dp_sgd_grads,
-                       run_dpfx)
-from sweep import examples
+from support.reference import (assert_close, check_every_batch_size, clip_fraction,
+                               dp_sgd_grads, run_dpfx)
+from support.sweep import examples
 
 C = 0.05
 

@@ -2,7 +2,7 @@
 attempt (run by tests/test_faults_distributed.py, not collected by pytest).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 --max-restarts=3 \
-        tests/torchrun_resume.py OUT_DIR
+        tests/support/torchrun_resume.py OUT_DIR
 
 Every rank trains to ``TOTAL`` steps with ``make_private(..., ledger=)``; rank 0 saves a
 checkpoint every ``SAVE_EVERY`` steps. On the first attempt rank 1 kills itself (SIGKILL) right

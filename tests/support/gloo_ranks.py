@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, timeout: float, body,
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
-        sys.path.insert(0, os.path.dirname(__file__))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = body(*args)
@@ -86,7 +86,7 @@ def spawn(tmp_path, world: int, body, *args, deadline: float = 480, timeout: flo
             if not all((tmp_path / f"rank{r}.done").exists() for r in range(world)):
                 raise
             warnings.warn(f"a rank died after every rank had finished its work ({e}); Note "
-                          f"[A rank that aborts after its work] in tests/gloo_ranks.py")
+                          f"[A rank that aborts after its work] in tests/support/gloo_ranks.py")
             break
         if time.monotonic() - start > deadline:
             for p in ctx.processes:
