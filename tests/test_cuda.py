@@ -86,7 +86,7 @@ def _exact_matmuls():
 
 @pytest.mark.parametrize("strategy", ["materialize", "auto"])
 def test_every_rule_family(strategy):
-    from test_inductor_default import FRONTIER_RULES, Families
+    from support.models import FRONTIER_RULES, Families
 
     torch.manual_seed(0)
     model = Families().to(DEV)
@@ -294,7 +294,7 @@ def test_canary_moves_the_release_by_at_most_c_over_d():
 def test_char_lstm():
     """nn.LSTM, unrolled at capture (dpfx/rnn.py) where cuDNN's fused kernel would run, through
     Triton: the Opacus tutorial's char-LSTM at batch sizes 0, 1, 7 (= T) and 4."""
-    from test_rnn import CharLSTM, scale_weights
+    from support.models import CharLSTM, scale_weights
 
     torch.manual_seed(0)
     model = scale_weights(CharLSTM(), 2.0).to(DEV)

@@ -1,7 +1,7 @@
 """The optimizer side of DP-SGD: per-layer clipping, noise at the optimizer, virtual batches,
 secure noise, norm tracking and make_private (checkpoints: test_checkpoint_restore.py). Every
-gradient is compared with the independent torch.func reference (tests/reference.py), extended
-here to per-layer clipping."""
+gradient is compared with the independent torch.func reference (tests/support/reference.py),
+per-layer clipping included."""
 import math
 
 import pytest
@@ -13,33 +13,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpfx
 from dpfx.noise import secure_standard_normal
 from support.models import MLP, SeqModel, mse
-from support.noise_stats import assert_noise_per_parameter, assert_uncorrelated, detectable_std_error
-from support.reference import CLIP_EPS, assert_close, clip_fraction, dp_sgd_grads, per_example_grads
+from support.noise_stats import (assert_noise_per_parameter, assert_uncorrelated,
+                                 detectable_std_error)
+from support.reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads
 from support.sweep import examples
-
-
-def per_layer_reference(model, loss_fn, x, y, bounds, loss_reduction="mean",
-                        expected_batch_size=None):
-    """sigma = 0 DP-SGD with per-layer clipping: each group (longest matching name prefix)
-    clipped to its own bound, written independently of dpfx.config."""
-    names = [k for k, p in model.named_parameters() if p.requires_grad]
-    if x.shape[0] == 0:
-        return {k: torch.zeros_like(dict(model.named_parameters())[k]) for k in names}
-
-    def group(name):
-        keys = [k for k in bounds if k == "" or name == k or name.startswith(k + ".")]
-        return max(keys, key=len)
-
-    g = per_example_grads(model, loss_fn, x, y)
-    out = {}
-    for key, c in bounds.items():
-        members = [k for k in names if group(k) == key]
-        norms = torch.sqrt(sum(g[k].flatten(1).pow(2).sum(1) for k in members))
-        factor = (c / (norms + CLIP_EPS)).clamp(max=1.0)
-        for k in members:
-            out[k] = (g[k] * factor.view(-1, *[1] * (g[k].dim() - 1))).sum(0)
-    denom = (expected_batch_size or x.shape[0]) if loss_reduction == "mean" else 1
-    return {k: out[k] / denom for k in names}
 
 
 def _backward(dp, x, y, loss_reduction="mean"):
@@ -72,7 +49,8 @@ def test_per_layer_clipping_matches_reference(batch, reduction, strategy, bounds
                       loss_reduction=reduction, strategy=strategy, expected_batch_size=4)
     model.zero_grad(set_to_none=True)
     _backward(dp, x, y, reduction)
-    want = per_layer_reference(model, mse, x, y, bounds, reduction, expected_batch_size=4)
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=bounds, loss_reduction=reduction,
+                        expected_batch_size=4)
     assert_close(_grads(model), want)
     flat = dp_sgd_grads(model, mse, x, y, max_grad_norm=min(bounds.values()),
                         loss_reduction=reduction, expected_batch_size=4)
@@ -100,8 +78,8 @@ def test_per_layer_clipping_through_inductor_with_norm_tracking():
     dp = dpfx.compile(model, max_grad_norm=bounds, noise_multiplier=0.0, track_norms=True)
     model.zero_grad(set_to_none=True)
     _backward(dp, x, y)
-    assert_close(_grads(model), per_layer_reference(model, mse, x, y, bounds), rtol=1e-4,
-                 atol=1e-5)
+    assert_close(_grads(model), dp_sgd_grads(model, mse, x, y, max_grad_norm=bounds),
+                 rtol=1e-4, atol=1e-5)
     g = per_example_grads(model, mse, x, y)
     last = dp.norm_stats.last
     assert set(last) == {"proj", "head", ""}

@@ -20,10 +20,8 @@ import torch.nn as nn
 
 import dpfx
 from dpfx.passes import clip_noise
-from support.models import MLP, ResNetGN, SeqModel, mse, xent
+from support.models import MLP, MHANet, ResNetGN, SeqModel, TiedTable, TinyGPT, mse, xent
 from support.reference import assert_close, dp_sgd_grads, run_dpfx
-from test_rule_embedding import TiedTable
-from test_rule_norm_attention import MHANet, TinyGPT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DPFX_UPDATE_GOLDEN") == "1"

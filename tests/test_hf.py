@@ -20,7 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from support.reference import CLIP_EPS, assert_close, run_dpfx
+from support.models import xent, xent_over_positions
+from support.reference import (assert_close, clipped_sum, loop_example_grads, per_example_norms,
+                               run_dpfx)
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,14 +60,6 @@ class ClassifierLogits(nn.Module):
         return self.model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
 
 
-def lm_loss(out, y):
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-def xent(out, y):
-    return F.cross_entropy(out, y)
-
-
 def inputs(batch, padded):
     """Token ids and a mask; with ``padded``, each example's last tokens are padding."""
     ids = torch.randint(1, VOCAB, (batch, T))
@@ -74,24 +68,6 @@ def inputs(batch, padded):
         for i in range(batch):
             mask[i, T - i:] = 0
     return torch.stack([ids, mask], 1)
-
-
-def loop_dp_sgd_grads(model, loss_fn, x, y, expected):
-    """Each example's gradient on its own (batch of one), flat clipping, sum, divide by D."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    per_example = []
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
-        per_example.append(dict(zip(params, grads)))
-    total = {k: torch.zeros_like(p) for k, p in params.items()}
-    norms = []
-    for g in per_example:
-        norm = torch.sqrt(sum(v.pow(2).sum() for v in g.values()))
-        norms.append(norm)
-        factor = (C / (norm + CLIP_EPS)).clamp(max=1.0)
-        for k in total:
-            total[k] += g[k] * factor
-    return {k: v / expected for k, v in total.items()}, norms
 
 
 def check(model, loss_fn, x, y, backend="eager", expected=5, reference=None):
@@ -106,8 +82,9 @@ def check(model, loss_fn, x, y, backend="eager", expected=5, reference=None):
     tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
     for batch in (x.shape[0], 0, 1):
         got = run_dpfx(dp, model, loss_fn, x[:batch], y[:batch])
-        want, norms = loop_dp_sgd_grads(reference, loss_fn, x[:batch], y[:batch], expected)
-        assert all(n > C for n in norms), "clipping must bite on every example"
+        g = loop_example_grads(reference, loss_fn, (x[:batch],), y[:batch])
+        assert (per_example_norms(g) > C).all(), "clipping must bite on every example"
+        want = clipped_sum(g, C, expected)
         if batch == 0:
             assert all(torch.count_nonzero(g) == 0 for g in got.values())
         try:
@@ -125,7 +102,7 @@ def test_gpt2(attn):
     torch.manual_seed(0)
     model = LMLogits(attn)
     x = inputs(3, padded=False)
-    rules = check(model, lm_loss, x, torch.randint(0, VOCAB, (3, T)))
+    rules = check(model, xent_over_positions, x, torch.randint(0, VOCAB, (3, T)))
     assert sorted(rules["model.transformer.wte.weight"]) == ["embedding", "mm"], rules
     assert rules["model.transformer.wpe.weight"] == ["sum"], rules
     assert rules["model.transformer.h.0.attn.c_attn.weight"] == ["mm"], rules
@@ -167,7 +144,7 @@ def test_gpt2_gradient_checkpointing():
     model, plain = checkpointed(lambda: GPT2LogitsDefaultCache("sdpa"))
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     x = inputs(3, padded=False)
-    rules = check(model, lm_loss, x, torch.randint(0, VOCAB, (3, T)), reference=plain)
+    rules = check(model, xent_over_positions, x, torch.randint(0, VOCAB, (3, T)), reference=plain)
     assert rules["model.transformer.h.1.mlp.c_fc.weight"] == ["mm"], rules
 
 
@@ -198,5 +175,5 @@ def test_bert_gradient_checkpointing_after_an_earlier_capture(monkeypatch):
 def test_gpt2_inductor():
     torch.manual_seed(0)
     model = LMLogits("sdpa")
-    check(model, lm_loss, inputs(3, padded=False), torch.randint(0, VOCAB, (3, T)),
+    check(model, xent_over_positions, inputs(3, padded=False), torch.randint(0, VOCAB, (3, T)),
           backend="inductor")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx import loss_steady, loss_track
-from support.reference import CLIP_EPS, assert_close
+from support.reference import (assert_close, bound_that_bites, clipped_sum, loop_dp_sgd_grads,
+                               loop_example_grads, loop_grads, per_example_norms)
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,20 +39,10 @@ def _batch(batch):
     return ids, mask, labels
 
 
-def _reference(model, ids, mask, labels, bound):
-    """sum_i clip(grad of example i's token sum) / B, one example at a time."""
-    params = dict(model.named_parameters())
-    total = {k: torch.zeros_like(p) for k, p in params.items()}
-    for i in range(ids.shape[0]):
-        logits = model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[i:i + 1, 1:].reshape(-1),
-                               ignore_index=-100, reduction="sum")
-        g = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        g = [torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params.values())]
-        factor = min(1.0, bound / (float(torch.sqrt(sum(gi.pow(2).sum() for gi in g))) + CLIP_EPS))
-        for k, gi in zip(params, g):
-            total[k] += gi * factor
-    return {k: v / ids.shape[0] for k, v in total.items()}
+def _token_sum(out, labels):
+    """Example i's own term: the sum over its shifted, non-ignored tokens."""
+    return F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -73,7 +64,9 @@ def test_gpt2_labels_loss_value_and_gradient(backend):
         with pytest.warns(dpfx.LossScaleWarning) if batch == 4 else contextlib.nullcontext():
             out.loss.backward()
         got = {k: p.grad for k, p in model.named_parameters()}
-        assert_close(got, _reference(model, ids, mask, labels, 0.5), rtol=1e-4, atol=1e-6)
+        want = loop_dp_sgd_grads(model, _token_sum, (), labels, max_grad_norm=0.5,
+                                 kwargs=dict(input_ids=ids, attention_mask=mask))
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _t5():
@@ -147,21 +140,18 @@ def test_hf_heads_with_labels(kind, backend):
         mask = torch.ones(batch, T, dtype=torch.long)
         labels = _labels_for(kind, batch, g)
         _step_with_the_models_loss(model, dp, input_ids=ids, attention_mask=mask, labels=labels)
-        want = {k: torch.zeros_like(p) for k, p in params.items()}
-        for i in range(batch):
+
+        def example_term(i):
             one = dict(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
             if kind == "t5":
                 one["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(
                     labels=labels[i:i + 1])
-            grads = torch.autograd.grad(term(model(**one).logits, labels[i:i + 1]),
-                                        list(params.values()), allow_unused=True)
-            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
-            norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads)))
-            assert norm > 0.05, "clipping must bite"
-            for k, x in zip(params, grads):
-                want[k] += x * min(1.0, 0.05 / (norm + CLIP_EPS))
+            return term(model(**one).logits, labels[i:i + 1])
+
+        g = loop_grads(model, example_term, batch)
+        assert (per_example_norms(g) > 0.05).all(), "clipping must bite"
         got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
-        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+        assert_close(got, clipped_sum(g, 0.05, batch), rtol=1e-4, atol=1e-6)
 
 
 def _bert_qa():
@@ -193,20 +183,18 @@ def test_question_answering_with_positions(backend):
         start[0] = T + 3
         positions = dict(start_positions=start, end_positions=end)
         _step_with_the_models_loss(model, dp, input_ids=ids, attention_mask=mask, **positions)
-        want = {k: torch.zeros_like(p) for k, p in params.items()}
-        for i in range(batch):
+
+        def example_term(i):
             one = model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1])
-            term = sum(F.cross_entropy(logits, pos[i:i + 1].clamp(0, T), ignore_index=T,
+            return sum(F.cross_entropy(logits, pos[i:i + 1].clamp(0, T), ignore_index=T,
                                        reduction="sum")
                        for logits, pos in ((one.start_logits, start), (one.end_logits, end)))
-            grads = torch.autograd.grad(term, list(params.values()), allow_unused=True)
-            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
-            norm = float(torch.sqrt(sum(x.pow(2).sum() for x in grads)))
-            clipped, unclipped = clipped + (norm > bound), unclipped + (norm <= bound)
-            for k, x in zip(params, grads):
-                want[k] += x * min(1.0, bound / (norm + CLIP_EPS))
+
+        g = loop_grads(model, example_term, batch)
+        norms = per_example_norms(g)
+        clipped, unclipped = clipped + (norms > bound).sum(), unclipped + (norms <= bound).sum()
         got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
-        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+        assert_close(got, clipped_sum(g, bound, batch), rtol=1e-4, atol=1e-6)
     assert clipped and unclipped, "the bound must clip some examples and not others"
 
 
@@ -239,16 +227,11 @@ def test_image_classifiers_with_labels(kind, backend):
         pixels = torch.randn(batch, 3, 8, 8, generator=g)
         labels = torch.randint(0, 3, (batch,), generator=g)
         _step_with_the_models_loss(model, dp, pixel_values=pixels, labels=labels)
-        want = {k: torch.zeros_like(p) for k, p in params.items()}
-        for i in range(batch):
-            term = F.cross_entropy(model(pixel_values=pixels[i:i + 1]).logits, labels[i:i + 1])
-            grads = torch.autograd.grad(term, list(params.values()), allow_unused=True)
-            grads = [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params.values())]
-            norms.append(float(torch.sqrt(sum(x.pow(2).sum() for x in grads))))
-            for k, x in zip(params, grads):
-                want[k] += x * min(1.0, bound / (norms[-1] + CLIP_EPS))
+        g = loop_example_grads(model, lambda out, y: F.cross_entropy(out.logits, y), (), labels,
+                               kwargs=dict(pixel_values=pixels))
+        norms += per_example_norms(g).tolist()
         got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
-        assert_close(got, {k: v / batch for k, v in want.items()}, rtol=1e-4, atol=1e-6)
+        assert_close(got, clipped_sum(g, bound, batch), rtol=1e-4, atol=1e-6)
     assert min(norms) < bound < max(norms), norms
 
 
@@ -270,24 +253,14 @@ def test_multiple_choice_with_labels(backend):
         g = torch.Generator().manual_seed(batch)
         data.append((torch.randint(1, VOCAB, (batch, 3, T), generator=g),
                      torch.randint(0, 3, (batch,), generator=g)))
-    grads = [[_grads(model, F.cross_entropy(model(input_ids=ids[i:i + 1]).logits, y[i:i + 1]))
-              for i in range(len(y))] for ids, y in data]
-    norms = sorted(float(torch.sqrt(sum(x.pow(2).sum() for x in g))) for gs in grads for g in gs)
-    bound = norms[len(norms) // 2]
+    grads = [loop_example_grads(model, lambda out, y: F.cross_entropy(out.logits, y), (), y,
+                                kwargs=dict(input_ids=ids)) for ids, y in data]
+    bound = bound_that_bites(torch.cat([per_example_norms(g) for g in grads]))
     dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, backend=backend)
-    for (ids, y), per_example in zip(data, grads):
+    for (ids, y), g in zip(data, grads):
         _step_with_the_models_loss(model, dp, input_ids=ids, labels=y)
-        want = [sum(g[j] * min(1.0, bound / (float(torch.sqrt(sum(x.pow(2).sum() for x in g)))
-                                             + CLIP_EPS)) for g in per_example) / len(y)
-                for j in range(len(params))]
         got = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
-        assert_close(got, dict(zip(params, want)), rtol=1e-4, atol=1e-6)
-
-
-def _grads(model, loss) -> list:
-    params = list(model.parameters())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return [torch.zeros_like(p) if x is None else x for x, p in zip(grads, params)]
+        assert_close(got, clipped_sum(g, bound, len(y)), rtol=1e-4, atol=1e-6)
 
 
 def test_other_hf_heads_with_labels_refused():

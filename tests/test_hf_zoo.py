@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
+from support.models import xent
 from support.reference import CLIP_EPS
 
 transformers = pytest.importorskip("transformers")
@@ -46,10 +47,6 @@ def per_example_token_sum(logits, labels):
     per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
                                 ignore_index=-100, reduction="none")
     return per_token.view(labels.shape).sum(1).mean()
-
-
-def xent(logits, y):
-    return F.cross_entropy(logits, y)
 
 
 # -- inputs ----------------------------------------------------------------------------------------

@@ -22,35 +22,10 @@ import torch.nn.functional as F
 import dpfx
 from dpfx import rules
 from dpfx.rules.fallback import FallbackWarning
+from support.models import FRONTIER_RULES, Families
 from support.reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx_multi
 
 C, D = 0.05, 4
-
-
-class Families(nn.Module):
-    """(B, T) token ids -> (B, 3) logits, through one parameter of every rule family."""
-
-    def __init__(self, vocab=11, max_len=8, d=8, heads=2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d, padding_idx=0)
-        self.pos = nn.Parameter(torch.randn(1, max_len, d) * 0.1)
-        self.conv = nn.Conv1d(d, d, 3, padding=1)
-        self.norm = nn.LayerNorm(d)
-        self.heads = nn.Parameter(torch.randn(heads, d, d // heads) * 0.3)
-        self.fc = nn.Linear(d, 3)
-
-    def forward(self, ids):
-        h = self.emb(ids) + self.pos[:, :ids.shape[1]]
-        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
-        h = torch.tanh(self.norm(h)).mean(1)
-        per_head = h.unsqueeze(1).expand(-1, self.heads.shape[0], -1)
-        return self.fc(torch.einsum("bhi,hio->bho", per_head, self.heads).flatten(1))
-
-
-FRONTIER_RULES = {"emb.weight": ["embedding"], "pos": ["sum"], "conv.weight": ["convolution"],
-                  "conv.bias": ["convolution"], "norm.weight": ["sum"], "norm.bias": ["sum"],
-                  "heads": ["vmap-fallback(aten.bmm.default)"], "fc.weight": ["mm"],
-                  "fc.bias": ["sum"]}
 
 
 def _count_lift_rules(monkeypatch) -> collections.Counter:

@@ -13,21 +13,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx
 from dpfx.lowering import UncheckedAssumption, no_unchecked_assumptions
-from support.models import TiedAutoencoder, TiedLM, TwoLookupLM
+from support.models import MHAHead, TiedAutoencoder, TiedLM, TwoLookupLM
 from support.reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
-
-
-class MHAHead(nn.Module):
-    """A model Inductor miscompiled before the fix: batch_first MHA, mean over time, a Linear
-    head."""
-
-    def __init__(self, d=16, heads=2):
-        super().__init__()
-        self.att = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.fc = nn.Linear(d, 3)
-
-    def forward(self, x):
-        return self.fc(self.att(x, x, x, need_weights=False)[0].mean(1))
 
 
 class EmbeddingMHA(nn.Module):

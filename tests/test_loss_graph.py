@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-import test_loss_corpus as corpus
-from support.reference import CLIP_EPS
+from support import loss_idioms as corpus
+from support.reference import CLIP_EPS, assert_close
 from support.sweep import examples, reductions
 
 KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
@@ -129,7 +129,7 @@ def test_coupled_losses_are_refused_at_the_first_call(name):
     before anything is written."""
     which, loss, op = corpus.COUPLED[name]
     message = _refused_at_the_first_call(which, loss, dpfx.PrivacyError)
-    assert "test_loss_corpus.py" in message, message
+    assert "loss_idioms.py" in message, message
     if op is not None and name != "in_batch_negatives":     # torch.roll: dpfx's own refusal
         assert f"op {op}" in message, message
 
@@ -157,7 +157,7 @@ def test_captured_loss_branching_on_data_is_named(name):
                    else corpus.COUPLED[name][:2])
     message = _refused_at_the_first_call(which, loss, dpfx.CaptureError)
     assert "branches on a value computed from the data" in message, message
-    assert "test_loss_corpus.py:" in message and "loss.backward()" in message, message
+    assert "loss_idioms.py:" in message and "loss.backward()" in message, message
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -463,26 +463,25 @@ transformers = pytest.importorskip("transformers")
 def test_hf_token_loss_exact_through_inductor(name):
     """A Hugging Face causal LM returns a ModelOutput; the loss reads its logits. Exact against
     the batch-of-one reference at B = 3 and 1 through Inductor, the self-check on."""
-    import test_hf_token_loss as hf
+    from support import token_losses
 
-    make, loss, term = hf.CASES[name]
+    make, loss, term = token_losses.CASES[name]
     torch.manual_seed(0)
     model = make()
     model.train()
-    ids, mask, labels = hf._batch(3)
-    want, bound = hf._reference(model, term, ids, mask, labels)
+    ids, mask, labels = token_losses.token_batch(3)
+    want, bound = token_losses.reference(model, term, ids, mask, labels)
     dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0,
                       loss=lambda out, y: loss(out.logits, y))
-    params = [p for p in model.parameters() if p.requires_grad]
     for batch in (3, 1):
         one = (ids[:batch], mask[:batch], labels[:batch])
         if batch != 3:
-            want, _ = hf._reference(model, term, *one, bound=bound)
+            want, _ = token_losses.reference(model, term, *one, bound=bound)
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dp.loss(dict(input_ids=one[0], attention_mask=one[1], use_cache=False),
                     one[2]).backward()
-        for p, w in zip(params, want):
-            got = torch.zeros_like(p) if p.grad is None else p.grad
-            torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-6)
+        got = {k: torch.zeros_like(p) if p.grad is None else p.grad
+               for k, p in model.named_parameters() if p.requires_grad}
+        assert_close(got, want, rtol=1e-4, atol=1e-6)

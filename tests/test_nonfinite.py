@@ -18,8 +18,8 @@ import torch.nn as nn
 import dpfx
 from dpfx import stats
 from support.models import MLP, mse
-from support.reference import assert_close, batch_loss, loop_dp_sgd_grads, run_dpfx_multi
-from test_engine import per_layer_reference
+from support.reference import (assert_close, batch_loss, dp_sgd_grads, loop_dp_sgd_grads,
+                               run_dpfx_multi)
 
 C = 0.05
 
@@ -73,13 +73,9 @@ def _poison(inputs, bad):
 
 def _reference(model, inputs, y, reduction, bounds=None):
     """sigma = 0 DP-SGD over examples 1.. only, divided by the whole batch's D."""
-    clean = tuple(t[1:] for t in inputs)
-    if bounds is None:
-        total = loop_dp_sgd_grads(model, mse, clean, y[1:], max_grad_norm=C, loss_reduction="sum")
-    else:
-        total = per_layer_reference(model, mse, clean[0], y[1:], bounds, loss_reduction="sum")
-    denom = y.shape[0] if reduction == "mean" else 1
-    return {k: v / denom for k, v in total.items()}
+    return loop_dp_sgd_grads(model, mse, tuple(t[1:] for t in inputs), y[1:],
+                             max_grad_norm=C if bounds is None else bounds,
+                             loss_reduction=reduction, expected_batch_size=y.shape[0])
 
 
 def _check(dp, model, case, reduction, batches=(1, 4), bads=(math.nan, math.inf), bounds=None,
@@ -193,7 +189,7 @@ def test_per_layer_clipping_drops_the_example(strategy):
     x[0, 3] = math.inf
     got = run_dpfx_multi(dp, model, mse, (x,), y)
     others = _reference(model, (x,), y, "mean", bounds)
-    everyone = per_layer_reference(model, mse, x, y, bounds)
+    everyone = dp_sgd_grads(model, mse, x, y, max_grad_norm=bounds)
     assert torch.isfinite(everyone["fc2.weight"]).all()
     assert_close(got, {k: (others if k.startswith("fc1") else everyone)[k] for k in got})
 

@@ -14,54 +14,15 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import dpfx
 from dpfx import rnn
+from support.models import CharLSTM, scale_weights, xent
+from support.reference import (loop_dp_sgd_grads, loop_example_grads, per_example_norms,
+                               run_dpfx_multi)
 from support.sweep import examples
 
 SETTINGS = settings(max_examples=examples(12), deadline=None, derandomize=True,
                     phases=[Phase.explicit, Phase.generate])
 C = 0.05
-CLIP_EPS = 1e-6
 KINDS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}
-
-
-def xent(out, y):
-    return F.cross_entropy(out, y)
-
-
-# -- the reference: example by example, torch autograd on the stock module ---------------------
-def per_example_grads(model, inputs, targets):
-    names = [k for k, p in model.named_parameters() if p.requires_grad]
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = {k: [] for k in names}
-    for i in range(targets.shape[0]):
-        loss = xent(model(*(t[i:i + 1] for t in inputs)), targets[i:i + 1])
-        for k, p, g in zip(names, params, torch.autograd.grad(loss, params, allow_unused=True)):
-            grads[k].append(torch.zeros_like(p) if g is None else g)
-    return {k: torch.stack(v) for k, v in grads.items()}
-
-
-def reference(model, inputs, targets, reduction, expected):
-    """(DP-SGD gradient with sigma = 0, share of examples clipped)."""
-    batch = targets.shape[0]
-    if batch == 0:
-        return {k: torch.zeros_like(p) for k, p in model.named_parameters()
-                if p.requires_grad}, 0.0
-    g = per_example_grads(model, inputs, targets)
-    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
-    factor = (C / (norms + CLIP_EPS)).clamp(max=1.0)
-    denom = (expected or batch) if reduction == "mean" else 1
-    return ({k: (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0) / denom
-             for k, v in g.items()}, float((norms > C).float().mean()))
-
-
-def run(dp, model, inputs, targets, reduction):
-    model.zero_grad(set_to_none=True)
-    out = dp(*inputs)
-    # the batch's mean; dpfx takes each example's own term for either reduction (loss_check.py)
-    loss = out.sum() * 0.0 if targets.shape[0] == 0 else xent(out, targets)
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 def check(model, inputs, targets, *, reduction="mean", expected=None, backend="eager",
@@ -69,8 +30,8 @@ def check(model, inputs, targets, *, reduction="mean", expected=None, backend="e
     """dpfx equals the reference for every batch size (0 where D is known); clipping bites.
     Returns {parameter: rules fired}."""
     torch._dynamo.reset()
-    _, clipped = reference(model, inputs, targets, reduction, expected)
-    assert clipped > 0, "C must clip some examples for the test to mean anything"
+    clipped = per_example_norms(loop_example_grads(model, xent, inputs, targets)) > C
+    assert clipped.any(), "C must clip some examples for the test to mean anything"
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction=reduction,
                       expected_batch_size=expected, backend=backend, strategy=strategy)
     tol = {"rtol": 1e-4, "atol": 1e-6} if backend == "inductor" else {"rtol": 1e-5,
@@ -78,8 +39,9 @@ def check(model, inputs, targets, *, reduction="mean", expected=None, backend="e
     first = 0 if reduction == "sum" or expected else 1
     for batch in batches or range(first, targets.shape[0] + 1):
         part = tuple(t[:batch] for t in inputs)
-        got = run(dp, model, part, targets[:batch], reduction)
-        want, _ = reference(model, part, targets[:batch], reduction, expected)
+        got = run_dpfx_multi(dp, model, xent, part, targets[:batch], reduction)
+        want = loop_dp_sgd_grads(model, xent, part, targets[:batch], max_grad_norm=C,
+                                 loss_reduction=reduction, expected_batch_size=expected)
         for k in want:
             torch.testing.assert_close(got[k], want[k], **tol,
                                        msg=lambda m: f"batch size {batch}, {k}: {m}")
@@ -128,21 +90,6 @@ class Seq(nn.Module):
         return self.head(torch.cat([last, h_n[-1]], -1))
 
 
-class CharLSTM(nn.Module):
-    """The Opacus char-LSTM tutorial's model: Embedding -> LSTM -> Linear on the last hidden state."""
-
-    def __init__(self, vocab=12, embed=6, hidden=8, classes=4):
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, batch_first=True)
-        self.out_layer = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        x = self.embedding(x)
-        _, (h_n, _) = self.lstm(x)
-        return self.out_layer(h_n[-1])
-
-
 class PackedLSTM(nn.Module):
     """pack_padded_sequence -> (bi)LSTM -> pad_packed_sequence, reading outputs and h_n."""
 
@@ -167,13 +114,6 @@ class PackedLSTM(nn.Module):
 def data(batch=4, steps=4, d_in=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, steps, d_in, generator=g) * 2, torch.arange(batch) % 3
-
-
-def scale_weights(model, s=1.5):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(s)
-    return model
 
 
 # -- the stand-in computes torch's values ---------------------------------------------------------
@@ -328,7 +268,7 @@ def test_dropout_between_layers_trains_privately():
     model = scale_weights(Seq("lstm", layers=2, dropout=0.5)).train()
     x, y = data(batch=6)
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, backend="eager")
-    grads = run(dp, model, (x,), y, "mean")
+    grads = run_dpfx_multi(dp, model, xent, (x,), y, "mean")
     total = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
     assert 0 < total <= C + 1e-6
     # every weight and bias of both layers gets a gradient through the dropout between them

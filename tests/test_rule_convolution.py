@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 from dpfx.rules import convolution
+from support.memory import peak_bytes
 from support.models import xent
 from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 from support.sweep import examples
@@ -747,7 +748,6 @@ def test_conv2d_input_grad_lowers_the_step_peak(monkeypatch):
     step's memory peak (ATen converts to channels-last and back); through the op the peak is
     lower and the gradients agree with the graph that calls ATen."""
     from dpfx import passes
-    from test_schedule import _peak_bytes
 
     def step(use_op):
         torch._dynamo.reset()
@@ -761,7 +761,7 @@ def test_conv2d_input_grad_lowers_the_step_peak(monkeypatch):
         dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0,
                           expected_batch_size=32)
         grads = run_dpfx(dp, model, xent, x, y)
-        peak = _peak_bytes(lambda: run_dpfx(dp, model, xent, x, y))
+        peak = peak_bytes(lambda: run_dpfx(dp, model, xent, x, y))
         monkeypatch.undo()
         backward = dp._dpfx_backend.stages.graphs["backward.private"]
         assert ("dpfx.conv2d_input_grad" in backward) == use_op

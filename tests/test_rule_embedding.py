@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import dpfx
 import dpfx.passes
+from support.models import TiedTable
 from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 from support.sweep import examples
 
@@ -59,22 +60,6 @@ class TableLookup(nn.Module):
 
     def forward(self, x):
         return self.head(self.table[x].mean(1))
-
-
-class TiedTable(nn.Module):
-    """A raw table indexed by token ids (``table[x]``, whose backward is ``index_put``) that is
-    also the LM head; ``wrap``: the ids given as negative indices (row r as r - V)."""
-
-    def __init__(self, vocab=8, dim=3, wrap=False):
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(vocab, dim))
-        self.mix = nn.Linear(dim, dim)
-        self.wrap = wrap
-
-    def forward(self, x):
-        ids = x - self.table.shape[0] if self.wrap else x
-        h = torch.tanh(self.mix(self.table[ids].mean(1)))
-        return F.linear(h, self.table)
 
 
 class FlatLookup(nn.Module):

@@ -10,11 +10,11 @@ compiled graph. An op the fallback cannot prove exact stays an UnsupportedOpErro
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import Phase, example, given, settings, strategies as st
 
 import dpfx
 from dpfx.rules.fallback import FallbackWarning
+from support.models import xent
 from support.reference import (assert_close, check_every_batch_size, clip_fraction,
                                dp_sgd_grads, run_dpfx)
 
@@ -25,10 +25,6 @@ DP_CONFIGS = st.sampled_from([("mean", None), ("mean", 5), ("sum", None)])
 MAX_BATCH = 4
 C = 0.05
 BMM_FALLBACK = "vmap-fallback(aten.bmm.default)"
-
-
-def xent(out, y):
-    return F.cross_entropy(out, y)
 
 
 def check(model, x, y, *, config, backend="eager", strategy="auto"):

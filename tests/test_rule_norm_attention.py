@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 import dpfx
+from support.models import MHANet, SDPAttention, TinyGPT, xent, xent_over_positions
 from support.reference import check_every_batch_size
 from support.sweep import examples
 
@@ -33,14 +34,6 @@ C = 0.05
 
 
 # -- harness ---------------------------------------------------------------------------------------
-def xent(out, y):
-    return F.cross_entropy(out, y)
-
-
-def xent_over_positions(out, y):
-    """Cross-entropy averaged over an example's positions: out (1, T, V), y (1, T)."""
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
 
 def check(model, loss_fn, x, y, *, config, backend="eager"):
     """``reference.check_every_batch_size`` at ``config`` = (reduction, expected batch size).
@@ -125,42 +118,6 @@ def test_instance_norm(cls, shape):
 
 
 # -- 2. nn.MultiheadAttention ----------------------------------------------------------------------
-class MHANet(nn.Module):
-    """nn.MultiheadAttention on a (B, T, F) input, then a mean over time and a Linear head.
-
-    Self-attention (q = k = v = x, one packed in_proj mm) when ``kdim``/``vdim`` are None, else
-    cross-attention on three slices of the features with separate q/k/v projection weights. With
-    batch_first=False the model transposes to (T, B, E) inside, since dpfx needs the batch in dim 0
-    of every input."""
-
-    def __init__(self, embed=8, heads=2, batch_first=True, bias=True, add_bias_kv=False,
-                 kdim=None, vdim=None):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(embed, heads, bias=bias, add_bias_kv=add_bias_kv,
-                                          kdim=kdim, vdim=vdim, batch_first=batch_first)
-        self.batch_first = batch_first
-        self.splits = None if kdim is None and vdim is None else [embed, kdim or embed,
-                                                                  vdim or embed]
-        self.head = nn.Linear(embed, 3)
-
-    @property
-    def features(self):
-        return self.attn.embed_dim if self.splits is None else sum(self.splits)
-
-    def forward(self, x):
-        q = k = v = x
-        if self.splits is not None:
-            q, k, v = torch.split(x, self.splits, dim=-1)
-        if not self.batch_first:
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-            if self.splits is None:
-                k = v = q
-        out, _ = self.attn(q, k, v, need_weights=False)
-        if not self.batch_first:
-            out = out.transpose(0, 1)
-        return self.head(out.mean(1))
-
-
 def check_mha(model, config, T=4):
     """Projection weights are ``mm`` (one packed in_proj for self-attention, else q/k/v each),
     biases and bias_k/bias_v are ``sum``."""
@@ -201,30 +158,6 @@ def test_multihead_attention_bias_kv(batch_first, kv_dims):
 
 
 # -- 3. hand-written attention with scaled_dot_product_attention -----------------------------------
-class SDPAttention(nn.Module):
-    """q/k/v Linears, heads split with view/transpose, F.scaled_dot_product_attention, heads merged
-    back and an output Linear: the core of a Transformer block, written by hand."""
-
-    def __init__(self, embed, heads, causal, bias=True):
-        super().__init__()
-        self.q = nn.Linear(embed, embed, bias=bias)
-        self.k = nn.Linear(embed, embed, bias=bias)
-        self.v = nn.Linear(embed, embed, bias=bias)
-        self.o = nn.Linear(embed, embed, bias=bias)
-        self.heads = heads
-        self.causal = causal
-
-    def split_heads(self, t):
-        b, T, e = t.shape
-        return t.view(b, T, self.heads, e // self.heads).transpose(1, 2)
-
-    def forward(self, x):
-        b, T, e = x.shape
-        q, k, v = (self.split_heads(f(x)) for f in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.o(a.transpose(1, 2).reshape(b, T, e))
-
-
 class SDPANet(nn.Module):
     def __init__(self, embed=8, heads=2, causal=True, bias=True):
         super().__init__()
@@ -325,42 +258,6 @@ def test_positional_embeddings(kind, T, extra, config):
 
 
 # -- 5. a GPT-style model --------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm Transformer block: LayerNorm, causal SDPA attention, LayerNorm, GELU MLP."""
-
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = SDPAttention(d, heads, causal=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 2 * d)
-        self.proj = nn.Linear(2 * d, d)
-
-    def forward(self, h):
-        h = h + self.attn(self.ln1(h))
-        return h + self.proj(F.gelu(self.fc(self.ln2(h))))
-
-
-class TinyGPT(nn.Module):
-    """Token embedding + arange positional embedding, one block, final LayerNorm, LM head tied to
-    the token embedding. ``last_only``: logits of the last position (B, V), else (B, T, V)."""
-
-    def __init__(self, vocab, d, T, heads=2, last_only=True):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(T, d)
-        self.block = Block(d, heads)
-        self.ln_f = nn.LayerNorm(d)
-        self.last_only = last_only
-
-    def forward(self, idx):
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        h = self.ln_f(self.block(self.tok(idx) + self.pos(positions)))
-        if self.last_only:
-            h = h[:, -1]
-        return F.linear(h, self.tok.weight)
-
-
 def check_gpt(model, T, config, backend="eager"):
     """Token table: its lookup (``embedding``) plus the tied head (``mm``), summed per example
     by the add lift; positional table: ``sum`` + index_put lift; LayerNorms and biases: ``sum``;

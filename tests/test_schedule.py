@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 import dpfx
 import dpfx.passes
+from support.memory import peak_bytes
 from support.models import xent
 from support.reference import assert_close, clip_fraction, dp_sgd_grads, run_dpfx
 
@@ -32,17 +32,6 @@ class NormStack(nn.Module):
         return self.head(x).mean(1)
 
 
-def _peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def _step(model, backend, x, y, early: bool, monkeypatch):
     """(peak bytes of a warm step, gradients) with the pass on or off."""
     if not early:
@@ -50,7 +39,7 @@ def _step(model, backend, x, y, early: bool, monkeypatch):
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0,
                       expected_batch_size=x.shape[0], backend=backend)
     grads = run_dpfx(dp, model, xent, x, y)
-    peak = _peak_bytes(lambda: run_dpfx(dp, model, xent, x, y))
+    peak = peak_bytes(lambda: run_dpfx(dp, model, xent, x, y))
     monkeypatch.undo()
     return peak, grads
 

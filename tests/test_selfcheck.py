@@ -13,9 +13,8 @@ import dpfx
 import dpfx.backend
 import dpfx.lowering
 from torch._dynamo.utils import counters
-from support.models import MLP, mse
+from support.models import MLP, MHAHead, mse
 from support.reference import assert_close, dp_sgd_grads, run_dpfx
-from test_inductor_exact import MHAHead
 
 
 def _miscompile(monkeypatch, which: str, corrupt):

@@ -16,15 +16,12 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize, parametrizations
 
 import dpfx
+from support.models import xent
 from support.reference import (assert_close, check_every_batch_size, clip_fraction,
                                dp_sgd_grads, run_dpfx)
 from support.sweep import examples
 
 C = 0.05
-
-
-def xent(out, y):
-    return F.cross_entropy(out, y)
 
 
 def check(model, x, y, *, reduction="mean", expected=None, backend="eager"):

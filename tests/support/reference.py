@@ -1,5 +1,8 @@
-"""The independent reference every differential test compares against: torch.func per-example
-gradients (vmap of grad over the batch), flat clipping over all parameters, sum, divide.
+"""The independent reference every differential test compares against: each example's gradient
+of its own loss, clipped, summed, divided. The per-example gradients come from torch.func (vmap
+of grad over the batch, ``per_example_grads``) or, for models vmap cannot batch or that take
+several or keyword inputs, from a batch-of-one autograd loop (``loop_grads``); clipping is flat
+over all parameters or per layer (``clipped_sum``).
 
 Nothing here shares code with dpfx's compiler. ``check_every_batch_size`` at the end is the
 differential check the rule tests share: dpfx against this reference at every batch size.
@@ -29,27 +32,54 @@ def per_example_grads(model, loss_fn, inputs, targets):
 
 def dp_sgd_grads(model, loss_fn, inputs, targets, *, max_grad_norm, loss_reduction="mean",
                  expected_batch_size=None):
-    """The DP-SGD gradient with sigma = 0, as Opacus defines it."""
+    """The DP-SGD gradient with sigma = 0, as Opacus defines it. ``max_grad_norm``: a number, or
+    per-layer bounds {name prefix: C} as dpfx.compile takes them (``clipped_sum``)."""
     batch = inputs.shape[0]
     names = [k for k, v in model.named_parameters() if v.requires_grad]
     if batch == 0:
         return {k: torch.zeros_like(dict(model.named_parameters())[k]) for k in names}
     g = per_example_grads(model, loss_fn, inputs, targets)
-    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
-    factor = (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
-    if loss_reduction == "mean":
-        denom = expected_batch_size or batch
-    else:
-        denom = 1
-    return {k: (g[k] * factor.view(-1, *[1] * (g[k].dim() - 1))).sum(0) / denom for k in names}
+    denom = (expected_batch_size or batch) if loss_reduction == "mean" else 1
+    return clipped_sum(g, max_grad_norm, denom)
+
+
+def per_example_norms(g: dict) -> torch.Tensor:
+    """(B,): each example's gradient norm over all the parameters of ``g`` ({name: (B, ...)})."""
+    return torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+
+
+def clipped_sum(g: dict, max_grad_norm, denom=1) -> dict:
+    """sum_i clip(g_i) / denom over per-example gradients {name: (B, *p.shape)}. Flat clipping to
+    a number, or per-layer clipping to {name prefix: C}, written independently of dpfx.config: each
+    parameter's group is its longest matching prefix ("" matches every name), each group clipped
+    to its own bound."""
+    bounds = max_grad_norm if isinstance(max_grad_norm, dict) else {"": max_grad_norm}
+
+    def group(name):
+        return max((k for k in bounds if k == "" or name == k or name.startswith(k + ".")), key=len)
+
+    out = {}
+    for key, bound in bounds.items():
+        members = {k: v for k, v in g.items() if group(k) == key}
+        factor = (bound / (per_example_norms(members) + CLIP_EPS)).clamp(max=1.0)
+        for k, v in members.items():
+            out[k] = (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0) / denom
+    return {k: out[k] for k in g}
+
+
+def bound_that_bites(norms) -> float:
+    """A clipping bound that clips about half the examples (the upper median of their norms; half
+    the one norm of a batch of one): a wrong per-example scale then changes the result, where all
+    clipped would hide it."""
+    norms = sorted(float(n) for n in norms)
+    return norms[len(norms) // 2] * (1.0 if len(norms) > 1 else 0.5)
 
 
 def clip_fraction(model, loss_fn, inputs, targets, max_grad_norm) -> float:
     """Share of examples whose gradient norm exceeds C (tests use it to make clipping bite)."""
     if inputs.shape[0] == 0:
         return 0.0
-    g = per_example_grads(model, loss_fn, inputs, targets)
-    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+    norms = per_example_norms(per_example_grads(model, loss_fn, inputs, targets))
     return float((norms > max_grad_norm).float().mean())
 
 
@@ -79,26 +109,40 @@ def assert_close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-def loop_dp_sgd_grads(model, loss_fn, inputs: tuple, targets, *, max_grad_norm,
-                      loss_reduction="mean", kwargs=None):
-    """The DP-SGD gradient with sigma = 0 from a batch-of-one autograd loop: for models with
-    several inputs (each with the batch in dim 0), or layers vmap cannot batch."""
-    kwargs = kwargs or {}
-    params = {k: v for k, v in model.named_parameters() if v.requires_grad}
-    batch = targets.shape[0]
-    total = {k: torch.zeros_like(v) for k, v in params.items()}
+def loop_grads(model, example_loss, batch: int) -> dict:
+    """{name: (B, *p.shape)}: example i's gradient of ``example_loss(i)``, its own loss computed
+    on a batch of one, by plain autograd one example at a time (zeros where the example does not
+    reach a parameter). For models vmap cannot batch, or called with keywords or several inputs."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    grads = {k: [] for k in params}
     for i in range(batch):
-        one = tuple(t[i:i + 1] for t in inputs)
+        g = torch.autograd.grad(example_loss(i), list(params.values()), allow_unused=True)
+        for (k, p), gi in zip(params.items(), g):
+            grads[k].append(torch.zeros_like(p) if gi is None else gi)
+    return {k: torch.stack(grads[k]) if batch else p.new_zeros((0, *p.shape))
+            for k, p in params.items()}
+
+
+def loop_example_grads(model, loss_fn, inputs: tuple, targets, kwargs=None) -> dict:
+    """``loop_grads`` of ``loss_fn(model(*inputs_i, **kwargs_i), targets_i)``: every input and
+    keyword input with the batch in dim 0."""
+    kwargs = kwargs or {}
+
+    def example_loss(i):
         one_kw = {k: t[i:i + 1] for k, t in kwargs.items()}
-        loss = loss_fn(model(*one, **one_kw), targets[i:i + 1])
-        g = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        g = [torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params.values())]
-        norm = torch.sqrt(sum(gi.pow(2).sum() for gi in g))
-        factor = (max_grad_norm / (norm + CLIP_EPS)).clamp(max=1.0)
-        for k, gi in zip(params, g):
-            total[k] += gi * factor
-    denom = (batch or 1) if loss_reduction == "mean" else 1
-    return {k: v / denom for k, v in total.items()}
+        return loss_fn(model(*(t[i:i + 1] for t in inputs), **one_kw), targets[i:i + 1])
+
+    return loop_grads(model, example_loss, targets.shape[0])
+
+
+def loop_dp_sgd_grads(model, loss_fn, inputs: tuple, targets, *, max_grad_norm,
+                      loss_reduction="mean", kwargs=None, expected_batch_size=None):
+    """The DP-SGD gradient with sigma = 0 from a batch-of-one autograd loop
+    (``loop_example_grads``), divided by D: ``expected_batch_size`` or the batch for "mean"."""
+    batch = targets.shape[0]
+    denom = (expected_batch_size or batch or 1) if loss_reduction == "mean" else 1
+    return clipped_sum(loop_example_grads(model, loss_fn, inputs, targets, kwargs),
+                       max_grad_norm, denom)
 
 
 def run_dpfx_multi(dp_model, model, loss_fn, inputs: tuple, targets, loss_reduction="mean",
