@@ -19,7 +19,7 @@ closing barrier for every rank to finish, writes ``rank{r}.done``, destroys its 
 through ``os._exit(0)`` (no interpreter teardown; the results are already on disk). ``spawn``
 turns a death after every rank's ``done`` into a warning, since nothing under test runs then; a
 death before it, a missing result or an error still fails the test
-(tests/test_distributed.py::test_a_rank_dying_during_its_work_fails_the_run).
+(tests/loop/test_distributed.py::test_a_rank_dying_during_its_work_fails_the_run).
 """
 from __future__ import annotations
 

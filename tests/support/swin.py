@@ -1,6 +1,6 @@
 """A toy Swin written as torchvision writes it (torchvision is not a test dependency):
 window partition into (B * windows) rows, shifted windows, patch merging, a permute before the
-pooled head. Used by tests/test_merged_batch.py."""
+pooled head. Used by tests/graph/test_merged_batch.py."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -1,5 +1,5 @@
 """A private run under ``torchrun --max-restarts=3`` whose rank 1 is killed mid-run on the first
-attempt (run by tests/test_faults_distributed.py, not collected by pytest).
+attempt (run by tests/privacy/test_faults_distributed.py, not collected by pytest).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 --max-restarts=3 \
         tests/support/torchrun_resume.py OUT_DIR

@@ -1,5 +1,5 @@
 """A two-rank private run under torchrun with one rank killed: it resumes and every rank ends with
-the same count, never below the releases made (tests/torchrun_resume.py is the run)."""
+the same count, never below the releases made (tests/support/torchrun_resume.py is the run)."""
 import json
 import os
 import subprocess
@@ -9,13 +9,14 @@ import pytest
 
 
 def test_torchrun_restart_after_a_killed_rank(tmp_path):
-    here = os.path.dirname(__file__)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+        [os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-         "--nproc_per_node=2", "--max-restarts=3", os.path.join(here, "support", "torchrun_resume.py"),
-         str(tmp_path)], env=env, capture_output=True, text=True, timeout=400)
+         "--nproc_per_node=2", "--max-restarts=3",
+         os.path.join(tests, "support", "torchrun_resume.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     finals = [json.loads((tmp_path / f"final{r}.json").read_text()) for r in range(2)]
     # restarted after the kill (torchrun may restart once more if a restarted rank fails to

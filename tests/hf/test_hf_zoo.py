@@ -7,7 +7,7 @@ on the transformers model itself) and called as users call it, with keyword argu
 ``input_features``). The loss is computed outside the model on its logits:
 
 * decoder LMs and seq2seq models: per-token cross-entropy, each example's sum over its tokens
-  (padded positions labelled -100), the batch mean (tests/test_hf_token_loss.py's
+  (padded positions labelled -100), the batch mean (tests/loss/test_hf_token_loss.py's
   ``per_example_token_sum``);
 * encoders (a sequence-classification head), vision and audio classifiers: cross-entropy on the
   class logits.

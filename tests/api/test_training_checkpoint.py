@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import dpfx
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("graph", "eager"), ("optimizer", "eager"), ("graph", "inductor")]
 
 

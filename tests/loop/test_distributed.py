@@ -1,7 +1,7 @@
 """Distributed DP-SGD over torch.distributed (gloo, 2 processes spawned by the test itself).
 
 With sigma = 0 the two ranks' gradients and parameters after k steps equal the independent
-reference (tests/reference.py, torch.func per-example gradients) on the union of the ranks'
+reference (tests/support/reference.py, torch.func per-example gradients) on the union of the ranks'
 batches, with clipping that bites, both loss reductions and both strategies; with sigma > 0
 (seeded) the noise is added once globally (std sigma*C/D on every parameter, tested per
 parameter at 5 standard errors), is identical on every rank and fresh every step. A mismatched

@@ -1,7 +1,7 @@
 """The training loop around dpfx's graph: one release per forward and per accounted step, only
-dpfx's gradients in a private step (post-processing of the release: tests/test_post_processing.py),
-inputs that require grad, secure sampling, fixed seeds and private settings that cannot change after
-compile (dpfx/release.py)."""
+dpfx's gradients in a private step (post-processing of the release:
+tests/loop/test_post_processing.py), inputs that require grad, secure sampling, fixed seeds and
+private settings that cannot change after compile (dpfx/release.py)."""
 import logging
 import warnings
 

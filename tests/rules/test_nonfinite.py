@@ -2,7 +2,7 @@
 
 One example gets a NaN or an inf feature (or, in fp16, a per-sample gradient that overflows);
 the release must be finite and equal, at sigma 0, the DP-SGD gradient of the other examples
-(tests/reference.py's batch-of-one loop over them), divided by the same D. Every strategy
+(tests/support/reference.py's batch-of-one loop over them), divided by the same D. Every strategy
 (materialize; ghost for mm with one and with several rows per example, conv and embedding),
 both loss reductions, batch sizes 1 (only the bad example: the release is zero) and 4, clipping
 that bites. Note [Non-finite examples contribute zero] in dpfx/rules/__init__.py.

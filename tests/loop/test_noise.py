@@ -1,7 +1,7 @@
 """The Gaussian noise: std sigma*C/D on every coordinate, mean 0, fresh each step, reproducible with
 a seed. Each parameter's slice is tested on its own and in the pool, seeded, at 5 standard errors
-(tests/noise_stats.py): that rejects a wrong scale on one 3-entry bias, an error of 5% on all
-(and the plausible wrong formulas: sigma*C, sigma*C/sqrt(D), noise added per example)."""
+(tests/support/noise_stats.py): that rejects a wrong scale on one 3-entry bias, an error of 5% on
+all (and the plausible wrong formulas: sigma*C, sigma*C/sqrt(D), noise added per example)."""
 import math
 
 import pytest

@@ -222,8 +222,8 @@ def _noise_draws(steps: int, seed, noise: str = "graph") -> dict:
 @pytest.mark.parametrize("noise", ["graph", "optimizer"])
 def test_noise_statistics(noise):
     """std sigma*C/D on every parameter (a 3-entry bias on its own) and pooled, mean 0, fresh each
-    step, parameters uncorrelated, Gaussian tails (tests/noise_stats.py, 5 standard errors); in
-    the graph and at the optimizer, whose noise is drawn on the device."""
+    step, parameters uncorrelated, Gaussian tails (tests/support/noise_stats.py, 5 standard
+    errors); in the graph and at the optimizer, whose noise is drawn on the device."""
     draws = _noise_draws(100, seed=2024, noise=noise)
     std = SIGMA * C_NOISE / D_NOISE
     assert_noise_per_parameter(draws, std)
@@ -368,7 +368,7 @@ def test_captured_loss_after_a_plain_compile():
     dpfx's loss-gradient decomposition."""
     import subprocess
     import sys
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # tests/
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", CAPTURED_AFTER_A_PLAIN_COMPILE, DEV],

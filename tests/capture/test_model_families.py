@@ -1,5 +1,5 @@
 """Model families as people train them, through Inductor with the self-check on, against a
-batch-of-one autograd loop (tests/reference.py), at batch sizes 3, 0, 1 and 8 (the sequence
+batch-of-one autograd loop (tests/support/reference.py), at batch sizes 3, 0, 1 and 8 (the sequence
 length: a batch equal to another dim).
 
 Hugging Face models come from small configs (random init, nothing downloaded) and are called the
@@ -194,7 +194,7 @@ def test_convnext_block(backend):
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_linear_on_permuted_activation_then_pooling(backend):
-    """tests/models.py's ChannelsLastLinearPool (Note [as_strided reads storage] in
+    """tests/support/models.py's ChannelsLastLinearPool (Note [as_strided reads storage] in
     dpfx/passes/batch.py): the backward's scatter and read keep each example's gradient in its
     own block of the flat buffer (a batch of 6 equals the hidden width). The pooling takes its
     memory format from the permuted input's strides, which eager reads otherwise at B = 0 and

@@ -28,9 +28,9 @@ from support.sweep import reductions
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_per_example_losses_match_reference(name):
     """Batch sizes 3 and 1 through one compiled model (mean), 4 (= T, sum), a bound that bites;
-    an empty batch releases zeros. By default one of the two reductions (tests/sweep.py)."""
+    an empty batch releases zeros. By default one of the two reductions (tests/support/sweep.py)."""
     which, loss, term = CORPUS[name]
-    wanted = reductions(sorted(CORPUS), name)       # tests/sweep.py
+    wanted = reductions(sorted(CORPUS), name)       # tests/support/sweep.py
     for batches, reduction in (((3, 1), "mean"), ((4,), "sum")):
         if reduction not in wanted:
             continue

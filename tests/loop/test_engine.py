@@ -1,5 +1,5 @@
 """The optimizer side of DP-SGD: per-layer clipping, noise at the optimizer, virtual batches,
-secure noise, norm tracking and make_private (checkpoints: test_checkpoint_restore.py). Every
+secure noise, norm tracking and make_private (checkpoints: api/test_training_checkpoint.py). Every
 gradient is compared with the independent torch.func reference (tests/support/reference.py),
 per-layer clipping included."""
 import math
@@ -189,7 +189,8 @@ def test_foreign_gradient_is_refused_at_step():
 
 def test_optimizer_noise_std_and_seed():
     """DPOptimizer's noise: each parameter's slice (fc2.bias: 3 entries) and the pool have mean 0
-    and std sigma*C/D within 5 standard errors (tests/noise_stats.py); the seed replays it."""
+    and std sigma*C/D within 5 standard errors (tests/support/noise_stats.py); the seed replays
+    it."""
     def noise(seed, steps):
         model = MLP(8, 32, 3)
         dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=4.0, backend="eager",

@@ -1,7 +1,7 @@
 """The loss captured with the model: ``dpfx.compile(model, loss=fn)``, ``dp.loss(x, *targets)``
 (Note [The loss inside the graph] in dpfx/loss_graph.py).
 
-The plain loop's loss corpus (tests/test_loss_corpus.py: losses as libraries and scripts write
+The plain loop's loss corpus (tests/loss/test_loss_corpus.py: losses as libraries and scripts write
 them) is run again in the captured form: each per-example loss against the same batch-of-one
 reference, each coupled one refused with the op and the user's line at the first call, and the
 auditor's canary. Then what only the captured form has: the release (a positive multiple of the
@@ -53,9 +53,9 @@ def _compile(model, which, f, **kwargs):
 def test_captured_losses_match_reference(name):
     """Batch sizes 3 and 1 through one compiled model (mean), 4 (= T, sum), a bound that bites,
     the FX backend; an empty batch releases zeros. By default one of the two reductions
-    (tests/sweep.py)."""
+    (tests/support/sweep.py)."""
     which, loss, term = corpus.CORPUS[name]
-    wanted = reductions(CAPTURED, name)             # tests/sweep.py
+    wanted = reductions(CAPTURED, name)             # tests/support/sweep.py
     for batches, reduction in (((3, 1), "mean"), ((4,), "sum")):
         if reduction not in wanted:
             continue
@@ -152,7 +152,7 @@ def test_captured_loss_branching_on_data_is_named(name):
     """A captured loss whose torch code branches on the data (F.gaussian_nll_loss's check of its
     variance) is refused at the first call as a branch on the data, with the user's line and the
     plain loop as the way out, before anything is written; the plain loop trains the
-    per-example one (tests/test_loss_corpus.py)."""
+    per-example one (tests/loss/test_loss_corpus.py)."""
     which, loss = (corpus.CORPUS[name][:2] if name in corpus.CORPUS
                    else corpus.COUPLED[name][:2])
     message = _refused_at_the_first_call(which, loss, dpfx.CaptureError)
@@ -163,7 +163,7 @@ def test_captured_loss_branching_on_data_is_named(name):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("name", [n for n in corpus.CANARY_IDIOMS if n not in DATA_BRANCHES])
 def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction):
-    """The auditor's canary of tests/test_loss_corpus.py, in the captured form."""
+    """The auditor's canary of tests/loss/test_loss_corpus.py, in the captured form."""
     which, loss, term = corpus.CORPUS[name]
     torch.manual_seed(0)
     model = corpus.Net()
@@ -187,7 +187,7 @@ def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction
 def test_captured_losses_against_torch_func(batch, width, classes, reduction, kind):
     """Shapes, batch sizes 0 to 7 (1 and ones equal to other dims among them), both
     reductions, a bound that bites on the full batch: the captured loss against torch.func's
-    per-example gradients (tests/reference.py, which shares no code with dpfx)."""
+    per-example gradients (tests/support/reference.py, which shares no code with dpfx)."""
     from support.reference import dp_sgd_grads, per_example_grads
 
     torch.manual_seed(batch * 31 + width)
@@ -228,7 +228,7 @@ def test_captured_losses_against_torch_func(batch, width, classes, reduction, ki
 def test_the_auditor_catches_a_batch_size_kept_in_each_term():
     """The canary's positive control in the captured form: with a bound that g/8 escapes and g
     does not, keeping the 1/B of ``sum / len(y)`` in each term would move the release by more
-    than C (tests/test_loss_corpus.py computes that); the captured loss moves it by at most C
+    than C (tests/loss/test_loss_corpus.py computes that); the captured loss moves it by at most C
     and releases exactly the clipped sum of the per-example terms."""
     which, loss, term = corpus.CORPUS["sum_over_len"]
     torch.manual_seed(0)

@@ -6,11 +6,12 @@ LayerNorms, pooler), with dropout 0 so that the reference runs the same function
 in a small wrapper whose forward takes one tensor with the batch in dim 0 and returns logits:
 token ids and the attention mask travel stacked as (B, 2, T), because the reference maps one input
 over the batch. (Without a mask, transformers' mask preprocessing compares the batch size with
-a constant, which dpfx decides per batch size: tests/test_model_families.py.) sigma = 0 and C
-small enough that every example is clipped.
+a constant, which dpfx decides per batch size: tests/capture/test_model_families.py.) sigma = 0
+and C small enough that every example is clipped.
 
-The reference is a batch-of-one loop with plain autograd, not tests/reference.py's vmap: the sdpa
-path and BERT's mask preparation branch on tensor values (``mask.all()``), which vmap rejects.
+The reference is tests/support/reference.py's batch-of-one loop with plain autograd, not its vmap:
+the sdpa path and BERT's mask preparation branch on tensor values (``mask.all()``), which vmap
+rejects.
 """
 import logging
 

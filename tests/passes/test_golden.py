@@ -6,7 +6,7 @@ negative ids that is also the LM head: index_put's ghost form and the tied cross
 
 Regenerate (from a clean tree, then read the diff line by line) with:
 
-    DPFX_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+    DPFX_UPDATE_GOLDEN=1 python -m pytest tests/passes/test_golden.py
 
 Each golden is paired with a numeric check of the same model against the torch.func reference,
 so a golden that still matches cannot hide wrong maths.
@@ -23,7 +23,7 @@ from dpfx.passes import clip_noise
 from support.models import MLP, MHANet, ResNetGN, SeqModel, TiedTable, TinyGPT, mse, xent
 from support.reference import assert_close, dp_sgd_grads, run_dpfx
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 UPDATE = os.environ.get("DPFX_UPDATE_GOLDEN") == "1"
 
 

@@ -6,10 +6,10 @@ in its materialized form, and a small Hugging Face GPT-2.
 padding index), a lift rule (a positional parameter sliced to the sequence, ``pos[:, :T]``:
 ``slice_scatter`` into zeros), and the vmap fallback (per-head weights through ``einsum``, a
 ``bmm`` over the batch). Each test compares dpfx with sigma = 0 against the batch-of-one reference
-(tests/reference.py) with clipping that bites on every example, at batch sizes 0, 1 and more
+(tests/support/reference.py) with clipping that bites on every example, at batch sizes 0, 1 and more
 through one compiled pair (the rule families with the mean loss, GPT-2 with the sum), asserts
 which rules fired and that the self-check ran on the compiled pair. The LSTM through Inductor in
-the default suite is tests/test_rnn.py::test_inductor_char_lstm.
+the default suite is tests/capture/test_rnn.py::test_inductor_char_lstm.
 """
 import collections
 import dataclasses

@@ -1,5 +1,5 @@
 """Row-wise ops on a dim that merges the batch with another dim, through Inductor with the
-self-check on, against the batch-of-one autograd loop of tests/reference.py.
+self-check on, against the batch-of-one autograd loop of tests/support/reference.py.
 
 A model may flatten each example's rows into the batch dim: HF OPT runs its last LayerNorm on
 hidden states flattened to (B*T, d); augmentation multiplicity (De et al. 2022) flattens K views
@@ -352,7 +352,8 @@ def test_swin_windows():
     torch.manual_seed(0)
     make = lambda b: ((torch.randn(b, 3, 8, 8),), torch.randint(0, 3, (b,)))  # noqa: E731
     # B = 1 gets its own graph: the pooled head's permuted input has strides eager reads
-    # differently at B = 1 (tests/test_model_families.py::test_linear_on_permuted_activation_...)
+    # differently at B = 1
+    # (tests/capture/test_model_families.py::test_linear_on_permuted_activation_...)
     rules = check(_swin_window_partition_model(), make, F.cross_entropy, [3, 1, 4], graphs=2)
     assert rules["blocks.1.qkv.weight"] == ["mm"] and rules["blocks.1.bias"] == ["sum"], rules
 
