@@ -32,7 +32,7 @@ test: install
 	$(PYTHON) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=15
 
 # the slow tests too, every example of each hypothesis sweep and both loss reductions for every
-# idiom of the loss corpora (tests/sweep.py)
+# idiom of the loss corpora (tests/support/sweep.py)
 test-all: install
 	DPFX_TEST_SWEEP=full $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile
 

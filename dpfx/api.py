@@ -131,7 +131,7 @@ class DPModule(torch.nn.Module):
     # torch.compile (``torch.compile(dp_model)``, ``TrainingArguments(torch_compile=True)``)
     # would compile dpfx's own bookkeeping and call one compiled region from inside another.
     # ``torch._dynamo.disable`` makes the outer compile run it as it is (0.3 us a call): the
-    # outer compile is a no-op over dpfx's module (tests/test_trainer.py).
+    # outer compile is a no-op over dpfx's module (tests/hf/test_trainer.py).
     @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")
     def forward(self, *args, **kwargs):
         hf_loss = hf_labels_loss(self._orig_mod, kwargs)
@@ -400,7 +400,7 @@ def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 # Inductor's stride assertion with the unbacked batch (torch 2.13). dpfx's graphs only ever see
 # row-major inputs: a strided one is copied (the same values; ``contiguous`` is differentiable
 # for an input that requires grad), a contiguous one costs a flag read.
-# (tests/test_inputs.py::test_strided_input_after_a_contiguous_one)
+# (tests/capture/test_inputs.py::test_strided_input_after_a_contiguous_one)
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
@@ -505,7 +505,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
 # batch arrives empty), and finds the label columns from the class's forward. Each compiled
 # module is therefore an instance of its own subclass of DPModule whose ``forward`` carries the
 # wrapped model's signature (``inspect.signature`` reads ``__signature__``); the call itself is
-# DPModule.forward. (tests/test_trainer.py)
+# DPModule.forward. (tests/hf/test_trainer.py)
 def _module_class(model: torch.nn.Module) -> type:
     # a PEFT model forwards ``*args, **kwargs`` to its base model, whose signature Trainer reads
     named = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -13,8 +13,8 @@ only as Note [A warm start without the joint trace] (lower/warm.py) sets it up: 
 mode, holding dpfx's own output code, which calls dpfx's inner compiler again when it is loaded,
 under a key that carries dpfx's source digest; a hit after which dpfx compiled nothing is
 refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
-graph itself. (tests/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
-tests/test_warm_start.py)
+graph itself. (tests/lower/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
+tests/lower/test_warm_start.py)
 """
 from __future__ import annotations
 
@@ -358,7 +358,7 @@ def _check_zero_tangents(args, positions: list[int]) -> None:
 # each graph input comes from (its grapharg's source): those not read from the call's own
 # arguments are constants to the graph, like buffers, the same on every call whatever the batch
 # (dynamo guards on them). An input without a recorded source stays a batch input.
-# (tests/test_inductor_sweep.py, the decoder layer's causal mask)
+# (tests/lower/test_inductor_sweep.py, the decoder layer's causal mask)
 _CALL_ARGUMENTS = ("L['args']", "L['kwargs']")
 
 

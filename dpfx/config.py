@@ -134,7 +134,7 @@ def check_loss(loss) -> None:
     """``loss=`` is a function ``fn(output, *targets)``, an ``nn.Module`` loss instance, or
     None: anything else would only fail at the first ``dp_model.loss(...)``, as a capture
     error about the model.
-    (tests/test_loss_graph.py::test_a_loss_that_is_not_a_function_is_refused_at_compile)"""
+    (tests/loss/test_loss_graph.py::test_a_loss_that_is_not_a_function_is_refused_at_compile)"""
     if loss is None:
         return
     if isinstance(loss, type):

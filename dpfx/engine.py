@@ -162,7 +162,7 @@ def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Op
 # ledger, the step count and, with a seed, the generator of noise="optimizer"), the generator of
 # the graph's noise when the model was compiled with ``seed``, and the generator of the Poisson
 # sampler when one was given. A run saved between epochs and restored in a fresh process then
-# continues bit for bit as if uninterrupted (tests/test_checkpoint_restore.py). Without the noise
+# continues bit for bit as if uninterrupted (tests/api/test_training_checkpoint.py). Without the noise
 # generator's state a seeded run would restart its noise stream from the seed and add, after the
 # restart, the very noise it added before it: noise an observer of both phases can subtract.
 # Unseeded noise comes from the OS's CSPRNG and secure_mode's from os.urandom: those runs

@@ -8,7 +8,6 @@ import ast
 import os
 
 import networkx as nx
-import pytest
 
 import dpfx
 
@@ -18,7 +17,7 @@ LAYERS = [
     ["dpfx.errors", "dpfx.config", "dpfx.graph", "dpfx.ops", "dpfx.privacy"],
     ["dpfx.rules"],
     ["dpfx.passes"],
-    ["dpfx.capture"],
+    ["dpfx.capture.entry"],
     ["dpfx.lower"],
     ["dpfx.loss"],
     ["dpfx.backend"],

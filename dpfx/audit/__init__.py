@@ -34,7 +34,7 @@ privacy: one step, one canary, one statistic; it catches implementation bugs (a 
 noise too small, an example counted twice), not all of them. ``control`` runs the same audit on
 a deliberately broken mechanism while the accountant keeps the claimed settings: "sigma/K"
 (noise_multiplier divided by K) or "no-clip" (clipping bound 1e6 C, noise still sigma C): the
-audit must find it, eps_lb > eps_accounted (tests/test_audit.py).
+audit must find it, eps_lb > eps_accounted (tests/audit/test_audit.py).
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ runs each graph only at sizes it serves. The privacy proof of every graph holds 
 the symbol, whatever was decided. A comparison that also involves a value computed from the data
 or another dynamic size, or the batch needed as a Python number (``range(x.shape[0])``), is not
 decided: api.py's CaptureError names the expression and the model's frames.
-(tests/test_model_families.py::test_batch_branch_routing, test_causal_lm_without_mask;
-tests/test_linear.py::test_raw_product_of_one_column_matches_reference)
+(tests/capture/test_model_families.py::test_batch_branch_routing, test_causal_lm_without_mask;
+tests/rules/test_linear.py::test_raw_product_of_one_column_matches_reference)
 """
 from __future__ import annotations
 

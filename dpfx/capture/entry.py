@@ -5,7 +5,7 @@ heap frozen among them), and the one unbacked batch symbol on every input.
 Dynamo specializes sizes 0 and 1 of dynamic dims, which would mean three graphs (and three
 compiles) for Poisson batches. ``mark_unbacked`` on dim 0 of every tensor input keeps the batch a
 symbol that nothing specializes on, so one forward and one backward graph serve every batch size
-including 0 and 1 (tests/test_inductor.py::test_batch_sizes_compile_once).
+including 0 and 1 (tests/lower/test_inductor.py::test_batch_sizes_compile_once).
 
 Every input is marked with the same ``shape_id``, so all of them share one symbol: ``(x, mask)``
 is one batch of size u0, not two independent sizes u0 and u1 whose equality torch cannot decide
@@ -14,7 +14,7 @@ is one batch of size u0, not two independent sizes u0 and u1 whose equality torc
 The marks are attributes on the tensor (``_dynamo_unbacked_indices`` and friends), which dynamo's
 guards read at call time. dpfx sets them just before the call and puts the tensor's attributes back
 afterwards, so a caller's tensor leaves a dpfx call as it came (a later plain ``torch.compile``
-would otherwise see dpfx's marks: tests/test_inputs.py).
+would otherwise see dpfx's marks: tests/capture/test_inputs.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from dpfx.capture.traceable import ALL, Captured, Swaps
 # a copy made for each DPModule, which no other compile has seen, that calls the model. dynamo
 # starts there and, with fullgraph=True, inlines everything below it into dpfx's one graph,
 # consulting no other cache entry
-# (tests/test_inputs.py::test_plain_compile_of_the_same_class_first).
+# (tests/capture/test_inputs.py::test_plain_compile_of_the_same_class_first).
 _ENTRIES = itertools.count()
 
 
@@ -65,8 +65,8 @@ def own_entry(model: torch.nn.Module):
 # the model uses). Plain torch.compile calls outside dpfx keep dynamo's default. The methods are
 # read from ``logging.Logger`` at every capture, not once per process: transformers adds its own
 # when it is imported, which may be after dpfx captured another model
-# (tests/test_inputs.py::test_logging_inside_the_forward_across_captures,
-# tests/test_hf.py::test_bert_gradient_checkpointing_after_an_earlier_capture).
+# (tests/capture/test_inputs.py::test_logging_inside_the_forward_across_captures,
+# tests/hf/test_hf.py::test_bert_gradient_checkpointing_after_an_earlier_capture).
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
                    "warning_once", "info_once", "warning_advice")
 
@@ -89,7 +89,7 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
 # (eager_then_compile builds a fresh one from the innermost backend at its second call, which
 # the wrapper would not see); under any such stance the settings are set up around the whole
-# call, as they were for every call before (tests/test_loop_privacy.py::
+# call, as they were for every call before (tests/loop/test_loop_privacy.py::
 # test_capture_settings_only_while_dynamo_captures).
 def default_stance() -> bool:
     stance = getattr(torch._dynamo.eval_frame, "_stance", None)
@@ -154,7 +154,7 @@ class CaptureSettings:
 # unfreezing would hand back the process's objects too), where the collector is off, inside
 # another capture, and on the collectors whose heap is not the generational one of CPython
 # 3.10-3.13 (the free-threaded build; 3.14's incremental collector).
-# (tests/test_inputs.py::test_heap_frozen_only_during_a_capture)
+# (tests/capture/test_inputs.py::test_heap_frozen_only_during_a_capture)
 _GENERATIONAL_GC = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 

@@ -69,7 +69,7 @@ def graph_break_error(e: Exception) -> CaptureError:
 # PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
 # PrivacyError is in its exception chain). The PrivacyError is raised again, with the model's
 # lines that led to it.
-# (tests/test_loop_privacy.py::test_batch_mixing_norms_and_roll)
+# (tests/loop/test_loop_privacy.py::test_batch_mixing_norms_and_roll)
 def refusal_while_capturing(e: Exception) -> DPFXError | None:
     todo, seen = [e], set()
     while todo:
@@ -111,7 +111,7 @@ def symbolic_batch_error(e: Exception) -> CaptureError:
         # decides it, and one graph cannot hold both branches. It is named as what it is, with
         # the way out that keeps the computation private: outside the compiled code (a loss
         # computed in the training loop is checked there, loss/check.py).
-        # (tests/test_loss_graph.py::test_captured_loss_branching_on_data_is_named)
+        # (tests/loss/test_loss_graph.py::test_captured_loss_branching_on_data_is_named)
         why = (f"the code branches on a value computed from the data ({expr}: a Python `if` on "
                f"a tensor, `.item()` or `bool()` of one, such as torch's own check "
                f"`if torch.any(var < 0)` in F.gaussian_nll_loss), at the line below. One graph "

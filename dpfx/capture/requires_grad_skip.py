@@ -20,7 +20,7 @@ in capture/entry.py), the statement is dropped from the capture.
 # (autograd only prunes the branches no one asked for). What the flag adds in eager is a
 # gradient for ``t`` itself, which only its holder could read, and ``t`` is a tensor inside the
 # model's forward; a parameter keeps its own flag. The captured graph is verified as any other
-# (tests/test_merged_batch.py::test_wav2vec2_requires_grad_inside_the_forward).
+# (tests/graph/test_merged_batch.py::test_wav2vec2_requires_grad_inside_the_forward).
 """
 from __future__ import annotations
 

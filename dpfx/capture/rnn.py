@@ -9,7 +9,7 @@ per-sample rule. ``rnn_forward`` computes the same recurrence with ``F.linear`` 
 one Python step per time step (T is static), so the weights' gradients are ordinary ``mm``s: the
 input weight's one ``mm`` over T*B (the input projection of the whole sequence at once), the hidden
 weight's a sum over time of T ``mm``s over B, which ``passes/stack_time.py`` stacks into one
-``mm`` over B*T before the per-sample rewrite. torch's semantics, number for number (tests/test_rnn.py checks the outputs
+``mm`` over B*T before the per-sample rewrite. torch's semantics, number for number (tests/capture/test_rnn.py checks the outputs
 against the stock module, train and eval):
 
 - LSTM gates in the order i, f, g, o; ``c' = f*c + i*g``, ``h' = o*tanh(c')``, then ``W_hr`` when

@@ -170,8 +170,8 @@ def _repeat_by_expand(self, *sizes):
 # scalar feature fed straight in) keep torch's mm and its ghost form. A raw ``h @ W`` goes
 # through no Python function dpfx could swap; torch's size-oblivious answer decides its test
 # (capture/batch_branches.py).
-# (tests/test_linear.py::test_width_one_hidden_layer_matches_reference,
-#  tests/test_rule_convolution.py::test_one_channel_conv_into_linear_matches_reference)
+# (tests/rules/test_linear.py::test_width_one_hidden_layer_matches_reference,
+#  tests/rules/test_rule_convolution.py::test_one_channel_conv_into_linear_matches_reference)
 def _linear_one_feature(input, weight, bias=None):
     if weight.dim() != 2 or weight.shape[1] != 1 or not input.requires_grad:
         return _linear(input, weight, bias)
@@ -272,7 +272,7 @@ def _reshape_explicit(self, *sizes):
 # proofs see like any other op. A contiguous input costs nothing (``contiguous`` returns it), and
 # neither does an adaptive pool to one position per channel (``_pooled_to_one``). A
 # channels-last *weight* (``model.to(memory_format=torch.channels_last)``) is still refused.
-# (tests/test_merged_batch.py::test_convnext_channels_last_inside_the_model)
+# (tests/graph/test_merged_batch.py::test_convnext_channels_last_inside_the_model)
 def _reads_contiguous(fn, adaptive: bool):
     def stand_in(input, *args, **kwargs):
         if isinstance(input, torch.Tensor) and input.dim() in (4, 5) and \

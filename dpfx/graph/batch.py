@@ -153,8 +153,8 @@ def _prod(exprs) -> sympy.Expr:
 # input with exactly those whenever they hold no unbacked symbol (GraphLowering.run_node), and a
 # batch-outermost tensor's strides never hold the batch. At B = 1 a tensor holds one example, so
 # no view can mix examples whatever eager's strides for the size-1 dim.
-# (tests/test_model_families.py::test_linear_on_permuted_activation_then_pooling,
-# tests/test_verifier.py::test_as_strided_across_examples_is_refused and
+# (tests/capture/test_model_families.py::test_linear_on_permuted_activation_then_pooling,
+# tests/passes/test_verifier.py::test_as_strided_across_examples_is_refused and
 # ::test_as_strided_scatter_across_examples_is_rejected)
 _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 
@@ -173,7 +173,7 @@ _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 # across dims fixed by its meaning (Note [Ops that read across dims they do not name]). The
 # views that split the merged dim back must split it as it was merged (``_through_view``), and
 # the per-sample rules sum each example's rows (Note [A convolution over K rows per example]).
-# (tests/test_merged_batch.py)
+# (tests/graph/test_merged_batch.py)
 
 
 class BatchAnalysis:
@@ -314,7 +314,7 @@ class BatchAnalysis:
     # the two layouts in disagreement and refuses. A batch-free value computed from the data (a
     # batch statistic) is not a constant: it keeps the old reading, and the op that computed it
     # is refused by the forward check either way.
-    # (tests/test_hf_labels.py::test_multiple_choice_with_labels)
+    # (tests/loss/test_hf_labels.py::test_multiple_choice_with_labels)
     def _broadcast(self, val: torch.Tensor) -> BatchDim | None:
         shape = self.shape(val)
         dims = [d for d, s in enumerate(shape) if self.has_batch(s)]

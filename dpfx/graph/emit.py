@@ -43,7 +43,7 @@ def _val(x: Any) -> Any:
 # Random ops (the noise draw: tagged nondeterministic_seeded), mutating ops and anything outside
 # aten/prims/Python's operator module are emitted anew every time: two noise draws must never
 # become one. A node's tag is part of its key, so the verifier's tagged roles stay distinct.
-# (tests/test_linear.py::test_shared_input_is_processed_once)
+# (tests/rules/test_linear.py::test_shared_input_is_processed_once)
 def _pure_key(op, args, kwargs, tag) -> tuple | None:
     if isinstance(op, torch._ops.OpOverload):
         if (op.namespace not in ("aten", "prims") or op._schema.is_mutable
@@ -153,7 +153,7 @@ class Emitter:
     # matrix reads its operand twice (X and X^T), so the LSTM's stacked gate gradient (B, 32, 512)
     # was copied twice, both copies live at the backward's peak. With ``copy=True`` the permuted
     # tensor is cloned to contiguous in the graph: one buffer, which the reshape and the
-    # transpose then only view (tests/test_linear.py::test_time_major_gram_operand_copied_once).
+    # transpose then only view (tests/rules/test_linear.py::test_time_major_gram_operand_copied_once).
     def batch_to_front(self, node: fx.Node, bd: BatchDim, copy: bool = False) -> fx.Node:
         """(..., outer*B*inner at bd.dim, ...) -> (B, ..., outer*inner at bd.dim + 1, ...).
 
@@ -193,7 +193,7 @@ class Emitter:
     # (a per-sample form) that keeps dim 0 where and what it is (a view or reshape with dim 0 of
     # size B on both sides, a permute that fixes dim 0). The verifier accepts the result because
     # it compares clipped tensors with the norm's sources through the same data movement
-    # (verify._through_moves). Pinned by tests/test_linear.py::test_one_squared_norm_per_tensor.
+    # (verify._through_moves). Pinned by tests/rules/test_linear.py::test_one_squared_norm_per_tensor.
     def squared_norm(self, node: fx.Node, bd: BatchDim, widen: bool = True) -> fx.Node:
         """[B]: each example's sum of squares of ``node``'s entries (batch layout ``bd``),
         computed once per source tensor and dtype: in float32 or wider, or, with ``widen=False``,

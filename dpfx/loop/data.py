@@ -55,7 +55,7 @@ With ``secure_mode=True`` every inclusion decision is a 64-bit integer from the 
 (``os.urandom``) compared with floor(q * 2^64): each example joins with probability q rounded
 down by less than 2^-64, independently of torch's generators, of ``torch.manual_seed`` and of
 other runs and ranks. Nothing is seeded, so nothing can be replayed; a ``generator`` is refused.
-(tests/test_loop_privacy.py::test_secure_sampling_ignores_torch_seed)
+(tests/loop/test_loop_privacy.py::test_secure_sampling_ignores_torch_seed)
 """
 from __future__ import annotations
 

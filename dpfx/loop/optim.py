@@ -31,7 +31,7 @@ A logical batch too big for memory runs as several physical batches. ``signal_sk
 ``step()`` and ``zero_grad()`` into no-ops, so the clipped sums of all physical batches add up
 and the noise is added once, for the logical batch. Since the graph undoes the mean over each
 physical batch before clipping, the sum is independent of how the batch is split: with sigma = 0
-it equals the one-big-batch step (tests/test_engine.py).
+it equals the one-big-batch step (tests/loop/test_engine.py).
 
 # Note [Noise once across ranks]
 With torch.distributed initialized (world size W > 1), rank 0 adds N(0, (sigma * S)^2) to its
@@ -48,7 +48,7 @@ when the process group's timeout expires, so ``init_process_group(timeout=)`` is
 the wait. The backend's error becomes a ``dpfx.PeerError`` that says which step failed, that
 this rank did not take it, and how to resume. Rank 0 recorded the step in its privacy ledger
 before the all-reduce (its noise was drawn), so the restarted run counts it
-(tests/test_faults.py).
+(tests/privacy/test_faults.py).
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ requires; a positive Python multiple of it (``loss / accum_steps``, Trainer's ``
 is released the same, the multiple removed like every scalar after the batch reduction; any
 other use of it yields plain tensors, whose backward reaches dpfx's graph unreleased and is
 refused there. What runs per step beyond the graph: one type change of the loss and the flag.
-(tests/test_loss_graph.py)
+(tests/loss/test_loss_graph.py)
 """
 from __future__ import annotations
 
@@ -515,7 +515,7 @@ def _shown(graph: fx.Graph, loss: fx.Node, scaled: fx.Node) -> fx.Node:
 # model's own graph (the plain forward's entry, compiled once, the first time an empty batch
 # comes), computes ``fn`` on its empty outputs for the value shown, and releases a zero
 # gradient through the outputs: the backward graph adds the noise.
-# (tests/test_loss_graph.py::test_batch_sizes_compile_once_and_match_through_inductor_cold_and_warm)
+# (tests/loss/test_loss_graph.py::test_batch_sizes_compile_once_and_match_through_inductor_cold_and_warm)
 
 
 # -- the release --------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ loss_reduction="mean", whose graph undoes a 1/B); terms whose batch-dependent pa
 token mean plus a mean over examples) each lose their own (Note [Terms on their own scales]).
 The loss value the user sees is untouched, and a changed scale is warned about once
 (``LossScaleWarning``).
-(tests/test_loss_corpus.py::test_one_added_example_moves_the_release_by_at_most_C_over_D)
+(tests/loss/test_loss_corpus.py::test_one_added_example_moves_the_release_by_at_most_C_over_D)
 """
 from __future__ import annotations
 
@@ -313,7 +313,7 @@ def _free(size) -> set:
 # ("mean": each loss over its target length, then the batch mean), where the check sees it.
 # Only padded (B, S) targets: concatenated 1-D targets locate example i's labels by the other
 # examples' lengths, a layout dpfx cannot prove, and are refused.
-# (tests/test_loss_corpus.py, the "ctc" idiom)
+# (tests/loss/test_loss_corpus.py, the "ctc" idiom)
 def _ctc_replayed(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
                   zero_infinity=False):
     if targets.dim() != 2 or not isinstance(input_lengths, torch.Tensor) or not isinstance(
@@ -368,7 +368,7 @@ def _constant_pad_nd_replayed(input: torch.Tensor, pad, value=0):
 # code, torch's line for line but for the check (the variance clamped at ``eps`` under
 # ``no_grad``, so that gradients pass through the clamp as in torch). A variance that is a
 # statistic of the batch is still refused, at the op that computes it.
-# (tests/test_loss_corpus.py, the "gaussian_nll" idioms and the coupled
+# (tests/loss/test_loss_corpus.py, the "gaussian_nll" idioms and the coupled
 # "gaussian_nll_batch_variance")
 def _gaussian_nll_replayed(input, target, var, full=False, eps=1e-6, reduction="mean"):
     if isinstance(var, float):
@@ -433,8 +433,8 @@ def unflatten(leaves: list, spec) -> tuple[tuple, dict]:
 # path in the verdict, all with the same batch-dependent part, so the same factor: where each
 # term is scaled on its own, its node is scaled once (``scaled_terms``, as loss_graph's dict of
 # scaled copies does), and the paths' linear part above it adds the rest.
-# (tests/test_loss_check.py::test_stacked_batch_sums_match_reference,
-# tests/test_loss_check.py::test_stacks_that_mix_examples_are_refused)
+# (tests/loss/test_loss_check.py::test_stacked_batch_sums_match_reference,
+# tests/loss/test_loss_check.py::test_stacks_that_mix_examples_are_refused)
 def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict,
             factors: list) -> Verdict:
     phs = list(gm.graph.find_nodes(op="placeholder"))
@@ -802,7 +802,7 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
 # exactly, and differentiates it with respect to the outputs; loss_track then runs the backward
 # from the outputs' autograd edges with those gradients instead of the user's loss. Everything
 # above a term is linear (the terminal rule), so scaling the term's node scales its whole
-# contribution. (tests/test_loss_corpus.py::test_terms_on_their_own_scales)
+# contribution. (tests/loss/test_loss_corpus.py::test_terms_on_their_own_scales)
 def scaled_terms(verdict: Verdict, inputs: list, ratios: list[float]) -> torch.Tensor:
     """The per-example loss of Note [Terms on their own scales] on the step's values."""
     if verdict._scaled is None:

@@ -26,7 +26,7 @@ Inductor's own decomposition rounds it):
    target is ``ignore_index``): the row has no other nonzero, so the sum is that entry exactly.
 
 A program without the pattern is left as it is (the gradient is the same either way; only the
-kernels differ). Tested against the untouched program in tests/test_loss_form.py.
+kernels differ). Tested against the untouched program in tests/loss/test_loss_form.py.
 """
 from __future__ import annotations
 

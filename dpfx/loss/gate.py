@@ -52,7 +52,7 @@ weaker guarantee than accounted. Joint clipping needs both uses in one graph, so
 forward that takes both inputs. dpfx detects the case exactly: two of its backward graphs running
 inside one autograd graph task (one .backward() call), or (loss/track.py) two forwards' outputs
 meeting in one loss. Each check runs before its graph, so the refused second graph has written
-nothing. (tests/test_inputs.py::test_two_forwards_one_backward_refused)
+nothing. (tests/capture/test_inputs.py::test_two_forwards_one_backward_refused)
 
 # Note [Only dpfx's gradients reach a private step]
 ``DPOptimizer.step()`` steps p.grad, into which autograd accumulates every backward since the last
@@ -89,7 +89,7 @@ in ``dp_model.clipped_sums``), so post-processing there finds nothing (``clip_gr
 returns 0). ``step()`` writes the noised gradient into p.grad and then calls the inner
 optimizer's ``step()``; post-processing of that release goes in a pre-hook of the inner
 optimizer (``opt.original_optimizer.register_step_pre_hook``), which runs in between.
-(tests/test_post_processing.py, tests/test_loop_privacy.py)
+(tests/loop/test_post_processing.py, tests/loop/test_loop_privacy.py)
 
 # Note [Clipped sums stay out of p.grad]
 With noise="optimizer" the backward graph outputs sum_i clip(g_i), which is not private until

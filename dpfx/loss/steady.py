@@ -31,7 +31,7 @@ full path), the empty batch. Only verdicts whose scale needs no evaluation of th
 kept here (no size int read as the batch size, no Python number among the normalizers, every
 normalizer a token count of Note [A token mean's count]); the others take the full path every
 step. At most _CACHE_SIZE keys, least recently used dropped first.
-(tests/test_loss_check.py::test_steady_state_switch_to_a_leaking_loss_is_refused)
+(tests/loss/test_loss_check.py::test_steady_state_switch_to_a_leaking_loss_is_refused)
 
 # Note [A token mean's count]
 A token mean (``F.cross_entropy(logits, y)`` with ignored labels) divides by N, the count of

@@ -171,7 +171,7 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
 # the forward, that every model input computed from them keeps examples apart. The first
 # ``_DATA_CALLS`` calls of a batch are followed; the results of later ones (a teacher network run
 # on the batch) are plain tensors, taken as per-example data like the tensors of any other
-# loader. (tests/test_loss_corpus.py::test_batch_statistics_of_the_labels_are_refused)
+# loader. (tests/loss/test_loss_corpus.py::test_batch_statistics_of_the_labels_are_refused)
 _DATA_CALLS = 64
 
 

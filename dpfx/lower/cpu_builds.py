@@ -28,7 +28,7 @@ any other file-level preprocessor line, or not exactly one ``extern "C" void ker
 built on its own as before; so is everything when Inductor compiles in-process (one compile
 thread), where the module expects each kernel at once. A unit g++ refuses is rebuilt kernel by
 kernel, with a ``MergedBuildFailed`` warning: the same code, only more builds.
-(tests/test_inductor.py::test_merged_cpu_builds)
+(tests/lower/test_inductor.py::test_merged_cpu_builds)
 """
 from __future__ import annotations
 

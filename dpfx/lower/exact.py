@@ -24,7 +24,7 @@ dpfx makes such an assumption an error instead: ``ShapeEnv.guard_or_defer_runtim
 ``UncheckedAssumption`` (an ``AssertionError``) for an unprovable expression on an unbacked symbol
 once asserts are frozen. The reshape indexer catches ``AssertionError`` and falls back to going
 through the flat size, which is exact; anywhere else the compile fails with a ``CaptureError``
-that prints the expression. Reproduction: tests/test_inductor_exact.py.
+that prints the expression. Reproduction: tests/lower/test_inductor_exact.py.
 
 Closing that hole uncovered one more site that had only worked because of the wrong range:
 Inductor's bmm lowering asks whether an operand's layout suits the CPU kernel with a plain Python
@@ -134,7 +134,7 @@ def unchecked(e: BaseException) -> UncheckedAssumption | None:
 # propagation gives: the test suite propagates again on the side in every lowering of a dpfx
 # graph, compares every node's shape, strides and dtype, and lowers the kept values
 # (tests/conftest.py), and
-# tests/test_lowering_patches.py compares the generated code. Cold first steps (the AMD EPYC,
+# tests/lower/test_lowering_patches.py compares the generated code. Cold first steps (the AMD EPYC,
 # 2026-11-28, one run each, benchmarks/latest/first_step_fake_values_kept.md): GPT-2 small 46.2 ->
 # 44.8 s (its two lowerings 18.7 -> 16.7 s), GPT-2 d=256 16.1 -> 15.4 s. A warm start hits
 # Inductor's FX-graph cache before the propagation. Set for dpfx's lowering only, and restored

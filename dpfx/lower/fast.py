@@ -5,7 +5,7 @@
         compiled = compile_fx_inner(gm, example_inputs)        # (lower/inductor.py)
 
 None of them changes a computed value: each takes a shortcut to an answer Inductor would have
-given (tests/test_lowering_patches.py compares the code with and without the compile-time ones)
+given (tests/lower/test_lowering_patches.py compares the code with and without the compile-time ones)
 or, for ``shared_sums_stored``, stores a value once where that lets buffers die. Each says in its
 Note what it saved and on which torch it was measured; any can be dropped when torch changes, at
 that cost. One more lives in lower/cpu_builds.py (one C++ build per compile worker), and
@@ -78,7 +78,7 @@ def smaller_cpu_kernel_groups():
 # 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores; nor
 # did GPT-2 small's (58.87 against 59.17 s, one run each).
 # Checked on every call of those three first steps: the same stride expression as Inductor's
-# every time, so the same generated code (tests/test_lowering_patches.py compares the code
+# every time, so the same generated code (tests/lower/test_lowering_patches.py compares the code
 # too). Set for dpfx's lowering only, and restored after.
 @contextlib.contextmanager
 def polynomial_vector_strides():
@@ -125,7 +125,7 @@ def _polynomial_strides(inductors):
 # lowering 20.6 and 20.7 against 21.5 and 22.5 s; benchmarks/first_step.py, alternated, the AMD
 # EPYC, 2026-11-27; in a noisier hour 57.1 and 67.8 against 65.3 and 69.4 s), GPT-2 d=256's
 # 20.5 and 19.5 against 19.9 and 22.1 s. Set for dpfx's lowering only, and restored after.
-# (tests/test_lowering_patches.py: the same generated code, the table rebuilt when a rule
+# (tests/lower/test_lowering_patches.py: the same generated code, the table rebuilt when a rule
 # changes)
 @contextlib.contextmanager
 def dtype_rules_once():
@@ -169,7 +169,7 @@ def dtype_rules_once():
 # pruning (a new ``read_writes``). So during dpfx's lowering a plain or fused node pair refused
 # for no shared data is refused again at once while both nodes and both ``read_writes`` objects
 # are the ones it was refused with; every other question goes to Inductor. The same fusions,
-# so the same generated code (tests/test_lowering_patches.py compares it, and checks each kept
+# so the same generated code (tests/lower/test_lowering_patches.py compares it, and checks each kept
 # refusal against Inductor's answer). Set for dpfx's lowering only, and restored after.
 _NO_SHARED_DATA = "no shared data"
 
@@ -237,7 +237,7 @@ def fusion_refusals_kept():
 # torch.compile's 171.9), the step 3-6% faster (20 interleaved rounds, both orders); HF Llama's
 # four residual sums are stored, its step and memory unchanged. Set for dpfx's lowering only,
 # and restored after; dpfx's source digest keys Inductor's FX-graph cache.
-# (tests/test_lowering_memory.py)
+# (tests/lower/test_lowering_memory.py)
 @contextlib.contextmanager
 def shared_sums_stored():
     """Note [A shared sum stored so that its inputs die]."""
@@ -308,7 +308,7 @@ def _numel(t: torch.Tensor):
 # (the key torch keeps its own caches by: replacements, divisibility, runtime asserts), and each
 # free symbol's replacement and value range. An expression with Inductor's precomputed sizes,
 # or a shape environment without a version, is passed to torch's function each time. The same
-# answers, so the same generated code (tests/test_lowering_patches.py compares it). Set for
+# answers, so the same generated code (tests/lower/test_lowering_patches.py compares it). Set for
 # dpfx's capture only, and restored after.
 @contextlib.contextmanager
 def optimization_hints_once():

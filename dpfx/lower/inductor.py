@@ -8,9 +8,9 @@ it found it:
 
 - ``EXACT`` (lower/exact.py): what makes the generated code compute the proven graph. Each is
   needed for as long as the torch it names has the behaviour it closes; removing one fails the
-  tests that reproduce that behaviour (tests/test_inductor_exact.py, tests/conftest.py).
+  tests that reproduce that behaviour (tests/lower/test_inductor_exact.py, tests/conftest.py).
 - ``FAST`` (lower/fast.py, lower/cpu_builds.py): what makes compiling fast or the generated code
-  lean. None changes a computed value (tests/test_lowering_patches.py compares the code with and
+  lean. None changes a computed value (tests/lower/test_lowering_patches.py compares the code with and
   without them), so any of them can be dropped when torch changes, at a cost in time measured in
   its Note.
 
@@ -22,7 +22,7 @@ be handed back. dpfx compiles with a no-op post-grad pass whose uuid hashes dpfx
 this file alone: the generated code bakes in what dpfx's own ops' fake kernels said (output
 strides) and calls their kernels, so a dpfx whose ops changed must not reuse another version's
 entries, which the graph alone (the same op names and arguments) would match
-(tests/test_inductor.py::test_cache_key_covers_every_dpfx_source). The same pass is in
+(tests/lower/test_inductor.py::test_cache_key_covers_every_dpfx_source). The same pass is in
 Inductor's settings for the whole compile, so that AOTAutogradCache's key carries it too (Note
 [No caches that skip the inner compiler] in backend.py).
 """

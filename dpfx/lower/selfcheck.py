@@ -34,7 +34,7 @@ a few percent of the first step on small models, a quarter of GPT-2 small's cold
 46 s on the 2-core AMD EPYC, 2026-11-27; docs/ARCHITECTURE.md);
 ``dpfx.compile(..., self_check=False)`` skips it. Code that has passed it once is not checked
 again (Note [A self-check is not repeated on code it has passed]), unless ``self_check="always"``.
-tests/test_selfcheck.py hands it deliberately miscompiled graphs.
+tests/lower/test_selfcheck.py hands it deliberately miscompiled graphs.
 """
 from __future__ import annotations
 
@@ -509,7 +509,7 @@ class GraphCheck:
 # configuration and wrong under another; Inductor's C++ code is fixed once generated. The marker holds no
 # verdict to read, only its name: the proof (verify.py) still runs on every compile, and a marker
 # can only skip a test that the same code passed.
-# (tests/test_selfcheck.py::test_passed_check_not_repeated_on_the_same_code)
+# (tests/lower/test_selfcheck.py::test_passed_check_not_repeated_on_the_same_code)
 def _passed_marker(check: "GraphCheck", sizes: dict) -> str | None:
     """The marker file of this pair's check, or None where the code cannot be identified."""
     from torch._inductor.output_code import CompiledFxGraph
@@ -607,7 +607,7 @@ class _isolated_rng:
 # graph on the same inputs return different bits. They carry no example's data, so the forward
 # check leaves them out (layout "side"): of the comparison with the eager reference (``skip``)
 # and, being batch-free outputs that are not compared as such, of the independence check.
-# (tests/test_fused_attention.py::test_side_outputs_compared_would_refuse)
+# (tests/lower/test_fused_attention.py::test_side_outputs_compared_would_refuse)
 def _compare(which: str, b: int, names: list, got: list, want: list,
              low_precision: bool = False, measured: dict | None = None,
              skip: set = frozenset()) -> None:
@@ -819,7 +819,7 @@ def _norm(t: torch.Tensor) -> float:
 # order 1). The floor's scale is the graph's own: the largest RMS entry among its outputs. A fixed
 # floor of sqrt(n) let a 1% error through in every DP gradient, whose entries are of order C/D
 # (C = 1, D = 256: ~1e-3 each), so the floor outweighed the relative term 250 times
-# (tests/test_selfcheck.py::test_miscompiled_graph_refused_before_training, "dp-scale").
+# (tests/lower/test_selfcheck.py::test_miscompiled_graph_refused_before_training, "dp-scale").
 def _close(x, y, tol: float, scale: float = 1.0) -> bool:
     return _measure(x, y).within(tol, scale)
 

@@ -38,7 +38,7 @@ backend.py), so dpfx takes part in it this way, on CPU:
 The rebuild costs loading the graphs, propagating fake values through them and the cache's key:
 GPT-2 small's warm aot_autograd phase 8.7 -> 4.1 s, its warm first step 18.1 -> 13.5 s
 (benchmarks/latest/first_step_warm_aot_cache.md); with entries that hold no derived fake value,
-3.4 -> 2.4 s (first_step_warm_lean_entries.md). (tests/test_warm_start.py)
+3.4 -> 2.4 s (first_step_warm_lean_entries.md). (tests/lower/test_warm_start.py)
 """
 from __future__ import annotations
 

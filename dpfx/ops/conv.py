@@ -34,7 +34,7 @@ aten = torch.ops.aten
 # ATen 0.25, 0.56, 0.34 ms; dpfx's first kernel, which copied each output row from the image
 # with two divisions per row, 0.09, 0.40, 0.38 ms; this one 0.03, 0.11, 0.10 ms; whole CNN
 # steps 7.69 -> 7.10 ms, im2col.py --step). Every output is a copy or a zero, so it equals
-# ATen's bit for bit (tests/test_rule_convolution.py compares them over random geometry); other
+# ATen's bit for bit (tests/rules/test_rule_convolution.py compares them over random geometry); other
 # dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
 # image to example i's patches only: the batch analysis carries dim 0 through it, and the
 # self-check compares the compiled graph with eager execution as for every other op.
@@ -110,7 +110,7 @@ def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
 # more examples, does not change (9.32 against 9.63 ms, 5.7 MB both).
 # Example i's output reads example i's image and response only (the batch analysis carries dim
 # 0 through it as through bmm; the self-check compares the compiled graph with eager).
-# (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks,
+# (tests/rules/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks,
 # test_examples_per_chunk)
 _CHUNK_BYTES = 1 << 20              # CPU: a chunk's patches stay in the cores' caches
 _CHUNK_MIN_EXAMPLES = 8             # CPU: at least this many examples in a chunk where
@@ -173,7 +173,7 @@ def _examples_per_chunk(batch: int, per_example: int, device_type: str) -> int:
 # The ResNet's nine products at B = 256 (benchmarks/conv_product.py --orientation): 78.1 -> 65.3
 # ms; its whole step 242 -> 225 ms (interleaved, 12 rounds). The values are the same products up
 # to the GEMM's rounding. CPU only: the measurements are MKL's; accelerators keep one orientation.
-# (tests/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
+# (tests/rules/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
 _TRANSPOSED_PRODUCT = True     # benchmarks/conv_product.py --orientation switches it off
 
 
@@ -227,7 +227,7 @@ def _conv2d_per_sample_grad_fake(response, image, kernel, dilation, padding, str
 # (``_input_gradients_channels_last``). Example i's gradient reads example i's output gradient
 # only, as for the op it replaces: the batch analysis carries dim 0 through it and the
 # self-check compares the compiled graph with eager execution.
-# (tests/test_rule_convolution.py::test_conv2d_input_grad_*)
+# (tests/rules/test_rule_convolution.py::test_conv2d_input_grad_*)
 _LIBRARY.define("conv2d_input_grad(Tensor grad_output, Tensor input, Tensor weight, "
                 "int[] stride, int[] padding, int[] dilation, int groups) -> Tensor")
 

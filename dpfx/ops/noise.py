@@ -108,7 +108,7 @@ _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
 # gradient the norm is the noise's, sigma C sqrt(n) / D for a parameter of n entries, while
 # everything Inductor's code computes (norms, clip factors, clipped sums) adds up to at most
 # B C / D: with a 2048 x 2048 weight a release off by a whole example's C / D passed
-# (tests/test_selfcheck.py::test_noise_does_not_hide_a_wrong_clipped_sum); on GPT-2 small, at
+# (tests/lower/test_selfcheck.py::test_noise_does_not_hide_a_wrong_clipped_sum); on GPT-2 small, at
 # sigma 1, the tolerance was 3 C / D for an MLP weight and 12 C / D for the embedding. So the
 # check's graph runs take place under ``noiseless()``, in which both noise ops add zero: the
 # call, its scale and its division still run, and the comparison sees the clipped sums alone.

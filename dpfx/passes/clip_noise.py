@@ -27,7 +27,7 @@ contribute zero] in rules/registry.py).
 
 D is, for "mean", ``expected_batch_size`` when given, else B; for "sum", 1. Norms, clip factors
 and clipped sums are float32 for float32, bf16 and fp16 parameters, float64 where a clipping
-group has a float64 parameter (tests/test_rule_convolution.py::test_float64_cnn_matches_reference).
+group has a float64 parameter (tests/rules/test_rule_convolution.py::test_float64_cnn_matches_reference).
 
 Per-layer clipping (``max_grad_norm`` a dict) computes one norm, clip factor and coefficient per
 group, and the noise std is sigma * sqrt(sum_g C_g^2). With ``noise="optimizer"`` the pass stops at

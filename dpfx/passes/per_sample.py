@@ -164,7 +164,7 @@ def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
 # as one release. Eligible: a 2-D parameter whose gradient is adds of uses, each a frontier with
 # a ghost form, reached through casts, same-shape views and 2-D transposes (a transposed use
 # swaps its U and W). Anything else keeps the materialize strategy.
-# (tests/test_linear.py::test_tied_weights_ghost_matches_reference)
+# (tests/rules/test_linear.py::test_tied_weights_ghost_matches_reference)
 _SAME_SHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                aten.clone.default, aten.alias.default, prims.convert_element_type.default}
 

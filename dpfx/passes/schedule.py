@@ -24,7 +24,7 @@ the book-keeping product does not read again. Nothing downstream of a clip coeff
 clipped sums and the noise stay in emission order, one book-keeping product at a time. Moving a node
 up, never above an input, and back down, never below a reader, keeps the order topological; the
 values are unchanged.
-(tests/test_schedule.py)
+(tests/passes/test_schedule.py)
 """
 from __future__ import annotations
 

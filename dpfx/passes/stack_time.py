@@ -21,7 +21,7 @@ The pass runs on the captured backward before the batch analysis is redone and t
 rewrite starts, so every later pass and the verifier see the stacked product as the weight's
 gradient (its nodes are marked as dpfx's). The equality above is what keeps the result exact;
 the pairing of g_t with h_t (one list of leaves, read in one order) is what keeps each example's
-rows its own. tests/test_rnn.py checks the gradients against the batch-of-one reference with the
+rows its own. tests/capture/test_rnn.py checks the gradients against the batch-of-one reference with the
 pass on, and that it fired.
 """
 from __future__ import annotations

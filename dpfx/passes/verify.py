@@ -26,7 +26,7 @@
    the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
    ``PrivacyError`` naming the parameter.
 
-See tests/test_verifier.py, which hands the verifier broken graphs.
+See tests/passes/test_verifier.py, which hands the verifier broken graphs.
 """
 from __future__ import annotations
 
@@ -142,8 +142,8 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
 # names the batch dim. A slice or slice_scatter from 0, step 1, to at least the dim's size (for
 # every value of the size symbols; or INT64_MAX, which ATen clamps) copies example i's entries to
 # example i's: slice returns its input, slice_scatter returns src, overwriting the whole base.
-# (nn.Embedding and nn.EmbeddingBag reading the same ids, tests/test_inductor_sweep.py;
-# tests/test_merged_batch.py::test_partial_slice_over_the_batch_is_refused)
+# (nn.Embedding and nn.EmbeddingBag reading the same ids, tests/lower/test_inductor_sweep.py;
+# tests/graph/test_merged_batch.py::test_partial_slice_over_the_batch_is_refused)
 def _whole_range(node: fx.Node, an: BatchAnalysis, dim: int) -> bool:
     if node.target is aten.slice.Tensor:
         names, rest = ("dim", "start", "end", "step"), node.args[1:]
@@ -175,7 +175,7 @@ _TO_THE_END = 2 ** 63 - 1     # ATen clamps a slice's end to the dim's size
 # hidden states flattened to (B*T, d) reads each of the B*T rows alone, so example b's rows stay
 # example b's; a convolution whose spatial dim holds the batch (a (B, C) activation transposed
 # to (1, C, B)) slides its kernel across examples and is refused here, even when it is frozen
-# and no rule would look at it. (tests/test_merged_batch.py::test_ops_across_the_batch_are_refused)
+# and no rule would look at it. (tests/graph/test_merged_batch.py::test_ops_across_the_batch_are_refused)
 def _conv_dims(node: fx.Node, rank: int) -> set[int]:
     return set(range(1, rank))
 
@@ -209,8 +209,8 @@ def _last(k: int):
 # their maximal lengths and an unused debug mask: integer book-keeping or empty tensors that carry
 # no example's data and that the backward reads again. Their getitems are batch-free outputs of a
 # batched op, which the check would otherwise read as a reduction over the batch
-# (``attention_side_output``). (tests/test_merged_batch.py::test_fused_attention_kernels;
-# tests/test_fused_attention.py runs HF GPT-2 through them on the CPU, tests/test_cuda.py on a GPU.)
+# (``attention_side_output``). (tests/graph/test_merged_batch.py::test_fused_attention_kernels;
+# tests/lower/test_fused_attention.py runs HF GPT-2 through them on the CPU, tests/gpu/test_cuda.py on a GPU.)
 _ATTENTION = {op.default for op in (
     getattr(aten, name, None) for name in (
         "_scaled_dot_product_efficient_attention",
@@ -441,7 +441,7 @@ def _release_ancestors(g: nx.DiGraph, out: fx.Node, memo: dict | None = None) ->
 # by the batch size symbol; none for a "sum" loss), and a dtype cast. The CPU form (Note [Noise
 # added in place], ops/noise.py) is cast?(moves(getitem(add_noise_ call, k + 1))) with the
 # call's std, multiplier and divisor pinned and its base k walked as the clipped side above.
-# (tests/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
+# (tests/passes/test_verifier.py::test_release_reweighted_after_the_checks_is_rejected)
 _RELEASE_MOVES = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,

@@ -70,7 +70,7 @@ from dp_accounting import rdp as _rdp
 # A calibration evaluates dozens of sigmas, so ``make example`` printed 28 such lines about
 # nothing the user can act on. This filter drops exactly those records on absl's logger; every
 # other absl message, warnings and errors alike, still reaches the user.
-# (tests/test_privacy.py::test_calibration_is_quiet)
+# (tests/privacy/test_privacy.py::test_calibration_is_quiet)
 class _UnconvergedOrderFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -17,7 +17,7 @@ Python sees the temporary file is removed. A process killed mid-write leaves its
 behind, named ``.<name>.<host>.<pid>.<random>.tmp``: nothing reads it, and the next write of
 the same target from the same host removes it once that pid is gone (a checkpoint-sized file
 per kill would otherwise fill the disk over many restarts; another host's, or a live process's,
-may be a save in progress and is left alone). tests/test_faults.py kills saves.
+may be a save in progress and is left alone). tests/privacy/test_faults.py kills saves.
 
 # Note [Durable appends]
 ``append_durably`` writes the whole record and fsyncs before it returns. A short write (the

@@ -27,7 +27,7 @@ behind whenever the kill came after the last save; on resume the accountant take
 of the two counts (``reconcile``), so epsilon counts every release, and at most one step more
 per crash.
 A step whose inner update raises stays recorded: its noise was drawn. The cost is one small
-write and one fsync per step (tests/test_faults.py kills training processes at random points
+write and one fsync per step (tests/privacy/test_faults.py kills training processes at random points
 and checks both bounds).
 
 # Note [A torn last record]

@@ -123,7 +123,7 @@ def _same_rows(args: "ConvArgs", ctx) -> str | None:
 # bias likewise sums each example's rows and positions. A view-major K*B (outer != 1) and
 # operands with different layouts are refused; the ghost form is not offered (its Grams would
 # have to span K*P positions), so these convolutions materialize.
-# (tests/test_merged_batch.py::test_augmentation_multiplicity)
+# (tests/graph/test_merged_batch.py::test_augmentation_multiplicity)
 def _rows_per_example(ctx, args: "ConvArgs"):
     """K, the rows of dim 0 each example owns (1 for a plain batch), a sympy expression."""
     lay = ctx.layout(args.grad_out)
@@ -333,7 +333,7 @@ def cost_convolution(node, ctx) -> dict:
 # materialized 55.5; conv2 (P=64, 32->64) and conv3 (P=16, 64->64) ghost 56.8; conv3 ghost only
 # 36.5. So under "auto" the ghost form is offered only where the Gram flops are at most the
 # per-sample product's (conv3 here); strategy="ghost" takes it everywhere.
-# (tests/test_rule_convolution.py::test_auto_takes_the_ghost_where_it_pays)
+# (tests/rules/test_rule_convolution.py::test_auto_takes_the_ghost_where_it_pays)
 def check_ghost_convolution(node, ctx) -> str | None:
     if node.args[1] == BIAS:
         return "the bias gradient is a sum over positions; its per-sample form is only (B, C)"

@@ -21,7 +21,7 @@ serves ``index_put(zeros, [idx], g, accumulate=True)`` (the backward of ``table[
 written-out ``F.embedding_bag`` (a lookup, then the bag's sum/mean/max), so its table gradient
 comes to this rule. The 1-D ids + offsets form keeps torch's kernel, whose ``offset2bag``
 bookkeeping has no provable batch layout: the forward check refuses it with a PrivacyError
-(tests/test_rule_embedding.py).
+(tests/rules/test_rule_embedding.py).
 
 Refused, with the reason in the UnsupportedOpError: ``scale_grad_by_freq=True`` (it divides by how
 often an index occurs in the *whole batch*, so example i's gradient depends on the others' data;
@@ -134,7 +134,7 @@ def _check_scatter(base, idx, values, mask, ctx) -> str | None:
 # (``emb(x.t())``), or a flattened (T*B,) view. The per-sample scatter only needs, for every
 # index element, the example it belongs to (``_example_rows``), so any proven BatchDim of the
 # index works, provided the values (one row per index element) carry the batch in the same dim
-# with the same layout. (tests/test_rule_embedding.py::test_time_first_ids_match_reference)
+# with the same layout. (tests/rules/test_rule_embedding.py::test_time_first_ids_match_reference)
 def _index_layout_reason(idx, values, ctx) -> str | None:
     lay = ctx.layout(idx)
     if not isinstance(lay, BatchDim):

@@ -27,7 +27,7 @@ multilinear contraction is, when every batch-carrying operand carries the batch 
 op contracts (the index that pairs the operands: no cross-example products) with the same layout.
 ``CONTRACTIONS`` lists those ops and which dim of each operand they contract. Any other op (a max or
 a mean over examples, a product of two batch sums) would give private but wrong gradients, so the
-fallback refuses it. tests/test_rule_fallback.py pins both down against torch.func.
+fallback refuses it. tests/rules/test_rule_fallback.py pins both down against torch.func.
 """
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def fallback_rule(node: fx.Node) -> Rule:
 #   the forward check proves that no batch-free saved tensor comes from the data. The chain must be
 #   replayed whole: single ops of it need not be linear (matrix_exp's backward concatenates the
 #   gradient with a constant block and exponentiates), only their composition is.
-# tests/test_weight_transforms.py checks the customers against torch.func.
+# tests/rules/test_weight_transforms.py checks the customers against torch.func.
 def chain_inputs(chain: list[fx.Node], frontiers: list[fx.Node], ctx) -> list[fx.Node]:
     """The chain's inputs other than the frontiers, all proven data-independent tensors; raises
     FallbackRefused naming the first that is not."""

@@ -92,7 +92,7 @@ def gram(emit, x: Rows, y: Rows) -> fx.Node:
 # product the clip coefficient scales one operand inside a contraction, so the other operand's
 # entries of that example are selected to zero too (where(keep_i, a_i, 0)). keep = isfinite(norm):
 # a NaN or inf in an example's per-sample gradient, or in the operands its ghost norm is taken
-# from, makes its norm non-finite. (tests/test_nonfinite.py; the verifier requires the selects.)
+# from, makes its norm non-finite. (tests/rules/test_nonfinite.py; the verifier requires the selects.)
 @dataclasses.dataclass(frozen=True)
 class Clip:
     """One clipping group's per-example coefficients c (f32[B]; f64[B] for float64 parameters)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU checks as one run, from the repository root on a machine with CUDA and the project's
-# packages: tests/test_cuda.py on a cold Inductor cache, the realistic rows on the GPU
+# packages: tests/gpu/test_cuda.py on a cold Inductor cache, the realistic rows on the GPU
 # (benchmarks/run.py --device cuda), each step taken apart (benchmarks/kernels.py --device cuda:
-# wall, host and GPU busy time, kernels, the host's time by call), then tests/test_cuda.py again
+# wall, host and GPU busy time, kernels, the host's time by call), then tests/gpu/test_cuda.py again
 # on the warm cache. Writes env.txt, cuda_cold.txt, results.md/.json, bench_logs.txt,
 # kernels_gpu.md, cuda_warm.txt to $OUT (default benchmarks/out/gpu).
 # Stage limits in seconds (their defaults fit a 10-minute command; 0 skips a stage): T_COLD,
@@ -33,7 +33,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-PT="python3 -m pytest -q -p no:cacheprovider -p no:logging -rA --tb=short --durations=0 tests/test_cuda.py"
+PT="python3 -m pytest -q -p no:cacheprovider -p no:logging -rA --tb=short --durations=0 tests/gpu/test_cuda.py"
 CACHE=$(mktemp -d)
 if [ "${T_COLD:-180}" != 0 ]; then
 T0=$(date +%s); TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${T_COLD:-180}" $PT > "$OUT/cuda_cold.txt" 2>&1
