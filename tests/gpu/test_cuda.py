@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.rules.fallback import FallbackWarning
-from support.models import MLP, ResNetGN, mse
+from support.models import MLP, mse, ResNetGN, tiny_gpt2_lm
 from support.noise_stats import assert_noise_per_parameter, assert_uncorrelated
-from support.reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
+from support.reference import check_one_compiled_pair, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
 
 # DPFX_TEST_DEVICE=cpu runs the same checks through Inductor's C++ backend (the checks' own test).
 DEV = os.environ.get("DPFX_TEST_DEVICE", "cuda")
@@ -54,25 +54,6 @@ def _example_norms(model, loss_fn, inputs, y) -> list[float]:
     return norms
 
 
-def _check(dp, model, loss_fn, make, batches, reduction, tol=None):
-    """dpfx (sigma 0) against the batch-of-one loop at each batch size through one compiled
-    forward/backward pair, clipping biting on every example; the self-check ran."""
-    for b in batches:
-        inputs, y = make(b)
-        assert all(n > C + CLIP_EPS for n in _example_norms(model, loss_fn, inputs, y))
-        got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
-        want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=C,
-                                 loss_reduction="sum")
-        if reduction == "mean":
-            want = {k: v / D for k, v in want.items()}
-        try:
-            assert_close(got, want, **(tol or {"rtol": 2e-4, "atol": 1e-6}))
-        except AssertionError as e:
-            raise AssertionError(f"batch size {b}: {e}") from None
-    assert dp.compile_count == 2, "one compiled pair serves every batch size"
-    checks = list(dp._dpfx_backend._checks.values())
-    assert checks and all(c.done and c.backward is not None for c in checks), \
-        "the self-check must have run on the compiled forward and backward"
 
 
 @pytest.fixture(autouse=True)
@@ -113,33 +94,14 @@ def test_every_rule_family(strategy):
     assert all(p.grad is None for p in model.parameters())
 
 
+def _check(dp, model, loss_fn, make, batches, reduction, tol=None):
+    check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, max_grad_norm=C,
+                            divisor=D, tol=tol)
+
+
 def test_gpt2_tiny():
-    transformers = pytest.importorskip("transformers")
-    vocab, t = 13, 4
-    config = transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "sdpa"
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = transformers.GPT2LMHeadModel(config)
-
-        def forward(self, ids, mask):
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    def lm_loss(out, y):
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    def make(b):
-        g = torch.Generator().manual_seed(b)
-        ids = torch.randint(1, vocab, (b, t), generator=g)
-        y = torch.randint(0, vocab, (b, t), generator=g)
-        return (ids.to(DEV), torch.ones(b, t, dtype=torch.long, device=DEV)), y.to(DEV)
-
     torch.manual_seed(0)
-    model = LM().to(DEV)
+    model, lm_loss, make = tiny_gpt2_lm(device=DEV)
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction="sum")
     _check(dp, model, lm_loss, make, [3, 0, 1, 4, 8], "sum")   # 4 = T, 8 = the width
     fired = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}

@@ -62,11 +62,7 @@ def test_noise_statistics_per_parameter(backend, steps, release, monkeypatch):
     assert detectable_std_error(sum(d.numel() for d in draws.values())) < 0.05
     assert_noise_per_parameter(draws, expected_std)
     noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
-    # Fresh every step: each step's draw is uncorrelated with the next one.
-    assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
-    assert_uncorrelated(draws["fc1.bias"][:, :3], draws["fc2.bias"], "fc1.bias and fc2.bias")
-    assert_uncorrelated(draws["fc1.weight"].flatten(1)[:, :96],
-                        draws["fc2.weight"].flatten(1)[:, :96], "fc1.weight and fc2.weight")
+    _assert_fresh_and_independent(draws, noise)
     # Gaussian: P(|z| > 2) = 0.0455, within 5 binomial standard errors.
     n = noise.numel()
     tail = (noise.abs() > 2 * expected_std).double().mean().item()
@@ -96,10 +92,7 @@ def test_noise_at_the_optimizer_per_parameter(path, monkeypatch):
     expected_std = SIGMA * C / D
     assert_noise_per_parameter(draws, expected_std)
     noise = torch.cat([d.flatten(1) for d in draws.values()], 1)
-    assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
-    assert_uncorrelated(draws["fc1.bias"][:, :3], draws["fc2.bias"], "fc1.bias and fc2.bias")
-    assert_uncorrelated(draws["fc1.weight"].flatten(1)[:, :96],
-                        draws["fc2.weight"].flatten(1)[:, :96], "fc1.weight and fc2.weight")
+    _assert_fresh_and_independent(draws, noise)
     tail = (noise.abs() > 2 * expected_std).double().mean().item()
     assert abs(tail - 0.0455) < 5 * math.sqrt(0.0455 * 0.9545 / noise.numel())
 
@@ -112,6 +105,15 @@ def test_seed_reproducible(backend):
     torch.testing.assert_close(a, b)
     assert not torch.allclose(a[0], a[1])  # different each step
     assert not torch.allclose(a, c)
+
+def _assert_fresh_and_independent(draws: dict, noise: torch.Tensor) -> None:
+    """Fresh every step (each step's draw uncorrelated with the next one) and independent
+    across parameters (the MLP's two biases, its two weights)."""
+    assert_uncorrelated(noise[:-1], noise[1:], "consecutive steps")
+    assert_uncorrelated(draws["fc1.bias"][:, :3], draws["fc2.bias"], "fc1.bias and fc2.bias")
+    assert_uncorrelated(draws["fc1.weight"].flatten(1)[:, :96],
+                        draws["fc2.weight"].flatten(1)[:, :96], "fc1.weight and fc2.weight")
+
 
 
 def test_unseeded_noise_is_not_predictable_from_torch_manual_seed():

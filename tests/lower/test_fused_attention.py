@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from support.reference import assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.models import tiny_gpt2_lm
+from support.reference import check_one_compiled_pair
 
 aten = torch.ops.aten
 C = 0.05
@@ -123,22 +124,11 @@ class Attention(nn.Module):
 
 def _check(dp, model, loss_fn, make, batches, reduction, kernel="efficient"):
     """dpfx (sigma 0) through a fused kernel against torch's own attention in the loop."""
-    for b in batches:
-        inputs, y = make(b)
-        with fused_attention_on_cpu(kernel):
-            got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
-        want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=C,
-                                 loss_reduction=reduction)
-        try:
-            assert_close(got, want, rtol=2e-4, atol=1e-6)
-        except AssertionError as e:
-            raise AssertionError(f"batch size {b}: {e}") from None
-    assert dp.compile_count == 2
+    check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, max_grad_norm=C,
+                            around=lambda: fused_attention_on_cpu(kernel), bites=False)
     backward = dp._dpfx_backend.last_backward.gm.graph
     assert any(f"{FUSED[kernel]}_backward" in str(n.target) for n in backward.nodes), \
         "the fused kernel ran"
-    checks = list(dp._dpfx_backend._checks.values())
-    assert checks and all(c.done and c.backward is not None for c in checks)
 
 
 def _sequences(b, t=5):
@@ -173,31 +163,7 @@ def test_side_outputs_compared_would_refuse(monkeypatch):
 def test_gpt2_through_the_fused_kernel():
     """Hugging Face GPT-2 (tied head, causal SDPA attention) as a GPU runs it, batch sizes
     equal to the sequence length and the width among them."""
-    transformers = pytest.importorskip("transformers")
-    vocab, t = 13, 4
-    config = transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "sdpa"
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = transformers.GPT2LMHeadModel(config)
-
-        def forward(self, ids, mask):   # the mask keeps transformers off a batch-size branch
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    def lm_loss(out, y):
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    def make(b):
-        g = torch.Generator().manual_seed(b)
-        ids = torch.randint(1, vocab, (b, t), generator=g)
-        return (ids, torch.ones(b, t, dtype=torch.long)), torch.randint(0, vocab, (b, t),
-                                                                        generator=g)
-
     torch.manual_seed(0)
-    model = LM()
+    model, lm_loss, make = tiny_gpt2_lm()
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction="sum")
     _check(dp, model, lm_loss, make, [3, 0, 1, 4, 8], "sum")

@@ -16,14 +16,13 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
 from dpfx import rules
 from dpfx.rules.fallback import FallbackWarning
-from support.models import FRONTIER_RULES, Families
-from support.reference import CLIP_EPS, assert_close, loop_dp_sgd_grads, run_dpfx_multi
+from support.models import Families, FRONTIER_RULES, tiny_gpt2_lm
+from support.reference import check_one_compiled_pair
 
 C, D = 0.05, 4
 
@@ -38,34 +37,13 @@ def _count_lift_rules(monkeypatch) -> collections.Counter:
     return fired
 
 
-def _example_norms(model, loss_fn, inputs, y) -> list[float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    norms = []
-    for i in range(y.shape[0]):
-        loss = loss_fn(model(*(t[i:i + 1] for t in inputs)), y[i:i + 1])
-        grads = torch.autograd.grad(loss, params)
-        norms.append(float(torch.sqrt(sum(g.pow(2).sum() for g in grads))))
-    return norms
 
 
-def _check(dp, model, loss_fn, make, batches, reduction):
-    """dpfx (noise off) against the batch-of-one reference at each batch size, one compile."""
-    for b in batches:
-        inputs, y = make(b)
-        assert all(n > C + CLIP_EPS for n in _example_norms(model, loss_fn, inputs, y))
-        got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
-        want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=C,
-                                 loss_reduction="sum")
-        if reduction == "mean":
-            want = {k: v / D for k, v in want.items()}
-        try:
-            assert_close(got, want, rtol=2e-4, atol=1e-6)
-        except AssertionError as e:
-            raise AssertionError(f"batch size {b}: {e}") from None
-    assert dp.compile_count == 2
-    checks = list(dp._dpfx_backend._checks.values())
-    assert checks and all(c.done and c.backward is not None for c in checks), \
-        "the self-check must have run on the compiled forward and backward"
+
+
+def _check(dp, model, loss_fn, make, batches, reduction, tol=None):
+    check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, max_grad_norm=C,
+                            divisor=D, tol=tol)
 
 
 def test_every_rule_family_materialized(monkeypatch):
@@ -89,32 +67,8 @@ def test_every_rule_family_materialized(monkeypatch):
 
 
 def test_gpt2_tiny():
-    transformers = pytest.importorskip("transformers")
-    vocab, t = 13, 4
-    config = transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "sdpa"
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = transformers.GPT2LMHeadModel(config)
-
-        def forward(self, ids, mask):   # the mask keeps transformers off a batch-size branch
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    def lm_loss(out, y):
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    def make(b):
-        g = torch.Generator().manual_seed(b)
-        ids = torch.randint(1, vocab, (b, t), generator=g)
-        return (ids, torch.ones(b, t, dtype=torch.long)), torch.randint(0, vocab, (b, t),
-                                                                        generator=g)
-
     torch.manual_seed(0)
-    model = LM()
+    model, lm_loss, make = tiny_gpt2_lm()
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, loss_reduction="sum")
     _check(dp, model, lm_loss, make, [3, 0, 1], "sum")
     fired = {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}

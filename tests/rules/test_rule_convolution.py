@@ -109,11 +109,9 @@ def conv_configs(draw):
     spatial = [draw(st.integers(7, 8) if dim < 3 else st.integers(5, 6)) for _ in range(dim)]
     return dim, kwargs, spatial
 
-
-@SETTINGS
-@given(config=conv_configs(), batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
-       first_layer=st.booleans())
-def test_conv_matches_reference(config, batch, reduction, first_layer):
+def _conv_case(config, batch: int, reduction: str, first_layer: bool):
+    """A drawn convolution in a small classifier, its batch and labels, and a bound that bites:
+    (kwargs, x, y, model, C, expected batch size)."""
     torch._dynamo.reset()
     dim, kwargs, spatial = config
     x = torch.randn(batch, kwargs["in_channels"], *spatial) * 3
@@ -122,7 +120,15 @@ def test_conv_matches_reference(config, batch, reduction, first_layer):
     C = 1e-3
     if batch:
         assert clip_fraction(model, xent, x, y, C) > 0
-    expected = 3 if batch == 0 and reduction == "mean" else None
+    return kwargs, x, y, model, C, (3 if batch == 0 and reduction == "mean" else None)
+
+
+
+@SETTINGS
+@given(config=conv_configs(), batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
+       first_layer=st.booleans())
+def test_conv_matches_reference(config, batch, reduction, first_layer):
+    kwargs, x, y, model, C, expected = _conv_case(config, batch, reduction, first_layer)
     rules = check(model, x, y, C=C, reduction=reduction, expected=expected)
     assert_conv_rule_fired(rules, kwargs["bias"])
 
@@ -419,15 +425,7 @@ def forced_norm_form(form: str):
 @given(config=conv_configs(), batch=st.integers(0, 4), reduction=st.sampled_from(["mean", "sum"]),
        first_layer=st.booleans(), form=st.sampled_from(["gram", "direct"]))
 def test_conv_ghost_matches_reference(config, batch, reduction, first_layer, form):
-    torch._dynamo.reset()
-    dim, kwargs, spatial = config
-    x = torch.randn(batch, kwargs["in_channels"], *spatial) * 3
-    y = labels(batch)
-    model = conv_classifier(CONV[dim](**kwargs), x, scale_input=not first_layer)
-    C = 1e-3
-    if batch:
-        assert clip_fraction(model, xent, x, y, C) > 0
-    expected = 3 if batch == 0 and reduction == "mean" else None
+    kwargs, x, y, model, C, expected = _conv_case(config, batch, reduction, first_layer)
     with forced_norm_form(form) as norm_form:
         grads = check_strategy(model, x, y, C=C, strategy="ghost", reduction=reduction,
                                expected=expected)

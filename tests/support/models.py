@@ -356,3 +356,35 @@ FRONTIER_RULES = {"emb.weight": ["embedding"], "pos": ["sum"], "conv.weight": ["
 def xent_over_positions(out, y):
     """Cross-entropy averaged over an example's positions: out (1, T, V), y (1, T)."""
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def tiny_gpt2_lm(vocab: int = 13, t: int = 4, device="cpu"):
+    """A one-layer Hugging Face GPT-2 LM from a config (tied head, causal SDPA attention), its
+    token loss, and ``make(b)``: b sequences of t tokens, an all-ones attention mask (which keeps
+    transformers off a batch-size branch) and the targets, on ``device``. Returns
+    (model, lm_loss, make); the model is built under the caller's seed."""
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    def lm_loss(out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(1, vocab, (b, t), generator=g)
+        y = torch.randint(0, vocab, (b, t), generator=g)
+        return (ids.to(device), torch.ones(b, t, dtype=torch.long, device=device)), y.to(device)
+
+    return LM().to(device), lm_loss, make

@@ -45,7 +45,7 @@ def dp_sgd_grads(model, loss_fn, inputs, targets, *, max_grad_norm, loss_reducti
 
 def per_example_norms(g: dict) -> torch.Tensor:
     """(B,): each example's gradient norm over all the parameters of ``g`` ({name: (B, ...)})."""
-    return torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
+    return torch.sqrt(sum(v.flatten(1).float().pow(2).sum(1) for v in g.values()))
 
 
 def clipped_sum(g: dict, max_grad_norm, denom=1) -> dict:
@@ -186,3 +186,31 @@ def check_every_batch_size(model, loss_fn, x, y, *, max_grad_norm, reduction="me
             raise AssertionError(f"batch size {batch}: {e}") from None
     assert dp.compile_count == 2, "one forward and one backward graph for every batch size"
     return dp
+
+
+def check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, *, max_grad_norm,
+                            divisor=1, around=contextlib.nullcontext, tol=None, bites=True):
+    """dpfx (sigma 0) against the batch-of-one loop (``loop_dp_sgd_grads``) at each batch size
+    of ``batches`` (``make(b)`` gives (inputs, targets)), all through one compiled forward and
+    backward pair, the self-check run on both. ``divisor``: D of the "mean" reduction (the
+    expected batch size ``dp`` was compiled with); ``around``: a context manager around each
+    dpfx step; ``bites``: every example's norm exceeds the bound, so clipping bites on each."""
+    for b in batches:
+        inputs, y = make(b)
+        if bites:
+            norms = per_example_norms(loop_example_grads(model, loss_fn, inputs, y))
+            assert bool((norms > max_grad_norm + CLIP_EPS).all()), f"batch size {b}: {norms}"
+        with around():
+            got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
+        want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=max_grad_norm,
+                                 loss_reduction="sum")
+        if reduction == "mean":
+            want = {k: v / divisor for k, v in want.items()}
+        try:
+            assert_close(got, want, **(tol or {"rtol": 2e-4, "atol": 1e-6}))
+        except AssertionError as e:
+            raise AssertionError(f"batch size {b}: {e}") from None
+    assert dp.compile_count == 2, "one compiled pair serves every batch size"
+    checks = list(dp._dpfx_backend._checks.values())
+    assert checks and all(c.done and c.backward is not None for c in checks), \
+        "the self-check must have run on the compiled forward and backward"
