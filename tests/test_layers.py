@@ -17,7 +17,7 @@ LAYERS = [
     ["dpfx.errors", "dpfx.config", "dpfx.graph", "dpfx.ops", "dpfx.privacy"],
     ["dpfx.rules"],
     ["dpfx.passes"],
-    ["dpfx.capture.entry"],
+    ["dpfx.capture"],
     ["dpfx.lower"],
     ["dpfx.loss"],
     ["dpfx.backend"],
@@ -182,3 +182,10 @@ def test_the_gate_check_finds_a_write():
     assert writes_of_gate_state("x = 1\nself._gate.ledger = None\n", state) == [2]
     assert writes_of_gate_state("self._unstepped, y = False, 1\n", state) == [1]
     assert writes_of_gate_state("gate.proven()\nself.config = c\n", state) == []
+
+
+def test_every_dpfx_op_is_defined_in_ops():
+    """Every ``torch.library`` op of dpfx lives in ops/, with its kernels and fake kernel."""
+    elsewhere = [m for m, path in modules().items()
+                 if not m.startswith("dpfx.ops") and "torch.library" in open(path).read()]
+    assert not elsewhere, elsewhere

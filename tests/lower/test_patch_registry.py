@@ -1,0 +1,22 @@
+"""The lowering's patches (lower/inductor.py): each one in exact.py or fast.py says which torch
+it was written for, and each is entered where dpfx lowers or captures."""
+import inspect
+
+from dpfx.lower import exact, fast, inductor
+
+
+def _patches(module) -> set[str]:
+    """The context managers a module defines (``@contextlib.contextmanager`` functions)."""
+    return {name for name, f in vars(module).items() if inspect.isfunction(f)
+            and f.__module__ == module.__name__ and hasattr(f, "__wrapped__")}
+
+
+def test_each_patch_names_its_torch_and_is_entered():
+    assert _patches(exact) == set(exact.TORCH_VERSIONS)
+    assert _patches(fast) == set(fast.TORCH_VERSIONS)
+    entered = {cm.gen.__name__ for cm in inductor.exact_patches(None) + inductor.fast_patches()}
+    assert set(exact.TORCH_VERSIONS) <= entered
+    # optimization_hints_once is entered around the whole capture (backend.py), the rest here
+    assert set(fast.TORCH_VERSIONS) - entered == {"optimization_hints_once"}
+    import dpfx.backend
+    assert dpfx.backend.optimization_hints_once is fast.optimization_hints_once
