@@ -432,7 +432,7 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
     no_grad), and a steady-state call sets none of them up; the user's dynamo config is the same
     after every call."""
     from dpfx import api
-    from dpfx.capture.entry import entry as capture
+    from dpfx.capture import entry as capture
     from dpfx.backend import DPBackend
 
     seen, entered = [], []
@@ -497,7 +497,7 @@ def test_steady_calls_swap_only_what_the_guards_read(backend):
     swaps what the guards of the entry's graphs read and no more; no call captures again for
     want of a swap (Poisson batch sizes 0 and 1 included); a later capture (eval mode, which
     reads torch.roll) runs with every swap; and between calls torch's own functions are back."""
-    from dpfx.capture.entry import traceable
+    from dpfx.capture import traceable
 
     torch.manual_seed(0)
     model = _RollsWhenEvaluating()
@@ -530,7 +530,7 @@ def test_steady_swaps_are_all_where_the_guards_cannot_be_read(monkeypatch, guard
     """Where dynamo's guards cannot be read (None) or name too little for the graph this call
     ran to pass them (the model reads conv2d too), a steady call swaps everything, as
     before, and never captures again."""
-    from dpfx.capture.entry import entry as capture, traceable
+    from dpfx.capture import entry as capture, traceable
 
     monkeypatch.setattr(capture, "names_guards_read", lambda code: guard_names)
     torch.manual_seed(0)
