@@ -93,9 +93,13 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=list(EXAMPLES), choices=[[], *EXAMPLES])
+    parser.add_argument("names", nargs="*", help=f"some of {list(EXAMPLES)} (default: all)")
     parser.add_argument("--out", default=os.path.join(HERE, "latest", "opacus_switch.md"))
     args = parser.parse_args()
+    unknown = set(args.names) - set(EXAMPLES)
+    if unknown:
+        parser.error(f"unknown examples {sorted(unknown)}; choose from {list(EXAMPLES)}")
+    args.names = args.names or list(EXAMPLES)
     import opacus
 
     results = {}

@@ -214,6 +214,7 @@ class PrivacyEngine:
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got "
                             f"{type(data_loader).__name__}")
+        ModuleValidator.validate(module, strict=True)
         own = set(module.parameters())
         if any(p not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("Module parameters are different than optimizer Parameters: "
