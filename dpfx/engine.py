@@ -67,11 +67,11 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  noise_multiplier: float | None = None, batch_size: int | None = None,
                  sample_rate: float | None = None, target_epsilon: float | None = None,
                  target_delta: float | None = None, epochs: int | None = None,
-                 accountant: str = "pld", max_physical_batch_size: int | None = None,
+                 accountant: str | privacy.Accountant = "pld", max_physical_batch_size: int | None = None,
                  secure_mode: bool = False, loss_reduction: str = "mean",
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
-                 process_group=None, ledger=None, loss=None,
+                 process_group=None, ledger=None, loss=None, noise: str | None = None,
                  **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
@@ -84,7 +84,12 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
     ``dp_model.loss(x, y)``).
+    ``accountant``: "pld", "rdp", or a ``dpfx.privacy.Accountant`` to keep counting in (several
+    runs over one dataset share one). ``noise``: where the noise is added ("graph" or
+    "optimizer"); by default "optimizer" exactly when the run needs it (below).
     """
+    acc = accountant if isinstance(accountant, privacy.Accountant) \
+        else privacy.Accountant(accountant)
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
                          "make them replayable (Note [Secure sampling] in loop/data.py)")
@@ -122,18 +127,22 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         noise_multiplier = privacy.noise_multiplier(
             target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
-            steps=epochs * steps_per_epoch, accountant=accountant)
+            steps=epochs * steps_per_epoch, accountant=acc.accountant)
     privacy._check_noise_multiplier(noise_multiplier)
 
     world = world_of(process_group)
-    noise = "optimizer" if (max_physical_batch_size is not None or secure_mode or world > 1
-                            or fsdp.units(module)) else "graph"
+    needs_optimizer = (max_physical_batch_size is not None or secure_mode or world > 1
+                       or fsdp.units(module))
+    if noise is None:
+        noise = "optimizer" if needs_optimizer else "graph"
+    elif noise == "graph" and needs_optimizer:
+        raise ValueError("noise='graph' cannot serve virtual batches, secure_mode or several "
+                         "ranks: they add the noise once at the optimizer (noise='optimizer')")
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(n, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
                           track_norms=track_norms, loss=loss)
-    acc = privacy.Accountant(accountant)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger)

@@ -23,7 +23,7 @@ LAYERS = [
     ["dpfx.backend"],
     ["dpfx.loop"],
     ["dpfx.api", "dpfx.engine"],
-    ["dpfx.hf", "dpfx.report", "dpfx.audit", "dpfx"],
+    ["dpfx.hf", "dpfx.report", "dpfx.audit", "dpfx.opacus", "dpfx"],
 ]
 
 

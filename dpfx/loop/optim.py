@@ -213,6 +213,23 @@ class DPOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original_optimizer!r})"
 
+    # The compiled model's settings, read-only here as on Opacus's DPOptimizer (_FIXED_SETTINGS).
+    @property
+    def noise_multiplier(self) -> float:
+        return self.dp_model.dp_config.noise_multiplier
+
+    @property
+    def max_grad_norm(self):
+        return self._max_grad_norm()
+
+    @property
+    def expected_batch_size(self) -> int | None:
+        return self.dp_model.dp_config.expected_batch_size
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.dp_model.dp_config.loss_reduction
+
     # -- the step ----------------------------------------------------------------------------------
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` and ``zero_grad()`` no-ops (Note [Virtual batches])."""

@@ -1,0 +1,1 @@
+"""``opacus.utils`` over dpfx: ``batch_memory_manager.BatchMemoryManager``."""
