@@ -11,7 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("opacus")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
 import opacus_switch  # noqa: E402
 
 

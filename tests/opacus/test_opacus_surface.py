@@ -3,7 +3,7 @@
 The facts come from Opacus's tests/privacy_engine_test.py (arguments, returned objects, clipping
 bounds, noise level, checkpoint round trip, epsilon growth); the models and the checks are
 dpfx's. Runs use backend="eager" (the same rewritten graphs, no Inductor compile) to stay fast;
-the Inductor runs of Opacus's own examples are tests/test_opacus_switch.py.
+the Inductor runs of Opacus's own examples are tests/opacus/test_opacus_switch.py.
 """
 import math
 import warnings
@@ -129,6 +129,7 @@ def test_per_layer_clipping_bounds_each_parameter():
                                                      rel=1e-3)
 
 
+@pytest.mark.slow
 def test_noise_differs_between_runs_and_repeats_with_a_noise_generator():
     def run(generator=None):
         model, optimizer, dl, _ = private(poisson_sampling=False, noise_generator=generator)
@@ -238,6 +239,7 @@ def test_epsilon_grows_with_steps_and_matches_opacus():
     assert epsilons[-1] == pytest.approx(theirs.get_epsilon(1e-5), rel=0.02)
 
 
+@pytest.mark.slow
 def test_make_private_with_epsilon_spends_the_target():
     engine = PrivacyEngine()
     model = small_net()
