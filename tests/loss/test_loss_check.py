@@ -247,19 +247,19 @@ def test_backward_keyword_forms(monkeypatch):
     """Tensor.backward hands its defaults on as keywords: loss.backward() with or without them
     takes the fast path (no signature binding), passes retain_graph and inputs on, and every form,
     fast or bound, releases the DP-SGD gradient."""
-    from dpfx.loss import track as loss_track
+    from dpfx.loss import gate
     model, x, y = _fc()
     dp = dpfx.compile(model, max_grad_norm=0.3, noise_multiplier=0.0, backend="eager")
     want = dp_sgd_grads(model, F.cross_entropy, x, y, max_grad_norm=0.3)
     binds = []
-    signature = loss_track._SIGNATURES[torch.Tensor.backward]
+    signature = gate.BACKWARD_SIGNATURES[torch.Tensor.backward]
 
     class Counted:
         def bind(self, *args, **kwargs):
             binds.append(1)
             return signature.bind(*args, **kwargs)
 
-    monkeypatch.setitem(loss_track._SIGNATURES, torch.Tensor.backward, Counted())
+    monkeypatch.setitem(gate.BACKWARD_SIGNATURES, torch.Tensor.backward, Counted())
     params = list(model.parameters())
     forms = {"backward()": (lambda l: l.backward(), 0),
              "defaults as keywords": (lambda l: l.backward(retain_graph=None, create_graph=False), 0),

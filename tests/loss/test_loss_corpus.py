@@ -20,9 +20,8 @@ import torch.nn.functional as F
 
 import dpfx
 from support.loss_idioms import (CANARY_IDIOMS, CORPUS, COUPLED, IGNORE, K, Net, T, V, _apply,
-                                 _assert_close, _batch, _bites, _dpfx_step, _per_example,
-                                 _reference)
-from support.reference import CLIP_EPS
+                                 _assert_close, _batch, _bites, _clipped_sum, _dpfx_step,
+                                 _neighbours, _per_example, _reference, _slice_to)
 from support.sweep import reductions
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
@@ -139,13 +138,6 @@ def test_rows_selected_by_a_mask_are_refused_with_the_masked_form(loss):
 # -- the auditor's test ----------------------------------------------------------------------
 
 
-def _neighbours():
-    """Eight equal examples and a different ninth (the canary)."""
-    ids, d = _batch(9, seed=11)
-    for v in [ids, *d.values()]:
-        v[:8] = v[0]
-    return ids, d
-
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("name", CANARY_IDIOMS)
@@ -169,16 +161,6 @@ def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction
     limit = bound / (expected if reduction == "mean" else 1)
     assert moved <= limit * (1 + 1e-4), (moved, limit)
 
-
-def _clipped_sum(grads, bound, scale):
-    """sum_i clip(scale * g_i): what a release is when ``scale`` stays in each example's term."""
-    total = [torch.zeros_like(x) for x in grads[0]]
-    for g in grads:
-        g = [x * scale for x in g]
-        factor = min(1.0, bound / (float(torch.sqrt(sum(x.pow(2).sum() for x in g))) + CLIP_EPS))
-        for t, x in zip(total, g):
-            t += x * factor
-    return total
 
 
 def test_the_auditor_catches_a_batch_size_kept_in_each_term():
@@ -204,9 +186,6 @@ def test_the_auditor_catches_a_batch_size_kept_in_each_term():
     for g, w in zip(added, want):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=1e-6)
 
-
-def _slice_to(d, n):
-    return {k: v[:n] for k, v in d.items()}
 
 
 # -- the batch's own tensors (dpfx's loader) -------------------------------------------------

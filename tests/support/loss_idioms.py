@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from support.reference import bound_that_bites, clipped_sum, loop_grads, per_example_norms
+from support.reference import (CLIP_EPS, bound_that_bites, clipped_sum, loop_grads,
+                               per_example_norms)
 
 V, T, K = 7, 4, 3     # vocabulary, tokens per example, classes (B = 4 collides with T)
 IGNORE = -100
@@ -453,6 +454,29 @@ def _dpfx_step(dp, model, which, loss, ids, d):
         _apply(which, loss, dp(ids), d).backward()
     return [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
 
+
+
+def _neighbours():
+    """Eight equal examples and a different ninth (the canary)."""
+    ids, d = _batch(9, seed=11)
+    for v in [ids, *d.values()]:
+        v[:8] = v[0]
+    return ids, d
+
+
+def _slice_to(d, n):
+    return {k: v[:n] for k, v in d.items()}
+
+
+def _clipped_sum(grads, bound, scale):
+    """sum_i clip(scale * g_i): what a release is when ``scale`` stays in each example's term."""
+    total = [torch.zeros_like(x) for x in grads[0]]
+    for g in grads:
+        g = [x * scale for x in g]
+        factor = min(1.0, bound / (float(torch.sqrt(sum(x.pow(2).sum() for x in g))) + CLIP_EPS))
+        for t, x in zip(total, g):
+            t += x * factor
+    return total
 
 def _assert_close(name, model, got, want):
     for (k, _), g, w in zip(model.named_parameters(), got, want):
