@@ -16,8 +16,9 @@ schedules, saving stay Trainer's):
 - the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
   column filtering kept): each example joins a logical batch with probability q = (per-device
   batch size * gradient_accumulation_steps) / N, so batch sizes vary, and may be 0;
-- Note [Gradient accumulation is a virtual batch]: a logical batch runs as physical batches of
-  at most ``per_device_train_batch_size`` examples, whose clipped sums accumulate; the noise is
+- Note [Gradient accumulation is a virtual batch]: a logical batch runs as near-equal physical
+  batches of at most ``per_device_train_batch_size`` examples (Note [Near-equal physical
+  batches] in loop/data.py), whose clipped sums accumulate; the noise is
   added once per optimizer step, and the accountant counts that step once
   (``DPOptimizer.signal_skip_step``, as ``dpfx.VirtualBatches``). Trainer itself therefore
   runs with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip
