@@ -39,6 +39,7 @@ step), but samples shuffled fixed-size batches and accounts nothing: dpfx says s
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -54,6 +55,7 @@ from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.privacy.ledger import recorded as ledger_recorded
 from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
 
 ACCOUNTANT_FILE = "dp_accountant.json"
@@ -109,6 +111,7 @@ class DPTrainer(Trainer):
                                           else 1 / (10 * n))
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        self.target_epsilon = target_epsilon
         if target_epsilon is not None:
             noise_multiplier = privacy.noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=self.delta,
@@ -126,10 +129,11 @@ class DPTrainer(Trainer):
             # enabled on the user's model before compiling (dynamo captures the checkpointed
             # forward; the wrapper has no such method), and turned off for Trainer
             _enable_checkpointing(model, args)
-        dp_model = dp_compile(model, max_grad_norm=max_grad_norm,
-                              noise_multiplier=self.noise_multiplier,
-                              expected_batch_size=expected_batch_size(n, self.sample_rate),
-                              noise="optimizer", **(dp_kwargs or {}))
+        self._compile_settings = dict(max_grad_norm=max_grad_norm,
+                                      expected_batch_size=expected_batch_size(n, self.sample_rate),
+                                      noise="optimizer", **(dp_kwargs or {}))
+        dp_model = dp_compile(model, noise_multiplier=self.noise_multiplier,
+                              **self._compile_settings)
         if ledger is True:
             ledger = os.path.join(args.output_dir, LEDGER_FILE) \
                 if args.save_strategy != "no" else None
@@ -151,6 +155,99 @@ class DPTrainer(Trainer):
     def get_epsilon(self) -> float:
         """Epsilon at ``delta`` of the optimizer steps taken so far."""
         return self.accountant.get_epsilon(self.delta)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Trainer's ``train``, with the noise of the steps left fitted to what the run has
+        spent (Note [A resumed run keeps its budget])."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            # Trainer's own rule; it raises where there is none
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        self._fit_noise_to_budget(resume_from_checkpoint or None)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # Note [A resumed run keeps its budget]
+    # With ``target_epsilon``, sigma is calibrated at construction for the whole plan, as if
+    # no step had been taken. A run that continues steps already released (resumed from a
+    # checkpoint, or from the privacy ledger's count) would then spend more than the target
+    # whenever its plan grew: 4 steps at the sigma of a 4-step plan, then 4 at the sigma of an
+    # 8-step plan, ended at epsilon 4.41 for a target of 4.0. Before training, the steps the run
+    # continues from (the longer of the checkpoint's accountant and the ledger, which the
+    # optimizer then reconciles to) and the steps left of the plan (Trainer's max_steps less
+    # the checkpoint's global step) are known. If the compiled sigma keeps the whole run at or
+    # below the target (a resumed run with its plan unchanged: the uninterrupted run's sigma and
+    # epsilon), it stays; else the steps left are calibrated as a phase composed after the
+    # spent ones (Note [Calibrating the steps that remain] in privacy/__init__.py) and the model
+    # is compiled again with that sigma, the only place it can change (the compiled model and
+    # the DPOptimizer fix it). The accountant and the ledger record each step with the sigma of
+    # the model that released it, so each segment is counted with its own noise. Where no sigma
+    # fits, training is refused with the epsilon already spent.
+    # (tests/test_trainer_budget.py)
+    def _fit_noise_to_budget(self, checkpoint) -> None:
+        if self.target_epsilon is None:
+            return
+        spent = self._spent_phases(checkpoint)
+        taken = 0
+        if isinstance(checkpoint, str):
+            from transformers.trainer_callback import TrainerState
+            from transformers.trainer import TRAINER_STATE_NAME
+
+            state = os.path.join(checkpoint, TRAINER_STATE_NAME)
+            if os.path.isfile(state):
+                taken = TrainerState.load_from_json(state).global_step
+        left = self.planned_steps() - taken
+        if not spent or left <= 0:
+            return
+        run = privacy.Accountant(self.accountant.accountant)
+        for sigma, q, n in spent:
+            run.step(noise_multiplier=sigma, sample_rate=q, n=n)
+        planned = copy.deepcopy(run)
+        planned.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+                     n=left)
+        if planned.get_epsilon(self.delta) <= self.target_epsilon:
+            return
+        try:
+            sigma = privacy.noise_multiplier(
+                target_epsilon=self.target_epsilon, target_delta=self.delta,
+                sample_rate=self.sample_rate, steps=left, accountant=self.accountant.accountant,
+                spent=spent)
+        except ValueError as e:
+            raise PrivacyError(
+                f"DPTrainer cannot keep target_epsilon={self.target_epsilon}: the {run.steps} "
+                f"steps this run already released (phases of noise_multiplier, sample_rate, "
+                f"steps: {run.history}) are at epsilon {run.get_epsilon(self.delta):.4g} "
+                f"(delta {self.delta:g}), and the {left} steps left of its plan of "
+                f"{self.planned_steps()} fit at no noise_multiplier ({e}). Raise "
+                f"target_epsilon, or plan no more than the {taken} steps taken "
+                f"(max_steps={taken})") from None
+        self._compile_again(sigma)
+
+    def _compile_again(self, sigma: float) -> None:
+        """The model compiled with noise multiplier ``sigma`` in place of the current one."""
+        old = self.model
+        self.model = dp_compile(old._orig_mod, noise_multiplier=sigma, **self._compile_settings)
+        old._detach_from_model()
+        self.model_wrapped = self.callback_handler.model = self.model
+        self.noise_multiplier = sigma
+        if self.dp_optimizer is not None:      # a later train() of this trainer: wrap anew
+            if self.dp_optimizer.privacy_ledger is not None:
+                self.dp_optimizer.privacy_ledger.close()
+            self.optimizer = self.dp_optimizer.original_optimizer
+            self.dp_optimizer = None
+
+    def _spent_phases(self, checkpoint) -> list:
+        """The steps the run continues from, as the accountant will hold them once the optimizer
+        is built and the checkpoint loaded (the longer record: ``privacy/ledger.reconcile``)."""
+        records = [self.accountant.history]
+        if isinstance(checkpoint, str):
+            path = os.path.join(checkpoint, ACCOUNTANT_FILE)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    records[0] = [tuple(p) for p in json.load(f)["accountant"]["history"]]
+        if self.ledger is not None:
+            records.append(ledger_recorded(self.ledger))
+        return max(records, key=lambda phases: sum(p[2] for p in phases))
 
     # -- the parts of Trainer that change -----------------------------------------------------
     def get_train_dataloader(self):
