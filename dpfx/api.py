@@ -145,7 +145,8 @@ class DPModule(torch.nn.Module):
             kwargs = hf_loss[0]
         out = self._run(args, kwargs, None)
         if hf_loss is not None and hf_loss[1] is not None:
-            out["loss"] = hf_loss[1](out)
+            with loss_track.arranging():    # Note [A scale dpfx arranged] in loss/track.py
+                out["loss"] = hf_loss[1](out)
         return out
 
     @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")

@@ -52,7 +52,7 @@ from dpfx import privacy
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.errors import PrivacyError
-from dpfx.loss.track import TrackedTensor, track_batch, untrack
+from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
 from dpfx.privacy.ledger import recorded as ledger_recorded
@@ -293,7 +293,8 @@ class DPTrainer(Trainer):
                 self.dp_optimizer.signal_skip_step(True)
                 self.dp_optimizer.step()
             size = _batch_size(chunk)
-            loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
+            with arranged_by_trainer():     # Note [A scale dpfx arranged] in loss/track.py
+                loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
             loss = loss.as_subclass(torch.Tensor) if isinstance(loss, TrackedTensor) else loss
             if size:
                 total = loss * size if total is None else total + loss * size
