@@ -39,7 +39,6 @@ step), but samples shuffled fixed-size batches and accounts nothing: dpfx says s
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -55,6 +54,7 @@ from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.privacy.budget import noise_for_steps_left
 from dpfx.privacy.ledger import recorded as ledger_recorded
 from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
 
@@ -172,7 +172,7 @@ class DPTrainer(Trainer):
     # no step had been taken. A run that continues steps already released (resumed from a
     # checkpoint, or from the privacy ledger's count) would then spend more than the target
     # whenever its plan grew: 4 steps at the sigma of a 4-step plan, then 4 at the sigma of an
-    # 8-step plan, ended at epsilon 4.41 for a target of 4.0. Before training, the steps the run
+    # 8-step plan, ended at epsilon 4.45 for a target of 4.0. Before training, the steps the run
     # continues from (the longer of the checkpoint's accountant and the ledger, which the
     # optimizer then reconciles to) and the steps left of the plan (Trainer's max_steps less
     # the checkpoint's global step) are known. If the compiled sigma keeps the whole run at or
@@ -187,41 +187,27 @@ class DPTrainer(Trainer):
     def _fit_noise_to_budget(self, checkpoint) -> None:
         if self.target_epsilon is None:
             return
-        spent = self._spent_phases(checkpoint)
         taken = 0
         if isinstance(checkpoint, str):
-            from transformers.trainer_callback import TrainerState
             from transformers.trainer import TRAINER_STATE_NAME
+            from transformers.trainer_callback import TrainerState
 
             state = os.path.join(checkpoint, TRAINER_STATE_NAME)
             if os.path.isfile(state):
                 taken = TrainerState.load_from_json(state).global_step
-        left = self.planned_steps() - taken
-        if not spent or left <= 0:
-            return
-        run = privacy.Accountant(self.accountant.accountant)
-        for sigma, q, n in spent:
-            run.step(noise_multiplier=sigma, sample_rate=q, n=n)
-        planned = copy.deepcopy(run)
-        planned.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
-                     n=left)
-        if planned.get_epsilon(self.delta) <= self.target_epsilon:
-            return
         try:
-            sigma = privacy.noise_multiplier(
-                target_epsilon=self.target_epsilon, target_delta=self.delta,
-                sample_rate=self.sample_rate, steps=left, accountant=self.accountant.accountant,
-                spent=spent)
+            sigma = noise_for_steps_left(
+                self._spent_phases(checkpoint), noise_multiplier=self.noise_multiplier,
+                sample_rate=self.sample_rate, steps=self.planned_steps() - taken,
+                target_epsilon=self.target_epsilon, delta=self.delta,
+                accountant=self.accountant.accountant)
         except ValueError as e:
             raise PrivacyError(
-                f"DPTrainer cannot keep target_epsilon={self.target_epsilon}: the {run.steps} "
-                f"steps this run already released (phases of noise_multiplier, sample_rate, "
-                f"steps: {run.history}) are at epsilon {run.get_epsilon(self.delta):.4g} "
-                f"(delta {self.delta:g}), and the {left} steps left of its plan of "
-                f"{self.planned_steps()} fit at no noise_multiplier ({e}). Raise "
-                f"target_epsilon, or plan no more than the {taken} steps taken "
-                f"(max_steps={taken})") from None
-        self._compile_again(sigma)
+                f"DPTrainer cannot keep target_epsilon={self.target_epsilon} over its plan of "
+                f"{self.planned_steps()} steps: {e}. Raise target_epsilon, or plan no more than "
+                f"the {taken} steps taken (max_steps={taken})") from None
+        if sigma != self.noise_multiplier:
+            self._compile_again(sigma)
 
     def _compile_again(self, sigma: float) -> None:
         """The model compiled with noise multiplier ``sigma`` in place of the current one."""

@@ -110,3 +110,23 @@ class _StopAt(transformers.TrainerCallback):
         if state.global_step >= self.step:
             control.should_training_stop = True
         return control
+
+
+def test_noise_for_steps_left_composes_the_segments():
+    """Without a trainer: the planned sigma where it fits, else the smallest that does, against
+    dp_accounting's composition; a spent target is refused with the figure."""
+    from dpfx.privacy.budget import noise_for_steps_left
+
+    q, spent = 0.05, [(1.0, 0.05, 30)]
+    kept = noise_for_steps_left(spent, noise_multiplier=5.0, sample_rate=q, steps=30,
+                                target_epsilon=10.0, delta=DELTA)
+    assert kept == 5.0
+    sigma = noise_for_steps_left(spent, noise_multiplier=1.0, sample_rate=q, steps=30,
+                                 target_epsilon=2.5, delta=DELTA)
+    assert sigma > 1.0
+    assert reference_epsilon(spent + [(sigma, q, 30)]) <= 2.5 * (1 + 1e-3)
+    assert reference_epsilon(spent + [(sigma * 0.99, q, 30)]) > 2.5
+    eps_spent = dpfx.privacy.epsilon(noise_multiplier=1.0, sample_rate=q, steps=30, delta=DELTA)
+    with pytest.raises(ValueError, match=rf"are at epsilon {eps_spent:.4g}"):
+        noise_for_steps_left(spent, noise_multiplier=1.0, sample_rate=q, steps=30,
+                             target_epsilon=eps_spent * 0.9, delta=DELTA)

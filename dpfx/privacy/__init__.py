@@ -280,7 +280,7 @@ def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate:
 # ``Accountant`` records the run), so the search finds the smallest sigma of the remaining phase
 # whose composition with the spent phases reaches the target. Recalibrating the whole plan from
 # scratch instead (what a restarted run did) gives the later steps a sigma meant for steps that
-# all share it, and a resumed run of 4 + 4 steps planned as 8 ended at 4.41 against a target of
+# all share it, and a resumed run of 4 + 4 steps planned as 8 ended at 4.45 against a target of
 # 4.0. (tests/test_trainer_budget.py)
 def _spent_events(spent) -> list:
     events = []
