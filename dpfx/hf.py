@@ -28,6 +28,9 @@ schedules, saving stay Trainer's):
   counting; each checkpoint also gets ``dp_accountant.json``, readable without torch; with
   checkpoints on, every step is first written to the privacy ledger ``output_dir/
   privacy.ledger`` (privacy/ledger.py), and a resumed run counts the larger of the two;
+- with ``target_epsilon``, a resumed run noises the steps left of its plan so that all its
+  steps together stay within the target, or refuses to train (Note [A resumed run keeps its
+  budget]);
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).

@@ -30,13 +30,17 @@ def noise_for_steps_left(spent, *, noise_multiplier: float, sample_rate: float, 
     planned.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, n=steps)
     if planned.get_epsilon(delta) <= target_epsilon:
         return noise_multiplier
-    try:
-        return privacy.noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-            steps=steps, accountant=accountant, spent=run.history)
-    except ValueError as e:
-        raise ValueError(
-            f"the {run.steps} steps already released (phases of noise_multiplier, "
-            f"sample_rate, steps: {run.history}) are at epsilon {run.get_epsilon(delta):.4g} "
-            f"(delta {delta:g}), and the {steps} steps left fit within "
-            f"target_epsilon={target_epsilon} at no noise_multiplier ({e})") from None
+    spent_epsilon = run.get_epsilon(delta)
+    why = "the target is spent already"
+    if spent_epsilon < target_epsilon:
+        try:
+            return privacy.noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
+                steps=steps, accountant=accountant, spent=run.history)
+        except ValueError as e:
+            why = str(e)
+    raise ValueError(
+        f"the {run.steps} steps already released (phases of noise_multiplier, sample_rate, "
+        f"steps: {run.history}) are at epsilon {spent_epsilon:.4g} (delta {delta:g}), and the "
+        f"{steps} steps left fit within target_epsilon={target_epsilon} at no "
+        f"noise_multiplier ({why})")
