@@ -68,6 +68,12 @@ class DPModule(torch.nn.Module):
                     p.register_post_accumulate_grad_hook(functools.partial(
                         _after_accumulate, weakref.ref(backend), name))
 
+    def _detach_from_model(self) -> None:
+        """Take this module's gradient hooks off the model's parameters, for a module compiled
+        again over the same model that replaces this one (``DPTrainer`` resuming with a new
+        noise multiplier); this module must not be called afterwards."""
+        _remove_hooks(self._grad_guards)
+
     @property
     def norm_stats(self):
         """``dpfx.ops.norms.NormStats`` when compiled with ``track_norms=True``, else None."""
@@ -139,7 +145,8 @@ class DPModule(torch.nn.Module):
             kwargs = hf_loss[0]
         out = self._run(args, kwargs, None)
         if hf_loss is not None and hf_loss[1] is not None:
-            out["loss"] = hf_loss[1](out)
+            with loss_track.arranging():    # Note [A scale dpfx arranged] in loss/track.py
+                out["loss"] = hf_loss[1](out)
         return out
 
     @torch._dynamo.disable(reason="dpfx's module runs its own compiled graphs")

@@ -16,8 +16,9 @@ schedules, saving stay Trainer's):
 - the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
   column filtering kept): each example joins a logical batch with probability q = (per-device
   batch size * gradient_accumulation_steps) / N, so batch sizes vary, and may be 0;
-- Note [Gradient accumulation is a virtual batch]: a logical batch runs as physical batches of
-  at most ``per_device_train_batch_size`` examples, whose clipped sums accumulate; the noise is
+- Note [Gradient accumulation is a virtual batch]: a logical batch runs as near-equal physical
+  batches of at most ``per_device_train_batch_size`` examples (Note [Near-equal physical
+  batches] in loop/data.py), whose clipped sums accumulate; the noise is
   added once per optimizer step, and the accountant counts that step once
   (``DPOptimizer.signal_skip_step``, as ``dpfx.VirtualBatches``). Trainer itself therefore
   runs with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip
@@ -27,6 +28,9 @@ schedules, saving stay Trainer's):
   counting; each checkpoint also gets ``dp_accountant.json``, readable without torch; with
   checkpoints on, every step is first written to the privacy ledger ``output_dir/
   privacy.ledger`` (privacy/ledger.py), and a resumed run counts the larger of the two;
+- with ``target_epsilon``, a resumed run noises the steps left of its plan so that all its
+  steps together stay within the target, or refuses to train (Note [A resumed run keeps its
+  budget]);
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
@@ -50,9 +54,11 @@ from dpfx import privacy
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.errors import PrivacyError
-from dpfx.loss.track import TrackedTensor, track_batch, untrack
+from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.privacy.budget import noise_for_steps_left
+from dpfx.privacy.ledger import recorded as ledger_recorded
 from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
 
 ACCOUNTANT_FILE = "dp_accountant.json"
@@ -108,6 +114,7 @@ class DPTrainer(Trainer):
                                           else 1 / (10 * n))
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        self.target_epsilon = target_epsilon
         if target_epsilon is not None:
             noise_multiplier = privacy.noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=self.delta,
@@ -125,10 +132,11 @@ class DPTrainer(Trainer):
             # enabled on the user's model before compiling (dynamo captures the checkpointed
             # forward; the wrapper has no such method), and turned off for Trainer
             _enable_checkpointing(model, args)
-        dp_model = dp_compile(model, max_grad_norm=max_grad_norm,
-                              noise_multiplier=self.noise_multiplier,
-                              expected_batch_size=expected_batch_size(n, self.sample_rate),
-                              noise="optimizer", **(dp_kwargs or {}))
+        self._compile_settings = dict(max_grad_norm=max_grad_norm,
+                                      expected_batch_size=expected_batch_size(n, self.sample_rate),
+                                      noise="optimizer", **(dp_kwargs or {}))
+        dp_model = dp_compile(model, noise_multiplier=self.noise_multiplier,
+                              **self._compile_settings)
         if ledger is True:
             ledger = os.path.join(args.output_dir, LEDGER_FILE) \
                 if args.save_strategy != "no" else None
@@ -150,6 +158,85 @@ class DPTrainer(Trainer):
     def get_epsilon(self) -> float:
         """Epsilon at ``delta`` of the optimizer steps taken so far."""
         return self.accountant.get_epsilon(self.delta)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Trainer's ``train``, with the noise of the steps left fitted to what the run has
+        spent (Note [A resumed run keeps its budget])."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            # Trainer's own rule; it raises where there is none
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        self._fit_noise_to_budget(resume_from_checkpoint or None)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # Note [A resumed run keeps its budget]
+    # With ``target_epsilon``, sigma is calibrated at construction for the whole plan, as if
+    # no step had been taken. A run that continues steps already released (resumed from a
+    # checkpoint, or from the privacy ledger's count) would then spend more than the target
+    # whenever its plan grew: 4 steps at the sigma of a 4-step plan, then 4 at the sigma of an
+    # 8-step plan, ended at epsilon 4.45 for a target of 4.0. Before training, the steps the run
+    # continues from (the longer of the checkpoint's accountant and the ledger, which the
+    # optimizer then reconciles to) and the steps left of the plan (Trainer's max_steps less
+    # the checkpoint's global step) are known. If the compiled sigma keeps the whole run at or
+    # below the target (a resumed run with its plan unchanged: the uninterrupted run's sigma and
+    # epsilon), it stays; else the steps left are calibrated as a phase composed after the
+    # spent ones (Note [Calibrating the steps that remain] in privacy/__init__.py) and the model
+    # is compiled again with that sigma, the only place it can change (the compiled model and
+    # the DPOptimizer fix it). The accountant and the ledger record each step with the sigma of
+    # the model that released it, so each segment is counted with its own noise. Where no sigma
+    # fits, training is refused with the epsilon already spent.
+    # (tests/test_trainer_budget.py)
+    def _fit_noise_to_budget(self, checkpoint) -> None:
+        if self.target_epsilon is None:
+            return
+        taken = 0
+        if isinstance(checkpoint, str):
+            from transformers.trainer import TRAINER_STATE_NAME
+            from transformers.trainer_callback import TrainerState
+
+            state = os.path.join(checkpoint, TRAINER_STATE_NAME)
+            if os.path.isfile(state):
+                taken = TrainerState.load_from_json(state).global_step
+        try:
+            sigma = noise_for_steps_left(
+                self._spent_phases(checkpoint), noise_multiplier=self.noise_multiplier,
+                sample_rate=self.sample_rate, steps=self.planned_steps() - taken,
+                target_epsilon=self.target_epsilon, delta=self.delta,
+                accountant=self.accountant.accountant)
+        except ValueError as e:
+            raise PrivacyError(
+                f"DPTrainer cannot keep target_epsilon={self.target_epsilon} over its plan of "
+                f"{self.planned_steps()} steps: {e}. Raise target_epsilon, or plan no more than "
+                f"the {taken} steps taken (max_steps={taken})") from None
+        if sigma != self.noise_multiplier:
+            self._compile_again(sigma)
+
+    def _compile_again(self, sigma: float) -> None:
+        """The model compiled with noise multiplier ``sigma`` in place of the current one."""
+        old = self.model
+        self.model = dp_compile(old._orig_mod, noise_multiplier=sigma, **self._compile_settings)
+        old._detach_from_model()
+        self.model_wrapped = self.callback_handler.model = self.model
+        self.noise_multiplier = sigma
+        if self.dp_optimizer is not None:      # a later train() of this trainer: wrap anew
+            if self.dp_optimizer.privacy_ledger is not None:
+                self.dp_optimizer.privacy_ledger.close()
+            self.optimizer = self.dp_optimizer.original_optimizer
+            self.dp_optimizer = None
+
+    def _spent_phases(self, checkpoint) -> list:
+        """The steps the run continues from, as the accountant will hold them once the optimizer
+        is built and the checkpoint loaded (the longer record: ``privacy/ledger.reconcile``)."""
+        records = [self.accountant.history]
+        if isinstance(checkpoint, str):
+            path = os.path.join(checkpoint, ACCOUNTANT_FILE)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    records[0] = [tuple(p) for p in json.load(f)["accountant"]["history"]]
+        if self.ledger is not None:
+            records.append(ledger_recorded(self.ledger))
+        return max(records, key=lambda phases: sum(p[2] for p in phases))
 
     # -- the parts of Trainer that change -----------------------------------------------------
     def get_train_dataloader(self):
@@ -195,7 +282,8 @@ class DPTrainer(Trainer):
                 self.dp_optimizer.signal_skip_step(True)
                 self.dp_optimizer.step()
             size = _batch_size(chunk)
-            loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
+            with arranged_by_trainer():     # Note [A scale dpfx arranged] in loss/track.py
+                loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
             loss = loss.as_subclass(torch.Tensor) if isinstance(loss, TrackedTensor) else loss
             if size:
                 total = loss * size if total is None else total + loss * size

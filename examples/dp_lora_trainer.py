@@ -15,12 +15,10 @@ import pathlib
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-import dpfx
 import dpfx.hf
 
 T = 64               # characters a training example: the unit of privacy
@@ -99,9 +97,7 @@ def main():
         print(f"DP fine-tuning of the LoRA adapters: sigma {trainer.noise_multiplier:.3f}, "
               f"q {trainer.sample_rate:.3f}, {trainer.planned_steps()} steps")
         start = time.time()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", dpfx.LossScaleWarning)
-            trainer.train()
+        trainer.train()
     print(f"DP fine-tuned in {time.time() - start:.0f} s; private held-out perplexity "
           f"{perplexity(model, held_out):.2f}; epsilon {trainer.get_epsilon():.2f} at delta "
           f"{trainer.delta:g} ({trainer.accountant.steps} steps)")

@@ -231,8 +231,8 @@ class PoissonLoader(DataLoader):
 
 # -- virtual batches: a logical batch as physical ones ---------------------------------------------
 class VirtualBatches:
-    """Iterates ``loader`` and yields each batch as physical batches of at most
-    ``max_physical_batch_size`` examples, signalling ``optimizer`` to skip every step but a
+    """Iterates ``loader`` and yields each batch as near-equal physical batches of at most
+    ``max_physical_batch_size`` examples (Note [Near-equal physical batches]), signalling ``optimizer`` to skip every step but a
     logical batch's last (Note [Virtual batches] in loop/optim.py). An empty logical batch yields one empty
     physical batch, so its (pure-noise) step still happens."""
 
@@ -265,12 +265,33 @@ class VirtualBatches:
                 yield track_batch(chunk) if tracked else chunk     # each a batch of its own
 
 
+# Note [Near-equal physical batches]
+# A logical batch of n examples runs as p = ceil(n / size) physical batches, the fewest the cap
+# allows, whose sizes differ by at most one (9 at a cap of 8: 5 + 4, not 8 + 1). The clipped sums
+# add up the same whatever the split (Note [Virtual batches] in loop/optim.py), so only the cost
+# changes: a model whose code branches on the batch size compiles a separate graph for a batch of
+# one (Note [Deciding a branch on the batch size] in capture/batch_branches.py), and cutting
+# full batches first made every logical batch of k * size + 1 examples pay for that graph on the
+# hot path (a 35 s step in a GPT-2 run). With near-equal pieces a physical batch of one row comes
+# only from a logical batch of one row, or from a cap below 3 (every split of 3 rows at a cap of 2
+# has a row alone): each of the p pieces holds at least floor(n / p) >= 2 rows when n > size >= 3.
+# (tests/test_split_batch.py)
+def split_sizes(n: int, size: int) -> list[int]:
+    """The sizes of the physical batches of a logical batch of ``n`` examples at a cap of
+    ``size`` (Note [Near-equal physical batches]); ``[0]`` for an empty one."""
+    pieces = max(1, math.ceil(n / size))
+    base, extra = divmod(n, pieces)
+    return [base + 1] * extra + [base] * (pieces - extra)
+
+
 def split_batch(batch, size: int) -> list:
-    """Split every tensor of a collated batch along dim 0 into pieces of at most ``size``."""
+    """Split every tensor of a collated batch along dim 0 into the near-equal pieces of
+    ``split_sizes`` (Note [Near-equal physical batches])."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     if not leaves:
         return [batch]
-    n = leaves[0].shape[0]
-    pieces = max(1, math.ceil(n / size))
+    starts = [0]
+    for length in split_sizes(leaves[0].shape[0], size):
+        starts.append(starts[-1] + length)
     return [torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t, i=i: t[i * size:(i + 1) * size], batch) for i in range(pieces)]
+        torch.Tensor, lambda t, a=a, b=b: t[a:b], batch) for a, b in zip(starts, starts[1:])]

@@ -121,6 +121,7 @@ class Verdict:
     replayed: fx.GraphModule | None = None  # the loss as replayed, and its terms' nodes: for
     term_nodes: list = dataclasses.field(default_factory=list)   # Note [Terms on their own scales]
     normalizer_calls: tuple = ()            # the call each normalizer was computed in
+    term_calls: tuple = ()                  # the call of each term's reduction over the batch
     _scaled: Callable | None = None
 
 
@@ -627,7 +628,8 @@ def _verdict(gm, terms, batch, scalars: set, outputs: set, record_of: dict) -> V
     return Verdict(out_terms, evaluate, declared.pop() if len(declared) == 1 else "mixed",
                    frozenset(i for i, n in enumerate(norm_nodes) if n in scalars), sized=sized,
                    replayed=gm, term_nodes=[node.name for _, _, node in terms],
-                   normalizer_calls=tuple(record_of.get(n) for n in norm_nodes))
+                   normalizer_calls=tuple(record_of.get(n) for n in norm_nodes),
+                   term_calls=tuple(record_of.get(node) for _, _, node in terms))
 
 
 def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> Callable:

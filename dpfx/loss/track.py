@@ -263,7 +263,10 @@ def _record(func, args, kwargs, result):
                       else ("e", trace.external(a)) if isinstance(a, torch.Tensor)
                       else ("c", a) for a in leaves)
         index = len(trace.records)
-        trace.records.append((func, spec, descr, _caller()))
+        line = _caller()
+        if _ARRANGING[0] and line is not None:
+            line = (*line, ARRANGED)        # Note [A scale dpfx arranged]
+        trace.records.append((func, spec, descr, line))
         if func in loss_steady.NLL_CALLS and isinstance(result, torch.Tensor):
             trace.nodes[index] = result.grad_fn
     wrapped = []
@@ -449,8 +452,10 @@ def _verify(loss: TrackedTensor) -> float | tuple:
     factor, changed = scale
     if changed and not getattr(verdict, "warned", False):
         verdict.warned = True
-        warnings.warn(_scale_message(verdict, reduction, _program(trace, index, leaf)[0]),
-                      LossScaleWarning, stacklevel=4)
+        program = _program(trace, index, leaf)[0]
+        if not _arranged_scale(verdict, program["lines"], values, trace.batch, reduction):
+            warnings.warn(_scale_message(verdict, reduction, program), LossScaleWarning,
+                          stacklevel=4)
     if steady:
         loss_steady.store(steady, verdict, program, values, trace)
     return factor
@@ -552,7 +557,7 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                 descr.append(d)
                 key.append(("c", _const_key(d[1])))
         calls.append((func, spec, tuple(descr)))
-        keys.append((func, spec, tuple(key)))
+        keys.append((func, spec, tuple(key), _arranged(line)))
         lines.append(line)
     program = {"calls": calls, "placeholders": placeholders, "loss": (len(order) - 1, leaf),
                "lines": lines, "candidates": candidates, "order": order}
@@ -794,13 +799,87 @@ def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:
         f"nothing that compares examples) and take its mean or sum over dim 0.")
 
 
+# Note [A scale dpfx arranged]
+# ``DPTrainer`` trains on the model's own ``labels=`` loss, which dpfx computes on the tracked
+# outputs (loss/hf_labels.py): a causal LM's token mean divides by the batch's count of
+# non-ignored tokens, and question answering halves the sum of two means. The check removes
+# those scalars from each example's term as it removes any (Note [The per-example term] in
+# loss/check.py), exactly and on every step; what DPTrainer documents and the user never wrote
+# is not warned about. While ``arranging()`` is on (DPModule.forward around the labels= loss,
+# when DPTrainer's step asked for it with ``arranged_by_trainer()``), each recorded call's line
+# carries ``ARRANGED``; the program's key and the steady state's key hold it, so a loss the user
+# writes with the same calls keeps a verdict, and a warning, of its own. In deciding whether the
+# scale changed, a normalizer computed in an arranged call stands for what it replaces: a count
+# for the batch size, a Python number for 1. Any other scalar still warns: a normalizer the user
+# wrote, named at the line of the call that computed it (the token mean, not the last line of
+# the loss: the warning once blamed accelerate's ``loss / gradient_accumulation_steps``, a
+# division by 1), and a reduction other than ``loss_reduction``, named at the line of the
+# term's reduction over the batch.
+# (tests/test_trainer_warnings.py)
+ARRANGED = "arranged by dpfx"
+_ARRANGING = [False]
+_TRAINER_ARRANGES = [False]
+
+
+@contextlib.contextmanager
+def arranged_by_trainer():
+    """``DPTrainer``'s step: the labels= loss dpfx computes is the trainer's arrangement."""
+    before = _TRAINER_ARRANGES[0]
+    _TRAINER_ARRANGES[0] = True
+    try:
+        yield
+    finally:
+        _TRAINER_ARRANGES[0] = before
+
+
+@contextlib.contextmanager
+def arranging():
+    """Around dpfx's own labels= loss: its calls are recorded as arranged when a trainer step
+    asked for it (Note [A scale dpfx arranged])."""
+    before = _ARRANGING[0]
+    _ARRANGING[0] = _TRAINER_ARRANGES[0]
+    try:
+        yield
+    finally:
+        _ARRANGING[0] = before
+
+
+def _arranged(line) -> bool:
+    return type(line) is tuple and len(line) > 2 and line[2] == ARRANGED
+
+
+def _arranged_scale(verdict, lines: list, values: tuple, batch: int, reduction: str) -> bool:
+    """Whether the scale changed only by normalizers computed in arranged calls, each standing
+    for what it replaces (Note [A scale dpfx arranged])."""
+    calls = verdict.normalizer_calls
+    arranged = [c is not None and _arranged(lines[c]) for c in calls]
+    if not any(arranged) or len(values) != len(calls):
+        return False
+    standing = tuple(
+        (1.0 if i in verdict.scalar_normalizers else float(batch)) if mine else value
+        for i, (mine, value) in enumerate(zip(arranged, values)))
+    weights = verdict.weights
+    try:
+        scale = loss_check.eval_scale(verdict, batch, standing, reduction)
+    finally:
+        verdict.weights = weights
+    return type(scale) is tuple and not scale[1]
+
+
 def _scale_message(verdict, reduction: str, program: dict) -> str:
-    where = _line(program["lines"][-1])
+    lines = program["lines"]
+    mine = sorted((i in verdict.scalar_normalizers, c)       # counts before Python numbers
+                  for i, c in enumerate(verdict.normalizer_calls)
+                  if c is not None and not _arranged(lines[c]))
+    mine = [c for _, c in mine]
     if any(t.normalizers for t in verdict.terms):
+        where = _line(lines[mine[0]] if mine else lines[-1])
         return (f"the loss ({where}) divides by a number computed from the whole batch (the "
                 f"count of non-ignored tokens or mask entries): one example would change every "
                 f"example's gradient. dpfx takes each example's gradient of its own sum over "
                 f"its tokens instead (the loss value is unchanged)")
+    terms = [c for c in verdict.term_calls if c is not None]
+    where = _line(lines[terms[0]] if terms else lines[-1])
     return (f"the loss ({where}) is a {verdict.declared} over the batch, but dpfx was compiled "
             f"with loss_reduction={reduction!r}; dpfx takes each example's gradient of its own "
             f"loss, as with a {reduction} (pass loss_reduction={verdict.declared!r} to silence)")

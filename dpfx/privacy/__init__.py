@@ -223,15 +223,19 @@ def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: f
 
 def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,
                      steps: int, accountant: str = "pld", tolerance: float = SIGMA_TOLERANCE,
-                     bracket: tuple[float, float] = SIGMA_BRACKET) -> float:
+                     bracket: tuple[float, float] = SIGMA_BRACKET, spent=()) -> float:
     """The smallest sigma in ``bracket`` whose epsilon is <= ``target_epsilon``.
 
     The answer s satisfies epsilon(s) <= target_epsilon and lies within ``tolerance * s`` above
     the exact smallest sigma (a relative tolerance). A doubling/halving search from sigma = 1
     narrows ``bracket`` to [s, 2s] (at most log2 of its width evaluations), then
     ``dp_accounting.calibrate_dp_mechanism`` (Brent's method, bounded) finishes.
-    Raises ValueError when no sigma in ``bracket`` reaches the target, or when its lower end
-    already does (widen ``bracket``).
+    ``spent``: steps already taken, as phases (noise_multiplier, sample_rate, steps) (an
+    ``Accountant``'s ``history``); sigma is then the noise of the ``steps`` further steps such
+    that all of them composed end at or below ``target_epsilon`` (Note [Calibrating the steps
+    that remain]).
+    Raises ValueError when no sigma in ``bracket`` reaches the target (also when ``spent``
+    alone reaches it), or when its lower end already does (widen ``bracket``).
     """
     target_epsilon = _check_target_epsilon(target_epsilon)
     target_delta = _check_delta(target_delta, "target_delta")
@@ -243,18 +247,57 @@ def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate:
     accountant = _check_accountant(accountant)
     tolerance = _check_tolerance(tolerance)
     lo, hi = _check_bracket(bracket)
+    before = _spent_events(spent)
+    if before:
+        eps_spent = _event_epsilon(_composed(before), target_delta, accountant)
+        if eps_spent >= target_epsilon:
+            taken = sum(phase[2] for phase in spent)
+            raise ValueError(
+                f"target_epsilon={target_epsilon} is spent already: the {taken} steps taken "
+                f"are at epsilon {eps_spent:.6g} (delta {target_delta:g}), so no noise leaves "
+                f"room for {steps} more; raise target_epsilon or take no further steps")
+
+    def event(sigma: float) -> dp_accounting.DpEvent:
+        return _composed(before + [dp_event(sigma, q, steps)])
 
     def eps_at(sigma: float) -> float:
-        return _event_epsilon(dp_event(sigma, q, steps), target_delta, accountant)
+        return _event_epsilon(event(sigma), target_delta, accountant)
 
     lo, hi = _narrow_bracket(eps_at, target_epsilon, lo, hi)
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: _make_accountant(accountant),
-        lambda s: dp_event(s, q, steps),
+        event,
         target_epsilon, target_delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
         tol=tolerance * lo)
     return float(sigma)
+
+
+# Note [Calibrating the steps that remain]
+# A run that continues after steps already taken (a resumed run with a longer plan) must end at
+# or below its target with every step counted at the noise it was taken with. The steps left are
+# calibrated as one more phase composed after the spent ones (``ComposedDpEvent``, as the
+# ``Accountant`` records the run), so the search finds the smallest sigma of the remaining phase
+# whose composition with the spent phases reaches the target. Recalibrating the whole plan from
+# scratch instead (what a restarted run did) gives the later steps a sigma meant for steps that
+# all share it, and a resumed run of 4 + 4 steps planned as 8 ended at 4.45 against a target of
+# 4.0. (tests/test_trainer_budget.py)
+def _spent_events(spent) -> list:
+    events = []
+    for phase in spent:
+        try:
+            sigma, q, n = phase
+        except (TypeError, ValueError):
+            raise ValueError(f"spent must hold phases (noise_multiplier, sample_rate, steps), "
+                             f"got {phase!r}") from None
+        n = _check_steps(n, "spent steps")
+        if n:
+            events.append(dp_event(sigma, q, n))
+    return events
+
+
+def _composed(events: list) -> dp_accounting.DpEvent:
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
 
 
 def _check_target_epsilon(eps) -> float:

@@ -143,6 +143,18 @@ class PrivacyLedger:
         return offset if tail else None
 
 
+def recorded(path) -> list[tuple[float, float, int]]:
+    """The phases (noise_multiplier, sample_rate, steps) the ledger at ``path`` records, read
+    without writing ([] when there is no file); a torn last record is left out, as the writer
+    that opens the file next drops it (Note [A torn last record])."""
+    if not os.path.exists(path):
+        return []
+    reader = object.__new__(PrivacyLedger)
+    reader.path, reader._history, reader._steps, reader._fd = os.fspath(path), [], 0, None
+    reader._read()
+    return reader.history
+
+
 def _record(fields: dict) -> bytes:
     body = json.dumps(fields, sort_keys=True)
     return _line({**fields, "crc": zlib.crc32(body.encode())})

@@ -251,10 +251,15 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
     assert resumed.accountant.steps == 6 and resumed.model.releases == releases
 
     # stopped two steps after its last checkpoint: those two releases happened, and the
-    # privacy ledger makes the resumed run count them on top of the six it then takes
+    # privacy ledger makes the resumed run count them on top of the six it then takes, with
+    # the noise of the last three raised so that all eight stay within the target
+    # (Note [A resumed run keeps its budget] in dpfx/hf.py)
     run(tmp_path / "late", stop_at=5)
     again = run(tmp_path / "late", resume=str(tmp_path / "late" / "checkpoint-3"))
     assert again.accountant.steps == 8
+    assert again.noise_multiplier > stopped.noise_multiplier
+    assert [phase[2] for phase in again.accountant.history] == [5, 3]
+    assert again.get_epsilon() <= 4.0
 
 
 class _StopAt(transformers.TrainerCallback):
