@@ -186,7 +186,7 @@ class DPTrainer(Trainer):
     # the DPOptimizer fix it). The accountant and the ledger record each step with the sigma of
     # the model that released it, so each segment is counted with its own noise. Where no sigma
     # fits, training is refused with the epsilon already spent.
-    # (tests/test_trainer_budget.py)
+    # (tests/hf/test_trainer_budget.py)
     def _fit_noise_to_budget(self, checkpoint) -> None:
         if self.target_epsilon is None:
             return

@@ -275,7 +275,7 @@ class VirtualBatches:
 # hot path (a 35 s step in a GPT-2 run). With near-equal pieces a physical batch of one row comes
 # only from a logical batch of one row, or from a cap below 3 (every split of 3 rows at a cap of 2
 # has a row alone): each of the p pieces holds at least floor(n / p) >= 2 rows when n > size >= 3.
-# (tests/test_split_batch.py)
+# (tests/loop/test_split_batch.py)
 def split_sizes(n: int, size: int) -> list[int]:
     """The sizes of the physical batches of a logical batch of ``n`` examples at a cap of
     ``size`` (Note [Near-equal physical batches]); ``[0]`` for an empty one."""

@@ -815,7 +815,7 @@ def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:
 # the loss: the warning once blamed accelerate's ``loss / gradient_accumulation_steps``, a
 # division by 1), and a reduction other than ``loss_reduction``, named at the line of the
 # term's reduction over the batch.
-# (tests/test_trainer_warnings.py)
+# (tests/hf/test_trainer_warnings.py)
 ARRANGED = "arranged by dpfx"
 _ARRANGING = [False]
 _TRAINER_ARRANGES = [False]

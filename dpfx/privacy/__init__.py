@@ -281,7 +281,7 @@ def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate:
 # whose composition with the spent phases reaches the target. Recalibrating the whole plan from
 # scratch instead (what a restarted run did) gives the later steps a sigma meant for steps that
 # all share it, and a resumed run of 4 + 4 steps planned as 8 ended at 4.45 against a target of
-# 4.0. (tests/test_trainer_budget.py)
+# 4.0. (tests/hf/test_trainer_budget.py)
 def _spent_events(spent) -> list:
     events = []
     for phase in spent:

@@ -7,8 +7,8 @@ import torch
 
 import dpfx
 from dpfx.loop.data import split_batch, split_sizes
-from models import MLP
-from reference import assert_close, dp_sgd_grads
+from support.models import MLP
+from support.reference import assert_close, dp_sgd_grads
 
 
 @pytest.mark.parametrize("size", range(3, 17))
