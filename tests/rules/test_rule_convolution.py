@@ -329,8 +329,8 @@ def test_per_sample_conv2d_chunks_through_inductor(monkeypatch):
     """The chunked op as Inductor runs it: several chunks (the chunk size is read at run time),
     batch sizes colliding with the channel count and with the chunk, both strategies that use
     the product (materialize, and the ghost norm taken directly of it for a large image)."""
-    monkeypatch.setattr(convolution, "_CHUNK_BYTES", 2 * 4 * 3 * 9 * 49)   # two examples
-    monkeypatch.setattr(convolution, "_CHUNK_MIN_EXAMPLES", 1)
+    monkeypatch.setattr(conv_kernels, "_CHUNK_BYTES", 2 * 4 * 3 * 9 * 49)   # two examples
+    monkeypatch.setattr(conv_kernels, "_CHUNK_MIN_EXAMPLES", 1)
     for strategy in ("materialize", "ghost"):
         torch._dynamo.reset()
         for batch in (3, 2, 0, 1, 5):
