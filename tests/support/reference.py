@@ -44,8 +44,10 @@ def dp_sgd_grads(model, loss_fn, inputs, targets, *, max_grad_norm, loss_reducti
 
 
 def per_example_norms(g: dict) -> torch.Tensor:
-    """(B,): each example's gradient norm over all the parameters of ``g`` ({name: (B, ...)})."""
-    return torch.sqrt(sum(v.flatten(1).float().pow(2).sum(1) for v in g.values()))
+    """(B,): each example's gradient norm over all the parameters of ``g`` ({name: (B, ...)}),
+    in float32 at least."""
+    return torch.sqrt(sum(v.flatten(1).to(torch.promote_types(v.dtype, torch.float32)).pow(2).sum(1)
+                          for v in g.values()))
 
 
 def clipped_sum(g: dict, max_grad_norm, denom=1) -> dict:
