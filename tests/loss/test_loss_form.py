@@ -93,7 +93,7 @@ def test_a_program_without_the_pattern_is_left_alone():
 
 
 def test_loss_gradient_is_zero_with_the_gradient_it_is_given():
-    from dpfx.loss.captured import loss_gradient
+    from dpfx.ops.loss import loss_gradient
 
     out = torch.randn(3, 5, requires_grad=True)
     g = torch.randn(3, 5)
