@@ -24,7 +24,7 @@ from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
-from dpfx.config import DPConfig, check_loss, warn_fixed_seed
+from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
 from dpfx.errors import CaptureError, DPFXError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
@@ -435,7 +435,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False, self_check: bool | str = True,
-            allow_input_grads: bool = False, loss=None) -> DPModule:
+            allow_input_grads: bool = False, loss=None, clipping: str | None = None,
+            clipping_gamma: float = AUTOMATIC_GAMMA) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -450,7 +451,11 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
 
     ``max_grad_norm`` as a dict ``{name prefix: C}`` is per-layer clipping: each parameter is
     clipped with the group of its longest matching prefix ("" matches all), and the noise std is
-    sigma * sqrt(sum C^2). ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
+    sigma * sqrt(sum C^2). ``clipping``: "flat" (one bound C; the default for a number),
+    "per_layer" (the default for a dict), or "automatic": every example scaled by
+    C / (||g|| + clipping_gamma) instead of clipped (Bu et al. 2022; with the number or the dict
+    of bounds, per group), which bounds each example by C as well (Note [Clip functions] in
+    config.py). ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
     ``dp_model.clipped_sums`` (p.grad stays None) and ``dpfx.DPOptimizer`` adds the noise and
     divides once per optimizer step (virtual batches, secure noise, distributed training).
     The default ``noise`` is "graph", or "optimizer" when torch.distributed is initialized with
@@ -482,7 +487,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         noise = "optimizer" if distributed or fsdp.units(model) else "graph"
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
-                      allow_input_grads=allow_input_grads)
+                      allow_input_grads=allow_input_grads, clipping=clipping,
+                      clipping_gamma=clipping_gamma)
     warn_fixed_seed(seed)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")

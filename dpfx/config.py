@@ -11,6 +11,12 @@ LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
 STRATEGIES = ("auto", "materialize", "ghost")
 NOISE_MODES = ("graph", "optimizer")
+# Note [Clip functions]: "flat" and "per_layer" clip to min(1, C / (||g|| + CLIP_EPS)) (one group,
+# or one per name prefix); "automatic" scales every example by C / (||g|| + gamma) (Bu et al.
+# 2022, "Automatic clipping"), which never exceeds C either: ||g|| C / (||g|| + gamma) < C.
+CLIPPING = ("flat", "per_layer", "automatic")
+# Bu et al.'s stability constant gamma, the default of ``clipping_gamma``.
+AUTOMATIC_GAMMA = 0.01
 
 # Added to the per-sample norm before dividing, as Opacus does, so that results compare number for
 # number: clip_factor = min(1, C / (||g|| + CLIP_EPS)).
@@ -35,8 +41,26 @@ class DPConfig:
     track_norms: bool = False
     self_check: bool | str = True
     allow_input_grads: bool = False
+    clipping: str | None = None
+    clipping_gamma: float = AUTOMATIC_GAMMA
 
     def __post_init__(self):
+        if self.clipping is None:       # inferred: a dict of bounds is per-layer clipping
+            object.__setattr__(self, "clipping", "per_layer" if isinstance(
+                self.max_grad_norm, (dict, tuple)) else "flat")
+        if self.clipping not in CLIPPING:
+            raise OptionError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
+        if self.clipping == "flat" and isinstance(self.max_grad_norm, (dict, tuple)):
+            raise OptionError("clipping='flat' takes one bound max_grad_norm=C; a dict of "
+                              "bounds by parameter-name prefix is clipping='per_layer'")
+        if self.clipping == "per_layer" and not isinstance(self.max_grad_norm, (dict, tuple)):
+            raise OptionError("clipping='per_layer' takes max_grad_norm as a dict {parameter-"
+                              "name prefix: C} (\"\" matches every parameter)")
+        if isinstance(self.clipping_gamma, bool) or not isinstance(self.clipping_gamma,
+                                                                  (int, float)) \
+                or not (math.isfinite(self.clipping_gamma) and self.clipping_gamma > 0):
+            raise OptionError(f"clipping_gamma must be a finite number > 0 (automatic "
+                              f"clipping's C / (||g|| + gamma)), got {self.clipping_gamma!r}")
         if isinstance(self.max_grad_norm, dict):
             object.__setattr__(self, "max_grad_norm", tuple(self.max_grad_norm.items()))
         bounds = (self.max_grad_norm if isinstance(self.max_grad_norm, tuple)
@@ -90,6 +114,12 @@ class DPConfig:
     @property
     def per_layer(self) -> bool:
         return isinstance(self.max_grad_norm, tuple)
+
+    @property
+    def clip_eps(self) -> float:
+        """What the clip factor adds to the per-sample norm before dividing (Note [Clip
+        functions])."""
+        return float(self.clipping_gamma) if self.clipping == "automatic" else CLIP_EPS
 
     @property
     def clip_bounds(self) -> dict[str, float]:

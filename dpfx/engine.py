@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from dpfx.privacy import checkpoint as checkpoint_file
 from dpfx.loop import fsdp
 from dpfx import privacy
+from dpfx.config import AUTOMATIC_GAMMA
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from dpfx.loop.data import VirtualBatches
@@ -72,6 +73,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
+                 clipping: str | None = None, clipping_gamma: float = AUTOMATIC_GAMMA,
                  **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
@@ -83,7 +85,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     on disk before its update, and a run made again with the same path counts every step the
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
-    ``dp_model.loss(x, y)``).
+    ``dp_model.loss(x, y)``). ``clipping``, ``clipping_gamma``: as ``dpfx.compile``'s ("flat",
+    "per_layer" or "automatic").
     ``accountant``: "pld", "rdp", or a ``dpfx.privacy.Accountant`` to keep counting in (several
     runs over one dataset share one). ``noise``: where the noise is added ("graph" or
     "optimizer"); by default "optimizer" exactly when the run needs it (below).
@@ -142,7 +145,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(n, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
-                          track_norms=track_norms, loss=loss)
+                          track_norms=track_norms, loss=loss, clipping=clipping,
+                          clipping_gamma=clipping_gamma)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger)

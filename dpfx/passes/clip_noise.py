@@ -7,6 +7,7 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     per_sample_norms = scale * sqrt(sum_p sum(ps[p]**2, dims 1..))       # f32[B]
     keep             = isfinite(per_sample_norms)                          # bool[B]
     clip_factor      = where(keep, min(1, C / (per_sample_norms + 1e-6)), 0)
+                       where(keep, C / (per_sample_norms + gamma), 0)     # clipping="automatic"
     clipped[p]       = sum_i where(keep_i, (clip_factor * scale)_i * ps[p]_i, 0)   # p.shape
     noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
@@ -52,7 +53,7 @@ import sympy
 import torch
 
 import dpfx.ops  # noqa: F401  (registers the dpfx:: ops the graphs hold)
-from dpfx.config import CLIP_EPS, DPConfig
+from dpfx.config import DPConfig
 from dpfx.rules import Clip, at_least_float32, at_nominal
 from dpfx.graph.batch import BatchDim
 from dpfx.graph.emit import Emitter
@@ -100,7 +101,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     clips = {}
     for key, norm in norms.items():
         norm.meta["dpfx"] = "per_sample_norms"
-        denom = emit(aten.add.Tensor, norm, CLIP_EPS)
+        denom = emit(aten.add.Tensor, norm, config.clip_eps)
         ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom),
                      config.clip_bounds[key])
         # Note [Non-finite examples contribute zero] (rules/registry.py): factor 0, and every
@@ -111,8 +112,11 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                     tag="finite_examples")
         zero = emit(aten.scalar_tensor.default, 0, dtype=norm.meta["val"].dtype,
                     device=norm.meta["val"].device)
-        clip_factor = emit(aten.where.self, keep, emit(aten.clamp_max.default, ratio, 1.0), zero,
-                           tag="clip_factor")
+        # Note [Clip functions] (config.py): automatic clipping scales every example by
+        # C / (norm + gamma), the others by min(1, C / (norm + eps)).
+        scale = (ratio if config.clipping == "automatic"
+                 else emit(aten.clamp_max.default, ratio, 1.0))
+        clip_factor = emit(aten.where.self, keep, scale, zero, tag="clip_factor")
         # The coefficient that multiplies the per-sample gradients the graph holds: for "mean"
         # they are g_i / B, so the coefficient is clip_factor * B.
         coef = (emit(aten.mul.Tensor, clip_factor, batch, tag="clip_coef") if mean

@@ -674,23 +674,37 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
 
 
 def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> float:
-    """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), with ``norm`` the
-    per-sample norms, isfinite written abs(norm) < inf, and C one of the configured bounds;
-    returns C."""
+    """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), or for automatic
+    clipping where(isfinite(norm), C / (norm + gamma), 0) (Note [Clip functions] in config.py),
+    with ``norm`` the per-sample norms, isfinite written abs(norm) < inf, eps the configured
+    constant added to that very norm, and C one of the configured bounds; returns C. Either form
+    scales an example of norm n to n * factor <= C: the clamp bounds the first, gamma > 0 the
+    second, and any other denominator (a norm scaled down, a constant of the wrong sign) could
+    let an example past C."""
     bounds = set(config.clip_bounds.values())
+    automatic = config.clipping == "automatic"
     ok = factor.target is aten.where.self and _is_zero(factor.args[2])
-    keep, clamp = factor.args[:2] if ok else (None, None)
+    keep, scale = factor.args[:2] if ok else (None, None)
     ok = ok and keep.meta.get("dpfx") == "finite_examples" and keep.target is aten.lt.Scalar \
         and keep.args[1] == float("inf") and keep.args[0].target is aten.abs.default
     norm = keep.args[0].args[0] if ok else None
     ok = ok and norm.meta.get("dpfx") == "per_sample_norms"
-    ok = ok and clamp.target is aten.clamp_max.default and clamp.args[1] == 1.0
-    ratio = clamp.args[0] if ok else None
+    if automatic:
+        ratio = scale if ok else None
+    else:
+        ok = ok and scale.target is aten.clamp_max.default and scale.args[1] == 1.0
+        ratio = scale.args[0] if ok else None
     ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] in bounds
-    ok = ok and norm in nx.ancestors(g, ratio)
+    inverse = ratio.args[0] if ok else None
+    ok = ok and isinstance(inverse, fx.Node) and inverse.target is aten.reciprocal.default
+    denom = inverse.args[0] if ok else None
+    ok = ok and isinstance(denom, fx.Node) and denom.target is aten.add.Tensor \
+        and denom.args[0] is norm and denom.args[1] == config.clip_eps and not denom.kwargs
     if not ok:
-        raise PrivacyError("the clip factor is not where(isfinite(norm), min(1, C / (norm + eps)),"
-                           f" 0) of the per-sample norms with C in {sorted(bounds)}")
+        form = ("C / (norm + gamma)" if automatic else "min(1, C / (norm + eps))")
+        raise PrivacyError(f"the clip factor is not where(isfinite(norm), {form}, 0) of the "
+                           f"per-sample norms with C in {sorted(bounds)} and "
+                           f"{'gamma' if automatic else 'eps'} = {config.clip_eps}")
     return ratio.args[1]
 
 

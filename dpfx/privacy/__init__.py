@@ -53,7 +53,6 @@ can record such steps honestly.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
@@ -159,11 +158,33 @@ def pld_discretization_interval(rdp_epsilon: float) -> float:
 
 
 def _pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
-    """``_pld_epsilon_uncached``, memoized for hashable events (calibration revisits points)."""
-    try:
-        return _pld_epsilon_cached(event, delta)
-    except TypeError:                           # ComposedDpEvent holds a list: not hashable
+    """``_pld_epsilon_uncached``, memoized (calibration revisits points, and a run asks the
+    epsilon of the same phases again at every log and checkpoint)."""
+    key = _event_key(event)
+    if key is None:
         return _pld_epsilon_uncached(event, delta)
+    key = (key, delta)
+    if key not in _PLD_CACHE:
+        if len(_PLD_CACHE) >= 256:
+            _PLD_CACHE.pop(next(iter(_PLD_CACHE)))      # the oldest entry
+        _PLD_CACHE[key] = _pld_epsilon_uncached(event, delta)
+    return _PLD_CACHE[key]
+
+
+_PLD_CACHE: dict = {}
+
+
+def _event_key(event: dp_accounting.DpEvent):
+    """A hashable stand-in for ``event``: dp_accounting's events are frozen dataclasses, but a
+    ``ComposedDpEvent`` holds a list. None for an event of another form (left uncached)."""
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        parts = tuple(_event_key(e) for e in event.events)
+        return None if None in parts else ("composed", parts)
+    try:
+        hash(event)
+    except TypeError:
+        return None
+    return event
 
 
 def _pld_epsilon_uncached(event: dp_accounting.DpEvent, delta: float) -> float:
@@ -179,8 +200,6 @@ def _pld_epsilon_uncached(event: dp_accounting.DpEvent, delta: float) -> float:
         return eps_rdp
     return float(eps) if math.isfinite(eps) else eps_rdp
 
-
-_pld_epsilon_cached = functools.lru_cache(maxsize=256)(_pld_epsilon_uncached)
 
 
 class _AdaptivePLDAccountant(dp_accounting.PrivacyAccountant):

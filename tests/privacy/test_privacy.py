@@ -269,3 +269,30 @@ def test_calibration_is_quiet(caplog):
         logging.getLogger("absl").warning("a real problem")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["a real problem"], messages
+
+
+def test_composed_phases_are_computed_once(monkeypatch):
+    # A resumed run's calibration and every logged epsilon ask the PLD epsilon of several
+    # phases (a ComposedDpEvent, which holds a list): asked twice, it is computed once, and a
+    # different phase list is not served another's epsilon.
+    calls = []
+    real = privacy._pld_epsilon_uncached
+    monkeypatch.setattr(privacy, "_pld_epsilon_uncached",
+                        lambda event, delta: calls.append(event) or real(event, delta))
+    monkeypatch.setattr(privacy, "_PLD_CACHE", {})
+    phases = [(1.3, 0.01, 50), (2.1, 0.01, 30)]
+    first = Accountant("pld")
+    again = Accountant("pld")
+    for acc in (first, again):
+        for sigma, q, n in phases:
+            acc.step(noise_multiplier=sigma, sample_rate=q, n=n)
+    assert first.get_epsilon(1e-5) == again.get_epsilon(1e-5)
+    assert len(calls) == 1
+    expected = pld.PLDAccountant().compose(dp_accounting.ComposedDpEvent(
+        [privacy.dp_event(*phase) for phase in phases])).get_epsilon(1e-5)
+    assert first.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-3)
+    other = Accountant("pld")
+    other.step(noise_multiplier=1.3, sample_rate=0.01, n=50)
+    other.step(noise_multiplier=2.1, sample_rate=0.01, n=31)
+    assert other.get_epsilon(1e-5) > first.get_epsilon(1e-5)
+    assert len(calls) == 2

@@ -50,11 +50,12 @@ def per_example_norms(g: dict) -> torch.Tensor:
                           for v in g.values()))
 
 
-def clipped_sum(g: dict, max_grad_norm, denom=1) -> dict:
+def clipped_sum(g: dict, max_grad_norm, denom=1, gamma=None) -> dict:
     """sum_i clip(g_i) / denom over per-example gradients {name: (B, *p.shape)}. Flat clipping to
     a number, or per-layer clipping to {name prefix: C}, written independently of dpfx.config: each
     parameter's group is its longest matching prefix ("" matches every name), each group clipped
-    to its own bound."""
+    to its own bound. With ``gamma``, automatic clipping (Bu et al. 2022): every example of a
+    group scaled by C / (||g_i|| + gamma), clipped or not."""
     bounds = max_grad_norm if isinstance(max_grad_norm, dict) else {"": max_grad_norm}
 
     def group(name):
@@ -63,7 +64,9 @@ def clipped_sum(g: dict, max_grad_norm, denom=1) -> dict:
     out = {}
     for key, bound in bounds.items():
         members = {k: v for k, v in g.items() if group(k) == key}
-        factor = (bound / (per_example_norms(members) + CLIP_EPS)).clamp(max=1.0)
+        norms = per_example_norms(members)
+        factor = (bound / (norms + CLIP_EPS)).clamp(max=1.0) if gamma is None \
+            else bound / (norms + gamma)
         for k, v in members.items():
             out[k] = (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0) / denom
     return {k: out[k] for k in g}
@@ -138,13 +141,13 @@ def loop_example_grads(model, loss_fn, inputs: tuple, targets, kwargs=None) -> d
 
 
 def loop_dp_sgd_grads(model, loss_fn, inputs: tuple, targets, *, max_grad_norm,
-                      loss_reduction="mean", kwargs=None, expected_batch_size=None):
+                      loss_reduction="mean", kwargs=None, expected_batch_size=None, gamma=None):
     """The DP-SGD gradient with sigma = 0 from a batch-of-one autograd loop
     (``loop_example_grads``), divided by D: ``expected_batch_size`` or the batch for "mean"."""
     batch = targets.shape[0]
     denom = (expected_batch_size or batch or 1) if loss_reduction == "mean" else 1
     return clipped_sum(loop_example_grads(model, loss_fn, inputs, targets, kwargs),
-                       max_grad_norm, denom)
+                       max_grad_norm, denom, gamma)
 
 
 def run_dpfx_multi(dp_model, model, loss_fn, inputs: tuple, targets, loss_reduction="mean",
@@ -191,12 +194,14 @@ def check_every_batch_size(model, loss_fn, x, y, *, max_grad_norm, reduction="me
 
 
 def check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, *, max_grad_norm,
-                            divisor=1, around=contextlib.nullcontext, tol=None, bites=True):
+                            divisor=1, around=contextlib.nullcontext, tol=None, bites=True,
+                            gamma=None):
     """dpfx (sigma 0) against the batch-of-one loop (``loop_dp_sgd_grads``) at each batch size
     of ``batches`` (``make(b)`` gives (inputs, targets)), all through one compiled forward and
     backward pair, the self-check run on both. ``divisor``: D of the "mean" reduction (the
     expected batch size ``dp`` was compiled with); ``around``: a context manager around each
-    dpfx step; ``bites``: every example's norm exceeds the bound, so clipping bites on each."""
+    dpfx step; ``bites``: every example's norm exceeds the bound, so clipping bites on each;
+    ``gamma``: automatic clipping's (``clipped_sum``)."""
     for b in batches:
         inputs, y = make(b)
         if bites:
@@ -205,7 +210,7 @@ def check_one_compiled_pair(dp, model, loss_fn, make, batches, reduction, *, max
         with around():
             got = run_dpfx_multi(dp, model, loss_fn, inputs, y, reduction)
         want = loop_dp_sgd_grads(model, loss_fn, inputs, y, max_grad_norm=max_grad_norm,
-                                 loss_reduction="sum")
+                                 loss_reduction="sum", gamma=gamma)
         if reduction == "mean":
             want = {k: v / divisor for k, v in want.items()}
         try:
