@@ -15,7 +15,7 @@ schedules, saving stay Trainer's):
   over the run's optimizer steps (``privacy.noise_multiplier``);
 - the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
   column filtering kept): each example joins a logical batch with probability q = (per-device
-  batch size * gradient_accumulation_steps) / N, so batch sizes vary, and may be 0;
+  batch size * gradient_accumulation_steps * processes) / N, so batch sizes vary, and may be 0;
 - Note [Gradient accumulation is a virtual batch]: a logical batch runs as near-equal physical
   batches of at most ``per_device_train_batch_size`` examples (Note [Near-equal physical
   batches] in loop/data.py), whose clipped sums accumulate; the noise is
@@ -34,6 +34,12 @@ schedules, saving stay Trainer's):
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
+
+Launched on several processes (torchrun, ``accelerate launch``), q counts every process's
+batch (per-device batch * accumulation steps * processes / N), each rank samples its part of
+the data, the model is never wrapped in DDP (``DPOptimizer`` reduces the clipped sums across the
+ranks, noised once; a ``fully_shard``ed model takes dpfx's sharded step), and every rank counts
+each global step once: Note [DPTrainer over several processes] in hf_ranks.py.
 
 A plain ``Trainer`` given a ``dpfx.compile``'d model trains too (one release per optimizer
 step), but samples shuffled fixed-size batches and accounts nothing: dpfx says so once
@@ -78,7 +84,8 @@ class DPTrainer(Trainer):
     ledger's path (Note [Write-ahead privacy ledger] in privacy/ledger.py); by default
     ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
     two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
-    ``dpfx.compile`` (backend, strategy, seed, self_check)."""
+    ``dpfx.compile`` (backend, strategy, seed, self_check). Over several processes, see Note
+    [DPTrainer over several processes] in hf_ranks.py."""
 
     accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
 

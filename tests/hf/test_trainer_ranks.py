@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 WORLD, N, PHYSICAL, ACCUMULATION = 2, 16, 2, 2
 Q = PHYSICAL * ACCUMULATION * WORLD / N          # 0.5: D = q N = 8 examples a global step
-SIGMA, NOISY_STEPS = 1.0, 2
+TARGET, DELTA, NOISY_STEPS = 4.0, 1e-5, 2
 
 
 class _Recording(hf.DPTrainer):
@@ -97,22 +97,23 @@ def _rank(scenario: str, out: str, bound: float):
 
 
 def _noisy(out: str, rank: int) -> dict:
-    """NOISY_STEPS steps at sigma > 0 with checkpoints: the count, epsilon and parameters."""
+    """NOISY_STEPS steps calibrated for TARGET, with a checkpoint: sigma, the count, epsilon and
+    the parameters."""
     torch.manual_seed(0)
     model = gpt2()
     trainer = hf.DPTrainer(
         model=model, args=args(os.path.join(out, "noisy"), per_device_train_batch_size=PHYSICAL,
                                gradient_accumulation_steps=ACCUMULATION, max_steps=NOISY_STEPS,
                                save_strategy="steps", save_steps=NOISY_STEPS),
-        train_dataset=lm_data(N, seed=1), noise_multiplier=SIGMA, max_grad_norm=1.0,
-        dp_kwargs={"backend": "eager"})
+        train_dataset=lm_data(N, seed=1), target_epsilon=TARGET, target_delta=DELTA,
+        max_grad_norm=1.0, dp_kwargs={"backend": "eager"})
     trainer.train()
     logged = [e["epsilon"] for e in trainer.state.log_history if "loss" in e]
     dist.barrier()          # rank 0 has written the checkpoint
     with open(os.path.join(out, "noisy", f"checkpoint-{NOISY_STEPS}", hf.ACCOUNTANT_FILE)) as f:
         saved = json.load(f)["steps"]
     return {"steps": trainer.accountant.steps, "epsilon": trainer.get_epsilon(), "saved": saved,
-            "delta": trainer.delta, "logged": logged, "params": _full(model),
+            "sigma": trainer.noise_multiplier, "logged": logged, "params": _full(model),
             "ledger_here": trainer.dp_optimizer.privacy_ledger is not None}
 
 
@@ -198,17 +199,21 @@ def test_replicated_step_is_the_clipped_reference_over_both_ranks(replicated):
 
 
 def test_epsilon_counts_each_global_step_once(replicated):
-    """NOISY_STEPS steps at sigma 1: every rank's accountant holds NOISY_STEPS steps (not one per
-    rank), its epsilon and every logged one are dpfx.privacy's for (q, sigma, steps) as in one
-    process, the ranks hold the same parameters (one noise, all-reduced), and only rank 0 keeps
-    the privacy ledger and writes the checkpoint's accountant file."""
+    """NOISY_STEPS steps calibrated for target_epsilon: every rank calibrates the same sigma,
+    its accountant holds NOISY_STEPS steps (not one per rank), its epsilon and every logged one
+    are dpfx.privacy's for (q, sigma, steps) as in one process, the ranks hold the same
+    parameters (one noise, all-reduced), and only rank 0 keeps the privacy ledger; the
+    checkpoint's accountant file counts NOISY_STEPS."""
     results, _, _ = replicated
     noisy = {rank: r["noisy"] for rank, r in results.items()}
+    sigma = dpfx.privacy.noise_multiplier(target_epsilon=TARGET, target_delta=DELTA,
+                                          sample_rate=Q, steps=NOISY_STEPS)
     for rank, r in noisy.items():
+        assert r["sigma"] == sigma, rank
         assert r["steps"] == NOISY_STEPS, rank
-        want = [dpfx.privacy.epsilon(noise_multiplier=SIGMA, sample_rate=Q, steps=k,
-                                     delta=r["delta"]) for k in range(1, NOISY_STEPS + 1)]
-        assert r["epsilon"] == pytest.approx(want[-1])
+        want = [dpfx.privacy.epsilon(noise_multiplier=sigma, sample_rate=Q, steps=k,
+                                     delta=DELTA) for k in range(1, NOISY_STEPS + 1)]
+        assert r["epsilon"] == pytest.approx(want[-1]) and want[-1] <= TARGET
         assert r["logged"] == pytest.approx(want)
         assert r["ledger_here"] == (rank == 0)
         assert r["saved"] == NOISY_STEPS
