@@ -93,6 +93,12 @@ def _rank(scenario: str, out: str, bound: float):
                   wrapped=type(trainer.model_wrapped).__name__)
     if scenario == "replicated":
         result["noisy"] = _noisy(out, rank)
+    else:       # the per-rank checkpoint the refusal names
+        dpfx.save_checkpoint(os.path.join(out, f"ckpt.rank{rank}.pt"), model=trainer.model,
+                             optimizer=trainer.dp_optimizer)
+        result["saved"] = dpfx.load_checkpoint(os.path.join(out, f"ckpt.rank{rank}.pt"),
+                                               model=trainer.model,
+                                               optimizer=trainer.dp_optimizer) == {}
     return result
 
 
@@ -224,13 +230,14 @@ def test_epsilon_counts_each_global_step_once(replicated):
 def test_sharded_step_is_the_clipped_reference_over_both_ranks(tmp_path):
     """GPT-2 sharded with fully_shard per block and at the root before DPTrainer: dpfx's sharded
     step (reduce-scatter, each rank noises its shard) equals the reference; Trainer checkpoints of
-    the sharded model are refused first, naming per-rank dpfx.save_checkpoint."""
+    the sharded model are refused first, naming per-rank dpfx.save_checkpoint, and that
+    per-rank checkpoint of the trainer's model and optimizer saves and loads."""
     torch.manual_seed(0)
     reference = gpt2()
     bound = _bound(reference, lm_data(N, seed=1))
     results = _spawn(tmp_path, "sharded", bound)
     for r in results.values():
-        assert r["sharded"]
+        assert r["sharded"] and r["saved"]
         assert "save each rank's own shards with dpfx.save_checkpoint" in r["refused"], r["refused"]
     _check_one_step_is_the_reference(results, reference, bound)
 
