@@ -15,7 +15,7 @@ schedules, saving stay Trainer's):
   over the run's optimizer steps (``privacy.noise_multiplier``);
 - the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
   column filtering kept): each example joins a logical batch with probability q = (per-device
-  batch size * gradient_accumulation_steps) / N, so batch sizes vary, and may be 0;
+  batch size * gradient_accumulation_steps * processes) / N, so batch sizes vary, and may be 0;
 - Note [Gradient accumulation is a virtual batch]: a logical batch runs as near-equal physical
   batches of at most ``per_device_train_batch_size`` examples (Note [Near-equal physical
   batches] in loop/data.py), whose clipped sums accumulate; the noise is
@@ -35,6 +35,12 @@ schedules, saving stay Trainer's):
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
+Launched on several processes (torchrun, ``accelerate launch``), q counts every process's
+batch (per-device batch * accumulation steps * processes / N), each rank samples its part of
+the data, the model is never wrapped in DDP (``DPOptimizer`` reduces the clipped sums across the
+ranks, noised once; a ``fully_shard``ed model takes dpfx's sharded step), and every rank counts
+each global step once: Note [DPTrainer over several processes] in hf_ranks.py.
+
 A plain ``Trainer`` given a ``dpfx.compile``'d model trains too (one release per optimizer
 step), but samples shuffled fixed-size batches and accounts nothing: dpfx says so once
 (``UnaccountedTrainingWarning``).
@@ -52,6 +58,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpfx import privacy
 from dpfx.api import DPModule, compile as dp_compile
+from dpfx.hf_ranks import broadcast_from_rank0, check_launch, rank_generator
+from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
@@ -76,7 +84,8 @@ class DPTrainer(Trainer):
     ledger's path (Note [Write-ahead privacy ledger] in privacy/ledger.py); by default
     ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
     two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
-    ``dpfx.compile`` (backend, strategy, seed, self_check)."""
+    ``dpfx.compile`` (backend, strategy, seed, self_check). Over several processes, see Note
+    [DPTrainer over several processes] in hf_ranks.py."""
 
     accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
 
@@ -97,16 +106,17 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer needs a non-empty map-style train_dataset: Poisson "
                              "sampling draws each example independently")
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
-        if args.world_size > 1:
-            raise ValueError("DPTrainer runs in one process; for several ranks use "
-                             "dpfx.make_private, which samples and noises across ranks")
+        # Note [DPTrainer over several processes] in hf_ranks.py
+        self.world = check_launch(model, args)
+        self.rank = args.process_index if self.world > 1 else 0
         n = len(train)
         physical = args.per_device_train_batch_size
-        logical = physical * args.gradient_accumulation_steps
+        logical = physical * args.gradient_accumulation_steps * self.world
         if logical > n:
             raise ValueError(f"the expected logical batch ({physical} x "
-                             f"{args.gradient_accumulation_steps} accumulation steps = "
-                             f"{logical}) exceeds the {n} training examples")
+                             f"{args.gradient_accumulation_steps} accumulation steps x "
+                             f"{self.world} processes = {logical}) exceeds the {n} training "
+                             f"examples")
         self.sample_rate = privacy._check_sample_rate(logical / n)
         self.steps_per_epoch = max(1, round(1 / self.sample_rate))
         self.physical_batch_size = physical
@@ -125,9 +135,12 @@ class DPTrainer(Trainer):
             raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
                              "would make them replayable")
         self.secure_mode = secure_mode
-        self.sampler_generator = sampler_generator
+        self.sampler_generator = sampler_generator if sampler_generator is None \
+            or self.world == 1 else rank_generator(sampler_generator, self.rank)
         self.accountant = privacy.Accountant(accountant)
         checkpointing = _checkpointing_fields(args)
+        if self.world > 1 and not fsdp.units(model):
+            broadcast_from_rank0(model, args.device)
         if any(getattr(args, f) for f in checkpointing):
             # enabled on the user's model before compiling (dynamo captures the checkpointed
             # forward; the wrapper has no such method), and turned off for Trainer
@@ -236,7 +249,10 @@ class DPTrainer(Trainer):
                     records[0] = [tuple(p) for p in json.load(f)["accountant"]["history"]]
         if self.ledger is not None:
             records.append(ledger_recorded(self.ledger))
-        return max(records, key=lambda phases: sum(p[2] for p in phases))
+        spent = [max(records, key=lambda phases: sum(p[2] for p in phases))]
+        if self.world > 1:      # rank 0's files: every rank calibrates the same sigma
+            torch.distributed.broadcast_object_list(spent, src=0)
+        return spent[0]
 
     # -- the parts of Trainer that change -----------------------------------------------------
     def get_train_dataloader(self):
@@ -254,8 +270,16 @@ class DPTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         return poisson_loader(dataset, self.sample_rate, steps=self.steps_per_epoch,
                               secure_mode=self.secure_mode, collate_fn=collator,
-                              generator=self.sampler_generator,
-                              num_workers=self.args.dataloader_num_workers)
+                              generator=self.sampler_generator, rank=self.rank,
+                              world_size=self.world, num_workers=self.args.dataloader_num_workers)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Over several processes, the compiled model prepared as for evaluation (device
+        placement, autocast), never wrapped in DDP: dpfx's step reduces across the ranks
+        (Note [DPTrainer over several processes] in hf_ranks.py)."""
+        if training and self.world > 1 and model is self.model:
+            return self.accelerator.prepare_model(model, evaluation_mode=True)
+        return super()._wrap_model(model, training, dataloader)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -273,6 +297,11 @@ class DPTrainer(Trainer):
         optimizer step after this call noises them once (Note [Gradient accumulation is a
         virtual batch]). Trainer's ``num_items_in_batch`` (the batch's token count) is not
         passed on: dpfx removes that normalizer from every example's term anyway."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise PrivacyError("DPTrainer's model was wrapped in DistributedDataParallel, whose "
+                               "all-reduce would average the clipped sums and the noise; "
+                               "dpfx reduces across ranks itself (Note [DPTrainer over several "
+                               "processes] in hf_ranks.py)")
         tracked = any(isinstance(t, TrackedTensor) for t in torch.utils._pytree.tree_leaves(inputs))
         chunks = split_batch(untrack(inputs) if tracked else inputs, self.physical_batch_size)
         total, examples = None, 0
@@ -346,7 +375,7 @@ class _CheckpointAccountant(TrainerCallback):
 
         trainer = self.trainer
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder):
+        if args.should_save and os.path.isdir(folder):     # rank 0 writes the shared file
             record = {"accountant": trainer.accountant.state_dict(),
                       "noise_multiplier": trainer.noise_multiplier,
                       "sample_rate": trainer.sample_rate, "delta": trainer.delta,
