@@ -58,7 +58,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpfx import privacy
 from dpfx.api import DPModule, compile as dp_compile
-from dpfx.hf_ranks import broadcast_from_rank0, check_launch, rank_generator
+from dpfx.hf_ranks import broadcast_from_rank0, check_launch
 from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.errors import PrivacyError
@@ -135,8 +135,7 @@ class DPTrainer(Trainer):
             raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
                              "would make them replayable")
         self.secure_mode = secure_mode
-        self.sampler_generator = sampler_generator if sampler_generator is None \
-            or self.world == 1 else rank_generator(sampler_generator, self.rank)
+        self.sampler_generator = sampler_generator   # mixed with the rank by the sampler
         self.accountant = privacy.Accountant(accountant)
         checkpointing = _checkpointing_fields(args)
         if self.world > 1 and not fsdp.units(model):

@@ -17,8 +17,9 @@ be averaged too. DPTrainer instead runs dpfx's own cross-rank step and keeps DDP
   q = that / N and D = round(qN); rank r samples the examples r, r + W, ... with rate q (Note
   [Distributed Poisson sampling] in loop/data.py), so that the ranks' batches together are one
   Poisson batch of the dataset, and every rank takes round(1/q) steps an epoch. A
-  ``sampler_generator`` is mixed with the rank (``rank_generator``): one seed on every rank would
-  draw the same mask over every rank's partition, and examples r and r + 1 would join together.
+  ``sampler_generator`` is mixed with the rank by the sampler (``rank_generator`` in
+  loop/data.py): one seed on every rank would draw the same mask over every rank's partition,
+  and examples r and r + 1 would join together.
 - **The model**: a replicated model starts from rank 0's parameters and buffers on every rank
   (``broadcast_from_rank0``, what DDP's constructor does), then is compiled unwrapped;
   ``DPTrainer._wrap_model`` has accelerate prepare it as for evaluation (device placement,
@@ -41,7 +42,6 @@ model (Trainer saves from rank 0 alone; each rank must save its own shards).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
@@ -112,11 +112,3 @@ def broadcast_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
             dist.broadcast(sent, src=0)
             if sent is not t.data:
                 t.data.copy_(sent)
-
-
-def rank_generator(generator: torch.Generator, rank: int) -> torch.Generator:
-    """A sampling generator of this rank's own, from the user's (the same state on every
-    rank): a draw from it, mixed with the rank (Note [DPTrainer over several processes])."""
-    draw = int(torch.randint(0, 2**62, (), generator=generator).item())
-    digest = hashlib.sha256(f"dpfx-rank-sampling:{draw}:{rank}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 2)

@@ -45,7 +45,8 @@ Sampling runs in the main process (a ``batch_sampler`` is never sent to workers)
 ``torch.rand(N, generator=g) < q``. The same ``generator`` seed gives the same batches; without
 one each ``iter()`` seeds a fresh generator from torch's global RNG, like ``RandomSampler``.
 With ``world_size > 1`` and no ``generator``, each rank seeds from the OS's CSPRNG instead, so that
-ranks (which share torch's default seed) do not draw the same masks.
+ranks (which share torch's default seed) do not draw the same masks; a ``generator`` (the same
+seed on every rank) is mixed with the rank first (``rank_generator``), for the same reason.
 torch's Mersenne Twister is not a cryptographic RNG: DP's guarantee assumes the sampling is
 secret and truly random, and batches drawn from torch's generator repeat under
 ``torch.manual_seed``. ``secure_mode=True`` closes that gap (Note [Secure sampling]).
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import collections.abc
 import fractions
+import hashlib
 import math
 import numbers
 import os
@@ -112,12 +114,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
         if secure_mode and generator is not None:
             raise ValueError("secure_mode samples from the OS's CSPRNG; a generator would make the "
                              "batches replayable (Note [Secure sampling])")
-        self.generator = generator
         self.secure_mode = bool(secure_mode)
         self.world_size = _check_count(world_size, "world_size", 1)
         self.rank = _check_count(rank, "rank", 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be < world_size, got rank {rank}, world_size {world_size}")
+        self.generator = generator if generator is None or self.world_size == 1 \
+            else rank_generator(generator, self.rank)
         # Note [Distributed Poisson sampling]: rank r owns the examples r, r + W, r + 2W, ...
         self.indices = torch.arange(self.rank, self.num_samples, self.world_size)
 
@@ -140,6 +143,15 @@ class PoissonBatchSampler(Sampler[list[int]]):
         for _ in range(self.steps):
             mask = torch.rand(len(self.indices), generator=g) < self.sample_rate
             yield self.indices[mask].tolist()
+
+
+def rank_generator(generator: torch.Generator, rank: int) -> torch.Generator:
+    """This rank's sampling generator, from the user's (Note [Randomness]): a draw from it, hashed
+    with the rank. Every rank is handed the same seed; drawn as it is, it would give every rank
+    the same mask over its partition, and examples r and r + 1 would join or stay out together."""
+    draw = int(torch.randint(0, 2**62, (), generator=generator).item())
+    digest = hashlib.sha256(f"dpfx-rank-sampling:{draw}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 2)
 
 
 def _secure_mask(n: int, q: float) -> torch.Tensor:

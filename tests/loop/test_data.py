@@ -216,3 +216,23 @@ def test_distributed_shards_partition_the_dataset_and_keep_rate_q():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 5 / steps ** 0.5
     with pytest.raises(ValueError, match="rank must be < world_size"):
         PoissonBatchSampler(n, q, rank=3, world_size=3)
+
+
+def test_ranks_given_one_seed_draw_independent_masks():
+    # Every rank is handed the same seeded generator (a replayable run). Drawn as given, rank 0
+    # and rank 1 would keep the same positions of their partitions, so examples 2k and 2k + 1
+    # would join together: the union would not be a Poisson batch. The sampler mixes the rank in.
+    q, n = 0.5, 4000
+    masks = []
+    for rank in (0, 1):
+        sampler = PoissonBatchSampler(n, q, steps=1, rank=rank, world_size=2,
+                                      generator=torch.Generator().manual_seed(7))
+        (batch,) = list(sampler)
+        mask = torch.zeros(n // 2, dtype=torch.bool)
+        mask[(torch.tensor(batch, dtype=torch.long) - rank) // 2] = True
+        masks.append(mask)
+    together = float((masks[0] & masks[1]).float().mean())
+    assert abs(together - q * q) < 0.04, together          # independent: q^2, not q
+    again = PoissonBatchSampler(n, q, steps=1, rank=1, world_size=2,
+                                generator=torch.Generator().manual_seed(7))
+    assert list(again) == [sorted(((masks[1].nonzero().flatten() * 2) + 1).tolist())]  # replayable
