@@ -15,8 +15,9 @@
    per parameter or disjoint constant slices of one (stacked vector parameters) (with
    ``noise="optimizer"``: be the tagged clipped sum, with no noise in the graph); every clipped
    tensor must be one of the tensors its clip factor's per-sample norm is taken over; each clip
-   factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` with the C of the
-   parameter's clipping group, and the coefficient that scales the per-sample gradients that
+   factor must be ``where(isfinite(norm), min(1, C / (norm + eps)), 0)`` (automatic clipping:
+   ``where(isfinite(norm), C / (norm + gamma), 0)``), eps or gamma exactly the configured one,
+   with the C of the parameter's clipping group, and the coefficient that scales the per-sample gradients that
    factor itself ("sum") or the factor times B (a "mean" loss's 1/B undone); every floating-point operand of a clipped sum that depends on
    the data must be ``where(isfinite(norm), ., 0)`` of its factor's norm (an example with a
    non-finite gradient adds exactly zero, not 0 * NaN); each output is exactly
