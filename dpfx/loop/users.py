@@ -26,8 +26,12 @@ removed changes the noised sum by at most C, so the step is the sampled Gaussian
 q over users: the accountant counts q, and D, the divisor of the mean, is the expected number of
 users round(q * users). The k examples' choice needs no secrecy: any rule that picks from the
 user's own examples leaves the user's contribution bounded by C; it is drawn from the sampler's
-generator (``secrets`` in secure mode) so that a seeded run replays it.
-(tests/loop/test_users.py::test_one_added_user_moves_the_release_by_at_most_C_over_D)
+generator (``secrets`` in secure mode) so that a seeded run replays it, and a checkpoint keeps
+it. Under W ranks, rank r samples the users r, r + W, ... (in order of first appearance in
+``user_ids``) with all the examples they bring, so the ranks' users are together one Poisson
+sample of all users (Note [Distributed Poisson sampling] in loop/data.py, over users).
+(tests/loop/test_users.py::test_one_added_user_moves_the_release_by_at_most_C_over_D,
+::test_two_ranks_partition_the_users_and_release_the_union)
 
 # Note [A user's batch layout]
 A batch of U users is the dataset's collated examples with every tensor reshaped from (U * k,
@@ -39,7 +43,9 @@ NaN); the loss must multiply by the mask. The mask is appended to a collated tup
 (``x, y, mask``); any other collated batch (a tensor, a dict) comes as ``(batch, mask)``.
 Non-tensor leaves (a list of strings) keep their U * k entries flat. An empty batch keeps the
 trailing shapes, (0, k, ...), and one compiled graph serves every U, 0 included (dim 0 is
-symbolic; k is fixed).
+symbolic; k is fixed; a captured loss compiles U = 0 apart, as it does for examples). The
+batch's tensors are tracked like ``poisson_loader``'s, so ``view_as(mask)`` in the loss keeps U
+symbolic; with a mask from elsewhere write ``.view(-1, k)``.
 
 # Note [The model sees U * k rows]
 ``per_user(model)`` flattens every tensor input from (U, k, ...) to (U * k, ...), runs the

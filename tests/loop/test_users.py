@@ -307,6 +307,47 @@ def test_ranks_partition_the_users():
     assert seen[0] | seen[1] == set(ids) and not seen[0] & seen[1]
 
 
+def _user_level_rank(clip):
+    """One step of a user-level run on this rank, every user sampled (q = 1): its batch and the
+    released gradient."""
+    torch.manual_seed(0)
+    model = Net()
+    data, ids = user_data(COUNTS)
+    private = dpfx.make_private(
+        dpfx.per_user(model), torch.optim.SGD(model.parameters(), lr=0.0), data,
+        batch_size=len(COUNTS), user_ids=ids, max_examples_per_user=K, max_grad_norm=clip,
+        noise_multiplier=0.0, backend="eager")
+    x, y, index, mask = next(iter(private.loader))
+    private.optimizer.zero_grad()
+    user_loss("mean")(private.model(x), y, mask).backward()
+    private.optimizer.step()
+    return {"index": index.as_subclass(torch.Tensor), "mask": mask.as_subclass(torch.Tensor),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def test_two_ranks_partition_the_users_and_release_the_union(tmp_path):
+    """Under two gloo ranks each rank samples its own users (r, r + 2, ...); the released
+    gradient, the same on both, is the reference's over the union of their users, divided by
+    the global D."""
+    from support import gloo_ranks
+
+    torch.manual_seed(0)
+    model = Net()
+    data, ids = user_data(COUNTS)
+    clip = user_bound(model, data, ids, K)
+    results, errors = gloo_ranks.spawn(tmp_path, 2, _user_level_rank, clip, deadline=240,
+                                       timeout=60)
+    assert not errors, errors
+    index = torch.cat([results[r]["index"] for r in range(2)])
+    mask = torch.cat([results[r]["mask"] for r in range(2)])
+    check_rows(index, mask, ids, K)
+    assert len(index) == len(COUNTS) and all(len(results[r]["index"]) == 3 for r in range(2))
+    x, y, _ = data.tensors
+    want = clipped_sum(user_grads(model, x[index], y[index], mask), clip, len(COUNTS))
+    for rank in range(2):
+        assert_close(results[rank]["grads"], want)
+
+
 def test_accountant_counts_the_user_level_q():
     torch.manual_seed(0)
     model = Net()
@@ -400,7 +441,7 @@ def test_an_op_across_users_is_refused():
 
     dp = dpfx.compile(dpfx.per_user(MixesRows()), max_grad_norm=1.0, noise_multiplier=0.0,
                       backend="eager")
-    with pytest.raises(dpfx.PrivacyError):
+    with pytest.raises(dpfx.PrivacyError, match="aten.mean.dim .* reduces over the batch dim"):
         dp(torch.randn(3, 2, 5))
 
 
