@@ -124,7 +124,9 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     units, unit = (n, "len(data)") if users is None else (len(users), "the number of users")
     if (batch_size is None) == (sample_rate is None):
         raise ValueError("give exactly one of batch_size (the expected batch size) or "
-                         "sample_rate (its probability per example)")
+                         "sample_rate (its probability per example)" if users is None else
+                         "give exactly one of batch_size (the expected number of users per "
+                         "step) or sample_rate (each user's probability per step)")
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                 or not 0 < batch_size <= units:
