@@ -210,6 +210,45 @@ def test_ops_that_mix_one_users_rows_are_accepted():
     assert_close(got, clipped_sum(g, 0.3))
 
 
+def test_gpt2_per_user():
+    """A tiny GPT-2 LM under ``per_user``: token ids (U, k, T) in, a ModelOutput with (U, k, T, V)
+    logits out, one compiled pair for U = 3, 1 and 0; each user's summed next-token loss over its
+    real sequences, clipped as one, against the batch-of-one loop over sequences."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    k, T, expected = 2, 6, 2
+    dp = dpfx.compile(dpfx.per_user(model), max_grad_norm=0.5, noise_multiplier=0.0,
+                      expected_batch_size=expected, backend="eager")
+    for users in (3, 1, 0):
+        ids, mask = torch.randint(0, 40, (users, k, T)), torch.ones(users, k)
+        if users:
+            mask[0, 1] = 0
+        model.zero_grad(set_to_none=True)
+        tids, tmask = dpfx.track_batch((ids, mask))
+        logits = dp(input_ids=tids).logits
+        assert logits.shape == (users, k, T, 40)
+        per_sequence = F.cross_entropy(logits[..., :-1, :].flatten(0, 2), tids[..., 1:].flatten(),
+                                       reduction="none").view(-1, k, T - 1).sum(2)
+        (per_sequence * tmask).sum(1).mean().backward()
+        got = {n: p.grad for n, p in model.named_parameters()}
+        g = {n: [] for n in got}
+        for u in range(users):
+            real = [j for j in range(k) if mask[u, j] == 1]
+            one = loop_grads(model, lambda i: F.cross_entropy(
+                model(ids[u, real[i]][None]).logits[0, :-1], ids[u, real[i], 1:],
+                reduction="sum"), len(real))
+            for n in g:
+                g[n].append(one[n].sum(0))
+        want = {n: torch.stack(v) if v else torch.zeros(0, *got[n].shape) for n, v in g.items()}
+        if users:                                   # clipping bites on every user
+            assert per_example_norms(want).min() > 0.5
+        assert_close(got, clipped_sum(want, 0.5, expected), rtol=1e-4, atol=1e-6)
+    assert dp.compile_count == 2
+
+
 # -- 2. a user added moves the release by at most C / D --------------------------------------------
 def test_one_added_user_moves_the_release_by_at_most_C_over_D():
     """A canary user of k examples with huge gradients (k different ones; k copies of one) moves
