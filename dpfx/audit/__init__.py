@@ -69,7 +69,8 @@ def per_user_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     where the model is a ``dpfx.per_user`` one, ``batch`` is (users, k, ...) inputs and (users,
     k) targets, and the canary is one user's k examples (Note [User-level sampling] in
     loop/users.py)."""
-    return per_example_loss(out.flatten(0, 1), y.flatten(0, 1)).unflatten(0, (-1, y.shape[1])).sum(1)
+    per_example = per_example_loss(out.flatten(0, 1), y.flatten(0, 1))
+    return per_example.unflatten(0, (-1, y.shape[1])).sum(1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,8 +165,8 @@ def test_user_level_release_equals_the_per_user_reference(reduction, captured):
 
 @settings(max_examples=examples(10), deadline=None)
 @given(counts=st.lists(st.integers(1, 6), min_size=1, max_size=5), k=st.integers(1, 4),
-       hidden=st.integers(1, 6), users=st.integers(1, 5), reduction=st.sampled_from(["mean", "sum"]),
-       seed=st.integers(0, 2**16))
+       hidden=st.integers(1, 6), users=st.integers(1, 5),
+       reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16))
 def test_user_level_sweep_eager(counts, k, hidden, users, reduction, seed):
     torch._dynamo.reset()
     torch.manual_seed(seed)
