@@ -21,6 +21,7 @@ from dpfx.lower.inductor import ComboKernelsWarning
 from dpfx.capture.modules import replace_batchnorm
 from dpfx.loop.data import VirtualBatches, expected_batch_size, poisson_loader, split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.loop.users import per_user, user_loader
 from dpfx.passes import Problem
 from dpfx.report.validate import validate
 
@@ -28,6 +29,7 @@ __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
     "OptionError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
+    "per_user", "user_loader",
     "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",

@@ -21,6 +21,10 @@ calibrates sigma for that budget first. Everything is derived from one place:
   counts exactly the steps taken; with ``ledger=path`` it first appends the step to a
   write-ahead privacy ledger, so that a crash loses no step (``privacy/ledger.py``).
 
+With ``user_ids`` and ``max_examples_per_user`` the unit is the user: users are sampled, q and D
+count users, and each user's summed gradient is clipped (Note [User-level sampling] in
+loop/users.py).
+
 Noise goes into the backward graph (fastest) unless the run needs it at the optimizer: virtual
 batches (``max_physical_batch_size``), ``secure_mode``, or torch.distributed with more than one
 rank (then each rank samples its shard: Note [Distributed Poisson sampling] in loop/data.py).
@@ -40,6 +44,7 @@ from dpfx.config import AUTOMATIC_GAMMA
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, poisson_loader
 from dpfx.loop.data import VirtualBatches
+from dpfx.loop.users import group_by_user, user_loader
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.ranks import rank_of, world_of
 
@@ -54,6 +59,7 @@ class PrivateTraining:
     noise_multiplier: float
     sample_rate: float
     steps_per_epoch: int
+    privacy_unit: str = "example"     # "user" with make_private(user_ids=...)
 
     def __iter__(self):
         return iter((self.model, self.optimizer, self.loader, self.accountant))
@@ -74,6 +80,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  track_norms: bool = False, generator: torch.Generator | None = None,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
                  clipping: str | None = None, clipping_gamma: float = AUTOMATIC_GAMMA,
+                 user_ids=None, max_examples_per_user: int | None = None,
                  **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
@@ -90,6 +97,11 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``accountant``: "pld", "rdp", or a ``dpfx.privacy.Accountant`` to keep counting in (several
     runs over one dataset share one). ``noise``: where the noise is added ("graph" or
     "optimizer"); by default "optimizer" exactly when the run needs it (below).
+    ``user_ids`` (one id per example) and ``max_examples_per_user`` (k): user-level DP (Note
+    [User-level sampling] in loop/users.py): users are Poisson-sampled, ``batch_size`` is the
+    expected number of users per step and q = batch_size / users, up to k examples per user
+    come in (users, k, ...) batches with a (users, k) mask, each user's summed gradient is
+    clipped, and epsilon is per user.
     """
     acc = accountant if isinstance(accountant, privacy.Accountant) \
         else privacy.Accountant(accountant)
@@ -102,21 +114,25 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if loader_kwargs.get("num_workers", 0) == 0:
             loader_kwargs.pop("persistent_workers", None)
             loader_kwargs.pop("timeout", None)
-        if batch_size is None and sample_rate is None:
-            batch_size = data.batch_size
+        if batch_size is None and sample_rate is None and user_ids is None:
+            batch_size = data.batch_size        # examples: with user_ids, give users
         data = data.dataset
     n = len(data) if hasattr(data, "__len__") else None
     if not n:
         raise ValueError("data must be a non-empty map-style dataset (or a DataLoader over one)")
+    users = _users(user_ids, max_examples_per_user, n)
+    units, unit = (n, "len(data)") if users is None else (len(users), "the number of users")
     if (batch_size is None) == (sample_rate is None):
         raise ValueError("give exactly one of batch_size (the expected batch size) or "
-                         "sample_rate (its probability per example)")
+                         "sample_rate (its probability per example)" if users is None else
+                         "give exactly one of batch_size (the expected number of users per "
+                         "step) or sample_rate (each user's probability per step)")
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-                or not 0 < batch_size <= n:
-            raise ValueError(f"batch_size must be an int in [1, len(data) = {n}], got "
+                or not 0 < batch_size <= units:
+            raise ValueError(f"batch_size must be an int in [1, {unit} = {units}], got "
                              f"{batch_size!r}")
-        sample_rate = batch_size / n
+        sample_rate = batch_size / units
     q = privacy._check_sample_rate(sample_rate)
     steps_per_epoch = max(1, round(1 / q))
 
@@ -143,20 +159,37 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          "ranks: they add the noise once at the optimizer (noise='optimizer')")
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
-                          expected_batch_size=expected_batch_size(n, q), seed=seed,
+                          expected_batch_size=expected_batch_size(units, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
                           track_norms=track_norms, loss=loss, clipping=clipping,
                           clipping_gamma=clipping_gamma)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger)
-    loader = poisson_loader(data, q, steps=steps_per_epoch, generator=generator,
-                            rank=rank_of(process_group) if world > 1 else 0, world_size=world,
-                            secure_mode=secure_mode, **loader_kwargs)
+    sampling = dict(steps=steps_per_epoch, generator=generator, secure_mode=secure_mode,
+                    rank=rank_of(process_group) if world > 1 else 0, world_size=world)
+    loader = poisson_loader(data, q, **sampling, **loader_kwargs) if users is None else \
+        user_loader(data, users, max_examples_per_user, q, **sampling, **loader_kwargs)
     if max_physical_batch_size is not None:
         loader = VirtualBatches(loader, max_physical_batch_size, dp_optimizer)
     return PrivateTraining(dp_model, dp_optimizer, loader, acc, noise_multiplier, q,
-                           steps_per_epoch)
+                           steps_per_epoch, "example" if users is None else "user")
+
+
+def _users(user_ids, max_examples_per_user, n: int) -> list[torch.Tensor] | None:
+    """Each user's example indices for user-level sampling, or None for example-level."""
+    if user_ids is None and max_examples_per_user is None:
+        return None
+    if user_ids is None:
+        raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
+    if max_examples_per_user is None:
+        raise ValueError("user_ids needs max_examples_per_user (k: the most examples of one "
+                         "user in one step, Note [User-level sampling] in loop/users.py)")
+    if isinstance(max_examples_per_user, bool) or not isinstance(max_examples_per_user, int) \
+            or max_examples_per_user < 1:
+        raise ValueError(f"max_examples_per_user must be an int >= 1, got "
+                         f"{max_examples_per_user!r}")
+    return group_by_user(user_ids, n)
 
 
 def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -28,6 +28,10 @@ dp_accounting's for one Poisson-sampled Gaussian step (``dpfx.privacy.epsilon``,
 ``sample_rate`` q < 1 the canary joins D' in each trial with probability q (the batch D is the
 rest of a Poisson batch, held fixed).
 
+At the user level the unit is a user: ``run(dpfx.per_user(model), (x, y), canary=(x_c, y_c),
+loss_fn=per_user_loss, ...)`` with x (users, k, ...), y (users, k), and a canary user of k
+examples, x_c (k, ...), y_c (k,); its k examples are clipped together, to C.
+
 A correct implementation gives eps_lb <= eps_accounted (the verdict "consistent"); a lower bound
 above it proves the mechanism leaks more than accounted. A lower bound is not a proof of
 privacy: one step, one canary, one statistic; it catches implementation bugs (a missed clip,
@@ -58,6 +62,15 @@ def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if not y.is_floating_point():
         return F.cross_entropy(out, y, reduction="none")
     return (out - y).pow(2).flatten(1).sum(1)
+
+
+def per_user_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``per_example_loss`` summed over each user's k examples: the loss of a user-level audit,
+    where the model is a ``dpfx.per_user`` one, ``batch`` is (users, k, ...) inputs and (users,
+    k) targets, and the canary is one user's k examples (Note [User-level sampling] in
+    loop/users.py)."""
+    per_example = per_example_loss(out.flatten(0, 1), y.flatten(0, 1))
+    return per_example.unflatten(0, (-1, y.shape[1])).sum(1)
 
 
 @dataclasses.dataclass(frozen=True)

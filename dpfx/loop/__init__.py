@@ -1,4 +1,4 @@
 """The training loop around the compiled graphs: the checks of what the loop does with a release
 (``release``), the optimizer step that noises and counts it (``optim``), noise drawn outside the
-graph (``noise``), Poisson sampling and virtual batches (``data``), several processes
-(``ranks``) and FSDP2-sharded models (``fsdp``)."""
+graph (``noise``), Poisson sampling and virtual batches (``data``), user-level sampling
+(``users``), several processes (``ranks``) and FSDP2-sharded models (``fsdp``)."""

@@ -128,21 +128,30 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
+        g = self.pass_generator()
+        for _ in range(self.steps):
+            yield self.indices[self.draw(g)].tolist()
+
+    def pass_generator(self) -> torch.Generator | None:
+        """The generator one pass over the steps draws from (Note [Randomness]); None in secure
+        mode, whose draws come from the OS's CSPRNG (Note [Secure sampling])."""
         if self.secure_mode:
-            for _ in range(self.steps):
-                yield self.indices[_secure_mask(len(self.indices), self.sample_rate)].tolist()
-            return
-        g = self.generator
-        if g is None and self.world_size > 1:
+            return None
+        if self.generator is not None:
+            return self.generator
+        if self.world_size > 1:
             # Ranks share torch's default seed; correlated draws across shards would break the
             # independence Poisson sampling's analysis needs.
-            g = torch.Generator().manual_seed(secrets.randbits(62))
-        elif g is None:   # fresh randomness per iter(), reproducible under torch.manual_seed
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            g = torch.Generator().manual_seed(seed)
-        for _ in range(self.steps):
-            mask = torch.rand(len(self.indices), generator=g) < self.sample_rate
-            yield self.indices[mask].tolist()
+            return torch.Generator().manual_seed(secrets.randbits(62))
+        # fresh randomness per iter(), reproducible under torch.manual_seed
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return torch.Generator().manual_seed(seed)
+
+    def draw(self, g: torch.Generator | None) -> torch.Tensor:
+        """bool[len(self.indices)]: which of this rank's indices join this step."""
+        if g is None:
+            return _secure_mask(len(self.indices), self.sample_rate)
+        return torch.rand(len(self.indices), generator=g) < self.sample_rate
 
 
 def rank_generator(generator: torch.Generator, rank: int) -> torch.Generator:
