@@ -77,4 +77,5 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/rules/test_linear.py::test_bilinear": 13,
     "tests/lower/test_fused_attention.py::test_attention_layer_through_the_fused_kernel[efficient]": 11,
     "tests/lower/test_inductor_exact.py::test_stacked_vector_parameters_exact_cold_and_warm[bounds1-stacked1-mean]": 10,
+    "tests/loop/test_users.py::test_two_ranks_partition_the_users_and_release_the_union": 32,
 }
