@@ -20,7 +20,7 @@ LAYERS = [
     ["dpfx.capture"],
     ["dpfx.lower"],
     ["dpfx.loss"],
-    ["dpfx.backend"],
+    ["dpfx.backend", "dpfx.blocks"],
     ["dpfx.loop"],
     ["dpfx.api", "dpfx.engine"],
     ["dpfx.hf", "dpfx.report", "dpfx.audit", "dpfx.opacus", "dpfx"],

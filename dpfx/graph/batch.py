@@ -176,6 +176,21 @@ _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 # (tests/graph/test_merged_batch.py)
 
 
+def _declared_layouts(node: fx.Node) -> tuple | None:
+    """The outputs' layouts of a compiled block's op, as the block's own analysis found them
+    (a saved activation viewed (B*T, d) is batch-major there; read from its shape alone it
+    would be ambiguous)."""
+    from dpfx.ops import blocks
+
+    if node.op != "call_function" or node.target not in (
+            torch.ops.dpfx.block_fwd.default, torch.ops.dpfx.block_bwd.default):
+        return None
+    k = blocks.kernels(node.args[0])
+    layouts = k.forward_layouts if node.target is torch.ops.dpfx.block_fwd.default \
+        else k.backward_layouts
+    return tuple(layouts) if layouts is not None else None
+
+
 class BatchAnalysis:
     """Layouts of every node of ``graph``. ``seeds`` gives layouts of placeholders by name."""
 
@@ -275,6 +290,9 @@ class BatchAnalysis:
         if isinstance(val, (tuple, list)):
             if node.op == "placeholder":
                 return None
+            declared = _declared_layouts(node)
+            if declared is not None:
+                return declared
             return tuple(   # Note [Multi-output ops inherit per output]
                 self._inherit(node, v) if isinstance(v, torch.Tensor) else None for v in val
             )

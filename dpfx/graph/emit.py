@@ -44,9 +44,15 @@ def _val(x: Any) -> Any:
 # aten/prims/Python's operator module are emitted anew every time: two noise draws must never
 # become one. A node's tag is part of its key, so the verifier's tagged roles stay distinct.
 # (tests/rules/test_linear.py::test_shared_input_is_processed_once)
+# dpfx's own functional ops that the emitter may share (a block's part B, one call for all the
+# block's parameters clipped by one factor: rules/block.py)
+_PURE_DPFX_OPS = {torch.ops.dpfx.block_clip.default}
+
+
 def _pure_key(op, args, kwargs, tag) -> tuple | None:
     if isinstance(op, torch._ops.OpOverload):
-        if (op.namespace not in ("aten", "prims") or op._schema.is_mutable
+        if (op.namespace not in ("aten", "prims") and op not in _PURE_DPFX_OPS
+                or op._schema.is_mutable
                 or torch.Tag.nondeterministic_seeded in op.tags):
             return None
     elif getattr(op, "__module__", None) != "_operator":

@@ -192,7 +192,58 @@ def _values_complete(gm: torch.fx.GraphModule, example_inputs) -> bool:
                 (isinstance(value, torch.Tensor) and _layout(val) != _layout(value)):
             return False
     return all("val" in n.meta or _returns_nothing(n) for n in gm.graph.nodes
-               if n.op not in ("placeholder", "output"))
+               if n.op not in ("placeholder", "output")) and not _stale_after_fusion(gm)
+
+
+# Note [Values made stale by a fused attention]
+# Inductor's joint-graph pattern passes replace an attention written out by hand (softmax(q k^T)
+# v, nanoGPT's) with one fused attention kernel (and its backward), whose outputs have the
+# kernel's strides; the
+# nodes reading it keep the values aot_autograd traced on the old output (a permute of the
+# kernel's (B, H, T, D) output kept strides (40, 4, 20, 1) where they are now (40, 8, 4, 1)),
+# and the staleness reaches further down (a view two nodes on). Lowering those kept values
+# would lower strides that are not the ones computed. A graph holding an attention kernel that
+# the pattern matcher wrote (its provenance says so), or one whose direct readers computed
+# again from its value differ from their kept values, is propagated as Inductor does. The
+# self-check ran the same code against the FX graph and agreed (2e-9 on the model of the
+# test); the strides were only ever a risk to an extern kernel's layout.
+# (tests/lower/test_inductor_exact.py::test_hand_written_attention_fused_by_inductor)
+_ATTENTION_KERNELS = tuple(
+    getattr(torch.ops.aten, name + suffix).default for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for suffix in ("", "_backward") if hasattr(torch.ops.aten, name + suffix))
+
+
+# the provenance (node.meta["from_node"]) the pattern matcher's replacement gives its nodes
+_PATTERN_REPLACEMENT = "Interpreter_CopyGraph"
+
+
+def _stale_after_fusion(gm: torch.fx.GraphModule) -> bool:
+    import operator
+
+    for attention in gm.graph.nodes:
+        if attention.op != "call_function" or attention.target not in _ATTENTION_KERNELS:
+            continue
+        if any(getattr(f, "pass_name", None) == _PATTERN_REPLACEMENT
+               for f in attention.meta.get("from_node", ())[:1]):
+            return True     # written by a pattern: what reads it was traced on other values
+        for item in attention.users:
+            if item.target is not operator.getitem:
+                continue
+            for user in item.users:
+                if user.op != "call_function" or not isinstance(
+                        user.target, torch._ops.OpOverload):
+                    continue
+                try:
+                    val = torch.fx.node.map_arg((user.args, user.kwargs),
+                                                lambda n: n.meta.get("val"))
+                    fresh = user.target(*val[0], **val[1])
+                except Exception:
+                    return True
+                if _layout(fresh) != _layout(user.meta.get("val")):
+                    return True
+    return False
 
 
 def _returns_nothing(node: torch.fx.Node) -> bool:

@@ -5,4 +5,4 @@ loaded whichever module built it: the noise (``noise``), the norms handed to the
 (``norms``), the loss's markers and gradient (``loss``) and the per-sample convolution products
 (``conv``); ``native`` builds and loads the C kernels of ``csrc/``.
 """
-from dpfx.ops import conv, loss, noise, norms  # noqa: E402,F401  (registration)
+from dpfx.ops import blocks, conv, loss, noise, norms  # noqa: E402,F401  (registration)

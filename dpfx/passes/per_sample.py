@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from dpfx import rules
 from dpfx.errors import UnsupportedOpError
+from dpfx.rules import block as block_rule
 from dpfx.rules import fallback
 from dpfx.rules.fallback import FallbackRefused
 from dpfx.rules.lift import LiftRefused
@@ -119,7 +120,7 @@ _NORM_PRESERVING = {
 def _plan_ghost(pg: ParamGrad, ctx: RewriteContext) -> bool:
     """Use the frontier rule's ghost form when the strategy allows it and the gradient is the
     frontier's output moved around (a single frontier, norm-preserving ops only)."""
-    if ctx.strategy == "materialize":
+    if ctx.strategy == "materialize" and not block_rule.ghost_only(pg.grad):
         return False
     chain, node = [], pg.grad
     an = ctx.analysis

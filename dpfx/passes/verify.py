@@ -320,6 +320,9 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     dependent = _reached(g, sources)
     factor_of = {}
     for c in clipped:
+        if _is_block_clip(c):   # Note [A block's clipped sums] (rules/block.py, passes/block.py)
+            factor_of[c] = _check_block_clip(c, covered, bound_of, an, config)
+            continue
         apply = _clip_apply_of(c)
         ps, coef = apply.args
         base = _broadcast_source(coef)
@@ -645,7 +648,7 @@ def _size_expr(x) -> sympy.Expr:
 def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
     """After the rewrite, the clipped sums are the only ops that may combine examples: a rule
     that read a batch-wide value (a count over the whole batch, say) would leak through it."""
-    mixing = mixing_ops(gm, an.rerun(gm.graph), skip={"clipped_sum"})
+    mixing = mixing_ops(gm, an.rerun(gm.graph), skip={"clipped_sum", "block_clip"})
     if mixing:
         raise PrivacyError(
             "the rewritten backward graph combines examples outside the clipped sums:\n  - "
@@ -654,6 +657,56 @@ def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
 
 _MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.permute.default, aten.unsqueeze.default}
+
+
+# Note [A block's clipped sums]
+# A block called as one op (ops/blocks.py) returns parameter j's clipped sum as output j of
+# ``dpfx::block_clip(key, coefs, keeps, operands)``. What happens inside was proven when the
+# block was compiled (passes/block.verify_block): output j sums examples' terms each scaled by
+# coefs[j] and selected by keeps[j], over operands that row j of the block's norms is taken
+# over. Here the root graph proves the rest: coefs[j] is a clip coefficient of this graph (its
+# factor's C is the parameter's group's), keeps[j] is that factor's finite mask, the operands
+# are those of one ``dpfx::block_bwd`` call, and row j of that call's norms is part of the
+# norm the factor is computed from.
+def _is_block_clip(node: fx.Node) -> bool:
+    return node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+        and node.args[0].target is torch.ops.dpfx.block_clip.default
+
+
+def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalysis,
+                      config: DPConfig) -> fx.Node:
+    from dpfx.ops.blocks import kernels
+
+    call, j = c.args
+    key, coefs, keeps, operands = call.args
+    k = kernels(key)
+    base = _broadcast_source(coefs[j])
+    if base.meta.get("dpfx") == "clip_coef":
+        _check_undoes_the_mean(base, an, config)
+        base = base.args[0]
+    if base not in bound_of:
+        raise PrivacyError(f"{c.name} (block {k.name}) is not scaled by a clip factor")
+    if keeps[j] is not base.args[0]:
+        raise PrivacyError(f"{c.name} (block {k.name}) is not selected by its clip factor's "
+                           f"finite-example mask")
+    calls = {o.args[0] for o in operands if o.target is operator.getitem
+             and o.args[0].target is torch.ops.dpfx.block_bwd.default}
+    if len(calls) != 1:
+        raise PrivacyError(f"{c.name} (block {k.name}) does not read one dpfx::block_bwd call")
+    bwd = calls.pop()
+    expected = [("out", o.args[1]) if o.target is operator.getitem and o.args[0] is bwd
+                else ("in", bwd.args[1].index(o)) if o in bwd.args[1] else None
+                for o in operands]
+    if expected != [tuple(s) for s in k.operands]:
+        raise PrivacyError(f"{c.name} (block {k.name}) reads operands other than its "
+                           f"block_bwd call's")
+    rows = [n for n in covered[base] if n.target is aten.select.int
+            and n.args[1:] == (0, j) and n.args[0].target is operator.getitem
+            and n.args[0].args == (bwd, k.norms)]
+    if not rows:
+        raise PrivacyError(f"{c.name} (block {k.name}): norm row {j} of its block call is not "
+                           f"part of the per-sample norm it is clipped by")
+    return base
 
 
 def _through_moves(node: fx.Node) -> fx.Node:

@@ -1,0 +1,403 @@
+"""Per-block private graphs: a repeated block of the model compiled once, called as one op.
+
+A deep model is mostly the same block many times (a decoder layer). ``compile_block`` captures
+one instance with a symbolic batch, proves its forward keeps examples apart, rewrites its
+backward per sample and splits it at the clip coefficient (``passes/block.py``), lowers the
+three graphs with Inductor and registers them under a key (``ops/blocks.py``). Every block with
+the same class, parameter and buffer shapes and the same non-tensor call arguments shares that
+key: the capture, the rewrite, the proof and the lowering run once per distinct block, not once
+per layer. ``install`` makes each instance's ``forward`` call ``dpfx::block_fwd`` with its own
+tensors, so a graph captured around the blocks holds one op per block, not its layers.
+
+    key = compile_block(block, args, kwargs, batched, config)
+    install(block, key, ...)      # block(*args, **kwargs) now calls the op
+
+The batch is dim 0 of the call's tensors named in ``batched`` (positions among the flattened
+tensor arguments); the others (a rotary table shared by all examples) carry no batch.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._inductor.compile_fx import compile_fx
+
+from dpfx.backend import DPBackend, _descs, _input_index
+from dpfx.capture.entry import BatchMarked, DynamoSettings, HeapFrozen
+from dpfx.capture.traceable import Captured
+from dpfx.config import DPConfig
+from dpfx.errors import CaptureError
+from dpfx.lower.fast import optimization_hints_once
+from dpfx.lower.inductor import inductor_patches, lower
+from dpfx.ops.blocks import KERNELS, Kernels
+from dpfx.passes import compile_forward
+from dpfx.passes.block import block_backward
+
+_KEYS = itertools.count()
+
+
+def block_signature(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int]
+                    ) -> tuple:
+    """What two blocks must share to share one compiled graph."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    shapes = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                   for n, p in block.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
+    call = tuple((tuple(x.shape[1:]) if i in batched else tuple(x.shape), x.dtype,
+                  x.requires_grad, i in batched) if isinstance(x, torch.Tensor) else ("const", x)
+                 for i, x in enumerate(leaves))
+    return (type(block), str(spec), shapes, buffers, call)
+
+
+class _Capture(DPBackend):
+    """DPBackend for one block: no loss, the block's backward split instead of clip and noise."""
+
+    def __init__(self, block, config, args: list[torch.Tensor], batched: set[int],
+                 params: list[str]):
+        from dpfx.loss.gate import ReleaseGate
+        super().__init__(block, config, ReleaseGate())
+        self.position = {id(t): i for i, t in enumerate(args)}
+        self.batched = batched
+        self.params = params
+        self.kernels: dict[str, Any] = {}
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        self.dynamo_inputs = []
+        kinds = []
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                if id(x) not in self.position:
+                    raise CaptureError(f"the block reads a tensor that is neither an argument, a "
+                                       f"parameter nor a buffer of it (shape {tuple(x.shape)})")
+                pos = self.position[id(x)]
+                self.dynamo_inputs.append(("arg", pos))
+                kinds.append("input" if pos in self.batched else
+                             "param:" + self.param_names[id(x)] if id(x) in self.param_names
+                             else "constant")
+            else:
+                self.dynamo_inputs.append(("size", None))
+                kinds.append("symint")
+        self._input_kinds = kinds
+        self._targets = set()
+        with torch._functorch.config.patch(enable_autograd_cache=False,
+                                           force_non_lazy_backward_lowering=True,
+                                           ban_recompute_reductions=True), \
+                optimization_hints_once():
+            return compile_fx(gm, example_inputs, inner_compile=self._inner_block,
+                              config_patches=inductor_patches(example_inputs))
+
+    def _inner_block(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Any:
+        if kwargs.get("is_backward"):
+            return self._block_backward(gm, example_inputs, kwargs)
+        return self._block_forward(gm, example_inputs, kwargs)
+
+    def _block_forward(self, gm, example_inputs, kwargs):
+        batch_inputs = {}
+        spec = []
+        for node in gm.graph.find_nodes(op="placeholder"):
+            idx = _input_index(node)
+            kind, pos = self.dynamo_inputs[idx] if idx is not None else ("size", None)
+            if kind == "size":
+                pos = _size_expr(node.meta["val"])
+            spec.append((kind, pos))
+            if kind == "arg" and pos in self.batched:
+                batch_inputs[node.name] = 0
+        self.fw_info = compile_forward(gm, batch_inputs, self.stages)
+        self.fw_spec = spec
+        self.fw_names = {n.name: s for n, s in zip(gm.graph.find_nodes(op="placeholder"), spec)}
+        output = gm.graph.find_nodes(op="output")[0]
+        outs = list(output.args[0])
+        descs = _descs(output, len(outs))
+        self.num_outputs = sum(1 for d in descs if "SavedForBackwards" not in type(d).__name__)
+        self.saved = []          # block_fwd's outputs after the user's: (fw output index)
+        self.saved_names = {}    # fw output node name -> ("arg", pos) | ("saved", k) | ("size",)
+        for i, o in enumerate(outs[self.num_outputs:], self.num_outputs):
+            if not isinstance(o, fx.Node):
+                continue
+            if o.op == "placeholder":
+                self.saved_names[o.name] = self.fw_names[o.name]
+            elif isinstance(o.meta.get("val"), torch.Tensor):
+                self.saved_names[o.name] = ("saved", len(self.saved))
+                self.saved.append(i)
+            else:
+                self.saved_names[o.name] = ("size", _size_expr(o.meta["val"]))
+        self.fw_layouts = [self.fw_info.layouts.get(o.name) for o in outs[:self.num_outputs]] + \
+            [self.fw_info.layouts.get(outs[i].name) for i in self.saved]
+        self.fw_fake = copy.deepcopy(gm)
+        compiled = lower(gm, example_inputs, kwargs, self.config.backend)
+        self.fw_compiled = compiled
+        return compiled
+
+    def _block_backward(self, gm, example_inputs, kwargs):
+        output = gm.graph.find_nodes(op="output")[0]
+        param_outputs = {}
+        arg_of_output = {}
+        for i, desc in enumerate(_descs(output, len(output.args[0]))):
+            idx = getattr(getattr(desc, "grad_of", None), "idx", None)
+            if idx is None or output.args[0][i] is None:
+                continue
+            kind = self._input_kinds[idx]
+            if kind.startswith("param:"):
+                param_outputs[i] = kind[len("param:"):]
+            else:
+                arg_of_output[i] = self.dynamo_inputs[idx][1]
+        tangents = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            desc = node.meta.get("desc")
+            out_idx = getattr(getattr(desc, "output", None), "idx", None)
+            if type(desc).__name__ == "TangentAOTInput" and out_idx is not None:
+                tangents[node.name] = out_idx
+        reads = []
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if node.name in tangents:
+                reads.append(("grad", tangents[node.name]))
+            elif node.name in self.saved_names:
+                reads.append(self.saved_names[node.name])
+            elif node.name in self.fw_names:
+                reads.append(self.fw_names[node.name])
+            else:
+                raise CaptureError(f"the block's backward reads {node.name}, which its forward "
+                                   f"does not save")
+        self.param_dtypes = {name: output.args[0][i].meta["val"].dtype
+                             for i, name in param_outputs.items()}
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        result = block_backward(gm, self.fw_info, param_outputs, tangents, self.params,
+                                self.config, fake_mode)
+        a_inputs = [n.meta["val"] for n in result.part_a.graph.find_nodes(op="placeholder")]
+        b_inputs = [n.meta["val"] for n in result.part_b.graph.find_nodes(op="placeholder")]
+        self.part_a_fake = copy.deepcopy(result.part_a)
+        self.part_b_fake = copy.deepcopy(result.part_b)
+        self.part_a = lower(result.part_a, a_inputs, dict(kwargs), self.config.backend)
+        b_kwargs = {k: v for k, v in kwargs.items() if k != "static_input_idxs"}
+        self.part_b = lower(result.part_b, b_inputs, b_kwargs, self.config.backend)
+        self.result = result
+        self.reads = reads
+        self.grad_inputs = [arg_of_output[i] for i in result.input_grads]
+
+        def unused(args):
+            raise RuntimeError("dpfx: a block's backward runs through dpfx::block_bwd")
+
+        unused._boxed_call = True
+        return unused
+
+
+def _size_expr(val) -> Any:
+    import sympy
+
+    return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
+
+
+def _evaluate(expr, batch) -> Any:
+    """``expr``, a polynomial in the one batch symbol, at ``batch`` (an int or a SymInt)."""
+    import sympy
+
+    if expr.is_Integer:
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        return batch
+    parts = [_evaluate(a, batch) for a in expr.args]
+    if isinstance(expr, sympy.Mul):
+        out = parts[0]
+        for p in parts[1:]:
+            out = out * p
+        return out
+    if isinstance(expr, sympy.Add):
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 0:
+        return parts[0] ** int(expr.exp)
+    raise CaptureError(f"a dpfx block's graph needs the size {expr}, which is not a polynomial "
+                       f"in the batch size")
+
+
+def _batch_of(tensors: list, positions) -> Any:
+    for pos in positions:
+        return tensors[pos].shape[0]
+    raise CaptureError("a dpfx block needs at least one argument with the batch in dim 0")
+
+
+def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int],
+                  config: DPConfig) -> str:
+    """Capture, prove and lower ``block`` called as ``block(*args, **kwargs)``; returns the key
+    of its ``dpfx::block_*`` ops. ``batched``: positions, among the call's flattened leaves,
+    of the tensors whose dim 0 is the batch."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensor_of = {i: k for k, i in enumerate(positions)}
+    call_tensors = [leaves[i] for i in positions]
+    trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    constants = [t for _, t in block.named_parameters() if not t.requires_grad] + \
+        [b for _, b in block.named_buffers()]
+    params = [n for n, _ in trainable]
+    # op argument order: call tensors, trainable parameters, frozen parameters and buffers
+    op_args = call_tensors + [p for _, p in trainable] + constants
+    batched_args = {tensor_of[i] for i in batched}
+    capture = _Capture(block, config, op_args, batched_args, params)
+
+    # the example call: detached copies, so nothing of the capture reaches the user's tensors.
+    # Every floating batched argument asks for its gradient: the key serves the first block
+    # (whose input may be data) and the later ones alike. An argument without the batch that
+    # wants a gradient (a learned table passed to every block) would get one summed over the
+    # examples, which no clip bounds: refused.
+    for k, t in enumerate(call_tensors):
+        if k not in batched_args and t.requires_grad:
+            raise CaptureError(
+                f"dpfx: block {type(block).__name__} is called with a tensor of shape "
+                f"{tuple(t.shape)} that has no batch dim and requires grad; its gradient would "
+                f"sum every example's. Compute it inside the block from its parameters, or "
+                f"detach it.")
+    example = [t.detach().clone().requires_grad_(k in batched_args and t.is_floating_point())
+               for k, t in enumerate(call_tensors)]
+
+    def call(*tensors):
+        filled = list(leaves)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        a, kw = pytree.tree_unflatten(filled, spec)
+        return block(*a, **kw)
+
+    capture.position.update({id(t): k for k, t in enumerate(example)})
+    fn = torch.compile(call, backend=capture, fullgraph=True, dynamic=False)
+    with HeapFrozen(), DynamoSettings(), Captured(), \
+            BatchMarked([example[k] for k in sorted(batched_args)]):
+        fn(*example)
+    torch._dynamo.reset_code(call.__code__) if hasattr(torch._dynamo, "reset_code") else None
+
+    key = f"{type(block).__name__}_{next(_KEYS)}"
+    KERNELS[key] = _kernels(capture, type(block).__name__, params, len(call_tensors),
+                            sorted(batched_args))
+    return key
+
+
+def _unaliased(outs, inputs) -> list:
+    """``outs`` with every output that shares memory with an input or an earlier output
+    copied: a custom op's outputs are new tensors (a saved view of the block's input, two views
+    of one activation)."""
+    seen = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+    result = []
+    for o in outs:
+        key = _storage(o)
+        if key in seen:     # the same strides: the graphs that read it were compiled so
+            o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
+                                    device=o.device).copy_(o)
+            key = _storage(o)
+        seen.add(key)
+        result.append(o)
+    return result
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views share it, empty ones too)."""
+    return t.untyped_storage()._cdata
+
+
+def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
+             batched: list[int]) -> Kernels:
+    num_outputs = c.num_outputs
+    result = c.result
+    op_reads = [r for r in c.reads if r[0] != "size"]
+    a_names = [n.name for n in c.part_a_fake.graph.find_nodes(op="placeholder")]
+    op_index = {name: k for k, name in enumerate(
+        n for n, r in zip(a_names, c.reads) if r[0] != "size")}
+    sources = [("out", k) if kind == "out" else ("in", op_index[k])
+               for kind, k in result.operands]
+
+    def fw_inputs(args):
+        batch = _batch_of(args, batched)
+        return [args[pos] if kind == "arg" else _evaluate(pos, batch) for kind, pos in c.fw_spec]
+
+    def split_fw(outs):
+        return list(outs[:num_outputs]) + [outs[i] for i in c.saved]
+
+    def forward(args):
+        return _unaliased(split_fw(c.fw_compiled(fw_inputs(args))), args)
+
+    def fake_forward(args):
+        return _unaliased(split_fw(c.fw_fake(*fw_inputs(args))), args)
+
+    def a_inputs(reads):
+        batch = None
+        for r, t in zip(op_reads, reads):
+            if r[0] == "grad" and t.dim():
+                batch = t.shape[0]
+                break
+        it = iter(reads)
+        return [_evaluate(r[1], batch) if r[0] == "size" else next(it) for r in c.reads]
+
+    def backward(reads):
+        return _unaliased(c.part_a(a_inputs(reads)), reads)
+
+    def fake_backward(reads):
+        return _unaliased(c.part_a_fake(*a_inputs(reads)), reads)
+
+    def b_inputs(coefs, keeps, operands):
+        batch = coefs[0].shape[0]
+        pairs = [t for pair in zip(coefs, keeps) for t in pair]
+        return list(operands) + [batch] * result.num_sizes + pairs
+
+    def cast(outs):
+        return [o.to(c.param_dtypes[n]) for o, n in zip(outs, params)]
+
+    def clip(coefs, keeps, operands):
+        return _unaliased(c.part_b(b_inputs(coefs, keeps, operands)), operands)
+
+    def fake_clip(coefs, keeps, operands):
+        return _unaliased(c.part_b_fake(*b_inputs(coefs, keeps, operands)), operands)
+
+    def _ones(norms):
+        batch, device = norms.shape[1], norms.device
+        coefs = [torch.ones(batch, dtype=torch.float32, device=device)] * len(params)
+        keeps = [torch.ones(batch, dtype=torch.bool, device=device)] * len(params)
+        return coefs, keeps
+
+    def grad(args):     # [norms, *operands]: the plain sums, every coefficient 1
+        return cast(clip(*_ones(args[0]), args[1:]))
+
+    def fake_grad(args):
+        return cast(fake_clip(*_ones(args[0]), args[1:]))
+
+    return Kernels(name=name, params=params, num_inputs=num_inputs, num_outputs=num_outputs,
+                   grad_inputs=c.grad_inputs, forward=forward, backward=backward, grad=grad,
+                   clip=clip, backward_reads=op_reads, fake_forward=fake_forward,
+                   fake_backward=fake_backward, fake_grad=fake_grad, fake_clip=fake_clip,
+                   operands=sources, norms=len(result.input_grads),
+                   forward_layouts=c.fw_layouts, backward_layouts=result.layouts)
+
+
+class BlockCall:
+    """``block.forward`` replaced: the call's tensors, the block's parameters and constants go to
+    ``dpfx::block_fwd``; the non-tensor arguments must be those the key was compiled with."""
+
+    def __init__(self, block: torch.nn.Module, key: str, signature: tuple):
+        self.key = key
+        self.signature = signature
+        self.block = block      # a reference cycle the module's own collection frees
+        self.num_outputs = KERNELS[key].num_outputs
+
+    def __call__(self, *args, **kwargs):
+        block = self.block
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        params = [p for _, p in block.named_parameters() if p.requires_grad]
+        constants = [t for _, t in block.named_parameters() if not t.requires_grad] + \
+            [b for _, b in block.named_buffers()]
+        outs = torch.ops.dpfx.block_fwd(self.key, tensors + params + constants)
+        return pytree.tree_unflatten(list(outs[:self.num_outputs]), self.out_spec)
+
+
+def install(block: torch.nn.Module, key: str, out_spec) -> None:
+    """``block(...)`` calls the compiled block ``key`` from now on (``uninstall`` undoes it)."""
+    call = BlockCall(block, key, ())
+    call.out_spec = out_spec
+    block.forward = call
+
+
+def uninstall(block: torch.nn.Module) -> None:
+    if isinstance(block.__dict__.get("forward"), BlockCall):
+        del block.forward

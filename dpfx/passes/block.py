@@ -1,0 +1,264 @@
+"""A block's backward graph as two private halves, split at the clip coefficient.
+
+For a block (a decoder layer called as ``dpfx::block_fwd``), the whole model's clip factor is
+not known while the block's backward runs: later blocks' norms come first, earlier ones after.
+So the block's backward is rewritten per sample like a model's (the same rules), and then,
+instead of a clip factor of its own, it takes each parameter's coefficient and finite-example
+mask as inputs:
+
+    part A:  (saved, output grads)          -> input grads, norms f32[P, B], operands
+    part B:  (operands, coefs[P], keeps[P]) -> clipped sums, one per parameter
+
+Row j of ``norms`` is the squared per-sample norm of parameter j's gradient as the graph holds
+it (the root graph scales it as it scales its own parameters' squares); ``operands`` are what
+part B reads of part A: a ghost parameter's book-keeping operands (the layer's input and output
+gradient rows), a materialized one's per-sample gradient. Part B is ``Clip.scale`` and the
+clipped sums of ``passes/clip_noise.py``, so a block's parameter is clipped exactly as the same
+parameter in a one-graph model; the root graph's verifier sees the coefficients and masks go in
+(``verify_block`` below proves what happens inside).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpfx.config import DPConfig
+from dpfx.errors import PrivacyError
+from dpfx.graph.batch import BatchAnalysis, BatchDim
+from dpfx.graph.emit import Emitter
+from dpfx.passes.clip_noise import _clipped_sum, _squared_norm
+from dpfx.passes.per_sample import ParamGrad, RewriteContext, rewrite_per_sample
+from dpfx.passes.stack_time import stack_over_time
+from dpfx.rules import Clip
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class BlockBackward:
+    """The two halves and where each of the captured backward's outputs went."""
+    part_a: fx.GraphModule
+    part_b: fx.GraphModule
+    input_grads: list[int]      # captured output positions returned first by part A
+    params: list[str]           # parameter order of norms' rows and part B's outputs
+    # part B's operands, in order: ("out", k) part A's output k, or ("in", name) part A's input
+    operands: list[tuple[str, Any]]
+    num_sizes: int              # part B's batch-size inputs (0 or 1), after the operands
+    # part A's placeholders, in order: the captured graph's own (names)
+    a_inputs: list[str]
+    grads: list[ParamGrad]
+    layouts: list               # part A's outputs' batch layouts
+
+
+def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
+                   tangent_outputs: dict[str, int], params: list[str], config: DPConfig,
+                   fake_mode: Any) -> BlockBackward:
+    """``params``: the block's trainable parameter names in the order the op passes them."""
+    output = gm.graph.find_nodes(op="output")[0]
+    outs = list(output.args[0])
+    seeds = dict(fw.layouts)
+    for ph, out_idx in tangent_outputs.items():
+        seeds[ph] = fw.output_layouts[out_idx] if out_idx < len(fw.output_layouts) else None
+    an = BatchAnalysis(gm.graph, fw.batch_symbols, seeds,
+                       data_sources={n for n in gm.graph.find_nodes(op="placeholder")
+                                     if n.name in tangent_outputs})
+    if stack_over_time(gm.graph, an, fake_mode, [outs[i] for i in param_outputs]):
+        outs = list(output.args[0])
+        an = an.rerun(gm.graph)
+    emit = Emitter(gm.graph, fake_mode, an, before=output)
+    by_name = {name: i for i, name in param_outputs.items()}
+    missing = [p for p in params if p not in by_name]
+    if missing:
+        raise PrivacyError(f"the block's backward graph gives no gradient for {missing}")
+    grads = [ParamGrad(name, by_name[name], outs[by_name[name]]) for name in params]
+    rewrite_per_sample(RewriteContext(an, emit, config.strategy), grads)
+
+    # the coefficient and mask inputs, one pair per parameter, after the captured inputs
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    batch = _batch_size_val(placeholders, an)
+    cuts = []
+    with gm.graph.inserting_after(placeholders[-1]):
+        for j in reversed(range(len(params))):
+            keep = gm.graph.placeholder(f"block_keep_{j}")
+            coef = gm.graph.placeholder(f"block_coef_{j}")
+            with fake_mode:
+                coef.meta["val"] = torch.empty(batch, dtype=torch.float32)
+                keep.meta["val"] = torch.empty(batch, dtype=torch.bool)
+            cuts.append((coef, keep))
+    cuts.reverse()
+    an = an.rerun(gm.graph)
+    emit.analysis = an
+
+    squares = []
+    for pg in grads:
+        sq = _squared_norm(pg, emit)
+        if sq.meta["val"].dtype != torch.float32:
+            sq = emit(torch.ops.prims.convert_element_type.default, sq, torch.float32)
+        squares.append(emit(aten.unsqueeze.default, sq, 0))
+    norms = emit(aten.cat.default, squares, tag="block_norms") if len(squares) > 1 \
+        else squares[0]
+    clipped = [_clipped_sum(pg, Clip(coef, keep), emit) for pg, (coef, keep) in zip(grads, cuts)]
+    input_grads = [i for i, o in enumerate(outs) if i not in param_outputs and o is not None]
+    output.args = (tuple([outs[i] for i in input_grads] + [norms] + clipped),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    verify_block(gm, an, clipped, cuts, squares)
+
+    part_a, part_b, operands, num_sizes, layouts = _split(
+        gm, {n for pair in cuts for n in pair}, len(input_grads) + 1, an)
+    return BlockBackward(part_a, part_b, input_grads, list(params), operands, num_sizes,
+                         [n.name for n in placeholders], grads, layouts)
+
+
+def _batch_size_val(placeholders, an: BatchAnalysis):
+    for ph in placeholders:
+        lay = an.layout(ph)
+        if isinstance(lay, BatchDim) and lay.is_plain:
+            return ph.meta["val"].shape[lay.dim]
+    raise PrivacyError("the block's backward graph has no input with a batch dim")
+
+
+def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
+                 cuts: list[tuple[fx.Node, fx.Node]], squares: list[fx.Node]) -> None:
+    """What the root graph relies on for each parameter j of the block: its output j is a sum
+    over examples in which every term that carries an example is scaled by ``coef_j`` and
+    selected by ``keep_j``, and the operand scaled is one norm row j is taken over. No path from
+    the data reaches a clipped output except through those products."""
+    from dpfx.passes import verify as v
+
+    graph = gm.graph
+    g = v._as_nx(graph)
+    cut_nodes = {n for pair in cuts for n in pair}
+    sources = [n for n in graph.find_nodes(op="placeholder")
+               if n not in cut_nodes and (an.is_batched(n) or n.name.startswith("tangents"))]
+    tagged = [n for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"]
+    leaked = v._reached(g, sources, blocked=set(tagged))
+    dependent = v._reached(g, sources)
+    for j, (out, (coef, keep), sq) in enumerate(zip(clipped, cuts, squares)):
+        if out in leaked:
+            raise PrivacyError(f"block parameter {j}'s clipped sum has a path from the data that "
+                               f"bypasses its clip coefficient")
+        ancestors = v._release_ancestors(g, out)
+        mine = [c for c in tagged if c in ancestors]
+        if not mine:
+            raise PrivacyError(f"block parameter {j}'s output is not a clipped sum")
+        covered = v._reached(g.reverse(copy=False), [sq])
+        for c in mine:
+            apply = v._clip_apply_of(c)
+            ps, scale = apply.args
+            if v._broadcast_source(scale) is not coef:
+                raise PrivacyError(f"{c.name} is not scaled by block parameter {j}'s coefficient")
+            if v._through_moves(ps) not in covered:
+                raise PrivacyError(f"{ps.name} enters the clipped sum {c.name} but is not part "
+                                   f"of parameter {j}'s norm")
+            for x in c.all_input_nodes:
+                if x not in dependent or not v._floating(x):
+                    continue
+                value = v._finite_masked(x, keep, c)
+                if value is not apply and value not in covered:
+                    raise PrivacyError(f"{value.name} enters the clipped sum {c.name} but is not "
+                                       f"part of parameter {j}'s norm")
+
+
+def _split(gm: fx.GraphModule, cuts: set[fx.Node], num_a_outputs: int, an: BatchAnalysis
+           ) -> tuple[fx.GraphModule, fx.GraphModule, list, int, list]:
+    """Part A: every node that does not depend on ``cuts``, returning the first
+    ``num_a_outputs`` outputs and what part B reads of it. Part B: the rest."""
+    graph = gm.graph
+    output = graph.find_nodes(op="output")[0]
+    outs = list(output.args[0])
+    in_b = set()
+    for node in graph.nodes:
+        if node in cuts or any(a in in_b for a in node.all_input_nodes):
+            if node.op != "output":
+                in_b.add(node)
+    for o in outs[:num_a_outputs]:
+        if o in in_b:
+            raise PrivacyError("a block's input gradient or norm depends on its clip coefficient")
+    # nodes computed from no input (a zero for a select): part B computes its own
+    constant = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and all(a in constant for a in node.all_input_nodes):
+            constant.add(node)
+    constant -= in_b
+    operands, sizes = [], []    # tensors part A returns; the batch size (B reads it itself)
+    for node in graph.nodes:
+        if node in in_b or node in constant or node.op == "output" \
+                or not any(u in in_b for u in node.users):
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            operands.append(node)
+        elif isinstance(val, torch.SymInt) and an.size(val).free_symbols <= {an.batch}:
+            sizes.append(node)
+        else:
+            raise PrivacyError(f"part B of a block reads {node.name} ({val!r}), which is "
+                               f"neither a tensor nor the batch size")
+
+    a = fx.Graph()
+    env = {}
+    for node in graph.nodes:
+        if node in in_b or node.op == "output":
+            continue
+        env[node] = a.node_copy(node, lambda n: env[n])
+    # part B's operands: part A's own inputs are read from the op's inputs, not returned (an
+    # op's output may not alias its input)
+    returned = [o for o in operands if o.op != "placeholder"]
+    a.output(tuple([env[o] for o in outs[:num_a_outputs]] + [env[o] for o in returned]))
+    layouts = [an.layout(o) for o in outs[:num_a_outputs] + returned]
+    sources = [("in", o.name) if o.op == "placeholder"
+               else ("out", num_a_outputs + returned.index(o)) for o in operands]
+
+    b = fx.Graph()
+    env_b = {}
+    for i, node in enumerate(operands):
+        ph = b.placeholder(f"operand_{i}")
+        ph.meta.update(node.meta)
+        env_b[node] = ph
+    if sizes:   # sizes part B reads, recomputed there from the batch size
+        batch_ph = b.placeholder("batch_size")
+        batch_ph.meta["val"] = next(s.meta["val"] for s in sizes
+                                    if an.size(s.meta["val"]) == an.batch) \
+            if any(an.size(s.meta["val"]) == an.batch for s in sizes) else None
+        for node in sizes:
+            env_b[node] = _size_node(b, an.size(node.meta["val"]), an.batch, batch_ph)
+    for node in graph.nodes:
+        if node in cuts:
+            env_b[node] = b.node_copy(node, lambda n: env_b[n])
+    for node in graph.nodes:
+        if node in constant or node in in_b and node not in cuts:
+            env_b[node] = b.node_copy(node, lambda n: env_b[n])
+    b.output(tuple(env_b[o] for o in outs[num_a_outputs:]))
+    b.eliminate_dead_code()
+    return fx.GraphModule(gm, a), fx.GraphModule(gm, b), sources, int(bool(sizes)), layouts
+
+
+def _size_node(graph: fx.Graph, expr, batch, batch_ph: fx.Node):
+    """``expr``, a polynomial in the batch size with integer coefficients, as nodes."""
+    import operator
+
+    import sympy
+
+    if expr == batch:
+        return batch_ph
+    if expr.is_Integer:
+        return int(expr)
+    if isinstance(expr, sympy.Mul):
+        parts = [_size_node(graph, a, batch, batch_ph) for a in expr.args]
+        op = operator.mul
+    elif isinstance(expr, sympy.Add):
+        parts = [_size_node(graph, a, batch, batch_ph) for a in expr.args]
+        op = operator.add
+    elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 0:
+        parts = [_size_node(graph, expr.base, batch, batch_ph)] * int(expr.exp)
+        op = operator.mul
+    else:
+        raise PrivacyError(f"part B of a block needs the size {expr}, which dpfx cannot "
+                           f"compute from the batch size")
+    out = parts[0]
+    for p in parts[1:]:
+        out = graph.call_function(op, (out, p))
+    return out

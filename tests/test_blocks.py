@@ -1,0 +1,176 @@
+"""Per-block private graphs (dpfx/blocks.py, passes/block.py, rules/block.py, ops/blocks.py):
+one compiled block shared by identical blocks, its parameters clipped by the whole model's
+factor, against torch.func and the batch-of-one loop."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.func import functional_call, grad, vmap
+
+import dpfx
+from dpfx.blocks import compile_block, install, uninstall
+from dpfx.config import DPConfig
+from dpfx.ops.blocks import kernels, operands
+from tests.support.reference import (assert_close, loop_dp_sgd_grads, loop_example_grads,
+                                     per_example_norms, run_dpfx_multi)
+
+
+class Block(nn.Module):
+    """A pre-norm residual block with attention over the sequence and an MLP."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1) @ v
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, layers=3, vocab=11, d=8, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _with_blocks(net, backend, batch=2, seq=5):
+    """Every block of ``net`` calling one compiled block (captured on the first)."""
+    torch.manual_seed(1)
+    h = torch.randn(batch, seq, net.emb.embedding_dim)
+    _, out_spec = pytree.tree_flatten(net.blocks[0](h))
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend=backend)
+    key = compile_block(net.blocks[0], (h,), {}, {0}, config)
+    for b in net.blocks:
+        install(b, key, out_spec)
+    return key
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_block_ops_against_vmap(backend):
+    """The block's ops alone: its forward, each parameter's squared per-sample norms, the
+    clipped sums for given coefficients and masks, and the plain gradients, at batch sizes 3, 0,
+    1 and 5 (5 is the sequence length)."""
+    torch.manual_seed(0)
+    block = Block()
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend=backend)
+    key = compile_block(block, (torch.randn(2, 5, 8),), {}, {0}, config)
+    k = kernels(key)
+    names = [n for n, _ in block.named_parameters()]
+    params = [p.detach() for _, p in block.named_parameters()]
+    assert k.params == names
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    for b in (3, 0, 1, 5):
+        x, g = torch.randn(b, 5, 8), torch.randn(b, 5, 8)
+        outs = torch.ops.dpfx.block_fwd(key, [x] + params)
+        torch.testing.assert_close(outs[0], block(x), **tol)
+
+        def term(ps, xi, gi):
+            return (functional_call(block, dict(zip(names, ps)), (xi[None],))[0] * gi).sum()
+
+        per_example = vmap(grad(term), in_dims=(None, 0, 0))(params, x, g)
+        reads = [[x, *params][i] if kind == "arg" else
+                 outs[k.num_outputs + i] if kind == "saved" else g
+                 for kind, i in k.backward_reads]
+        bwd = torch.ops.dpfx.block_bwd(key, reads)
+        want = torch.stack([p.flatten(1).pow(2).sum(1) for p in per_example])
+        torch.testing.assert_close(bwd[k.norms], want, **tol)
+        coefs = [torch.rand(b) for _ in params]
+        keeps = [torch.rand(b) > 0.3 for _ in params]
+        clipped = torch.ops.dpfx.block_clip(key, coefs, keeps, operands(k, reads, bwd))
+        for j, p in enumerate(per_example):
+            w = (coefs[j] * keeps[j]).view(-1, *[1] * (p.dim() - 1))
+            torch.testing.assert_close(clipped[j], (w * p).sum(0), **tol)
+        # autograd through the op: the block's own gradients
+        xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = torch.autograd.grad((torch.ops.dpfx.block_fwd(key, [xr] + [
+            p.requires_grad_() for p in params])[0] * g).sum(), [xr] + params)
+        want = torch.autograd.grad((functional_call(block, dict(zip(names, params)), (xe,))
+                                    * g).sum(), [xe] + params)
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a, w, **tol)
+        for p in params:
+            p.requires_grad_(False)
+
+
+@pytest.mark.parametrize("backend,reduction,tied", [
+    ("eager", "sum", False), ("eager", "mean", True), ("inductor", "mean", False),
+    ("inductor", "sum", True)])
+def test_model_of_blocks_against_the_loop(backend, reduction, tied):
+    """dpfx.compile over a model whose three blocks call one compiled block: sigma 0 against
+    the batch-of-one loop, clipping biting on every example, batch sizes 3, 0, 1 and 5 (the
+    sequence length) through one compiled pair, self-check on under Inductor; the tied
+    embedding and head stay in the model's own graph."""
+    torch.manual_seed(0)
+    net = Net(tied=tied)
+    reference = copy.deepcopy(net)
+    _with_blocks(net, backend)
+    dp = dpfx.compile(net, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction=reduction,
+                      expected_batch_size=4 if reduction == "mean" else None, backend=backend)
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        return (torch.randint(0, 11, (b, 5), generator=g),), torch.randint(0, 11, (b, 5),
+                                                                           generator=g)
+
+    for b in (3, 0, 1, 5):
+        inputs, y = make(b)
+        if b:
+            norms = per_example_norms(loop_example_grads(reference, _token_loss, inputs, y))
+            assert bool((norms > 0.05).all()), norms
+        got = run_dpfx_multi(dp, net, _token_loss, inputs, y, reduction)
+        want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
+                                 loss_reduction="sum")
+        if reduction == "mean":
+            want = {k: v / 4 for k, v in want.items()}
+        assert_close(got, want, rtol=2e-4, atol=1e-6)
+    assert dp.compile_count == 2, "one compiled pair serves every batch size"
+    if backend == "inductor":
+        checks = list(dp._dpfx_backend._checks.values())
+        assert checks and all(c.done and c.backward is not None for c in checks)
+    for b in net.blocks:
+        uninstall(b)
+
+
+def test_identical_blocks_share_one_capture():
+    """Three blocks, one key: the root graph calls dpfx::block_fwd three times, and no block's
+    layers are in it."""
+    torch.manual_seed(0)
+    net = Net()
+    key = _with_blocks(net, "eager")
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+                      backend="eager")
+    ids = torch.randint(0, 11, (2, 5))
+    _token_loss(dp(ids), ids).backward()
+    forward = dp._dpfx_backend.stages.graphs["forward"]
+    assert forward.count("dpfx.block_fwd(") == 3, forward
+    assert forward.count("aten.addmm") + forward.count("aten.mm") == 1, forward   # the head
+    assert {b.forward.key for b in net.blocks} == {key}
+    assert all(p.grad is not None for p in net.parameters())
