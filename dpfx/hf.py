@@ -35,6 +35,11 @@ schedules, saving stay Trainer's):
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
+With ``user_column=`` (or ``user_ids=``) and ``max_examples_per_user=``, the unit is the user:
+users are sampled, up to k examples each, the model runs under ``per_user``, each user's
+gradient is clipped as one and epsilon is per user (Note [DPTrainer at the user level] in
+hf_users.py).
+
 Launched on several processes (torchrun, ``accelerate launch``), q counts every process's
 batch (per-device batch * accumulation steps * processes / N), each rank samples its part of
 the data, the model is never wrapped in DDP (``DPOptimizer`` reduces the clipped sums across the
@@ -59,12 +64,14 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from dpfx import privacy
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.hf_ranks import broadcast_from_rank0, check_launch
+from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_train_loader
 from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.loop.users import PerUser, per_user
 from dpfx.privacy.budget import noise_for_steps_left
 from dpfx.privacy.ledger import recorded as ledger_recorded
 from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
@@ -85,7 +92,10 @@ class DPTrainer(Trainer):
     ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
     two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
     ``dpfx.compile`` (backend, strategy, seed, self_check). Over several processes, see Note
-    [DPTrainer over several processes] in hf_ranks.py."""
+    [DPTrainer over several processes] in hf_ranks.py. ``user_column`` (a train_dataset column
+    naming each example's user) or ``user_ids`` (one id per example), with
+    ``max_examples_per_user``: user-level DP, the batch sizes counting users (Note [DPTrainer at
+    the user level] in hf_users.py)."""
 
     accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
 
@@ -94,7 +104,9 @@ class DPTrainer(Trainer):
                  target_epsilon: float | None = None, target_delta: float | None = None,
                  accountant: str = "pld", secure_mode: bool = False,
                  sampler_generator: torch.Generator | None = None,
-                 ledger: str | bool | None = True, dp_kwargs: dict | None = None, **kwargs):
+                 ledger: str | bool | None = True, dp_kwargs: dict | None = None,
+                 user_column: str | None = None, user_ids=None,
+                 max_examples_per_user: int | None = None, **kwargs):
         if model is None:
             raise ValueError("DPTrainer needs the model (model_init is not supported: the "
                              "compiled model and the accountant are made once)")
@@ -105,18 +117,34 @@ class DPTrainer(Trainer):
         if train is None or not hasattr(train, "__len__") or len(train) == 0:
             raise ValueError("DPTrainer needs a non-empty map-style train_dataset: Poisson "
                              "sampling draws each example independently")
+        misplaced = sorted({"user_ids", "user_column", "max_examples_per_user"} & set(dp_kwargs or {}))
+        if misplaced:
+            raise ValueError(f"pass {', '.join(misplaced)} to DPTrainer itself, not in dp_kwargs "
+                             f"(which go to dpfx.compile)")
+        self.users, self.user_column = None, user_column
+        if user_column is not None or user_ids is not None or max_examples_per_user is not None:
+            # Note [DPTrainer at the user level] in hf_users.py
+            ids = user_ids_of(train, user_ids, user_column, max_examples_per_user)
+            if isinstance(max_examples_per_user, bool) or \
+                    not isinstance(max_examples_per_user, int) or max_examples_per_user < 1:
+                raise ValueError(f"max_examples_per_user must be an int >= 1, got "
+                                 f"{max_examples_per_user!r}")
+            check_user_head(model)
+            self.users = group_by_user(ids, len(train))
+        self.max_examples_per_user = max_examples_per_user
+        self.privacy_unit = "example" if self.users is None else "user"
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         # Note [DPTrainer over several processes] in hf_ranks.py
         self.world = check_launch(model, args)
         self.rank = args.process_index if self.world > 1 else 0
-        n = len(train)
+        n = len(train) if self.users is None else len(self.users)
         physical = args.per_device_train_batch_size
         logical = physical * args.gradient_accumulation_steps * self.world
         if logical > n:
             raise ValueError(f"the expected logical batch ({physical} x "
                              f"{args.gradient_accumulation_steps} accumulation steps x "
                              f"{self.world} processes = {logical}) exceeds the {n} training "
-                             f"examples")
+                             f"{self.privacy_unit}s")
         self.sample_rate = privacy._check_sample_rate(logical / n)
         self.steps_per_epoch = max(1, round(1 / self.sample_rate))
         self.physical_batch_size = physical
@@ -147,8 +175,8 @@ class DPTrainer(Trainer):
         self._compile_settings = dict(max_grad_norm=max_grad_norm,
                                       expected_batch_size=expected_batch_size(n, self.sample_rate),
                                       noise="optimizer", **(dp_kwargs or {}))
-        dp_model = dp_compile(model, noise_multiplier=self.noise_multiplier,
-                              **self._compile_settings)
+        dp_model = dp_compile(model if self.users is None else per_user(model),
+                              noise_multiplier=self.noise_multiplier, **self._compile_settings)
         if ledger is True:
             ledger = os.path.join(args.output_dir, LEDGER_FILE) \
                 if args.save_strategy != "no" else None
@@ -267,6 +295,12 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        if self.users is not None:      # Note [DPTrainer at the user level] in hf_users.py
+            return user_train_loader(
+                dataset, self.users, self.max_examples_per_user, self.sample_rate,
+                collate_fn=collator, column=self.user_column, steps=self.steps_per_epoch,
+                secure_mode=self.secure_mode, generator=self.sampler_generator, rank=self.rank,
+                world_size=self.world, num_workers=self.args.dataloader_num_workers)
         return poisson_loader(dataset, self.sample_rate, steps=self.steps_per_epoch,
                               secure_mode=self.secure_mode, collate_fn=collator,
                               generator=self.sampler_generator, rank=self.rank,
@@ -320,6 +354,13 @@ class DPTrainer(Trainer):
             return torch.zeros((), device=self.args.device)
         return total / examples
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """At the user level, evaluation batches hold examples, not users: the user's model
+        runs them, as Trainer's would (no gradient is released there)."""
+        if self.users is not None and isinstance(model, DPModule):
+            model = model._orig_mod.module
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:
             logs["epsilon"] = self.get_epsilon()
@@ -334,7 +375,8 @@ class DPTrainer(Trainer):
         """Trainer's saving and loading see the user's model (``save_pretrained``-loadable,
         its tied weights re-tied on load), not dpfx's wrapper around it."""
         wrapper = self.model
-        self.model = wrapper._orig_mod
+        inner = wrapper._orig_mod
+        self.model = inner.module if isinstance(inner, PerUser) else inner
         try:
             yield
         finally:
@@ -378,6 +420,7 @@ class _CheckpointAccountant(TrainerCallback):
             record = {"accountant": trainer.accountant.state_dict(),
                       "noise_multiplier": trainer.noise_multiplier,
                       "sample_rate": trainer.sample_rate, "delta": trainer.delta,
+                      "privacy_unit": trainer.privacy_unit,
                       "epsilon": trainer.get_epsilon(), "steps": trainer.accountant.steps}
             tmp = os.path.join(folder, ACCOUNTANT_FILE + ".tmp")
             with open(tmp, "w") as f:

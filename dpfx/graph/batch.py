@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +39,17 @@ class BatchDim:
     dim: int
     outer: sympy.Expr = sympy.Integer(1)
     inner: sympy.Expr = sympy.Integer(1)
+    # What the tensor's values are, when they are indices along its batch dim (Note [An arange
+    # over the rows]): "row", each element's position along ``dim``; "unit", the example (or
+    # user) that owns the element; None, anything else. Not part of the layout's identity.
+    index_of: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def is_plain(self) -> bool:
         return self.outer == 1 and self.inner == 1
 
     def moved(self, dim: int) -> "BatchDim":
-        return BatchDim(dim, self.outer, self.inner)
+        return BatchDim(dim, self.outer, self.inner, self.index_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +314,8 @@ class BatchAnalysis:
             return self._through_cat(node, val)
         if node.target in _STRIDED:
             return self._through_as_strided(node, val)
+        if node.target is prims.iota.default:
+            return self._arange(node, val)
         src = node.args[0] if node.args else None
         src_layout = self.layouts.get(src) if isinstance(src, fx.Node) else None
         if isinstance(src_layout, BatchDim):
@@ -343,6 +350,32 @@ class BatchAnalysis:
             return None
         return BatchDim(dims[0], sympy.Integer(1), k)
 
+    # Note [An arange over the rows]
+    # HF builds its padding mask by indexing the mask's rows with ``arange(batch)[:, None, None,
+    # None]``; under ``per_user`` the rows are a merged dim of k per user, and the arange is
+    # ``prims.iota(k*U)``. An iota holds no data, so, like a constant broadcast over the rows
+    # (Note [A constant broadcast over k rows per example]), any layout describes it; it takes the
+    # batch-major one, BatchDim(0, 1, k), as the rows it indexes are laid out. What its values
+    # say is tracked beside the layout (``BatchDim.index_of``): an iota from 0 by 1 holds at
+    # every position its own row number ("row"); over a plain batch, k = 1, the row is the example
+    # ("unit"). Moves keep the values where they keep each element's position along the batch
+    # dim (unsqueeze, expand, permute, a view that keeps the dim's flattening, a cast between
+    # integer dtypes); a view that re-flattens keeps "unit" only, since the layout it proves says
+    # which unit owns each element; any arithmetic drops both. The forward check then accepts an
+    # index into a batch dim only by such an index of the same layout (passes/indexing.py): row p
+    # reads its own row, or its own unit's row of a tensor with one row per unit. An iota of
+    # another start or step, or of a length that is not a constant multiple of B, has a layout
+    # and no index values; one over a symbolic multiple is left to the shape (Ambiguous).
+    # (tests/graph/test_arange_rows.py)
+    def _arange(self, node: fx.Node, val: torch.Tensor) -> Layout:
+        k = _simplify(self.shape(val)[0] / self.batch)
+        if val.dim() != 1 or not _whole(k) or self.has_batch(k) or not k.is_Integer or int(k) < 1:
+            return self.from_shape(val)
+        counts = node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1 and \
+            not val.dtype.is_floating_point and val.dtype != torch.bool
+        index_of = ("unit" if k == 1 else "row") if counts else None
+        return BatchDim(0, sympy.Integer(1), k, index_of)
+
     def _move(self, node: fx.Node, src: fx.Node, bd: BatchDim, val: torch.Tensor) -> Any:
         """Layout through ops that move dims; NotImplemented for everything else."""
         t = node.target
@@ -362,6 +395,10 @@ class BatchAnalysis:
             return bd.moved(bd.dim + 1 if d <= bd.dim else bd.dim)
         if t is aten.expand.default:
             return bd.moved(bd.dim + val.dim() - rank_in)
+        if bd.index_of and (t in (aten.clone.default, aten.alias.default) or (
+                t is prims.convert_element_type.default and
+                {src.meta["val"].dtype, val.dtype} <= {torch.int64, torch.int32})):
+            return bd      # the same values (Note [An arange over the rows])
         return NotImplemented
 
     def _through_view(self, ins: list, bd: BatchDim, outs: list) -> Layout:
@@ -382,7 +419,9 @@ class BatchAnalysis:
                 and not self.has_batch(outer)
                 and _equal(_prod(outs[:j]) * outer, prefix)
             ):
-                return BatchDim(j, outer, inner)
+                same = _equal(outer, bd.outer) and _equal(inner, bd.inner)
+                keeps = bd.index_of if bd.index_of == "unit" or same else None
+                return BatchDim(j, outer, inner, keeps)   # Note [An arange over the rows]
         return Ambiguous(f"view {ins} -> {outs} splits or scrambles the batch dim")
 
     def _through_cat(self, node: fx.Node, val: torch.Tensor) -> Layout:

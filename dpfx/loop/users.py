@@ -203,11 +203,23 @@ def user_loader(dataset: Dataset, users: Sequence[torch.Tensor], max_examples_pe
 
 class PerUser(torch.nn.Module):
     """Runs ``module`` on (U * k, ...) rows of (U, k, ...) inputs (Note [The model sees U * k
-    rows])."""
+    rows]). To Hugging Face's tools it shows the model's ``config`` and, as ``get_base_model``,
+    the model (a PEFT model's base model): Trainer reads the forward's signature from it, and
+    dpfx the head whose ``labels=`` loss it computes (loss/hf_labels.py, ``flattens_users``)."""
+
+    flattens_users = True
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
+
+    @property
+    def config(self):
+        return self.module.config      # AttributeError where the model has none
+
+    def get_base_model(self) -> torch.nn.Module:
+        module = self.module
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
 
     def forward(self, *args, **kwargs):
         tensors = []

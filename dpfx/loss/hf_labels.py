@@ -43,6 +43,11 @@ _CAUSAL = ("ForCausalLM", "LMHeadModel")
 _TOKENS = ("ForMaskedLM", "ForTokenClassification")
 _CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
                 "ForVideoClassification")
+# Heads whose loss flattens every leading dim: under ``per_user`` (a model with
+# ``flattens_users``) their labels come as (U, k, ...) and the logits as (U, k, ...), and the
+# loss reads the U * k rows as it reads a batch's. Sequence-to-sequence labels are shifted, and
+# multiple choice and question answering index, along dim 1, which is k there: refused.
+_PER_USER = _CAUSAL + _TOKENS + _CLASSIFIERS
 
 
 def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
@@ -64,6 +69,8 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name, config = type(base).__name__, base.config
+    if getattr(model, "flattens_users", False) and not name.endswith(_PER_USER):
+        _refuse_per_user(name)
     kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
     # Trainer's token count of the accumulated batch: the causal LM loss divides by it, every
     # other head ignores it (its normalizer is removed from each example's term either way)
@@ -103,6 +110,8 @@ def _question_answering_loss(model: torch.nn.Module, kwargs: dict):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not type(base).__name__.endswith("ForQuestionAnswering"):
         return None
+    if getattr(model, "flattens_users", False):
+        _refuse_per_user(type(base).__name__)
     from transformers.loss.loss_utils import ForQuestionAnsweringLoss
 
     start, end = (kwargs[k] for k in _QA_TARGETS)
@@ -110,6 +119,15 @@ def _question_answering_loss(model: torch.nn.Module, kwargs: dict):
     extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
     return kwargs, lambda out: ForQuestionAnsweringLoss(out.start_logits, out.end_logits, start,
                                                         end, **extra)
+
+
+def _refuse_per_user(name: str):
+    raise PrivacyError(
+        f"{name} under per_user was given labels=: dpfx computes the labels= loss of (users, k, "
+        f"...) batches for causal and masked language models, token and sequence classifiers, "
+        f"whose losses read each of the U * k rows alone. Call the model without labels= and "
+        f"compute each user's loss on out.logits, masked per user (docs/users.md, \"The "
+        f"loss\").")
 
 
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@
    otherwise clipping g_i bounds nothing. Flagged: any op whose inputs carry the batch dim and whose
    output does not (a reduction over examples: BatchNorm's batch statistics, ``x.mean(0)``, a loss
    computed inside the model), any op with a ``dim`` argument that names the batch dim (softmax,
-   cumsum, sort over examples), and any tensor whose batch layout cannot be proven.
+   cumsum, sort over examples), any tensor whose batch layout cannot be proven, and an index into
+   the batch dim by anything but each row's own index (``passes/indexing.py``).
 
 2. ``verify_backward``: every trainable parameter's gradient output is clipped and noised. With the
    backward graph as a networkx DiGraph, removing the ``clipped_sum`` nodes must disconnect every
@@ -43,6 +44,7 @@ import dpfx.ops  # noqa: F401  (registers the dpfx:: ops the graphs hold)
 from dpfx.config import DPConfig
 from dpfx.errors import PrivacyError
 from dpfx.graph.batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
+from dpfx.passes.indexing import index_problem
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -124,6 +126,9 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
             found.append((node, f"cannot be proven to keep examples apart ({lay.reason})"))
             continue
         if node.target in _ATTENTION and (why := _attention_across_batch(node, an)):
+            found.append((node, why))
+            continue
+        if why := index_problem(node, an):
             found.append((node, why))
             continue
         if node.target in _DIM_OPS_THAT_KEEP_EXAMPLES_APART:
@@ -256,6 +261,7 @@ _READS_ACROSS = {
              aten._adaptive_avg_pool2d_backward.default]),
         (3, [aten.avg_pool3d.default, aten.max_pool3d_with_indices.default,
              aten._adaptive_avg_pool3d.default])) for op in ops},
+    aten.take.default: lambda node, rank: set(range(rank)),   # reads the flattened tensor
     aten.convolution.default: _conv_dims,
     aten.convolution_backward.default: _conv_dims,
     aten.native_group_norm.default: _conv_dims,

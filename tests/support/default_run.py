@@ -23,6 +23,8 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/lower/test_inductor_default.py::test_gpt2_tiny": 55,
     "tests/hf/test_hf_zoo.py::test_zoo[falcon]": 54,
     "tests/lower/test_inductor_exact.py::test_exact_cold_and_warm_cache[EmbeddingMHA]": 45,
+    "tests/graph/test_arange_rows.py::test_gpt2_with_attention_mask_per_user[inductor]": 32,
+    "tests/hf/test_trainer_users.py::test_user_level_step_is_the_clipped_per_user_reference[inductor]": 28,
     "tests/lower/test_selfcheck.py::test_fixed_lowering_passes_the_self_check": 43,
     "tests/loss/test_hf_token_loss.py::test_token_loss_exact_through_inductor[t5]": 42,
     "tests/lower/test_lowering_memory.py::test_a_sum_read_once_is_left_to_inductor": 36,
