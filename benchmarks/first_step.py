@@ -7,6 +7,8 @@
     python benchmarks/first_step.py --models hf_gpt2_256 --cold-only  # a realistic size, cold
     python benchmarks/first_step.py --models mlp_mnist --loss-captured  # and the loss captured
     python benchmarks/first_step.py --models hf_llama_256 --cold-only --poisson  # batch varies
+    python benchmarks/first_step.py --models hf_gpt2_d128_l2 hf_gpt2_d128_l12 --cold-only \
+        --blocks     # deep models: regional torch.compile and dpfx's per-block graphs too
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
@@ -41,6 +43,9 @@ sampling's next batch would be, timed alone ("second step"), and the methods inc
 by default compiles the first batch size statically and recompiles with a dynamic batch at the
 second (dynamo's automatic dynamic shapes); dpfx's one compile with the unbacked batch serves
 both. The LSTM's baseline (its recurrence unrolled) has no dynamic variant.
+With ``--blocks``, the methods include ``compile_regional`` (torch's recipe for deep models:
+``block.compile()`` on each repeated block, the rest eager) and ``dpfx_blocks``
+(``dpfx.compile(model, blocks="auto")``: each distinct block one private graph, compiled once).
 Each process also reports its peak RSS (``ru_maxrss``: the throwaway compile and the model's
 build included, so compare methods, not absolute figures).
 Timers are disturbed by other load on a shared machine: compare methods within one repeat.
@@ -64,7 +69,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
-PHASES = ("dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
+PHASES = ("blocks", "dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
           "loss capture",
           "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
 
@@ -143,6 +148,10 @@ def instrument_dpfx(timers: Timers) -> None:
     import dpfx.passes as passes
     import dpfx.lower.selfcheck as selfcheck
 
+    import dpfx.blocks as blocks
+
+    # dpfx_blocks: the probes and every distinct block's whole compile, before the model's
+    timers.wrap(blocks, "prepare", "blocks")
     timers.wrap(passes.BatchAnalysis, "__init__", "batch analysis")
     timers.wrap(passes.BatchAnalysis, "rerun", "batch analysis")
     for fn in ("stack_over_time", "rewrite_per_sample", "insert_clip_and_noise"):
@@ -180,7 +189,7 @@ def worker(args) -> None:
     counters.clear()
     timers = Timers()
     inside = []     # the lowering time within dynamo's backend call (torch.compile's methods)
-    if args.method not in ("dpfx", "dpfx_loss"):
+    if args.method not in ("dpfx", "dpfx_loss", "dpfx_blocks"):
         from torch._dynamo.output_graph import OutputGraph
         call_user_compiler = OutputGraph.call_user_compiler
 
@@ -194,12 +203,19 @@ def worker(args) -> None:
         OutputGraph.call_user_compiler = lowered_inside
     model, x, y, B = build(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=methods.LR)
-    if args.method in ("dpfx", "dpfx_loss"):
+    if args.method in ("dpfx", "dpfx_loss", "dpfx_blocks"):
         import dpfx
         instrument_dpfx(timers)
         captured = {"loss": models.captured_loss} if args.method == "dpfx_loss" else {}
+        if args.method == "dpfx_blocks":
+            captured = {"blocks": "auto"}
         run = dpfx.compile(model, max_grad_norm=methods.C, noise_multiplier=methods.SIGMA,
                            expected_batch_size=B, **captured)
+    elif args.method == "compile_regional":
+        from dpfx.blocks import select
+        for _, block in select(model, "auto"):
+            block.compile()
+        run = model
     else:
         run = torch.compile(model)
     if args.method == "compile_dynamic":
@@ -240,7 +256,8 @@ def worker(args) -> None:
     backend_call = metric.get("OutputGraph.call_user_compiler", 0.0)
     phases = {"dynamo": metric.get("_compile.compile_inner", 0.0) - backend_call,
               "C++ compile": metric.get("compile_file", 0.0)}
-    if args.method in ("dpfx", "dpfx_loss"):
+    if args.method in ("dpfx", "dpfx_loss", "dpfx_blocks"):
+        phases["blocks"] = spent.get("blocks", 0.0)
         passes = ("batch analysis", "rewrite", "verify", "stage texts", "loss capture")
         phases.update({p: spent.get(p, 0.0) for p in passes})
         phases["lowering fw"] = spent.get("lowering fw", 0.0)
@@ -257,7 +274,7 @@ def worker(args) -> None:
         phases["lowering bw"] = sum(lowerings[1:])
         # the backward lowers at the first backward, or inside the backend call (dynamic shapes)
         phases["aot_autograd"] = backend_call - sum(inside)
-    counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check",
+    counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check", "blocks",
                "batch analysis", "rewrite", "verify", "stage texts", "loss capture",
                "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
@@ -278,7 +295,8 @@ def worker(args) -> None:
 def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None,
             poisson: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model,
-           "--method", method if method in ("compile", "compile_dynamic", "dpfx_loss")
+           "--method", method if method in ("compile", "compile_dynamic", "dpfx_loss",
+                                            "compile_regional", "dpfx_blocks")
            else "dpfx", "--cache-dir", cache_dir] + (["--warm"] if warm else []) + (
                ["--poisson"] if poisson else [])
     env = dict(os.environ)
@@ -302,6 +320,8 @@ def driver(args) -> None:
         sources["dpfx_loss"] = None
     if args.poisson:
         sources = {"compile": None, "compile_dynamic": None, **sources}
+    if args.blocks:
+        sources.update(compile_regional=None, dpfx_blocks=None)
     sources.update(dict(v.split("=", 1) for v in args.dpfx))
     rows = []
     for model in args.models:
@@ -411,6 +431,8 @@ def main() -> None:
     ap.add_argument("--poisson", action="store_true",
                     help="also a second step at B - 1 (Poisson sampling's next batch), and "
                          "torch.compile with a dynamic batch (compile_dynamic)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="also regional torch.compile and dpfx with blocks='auto'")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)

@@ -20,12 +20,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpfx.capture import batch_branches, traceable
 from dpfx.loop import fsdp
+from dpfx import blocks as blocks_mod
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
-from dpfx.errors import CaptureError, DPFXError, PrivacyError
+from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -38,7 +39,7 @@ from dpfx.loop.release import check_loop_inputs, warn_if_plain_trainer
 class DPModule(torch.nn.Module):
     """A compiled private view of ``model``; it shares the model's parameters."""
 
-    def __init__(self, model: torch.nn.Module, config: DPConfig, loss=None):
+    def __init__(self, model: torch.nn.Module, config: DPConfig, loss=None, blocks=None):
         super().__init__()
         self._orig_mod = model
         # the release state of this model has one owner (loss/gate.py)
@@ -51,6 +52,8 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_dpfx_entries", [])
         object.__setattr__(self, "_dpfx_loss_entries", [])
         object.__setattr__(self, "_loss_fn", loss)
+        object.__setattr__(self, "_blocks_pending", blocks)   # compiled at the first call
+        object.__setattr__(self, "_blocks", [])
         # Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
@@ -221,6 +224,12 @@ class DPModule(torch.nn.Module):
         if training and backend.problems is None:
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
+        if self._blocks_pending is not None:     # Note [Per-block private graphs] (blocks.py)
+            pending = self._blocks_pending
+            object.__setattr__(self, "_blocks_pending", None)
+            plain = {k: v for k, v in kwargs.items() if k != TARGETS}
+            object.__setattr__(self, "_blocks", blocks_mod.prepare(
+                self._orig_mod, pending, args, plain, config))
         backend.gate.begin_forward()
         capturing = False
         entry = self._entry_for(batch, targets is not None)
@@ -436,7 +445,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False, self_check: bool | str = True,
             allow_input_grads: bool = False, loss=None, clipping: str | None = None,
-            clipping_gamma: float = AUTOMATIC_GAMMA) -> DPModule:
+            clipping_gamma: float = AUTOMATIC_GAMMA, blocks=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -470,7 +479,10 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     (refused by default). ``loss``: ``fn(output, *targets)``, captured and proven with the model
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
     inside the graph] in loss/captured.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
-    for tests: it warns (``dpfx.FixedSeedWarning``).
+    for tests: it warns (``dpfx.FixedSeedWarning``). ``blocks``: "auto", or module classes or
+    names: each repeated block (a decoder layer) becomes a private graph compiled once for all
+    identical blocks and called as one op (docs/blocks.md); the model's graph clips every
+    parameter with one factor as before.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
@@ -494,8 +506,13 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
+    if blocks is not None:
+        blocks_mod.select(model, blocks)    # a bad option fails here, before any call
+        if units:
+            raise OptionError("blocks= with a model sharded by fully_shard is not supported yet: "
+                              "compile it without blocks")
     if not units:
-        return _module_class(model)(model, config, loss)
+        return _module_class(model)(model, config, loss, blocks)
     # Note [Sharded DP-SGD] in loop/fsdp.py: the module is built over FSDP's unsharded parameters
     # (the objects its graph and gradient guards bind to), then the units go back to shards.
     if config.noise != "optimizer":

@@ -9,16 +9,42 @@ key: the capture, the rewrite, the proof and the lowering run once per distinct 
 per layer. ``install`` makes each instance's ``forward`` call ``dpfx::block_fwd`` with its own
 tensors, so a graph captured around the blocks holds one op per block, not its layers.
 
-    key = compile_block(block, args, kwargs, batched, config)
-    install(block, key, ...)      # block(*args, **kwargs) now calls the op
+    dpfx.compile(model, ..., blocks="auto")   # prepare() at the first call, then as ever
 
-The batch is dim 0 of the call's tensors named in ``batched`` (positions among the flattened
-tensor arguments); the others (a rotary table shared by all examples) carry no batch.
+# Note [Per-block private graphs]
+The model's own graph (embeddings, head, loss) is captured, rewritten, proven and self-checked
+as before; each block call in it is one ``dpfx::block_fwd`` in the forward and, in the backward,
+one ``dpfx::block_bwd`` (input gradients, the block parameters' squared per-sample norms, the
+book-keeping operands) and one ``dpfx::block_grad`` per call. The per-sample rewrite treats
+``block_grad`` as the frontier of the block's parameters (rules/block.py): their norms join
+the model's norm sum, the model's one clip factor (per group) scales them through
+``dpfx::block_clip``, and the noise is added once, by the model's graph, as for any other
+parameter. The proof is in two parts: the block's (passes/block.verify_block: each of its
+clipped sums is scaled by its coefficient input and masked by its finite input, over operands
+its norm is taken over) and the model's (passes/verify.py, Note [A block's clipped sums]:
+those inputs are this graph's clip coefficient and mask for the parameter's group, the operands
+are one block call's, and that call's norm row is in the factor's norm).
+
+Which tensors carry the batch: the model runs eagerly twice first, at 2 and at 3 examples (the
+user's rows repeated), under ``torch.compiler.is_compiling()`` so that its code takes the path it
+takes under dynamo; a block argument whose dim 0 follows (2, 3) carries the batch, one whose
+shape stays is shared by every example (and may not need a gradient), anything else is refused.
+
+Book-keeping, not a second backward: part A keeps each block's operands (its layers' inputs and
+output gradients, or a materialized per-sample gradient) until the model's factor is known, then
+part B forms the clipped sums. Opacus's alternative for sharded models (a second backward with
+the loss reweighted by the factors) recomputes every block's backward; book-keeping costs the
+operands' memory until the end of the backward instead. Measured figures are in BENCHMARKS.md.
+
+Not yet: blocks that draw random numbers in training (dropout), blocks under FSDP2's
+``fully_shard`` (refused with the fix: compile without blocks), arguments other than tensors
+and constants (a Hugging Face cache object: pass ``use_cache=False``).
 """
 from __future__ import annotations
 
 import copy
 import itertools
+import unittest.mock
 from typing import Any
 
 import torch
@@ -33,6 +59,7 @@ from dpfx.config import DPConfig
 from dpfx.errors import CaptureError
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
+from dpfx.lower.selfcheck import _has_random_ops
 from dpfx.ops.blocks import KERNELS, Kernels
 from dpfx.passes import compile_forward
 from dpfx.passes.block import block_backward
@@ -63,7 +90,7 @@ class _Capture(DPBackend):
         self.position = {id(t): i for i, t in enumerate(args)}
         self.batched = batched
         self.params = params
-        self.kernels: dict[str, Any] = {}
+        self.name = type(block).__name__
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         self.dynamo_inputs = []
@@ -107,6 +134,11 @@ class _Capture(DPBackend):
             if kind == "arg" and pos in self.batched:
                 batch_inputs[node.name] = 0
         self.fw_info = compile_forward(gm, batch_inputs, self.stages)
+        if _has_random_ops(gm):
+            raise CaptureError(
+                f"dpfx: block {self.name} draws random numbers in its forward (dropout while "
+                f"training); a compiled block cannot yet, since the self-check would compare "
+                f"two draws. Set its dropout to 0, or compile without blocks")
         self.fw_spec = spec
         self.fw_names = {n.name: s for n, s in zip(gm.graph.find_nodes(op="placeholder"), spec)}
         output = gm.graph.find_nodes(op="output")[0]
@@ -384,6 +416,12 @@ class BlockCall:
         block = self.block
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
+        if constants != self.constants:
+            raise CaptureError(
+                f"dpfx: block {type(block).__name__} is called with arguments other than those "
+                f"it was compiled for ({_describe(leaves)}; compiled for "
+                f"{_describe(self.constants)}); compile without blocks")
         params = [p for _, p in block.named_parameters() if p.requires_grad]
         constants = [t for _, t in block.named_parameters() if not t.requires_grad] + \
             [b for _, b in block.named_buffers()]
@@ -391,13 +429,147 @@ class BlockCall:
         return pytree.tree_unflatten(list(outs[:self.num_outputs]), self.out_spec)
 
 
-def install(block: torch.nn.Module, key: str, out_spec) -> None:
-    """``block(...)`` calls the compiled block ``key`` from now on (``uninstall`` undoes it)."""
+def install(block: torch.nn.Module, key: str, out_spec, leaves: list) -> None:
+    """``block(...)`` calls the compiled block ``key`` from now on (``uninstall`` undoes it).
+    ``leaves``: an example call's flattened arguments (its tensors stand for any tensor)."""
     call = BlockCall(block, key, ())
     call.out_spec = out_spec
+    call.constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
     block.forward = call
+
+
+_TENSOR = "<tensor>"     # a tensor argument's place in a call's constants
+
+
+def _describe(leaves) -> str:
+    return ", ".join(_TENSOR if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
 def uninstall(block: torch.nn.Module) -> None:
     if isinstance(block.__dict__.get("forward"), BlockCall):
         del block.forward
+
+
+# -- choosing the blocks and their example calls ---------------------------------------------
+
+def select(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks ``blocks`` names in ``model``: "auto" (a Hugging Face model's
+    ``_no_split_modules`` classes, else the longest ModuleList of one class), module classes, or
+    module names. Blocks inside other blocks are left to those."""
+    from dpfx.errors import OptionError
+
+    named = list(model.named_modules())
+    if blocks in (True, "auto"):
+        classes = set(getattr(model, "_no_split_modules", None) or ())
+        found = [(n, m) for n, m in named if n and type(m).__name__ in classes]
+        if not found:
+            for n, m in named:
+                if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 \
+                        and len({type(c) for c in m}) == 1 and len(m) > len(found) \
+                        and any(True for _ in m[0].parameters()):
+                    found = [(f"{n}.{i}" if n else str(i), c) for i, c in enumerate(m)]
+        if not found:
+            raise OptionError("blocks='auto' found no repeated block in the model (no Hugging "
+                              "Face _no_split_modules, no ModuleList of one class): pass "
+                              "blocks=[BlockClass] or the blocks' module names")
+    elif isinstance(blocks, (list, tuple, set)) and blocks:
+        classes = tuple(b for b in blocks if isinstance(b, type))
+        names = {b for b in blocks if isinstance(b, str)}
+        unknown = names - {n for n, _ in named}
+        if unknown:
+            raise OptionError(f"blocks: no module named {sorted(unknown)} in the model")
+        if len(classes) + len(names) != len(blocks):
+            raise OptionError("blocks: give module classes or module names")
+        found = [(n, m) for n, m in named if n and (n in names or isinstance(m, classes))]
+        if not found:
+            raise OptionError(f"blocks: no module of {[c.__name__ for c in classes]} in the "
+                              f"model")
+    else:
+        raise OptionError(f"blocks={blocks!r}: expected 'auto', or a list of module classes or "
+                          f"names")
+    outer = []
+    for n, m in found:
+        if not any(n.startswith(o + ".") for o, _ in outer):
+            outer.append((n, m))
+    return outer
+
+
+def _resized(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` rows of ``t`` (its rows repeated; zeros where it has none)."""
+    if t.dim() == 0:
+        return t
+    if t.shape[0] == 0:
+        return t.new_zeros((n, *t.shape[1:]))
+    return t[torch.arange(n, device=t.device) % t.shape[0]]
+
+
+def _probe(model, blocks, args, kwargs, n: int) -> dict[int, list]:
+    """Each block's calls (flattened leaves and spec) in an eager forward at batch size n."""
+    calls: dict[int, list] = {id(m): [] for _, m in blocks}
+
+    def record(module, a, kw):
+        calls[id(module)].append(pytree.tree_flatten((a, kw)))
+
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for _, m in blocks]
+    a, kw = pytree.tree_map_only(torch.Tensor, lambda t: _resized(t, n), (args, kwargs))
+    try:
+        # the model's code takes the path it takes under dynamo (Hugging Face builds an explicit
+        # attention mask where eager passes None), so the probe sees the calls the graph makes
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                unittest.mock.patch("torch.compiler.is_compiling", return_value=True):
+            model(*a, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: DPConfig
+            ) -> list[torch.nn.Module]:
+    """Compile the blocks ``blocks`` names, each distinct one once, from two eager probes of
+    ``model(*args, **kwargs)`` at batch sizes 2 and 3 (a tensor whose dim 0 follows them
+    carries the batch), and install them. Returns the installed blocks."""
+    chosen = select(model, blocks)
+    small, large = (_probe(model, chosen, args, kwargs, n) for n in (2, 3))
+    keys: dict[tuple, str] = {}
+    installed = []
+    try:
+        for name, block in chosen:
+            if not large[id(block)]:
+                continue    # never called: nothing to compile
+            (leaves2, spec2), (leaves3, spec3) = small[id(block)][0], large[id(block)][0]
+            if str(spec2) != str(spec3):
+                raise CaptureError(f"dpfx: block {name} ({type(block).__name__}) is called with "
+                                   f"arguments whose structure depends on the batch size; "
+                                   f"compile without blocks")
+            batched = set()
+            for i, (x2, x3) in enumerate(zip(leaves2, leaves3)):
+                if not isinstance(x3, torch.Tensor):
+                    if not isinstance(x3, (type(None), bool, int, float, str, torch.dtype)):
+                        raise CaptureError(
+                            f"dpfx: block {name} ({type(block).__name__}) is called with "
+                            f"{type(x3).__name__} argument {x3!r}; a block's arguments must be "
+                            f"tensors or constants (pass use_cache=False to a Hugging Face "
+                            f"model), or compile without blocks")
+                    continue
+                if x3.dim() and x2.shape[0] == 2 and x3.shape[0] == 3 \
+                        and x2.shape[1:] == x3.shape[1:]:
+                    batched.add(i)
+                elif x2.shape != x3.shape:
+                    raise CaptureError(
+                        f"dpfx: block {name} ({type(block).__name__}) is called with a tensor "
+                        f"whose shape follows the batch other than in dim 0 ({tuple(x2.shape)} "
+                        f"at 2 examples, {tuple(x3.shape)} at 3); compile without blocks")
+            a, kw = pytree.tree_unflatten(leaves3, spec3)
+            signature = block_signature(block, a, kw, batched)
+            if signature not in keys:
+                keys[signature] = compile_block(block, a, kw, batched, config)
+            with torch.no_grad():
+                out_spec = pytree.tree_flatten(block(*a, **kw))[1]
+            install(block, keys[signature], out_spec, leaves3)
+            installed.append(block)
+    except BaseException:
+        for block in installed:
+            uninstall(block)
+        raise
+    return installed

@@ -14,7 +14,7 @@ import dpfx
 from dpfx.blocks import compile_block, install, uninstall
 from dpfx.config import DPConfig
 from dpfx.ops.blocks import kernels, operands
-from tests.support.reference import (assert_close, loop_dp_sgd_grads, loop_example_grads,
+from support.reference import (assert_close, loop_dp_sgd_grads, loop_example_grads,
                                      per_example_norms, run_dpfx_multi)
 
 
@@ -69,7 +69,7 @@ def _with_blocks(net, backend, batch=2, seq=5):
     config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend=backend)
     key = compile_block(net.blocks[0], (h,), {}, {0}, config)
     for b in net.blocks:
-        install(b, key, out_spec)
+        install(b, key, out_spec, [h])
     return key
 
 
@@ -174,3 +174,98 @@ def test_identical_blocks_share_one_capture():
     assert forward.count("aten.addmm") + forward.count("aten.mm") == 1, forward   # the head
     assert {b.forward.key for b in net.blocks} == {key}
     assert all(p.grad is not None for p in net.parameters())
+
+
+def _gpt2(layers: int, t: int = 4, vocab: int = 13):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=layers, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(1, vocab, (b, t), generator=g)
+        return (ids, torch.ones(b, t, dtype=torch.long)), torch.randint(0, vocab, (b, t),
+                                                                         generator=g)
+    return LM(), make
+
+
+def test_gpt2_blocks_through_inductor():
+    """A three-layer Hugging Face GPT-2 (tied head, SDPA, an attention mask) with
+    blocks="auto": its decoder layers share one compiled block, and dpfx through Inductor with
+    the self-check on equals the batch-of-one loop over the model without blocks, at batch
+    sizes 3, 0, 1 and 4 (the sequence length), clipping biting on every example."""
+    from dpfx.ops.blocks import KERNELS
+
+    torch.manual_seed(0)
+    model, make = _gpt2(layers=3)
+    reference = copy.deepcopy(model)
+    before = set(KERNELS)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum",
+                      blocks="auto")
+    for b in (3, 0, 1, 4):
+        inputs, y = make(b)
+        if b:
+            norms = per_example_norms(loop_example_grads(reference, _token_loss, inputs, y))
+            assert bool((norms > 0.05).all()), norms
+        got = run_dpfx_multi(dp, model, _token_loss, inputs, y, "sum")
+        want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
+                                 loss_reduction="sum")
+        assert_close(got, want, rtol=2e-4, atol=1e-6)
+    assert len(set(KERNELS) - before) == 1, "three identical layers, one compiled block"
+    assert [type(b).__name__ for b in dp._blocks] == ["GPT2Block"] * 3
+    assert dp.compile_count == 2
+    checks = list(dp._dpfx_backend._checks.values())
+    assert checks and all(c.done and c.backward is not None for c in checks)
+
+
+@pytest.mark.parametrize("plant,refusal", [
+    ("coef", "not scaled by a clip factor"),
+    ("keep", "finite-example mask"),
+    ("operands", "both release parameter"),
+])
+def test_verifier_refuses_a_planted_block_clip(plant, refusal):
+    """The model graph's proof of a block's clipped sums (Note [A block's clipped sums]): a
+    coefficient that is not the clip factor's, a mask that is not its finite mask, or the
+    operands of another block call (whose examples' terms would then be released twice) are
+    each refused."""
+    from dpfx.errors import PrivacyError
+    from dpfx.passes.verify import verify_backward
+
+    torch.manual_seed(0)
+    net = Net()
+    _with_blocks(net, "eager")
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+                      backend="eager")
+    ids = torch.randint(0, 11, (2, 5))
+    _token_loss(dp(ids), ids).backward()
+    result = dp._dpfx_backend.last_backward
+    gm = result.gm
+    grads = {name: result.private[name] for name in result.private}
+    verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)   # as compiled
+    calls = list(gm.graph.find_nodes(op="call_function", target=torch.ops.dpfx.block_clip.default))
+    assert len(calls) == 3
+    key, coefs, keeps, operands = calls[0].args
+    if plant == "coef":
+        with gm.graph.inserting_before(calls[0]):
+            ones = gm.graph.call_function(torch.ops.aten.ones_like.default, (coefs[0],))
+        ones.meta["val"] = coefs[0].meta["val"]
+        coefs = [ones] + list(coefs[1:])
+    elif plant == "keep":
+        keeps = [coefs[0]] + list(keeps[1:])
+    else:
+        operands = list(calls[1].args[3])
+    calls[0].args = (key, coefs, keeps, operands)
+    with pytest.raises(PrivacyError, match=refusal):
+        verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)
+    for b in net.blocks:
+        uninstall(b)

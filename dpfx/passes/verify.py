@@ -325,9 +325,14 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     covered = {f: _norm_sources(f) for f in factors}   # what each factor's norm is taken over
     dependent = _reached(g, sources)
     factor_of = {}
+    block_rows = {}     # (dpfx::block_bwd call, parameter index) -> the clipped sum releasing it
     for c in clipped:
         if _is_block_clip(c):   # Note [A block's clipped sums] (rules/block.py, passes/block.py)
-            factor_of[c] = _check_block_clip(c, covered, bound_of, an, config)
+            factor_of[c], row = _check_block_clip(c, covered, bound_of, an, config)
+            if row in block_rows:
+                raise PrivacyError(f"{c.name} and {block_rows[row].name} both release parameter "
+                                   f"{row[1]} of block call {row[0].name}")
+            block_rows[row] = c
             continue
         apply = _clip_apply_of(c)
         ps, coef = apply.args
@@ -680,7 +685,7 @@ def _is_block_clip(node: fx.Node) -> bool:
 
 
 def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalysis,
-                      config: DPConfig) -> fx.Node:
+                      config: DPConfig) -> tuple[fx.Node, tuple[fx.Node, int]]:
     from dpfx.ops.blocks import kernels
 
     call, j = c.args
@@ -712,7 +717,7 @@ def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalys
     if not rows:
         raise PrivacyError(f"{c.name} (block {k.name}): norm row {j} of its block call is not "
                            f"part of the per-sample norm it is clipped by")
-    return base
+    return base, (bwd, j)
 
 
 def _through_moves(node: fx.Node) -> fx.Node:
