@@ -225,11 +225,7 @@ class DPModule(torch.nn.Module):
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
         if self._blocks_pending is not None:     # Note [Per-block private graphs] (blocks.py)
-            pending = self._blocks_pending
-            object.__setattr__(self, "_blocks_pending", None)
-            plain = {k: v for k, v in kwargs.items() if k != TARGETS}
-            object.__setattr__(self, "_blocks", blocks_mod.prepare(
-                self._orig_mod, pending, args, plain, config))
+            return self._run_with_new_blocks(args, kwargs, targets, tensors)
         backend.gate.begin_forward()
         capturing = False
         entry = self._entry_for(batch, targets is not None)
@@ -300,6 +296,24 @@ class DPModule(torch.nn.Module):
             # Note [The loss inside the proof] in loss/track.py
             out = track(out, backend, batch, self._param_ids, tensors)
         return out
+
+    def _run_with_new_blocks(self, args, kwargs, targets, tensors):
+        """The first call with ``blocks=``: the blocks compiled and installed, then the call;
+        if either fails, the model's blocks are put back as they were."""
+        pending = self._blocks_pending
+        plain = {k: v for k, v in kwargs.items() if k != TARGETS}
+        installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config)
+        object.__setattr__(self, "_blocks_pending", None)
+        object.__setattr__(self, "_blocks", installed)
+        try:
+            return self._run(args, kwargs, targets if targets is None else kwargs.pop(TARGETS),
+                             None)
+        except BaseException:
+            for block in installed:
+                blocks_mod.uninstall(block)
+            object.__setattr__(self, "_blocks_pending", pending)
+            object.__setattr__(self, "_blocks", [])
+            raise
 
     def _after_capture(self) -> None:
         """Note [The steady-state call]: what the steady state reads from caches is read again

@@ -176,17 +176,28 @@ def test_identical_blocks_share_one_capture():
     assert all(p.grad is not None for p in net.parameters())
 
 
-def _gpt2(layers: int, t: int = 4, vocab: int = 13):
+def _hf_lm(arch: str, layers: int = 3, t: int = 4, vocab: int = 13):
+    """A Hugging Face causal LM from a config (GPT-2: tied head, learned positions; Llama:
+    rotary tables shared by the examples, grouped-query attention), called with an attention
+    mask, and ``make(b)``."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=layers, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=layers, n_head=2, n_embd=8, vocab_size=vocab, n_positions=t,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        build = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=24, num_hidden_layers=layers,
+            num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab,
+            max_position_embeddings=2 * t, bos_token_id=0, eos_token_id=0)
+        build = transformers.LlamaForCausalLM
     config._attn_implementation = "sdpa"
 
     class LM(nn.Module):
         def __init__(self):
             super().__init__()
-            self.model = transformers.GPT2LMHeadModel(config)
+            self.model = build(config)
 
         def forward(self, ids, mask):
             return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -199,19 +210,21 @@ def _gpt2(layers: int, t: int = 4, vocab: int = 13):
     return LM(), make
 
 
-def test_gpt2_blocks_through_inductor():
-    """A three-layer Hugging Face GPT-2 (tied head, SDPA, an attention mask) with
-    blocks="auto": its decoder layers share one compiled block, and dpfx through Inductor with
-    the self-check on equals the batch-of-one loop over the model without blocks, at batch
-    sizes 3, 0, 1 and 4 (the sequence length), clipping biting on every example."""
+@pytest.mark.parametrize("arch,backend", [("gpt2", "eager"), ("gpt2", "inductor"),
+                                          ("llama", "eager"), ("llama", "inductor")])
+def test_hf_blocks(arch, backend):
+    """A three-layer Hugging Face LM with blocks="auto": its decoder layers share one compiled
+    block, and dpfx (through Inductor with the self-check on, or eager) equals the batch-of-one
+    loop over the model without blocks, at batch sizes 3, 0, 1 and 4 (the sequence length),
+    clipping biting on every example."""
     from dpfx.ops.blocks import KERNELS
 
     torch.manual_seed(0)
-    model, make = _gpt2(layers=3)
+    model, make = _hf_lm(arch)
     reference = copy.deepcopy(model)
     before = set(KERNELS)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum",
-                      blocks="auto")
+                      blocks="auto", backend=backend)
     for b in (3, 0, 1, 4):
         inputs, y = make(b)
         if b:
@@ -222,18 +235,14 @@ def test_gpt2_blocks_through_inductor():
                                  loss_reduction="sum")
         assert_close(got, want, rtol=2e-4, atol=1e-6)
     assert len(set(KERNELS) - before) == 1, "three identical layers, one compiled block"
-    assert [type(b).__name__ for b in dp._blocks] == ["GPT2Block"] * 3
+    assert len(dp._blocks) == 3 and len({type(b) for b in dp._blocks}) == 1
     assert dp.compile_count == 2
-    checks = list(dp._dpfx_backend._checks.values())
-    assert checks and all(c.done and c.backward is not None for c in checks)
+    if backend == "inductor":
+        checks = list(dp._dpfx_backend._checks.values())
+        assert checks and all(c.done and c.backward is not None for c in checks)
 
 
-@pytest.mark.parametrize("plant,refusal", [
-    ("coef", "not scaled by a clip factor"),
-    ("keep", "finite-example mask"),
-    ("operands", "both release parameter"),
-])
-def test_verifier_refuses_a_planted_block_clip(plant, refusal):
+def test_verifier_refuses_a_planted_block_clip():
     """The model graph's proof of a block's clipped sums (Note [A block's clipped sums]): a
     coefficient that is not the clip factor's, a mask that is not its finite mask, or the
     operands of another block call (whose examples' terms would then be released twice) are
@@ -255,17 +264,42 @@ def test_verifier_refuses_a_planted_block_clip(plant, refusal):
     calls = list(gm.graph.find_nodes(op="call_function", target=torch.ops.dpfx.block_clip.default))
     assert len(calls) == 3
     key, coefs, keeps, operands = calls[0].args
-    if plant == "coef":
-        with gm.graph.inserting_before(calls[0]):
-            ones = gm.graph.call_function(torch.ops.aten.ones_like.default, (coefs[0],))
-        ones.meta["val"] = coefs[0].meta["val"]
-        coefs = [ones] + list(coefs[1:])
-    elif plant == "keep":
-        keeps = [coefs[0]] + list(keeps[1:])
-    else:
-        operands = list(calls[1].args[3])
-    calls[0].args = (key, coefs, keeps, operands)
-    with pytest.raises(PrivacyError, match=refusal):
-        verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)
+    with gm.graph.inserting_before(calls[0]):
+        ones = gm.graph.call_function(torch.ops.aten.ones_like.default, (coefs[0],))
+    ones.meta["val"] = coefs[0].meta["val"]
+    plants = {"not scaled by a clip factor": ([ones] + list(coefs[1:]), keeps, operands),
+              "finite-example mask": (coefs, [coefs[0]] + list(keeps[1:]), operands),
+              "both release parameter": (coefs, keeps, list(calls[1].args[3]))}
+    for refusal, (c, k, o) in plants.items():
+        calls[0].args = (key, c, k, o)
+        with pytest.raises(PrivacyError, match=refusal):
+            verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)
     for b in net.blocks:
         uninstall(b)
+
+
+def test_refusals_leave_the_model_as_it_was():
+    """A bad blocks= option fails at compile; a model graph refused after its blocks were
+    compiled puts the blocks' forward back."""
+    from dpfx.errors import OptionError, PrivacyError
+
+    torch.manual_seed(0)
+    with pytest.raises(OptionError, match="found no repeated block"):
+        dpfx.compile(nn.Sequential(nn.Linear(3, 3)), max_grad_norm=1.0, noise_multiplier=0.0,
+                     blocks="auto")
+    with pytest.raises(OptionError, match="no module named"):
+        dpfx.compile(Net(), max_grad_norm=1.0, noise_multiplier=0.0, blocks=["blocks.9"])
+
+    class Mixing(Net):
+        def forward(self, ids):
+            out = super().forward(ids)
+            return out - out.mean(0)     # couples the examples: refused by the forward check
+
+    net = Mixing()
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+                      backend="eager", blocks=[Block])
+    ids = torch.randint(0, 11, (2, 5))
+    with pytest.raises(PrivacyError, match="mixes examples"):
+        dp(ids)
+    assert all("forward" not in b.__dict__ for b in net.blocks)
+    assert dp._blocks_pending == [Block] and dp._blocks == []

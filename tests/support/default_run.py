@@ -82,4 +82,6 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/hf/test_trainer_budget.py::test_resume_with_the_same_plan_ends_where_the_uninterrupted_run_does": 39,
     "tests/loss/test_loss_graph.py::test_captured_losses_through_inductor[token_python_ints]": 32,
     "tests/loss/test_hf_token_loss.py::test_token_loss_exact_through_inductor[llama]": 24,
+    "tests/test_blocks.py::test_hf_blocks[llama-inductor]": 37,
+    "tests/test_blocks.py::test_model_of_blocks_against_the_loop[inductor-sum-True]": 29,
 }
