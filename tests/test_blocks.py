@@ -303,3 +303,31 @@ def test_refusals_leave_the_model_as_it_was():
         dp(ids)
     assert all("forward" not in b.__dict__ for b in net.blocks)
     assert dp._blocks_pending == [Block] and dp._blocks == []
+
+
+def test_block_self_check_refuses_a_planted_miscompile(monkeypatch):
+    """A block's compiled forward that mixes examples (each row plus the batch's mean) is
+    refused when the block is compiled (Note [A block's self-check])."""
+    import dpfx.blocks as blocks
+    from dpfx.errors import PrivacyError
+
+    lower = blocks.lower
+
+    def planted(gm, inputs, kwargs, backend):
+        compiled = lower(gm, inputs, kwargs, backend)
+        if kwargs.get("is_backward"):
+            return compiled
+
+        def mixing(args):
+            outs = list(compiled(args))
+            outs[0] = outs[0] + outs[0].mean(0, keepdim=True)
+            return outs
+
+        mixing._boxed_call = True
+        return mixing
+
+    monkeypatch.setattr(blocks, "lower", planted)
+    torch.manual_seed(0)
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(PrivacyError, match="self-check"):
+        compile_block(Block(), (torch.randn(2, 5, 8),), {}, {0}, config)
