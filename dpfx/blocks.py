@@ -44,7 +44,7 @@ and constants (a key/value cache that already holds positions; an empty one is d
 from __future__ import annotations
 
 import copy
-import itertools
+import hashlib
 import unittest.mock
 from typing import Any
 
@@ -64,9 +64,6 @@ from dpfx.lower.selfcheck import _has_random_ops
 from dpfx.ops.blocks import KERNELS, Kernels
 from dpfx.passes import compile_forward
 from dpfx.passes.block import block_backward
-
-_KEYS = itertools.count()
-
 
 def block_signature(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int]
                     ) -> tuple:
@@ -302,7 +299,12 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
         fn(*example)
     torch._dynamo.reset_code(call.__code__) if hasattr(torch._dynamo, "reset_code") else None
 
-    key = f"{type(block).__name__}_{next(_KEYS)}"
+    # Note [A block's key names its graphs]: the same block compiled in another process (a
+    # warm start) gets the same key, and the model graph cached with it calls the same graphs
+    digest = hashlib.sha256("\n".join(
+        [config.backend, capture.fw_fake.code, capture.part_a_fake.code,
+         capture.part_b_fake.code, repr(params)]).encode()).hexdigest()[:16]
+    key = f"{type(block).__name__}_{digest}"
     kernels = _kernels(capture, type(block).__name__, params, len(call_tensors),
                        sorted(batched_args))
     if config.backend == "inductor" and config.self_check is not False:
@@ -310,6 +312,15 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
                     capture.fw_info.batch_symbols)
     KERNELS[key] = kernels
     return key
+
+
+# Note [A block's key names its graphs]
+# A model graph holds its blocks' keys as strings, and torch's caches (AOTAutogradCache,
+# Inductor's FX-graph cache) key the model graph on them. A key is therefore the hash of what
+# the block's ops run: its three graphs' code, its parameters' names and the backend. A second
+# process compiling the same block registers the same key before its model graph is looked up,
+# so a warm start finds it; a block whose graphs differ (another strategy, another dpfx) gets
+# another key, so no cached model graph calls graphs other than those it was proven with.
 
 
 # Note [A block's self-check]
@@ -559,8 +570,9 @@ _TENSOR = "<tensor>"     # a tensor argument's place in a call's constants
 # forward and hands it to each decoder layer, which appends its keys and values and attends over
 # what the cache holds: with the cache empty, exactly its own. In training nothing reads the
 # cache afterwards. A block is therefore called with ``None`` in its place, which computes the
-# same outputs; a cache that already holds positions (prefix tuning's past keys) changes what the
-# block computes and is refused.
+# same outputs (in the probes too, so that the cache stays empty for the next block); a cache
+# that already holds positions (prefix tuning's past keys) changes what the block computes and
+# is refused.
 def _without_empty_caches(leaves: list, block) -> list:
     out = []
     for x in leaves:
@@ -644,7 +656,9 @@ def _probe(model, blocks, args, kwargs, n: int) -> dict[int, list]:
 
     def record(module, a, kw):
         leaves, spec = pytree.tree_flatten((a, kw))
-        calls[id(module)].append((_without_empty_caches(leaves, module), spec))
+        leaves = _without_empty_caches(leaves, module)
+        calls[id(module)].append((leaves, spec))
+        return pytree.tree_unflatten(leaves, spec)     # the block runs as its op will
 
     hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for _, m in blocks]
     a, kw = pytree.tree_map_only(torch.Tensor, lambda t: _resized(t, n), (args, kwargs))

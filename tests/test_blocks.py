@@ -200,7 +200,10 @@ def _hf_lm(arch: str, layers: int = 3, t: int = 4, vocab: int = 13):
             self.model = build(config)
 
         def forward(self, ids, mask):
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            # GPT-2 as users call it (a fresh key/value cache each forward: Note [An empty
+            # cache is no argument]); Llama without one
+            extra = {} if arch == "gpt2" else {"use_cache": False}
+            return self.model(input_ids=ids, attention_mask=mask, **extra).logits
 
     def make(b):
         g = torch.Generator().manual_seed(b)
@@ -234,8 +237,9 @@ def test_hf_blocks(arch, backend):
         want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
                                  loss_reduction="sum")
         assert_close(got, want, rtol=2e-4, atol=1e-6)
-    assert len(set(KERNELS) - before) == 1, "three identical layers, one compiled block"
-    assert len(dp._blocks) == 3 and len({type(b) for b in dp._blocks}) == 1
+    assert len(dp._blocks) == 3 and len({b.forward.key for b in dp._blocks}) == 1, \
+        "three identical layers, one compiled block"
+    assert set(KERNELS) - before <= {dp._blocks[0].forward.key}
     assert dp.compile_count == 2
     if backend == "inductor":
         checks = list(dp._dpfx_backend._checks.values())
