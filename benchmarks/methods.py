@@ -244,7 +244,7 @@ def loop_eager(model: nn.Module, B: int) -> Method:
 # --- dpfx ---------------------------------------------------------------------------------------
 
 def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
-          noise: str | None = None) -> Method:
+          noise: str | None = None, blocks=None) -> Method:
     import dpfx
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -253,6 +253,8 @@ def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
         kwargs["loss"] = models.captured_loss
     if noise is not None:
         kwargs["noise"] = noise
+    if blocks is not None:
+        kwargs["blocks"] = blocks
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
                       backend="inductor", **kwargs)
     if noise == "optimizer":
@@ -289,6 +291,12 @@ def dpfx_optimizer_noise(model, B):
     return _dpfx(model, B, "auto", noise="optimizer")
 
 
+def dpfx_blocks(model, B):
+    """dpfx with ``blocks="auto"``: each distinct repeated block one private graph, compiled
+    once and called as one op by the model's graph."""
+    return _dpfx(model, B, "auto", blocks="auto")
+
+
 def dpfx_materialize(model, B):
     """dpfx with every per-sample gradient materialized (strategy="materialize")."""
     return _dpfx(model, B, "materialize")
@@ -311,6 +319,7 @@ METHODS = {
     "dpfx_optimizer_noise": ("dpfx (inductor), noise at the optimizer", dpfx_optimizer_noise,
                              False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
+    "dpfx_blocks": ("dpfx (inductor), blocks='auto'", dpfx_blocks, False),
     "loop_eager": ("batch-of-one loop, eager", loop_eager, False),
 }
 

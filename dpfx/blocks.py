@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import unittest.mock
+import weakref
 from typing import Any
 
 import torch
@@ -451,6 +452,41 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+# Note [A block's shapes are computed once per call site's shapes]
+# A block op's fake implementation runs the block's whole graph on fake tensors, and dynamo, the
+# joint trace and Inductor's propagation each ask it for every block call: twelve GPT-2 layers
+# made the model graph's backward lowering 19 s, against 6.6 s for two. The outputs' shapes,
+# strides and dtypes depend only on the inputs', so each fake implementation runs its graph once
+# per distinct input metadata in one ShapeEnv and hands later calls new empty tensors laid out
+# alike.
+def _shapes_once(fake):
+    seen: dict = {}
+
+    def metadata(t):
+        if not isinstance(t, torch.Tensor):
+            return repr(t)
+        return (tuple(str(x) for x in t.shape), tuple(str(x) for x in t.stride()), t.dtype,
+                str(t.device), t.requires_grad)
+
+    def run(*lists):
+        tensors = [t for group in lists for t in group]
+        mode = torch._guards.detect_fake_mode(tensors)
+        env = getattr(mode, "shape_env", None)
+        if env is None:
+            return fake(*lists)
+        key = (id(env), tuple(tuple(metadata(t) for t in group) for group in lists))
+        hit = seen.get(key)
+        if hit is None or hit[0]() is not env:
+            outs = fake(*lists)
+            seen[key] = (weakref.ref(env), [(o.shape, o.stride(), o.dtype, o.device)
+                                            for o in outs])
+            return outs
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in hit[1]]
+
+    return run
+
+
 def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
              batched: list[int]) -> Kernels:
     num_outputs = c.num_outputs
@@ -518,8 +554,9 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
 
     return Kernels(name=name, params=params, num_inputs=num_inputs, num_outputs=num_outputs,
                    grad_inputs=c.grad_inputs, forward=forward, backward=backward, grad=grad,
-                   clip=clip, backward_reads=op_reads, fake_forward=fake_forward,
-                   fake_backward=fake_backward, fake_grad=fake_grad, fake_clip=fake_clip,
+                   clip=clip, backward_reads=op_reads, fake_forward=_shapes_once(fake_forward),
+                   fake_backward=_shapes_once(fake_backward), fake_grad=_shapes_once(fake_grad),
+                   fake_clip=_shapes_once(fake_clip),
                    operands=sources, norms=len(result.input_grads),
                    forward_layouts=c.fw_layouts, backward_layouts=result.layouts)
 
