@@ -87,14 +87,14 @@ from report import add_ratios, label, plot, write_markdown  # noqa: E402
 
 METHOD_ORDER = ["eager", "compile", "compile_loss", "compile_unrolled", "opacus_hooks",
                 "opacus_ghost", "func_eager", "func_compile", "dpfx", "dpfx_loss",
-                "dpfx_materialize"]
+                "dpfx_materialize", "dpfx_blocks"]
 # --quick keeps the baselines, the fastest peer (Opacus ghost clipping) and dpfx: compiling is
 # most of a quick run, and torch.func compiled costs as much compile time as dpfx. The loss
 # compiled with the model, dpfx's and its baseline's, is asked for by name (``--methods compile
 # compile_loss dpfx dpfx_loss``): two more compiles a model.
 QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
 COMPILING = ("compile", "compile_loss", "compile_unrolled", "func_compile", "dpfx",
-             "dpfx_loss", "dpfx_materialize")
+             "dpfx_loss", "dpfx_materialize", "dpfx_blocks")
 
 
 # ------------------------------------------------------------------------------------------------
