@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import unittest.mock
 import weakref
 from typing import Any
@@ -58,13 +59,16 @@ from dpfx.backend import DPBackend, _descs, _input_index
 from dpfx.capture.entry import BatchMarked, DynamoSettings, HeapFrozen
 from dpfx.capture.traceable import Captured
 from dpfx.config import DPConfig
-from dpfx.errors import CaptureError
+from dpfx.errors import CaptureError, DPFXError
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
 from dpfx.lower.selfcheck import _has_random_ops
 from dpfx.ops.blocks import KERNELS, Kernels
 from dpfx.passes import compile_forward
 from dpfx.passes.block import block_backward
+
+_CAPTURES = itertools.count()
+
 
 def block_signature(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int]
                     ) -> tuple:
@@ -90,6 +94,7 @@ class _Capture(DPBackend):
         self.batched = batched
         self.params = params
         self.name = type(block).__name__
+        self.result = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         self.dynamo_inputs = []
@@ -294,11 +299,22 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
         return block(*a, **kw)
 
     capture.position.update({id(t): k for k, t in enumerate(example)})
+    # its own code object, so that dynamo consults no cache entry of another block's capture
+    # (Note [dpfx's own entry frame] in capture/entry.py)
+    call.__code__ = call.__code__.replace(co_name=f"dpfx_block_{next(_CAPTURES)}")
     fn = torch.compile(call, backend=capture, fullgraph=True, dynamic=False)
     with HeapFrozen(), DynamoSettings(), Captured(), \
             BatchMarked([example[k] for k in sorted(batched_args)]):
-        fn(*example)
-    torch._dynamo.reset_code(call.__code__) if hasattr(torch._dynamo, "reset_code") else None
+        try:
+            fn(*example)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, DPFXError):
+                raise e.inner_exception.with_traceback(None) from None
+            raise
+    if getattr(capture, "result", None) is None:
+        raise CaptureError(f"dpfx: dynamo did not hand block {type(block).__name__} to dpfx's "
+                           f"compiler (a graph break or a cache entry of another compile); "
+                           f"compile without blocks")
 
     # Note [A block's key names its graphs]: the same block compiled in another process (a
     # warm start) gets the same key, and the model graph cached with it calls the same graphs

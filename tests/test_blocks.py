@@ -335,3 +335,26 @@ def test_block_self_check_refuses_a_planted_miscompile(monkeypatch):
     config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(PrivacyError, match="self-check"):
         compile_block(Block(), (torch.randn(2, 5, 8),), {}, {0}, config)
+
+
+def test_block_proof_refuses_a_clipped_sum_not_scaled_by_its_coefficient(monkeypatch):
+    """The block's own proof (passes/block.verify_block): a parameter's clipped sum scaled by
+    anything but its coefficient input is refused when the block is compiled."""
+    import dpfx.passes.block as block_pass
+    from dpfx.errors import PrivacyError
+    from dpfx.rules import Clip
+
+    original = block_pass._clipped_sum
+    calls = []
+
+    def planted(pg, clip, emit, moved=True):
+        calls.append(pg.name)
+        if len(calls) == 1:
+            clip = Clip(emit(torch.ops.aten.ones_like.default, clip.coef), clip.keep)
+        return original(pg, clip, emit, moved)
+
+    monkeypatch.setattr(block_pass, "_clipped_sum", planted)
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(PrivacyError, match="not scaled by block parameter 0's coefficient"):
+        compile_block(Block(), (torch.randn(2, 5, 8),), {}, {0}, config)
+    assert calls

@@ -137,6 +137,9 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
     tagged = [n for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"]
     leaked = v._reached(g, sources, blocked=set(tagged))
     dependent = v._reached(g, sources)
+    if len(set(clipped)) != len(clipped):
+        raise PrivacyError("two of the block's parameters are released from one clipped sum")
+    taken: dict[fx.Node, int] = {}
     for j, (out, (coef, keep), sq) in enumerate(zip(clipped, cuts, squares)):
         if out in leaked:
             raise PrivacyError(f"block parameter {j}'s clipped sum has a path from the data that "
@@ -145,8 +148,13 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
         mine = [c for c in tagged if c in ancestors]
         if not mine:
             raise PrivacyError(f"block parameter {j}'s output is not a clipped sum")
-        covered = v._reached(g.reverse(copy=False), [sq])
+        # what row j's norm is taken over: its ancestors through dpfx's own nodes, stopping at
+        # the captured graph's (a later layer's output gradient is upstream of this parameter's
+        # per-sample gradient without being part of its norm)
+        covered = v._norm_sources(sq)
         for c in mine:
+            if taken.setdefault(c, j) != j:
+                raise PrivacyError(f"{c.name} is released for block parameters {taken[c]} and {j}")
             apply = v._clip_apply_of(c)
             ps, scale = apply.args
             if v._broadcast_source(scale) is not coef:
