@@ -26,7 +26,7 @@ from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, co
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
-from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
+from dpfx.errors import CaptureError, DPFXError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -101,6 +101,8 @@ class DPModule(torch.nn.Module):
 
     def reset_clipped_sums(self) -> None:
         self._dpfx_backend.gate.reset_sums()
+        if self._sharding is not None:
+            self._sharding.reset()
 
     @property
     def dp_config(self) -> DPConfig:
@@ -237,7 +239,8 @@ class DPModule(torch.nn.Module):
         propagated = [t.__dict__.get(_PROPAGATED) for t in tensors]
         sharding = self._sharding
         if sharding is not None:
-            sharding.gather()
+            # Note [Sharded blocks] in loop/fsdp.py: a block's unit is gathered by its ops
+            sharding.gather(blocks_empty=training and bool(self._blocks))
         try:
             stance = default_stance()
             # Note [Only the swaps the guards read, between captures] in capture/traceable.py
@@ -302,7 +305,21 @@ class DPModule(torch.nn.Module):
         if either fails, the model's blocks are put back as they were."""
         pending = self._blocks_pending
         plain = {k: v for k, v in kwargs.items() if k != TARGETS}
-        installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config)
+        sharding = self._sharding
+        if sharding is None:
+            installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config)
+        else:       # Note [Sharded blocks] in loop/fsdp.py
+            sharding.gather()
+            try:
+                with sharding.hooks_off():
+                    installed = blocks_mod.prepare(
+                        self._orig_mod, pending, args, plain, self.dp_config,
+                        places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen))
+            except BaseException:
+                sharding.places.clear()
+                raise
+            self._dpfx_backend.released_elsewhere = {
+                name for place in sharding.places.values() for name, _ in place.trainable}
         object.__setattr__(self, "_blocks_pending", None)
         object.__setattr__(self, "_blocks", installed)
         try:
@@ -313,6 +330,9 @@ class DPModule(torch.nn.Module):
                 blocks_mod.uninstall(block)
             object.__setattr__(self, "_blocks_pending", pending)
             object.__setattr__(self, "_blocks", [])
+            if sharding is not None:
+                sharding.places.clear()
+                self._dpfx_backend.released_elsewhere = set()
             raise
 
     def _after_capture(self) -> None:
@@ -522,9 +542,6 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     units = fsdp.units(model)
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
-        if units:
-            raise OptionError("blocks= with a model sharded by fully_shard is not supported yet: "
-                              "compile it without blocks")
     if not units:
         return _module_class(model)(model, config, loss, blocks)
     # Note [Sharded DP-SGD] in loop/fsdp.py: the module is built over FSDP's unsharded parameters
@@ -536,7 +553,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     sharding = fsdp.Sharding(model, units)
     sharding.gather()
     try:
-        dp_model = _module_class(model)(model, config, loss)
+        dp_model = _module_class(model)(model, config, loss, blocks)
     finally:
         sharding.release()
     object.__setattr__(dp_model, "_sharding", sharding)

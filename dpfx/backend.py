@@ -39,6 +39,7 @@ from dpfx.graph.batch import sym_expr
 from dpfx.lower.selfcheck import GraphCheck, Half
 from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
 from dpfx.loss.gate import ReleaseGate
+from dpfx.ops import blocks as block_ops
 from dpfx.ops.norms import NormStats
 
 
@@ -57,6 +58,9 @@ class DPBackend:
         self.stages = Stages(on_stage=self._dump)
         self.param_grads: list = []
         self.last_backward = None
+        # parameters whose clipped sums leave the graph by their block's place (Note [Sharded
+        # blocks] in loop/fsdp.py): the graph's outputs for them are dropped
+        self.released_elsewhere: set[str] = set()
         self.problems: list | None = None  # a list while dpfx.validate collects refusals
         self._generator = None
         if config.seed is not None:
@@ -192,11 +196,13 @@ class DPBackend:
             if check is not None and check.ready(args):
                 # Note [Checking what Inductor generated]; its synthetic norms are not the user's.
                 saved = copy.deepcopy(self.norm_stats.__dict__) if self.norm_stats else None
-                check.run(args)
+                with block_ops.stand_ins():
+                    check.run(args)
                 if saved is not None:
                     self.norm_stats.__dict__.update(saved)
             self.gate.graph_forward()
-            return compiled(args)
+            with block_ops.live():
+                return compiled(args)
 
         run_forward._boxed_call = True
         return run_forward
@@ -259,9 +265,16 @@ class DPBackend:
 
         zero_tangents = self.last_backward.zero_tangents
         positions = {pg.name: pg.output_index for pg in self.param_grads}
+        elsewhere = [i for name, i in positions.items() if name in self.released_elsewhere]
+        positions = {name: i for name, i in positions.items()
+                     if name not in self.released_elsewhere}
 
         def produced(outs):
             # for the gate's check_gradient: Note [Every gradient a parameter receives is dpfx's]
+            if elsewhere and not isinstance(outs, list):
+                outs = list(outs)
+            for i in elsewhere:
+                outs[i] = None      # zeros without storage: the sum went to its block's place
             self.gate.produced({name: outs[i] for name, i in positions.items()})
             return outs
 
@@ -269,7 +282,8 @@ class DPBackend:
             def run_deferred(args):
                 self.gate.admit_backward()
                 _check_zero_tangents(args, zero_tangents)
-                return produced(compiled(args))
+                with block_ops.live():
+                    return produced(compiled(args))
 
             run_deferred._boxed_call = True
             return run_deferred
@@ -294,7 +308,8 @@ class DPBackend:
             saved = generator.get_state()
             generator.manual_seed(step_seed)
             try:
-                return produced(compiled(args))
+                with block_ops.live():
+                    return produced(compiled(args))
             finally:
                 generator.set_state(saved)
 

@@ -36,8 +36,10 @@ part B forms the clipped sums. Opacus's alternative for sharded models (a second
 the loss reweighted by the factors) recomputes every block's backward; book-keeping costs the
 operands' memory until the end of the backward instead. Measured figures are in BENCHMARKS.md.
 
-Not yet: blocks that draw random numbers in training (dropout), blocks under FSDP2's
-``fully_shard`` (refused with the fix: compile without blocks), arguments other than tensors
+A block that is an FSDP2 unit keeps its parameters sharded outside its ops and hands its
+clipped sums to a reduce-scatter (Note [Sharded blocks] in loop/fsdp.py).
+
+Not yet: blocks that draw random numbers in training (dropout), arguments other than tensors
 and constants (a key/value cache that already holds positions; an empty one is dropped: Note
 [An empty cache is no argument]).
 """
@@ -63,7 +65,7 @@ from dpfx.errors import CaptureError, DPFXError
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
 from dpfx.lower.selfcheck import _has_random_ops
-from dpfx.ops.blocks import KERNELS, Kernels
+from dpfx.ops.blocks import KERNELS, PLACES, Kernels, kernels
 from dpfx.passes import compile_forward
 from dpfx.passes.block import block_backward
 
@@ -574,6 +576,9 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
                    fake_backward=_shapes_once(fake_backward), fake_grad=_shapes_once(fake_grad),
                    fake_clip=_shapes_once(fake_clip),
                    operands=sources, norms=len(result.input_grads),
+                   operands_read_params=any(
+                       kind == "in" and op_reads[i][0] == "arg" and op_reads[i][1] >= num_inputs
+                       for kind, i in sources),
                    forward_layouts=c.fw_layouts, backward_layouts=result.layouts)
 
 
@@ -585,7 +590,7 @@ class BlockCall:
         self.key = key
         self.signature = signature
         self.block = block      # a reference cycle the module's own collection frees
-        self.num_outputs = KERNELS[key].num_outputs
+        self.num_outputs = kernels(key).num_outputs
 
     def __call__(self, *args, **kwargs):
         block = self.block
@@ -646,7 +651,9 @@ def _describe(leaves) -> str:
 
 
 def uninstall(block: torch.nn.Module) -> None:
-    if isinstance(block.__dict__.get("forward"), BlockCall):
+    call = block.__dict__.get("forward")
+    if isinstance(call, BlockCall):
+        PLACES.pop(call.key, None)
         del block.forward
 
 
@@ -660,8 +667,12 @@ def select(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.Module]]:
 
     named = list(model.named_modules())
     if blocks in (True, "auto"):
-        classes = set(getattr(model, "_no_split_modules", None) or ())
-        found = [(n, m) for n, m in named if n and type(m).__name__ in classes]
+        classes = set(_no_split_modules(model))
+        # an FSDP unit's class is FSDP<its class>: its own class is the next in its MRO
+        found = [(n, m) for n, m in named
+                 if n and any(c.__name__ in classes for c in type(m).__mro__[:2])]
+        if not found:
+            found = [(n, m) for n, m in named if n and _is_fsdp_unit(m)]
         if not found:
             for n, m in named:
                 if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 \
@@ -692,6 +703,23 @@ def select(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.Module]]:
         if not any(n.startswith(o + ".") for o, _ in outer):
             outer.append((n, m))
     return outer
+
+
+def _no_split_modules(model: torch.nn.Module) -> list:
+    """Hugging Face's repeated blocks, of the model or of the model a PEFT wrapper holds."""
+    for m in model.modules():
+        found = getattr(m, "_no_split_modules", None)
+        if found:
+            return list(found)
+    return []
+
+
+def _is_fsdp_unit(m: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(m, FSDPModule)
 
 
 def _resized(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -727,12 +755,15 @@ def _probe(model, blocks, args, kwargs, n: int) -> dict[int, list]:
     return calls
 
 
-def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: DPConfig
-            ) -> list[torch.nn.Module]:
+def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: DPConfig,
+            places=None) -> list[torch.nn.Module]:
     """Compile the blocks ``blocks`` names, each distinct one once, from two eager probes of
     ``model(*args, **kwargs)`` at batch sizes 2 and 3 (a tensor whose dim 0 follows them
-    carries the batch), and install them. Returns the installed blocks."""
+    carries the batch), and install them. Returns the installed blocks. ``places(chosen)``:
+    id(block) -> the ``Place`` of each block whose parameters live elsewhere (Note [A block
+    whose parameters live elsewhere] in ops/blocks.py)."""
     chosen = select(model, blocks)
+    placed = places(chosen) if places is not None else {}
     small, large = (_probe(model, chosen, args, kwargs, n) for n in (2, 3))
     keys: dict[tuple, str] = {}
     installed = []
@@ -768,7 +799,12 @@ def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: D
                 keys[signature] = compile_block(block, a, kw, batched, config)
             with torch.no_grad():
                 out_spec = pytree.tree_flatten(block(*a, **kw))[1]
-            install(block, keys[signature], out_spec, leaves3)
+            key = keys[signature]
+            place = placed.get(id(block))
+            if place is not None:
+                key = f"{key}#{place.name}"
+                PLACES[key] = place
+            install(block, key, out_spec, leaves3)
             installed.append(block)
     except BaseException:
         for block in installed:

@@ -31,11 +31,30 @@ shard: the guarantee needs each rank's generator to be independent (OS-seeded by
 test's fixed ``seed`` is mixed with the rank so that no two shards share a stream).
 
 What stays sharded: the parameters at rest, the gradients the optimizer sees, the optimizer
-state. What does not: during a step every rank holds the whole model's parameters and its
-clipped sums (one full-size tensor per parameter), like FSDP with the whole model as one unit.
-Carrying per-example norms across units (a unit's per-example squared norms kept, its clipped
-sum formed once all units are known) would bound that by the largest unit, at the price of a
-second backward (Opacus's two-pass scheme) or per-unit graphs; not built.
+state. What does not, with one private graph for the whole model: during a step every rank
+holds the whole model's parameters and its clipped sums (one full-size tensor per parameter),
+like FSDP with the whole model as one unit.
+
+# Note [Sharded blocks]
+Compiled with ``blocks=`` (blocks.py), a block that is an FSDP unit gets a ``Place`` (Note [A
+block whose parameters live elsewhere] in ops/blocks.py), and a step's memory is bounded by the
+largest unit instead of the model:
+
+- the units that are not blocks (the root: embeddings, head) are gathered for the step as above;
+  a block's unit is put on its module unsharded but empty (FSDP's unsharded ``nn.Parameter``
+  objects, their storage freed), so the model's graph and its guards see the same objects;
+- each of the block's ops (forward, the backward's part A) all-gathers the unit's padded shards
+  into FSDP's own all-gather buffers (the unsharded parameters are views of them) and frees
+  them after the op; no unit is gathered beyond its op;
+- once the model's clip factor is known, each block's part B forms its clipped sums, and the
+  place reduce-scatters them at once (the unit's parameters in one collective, laid out as at
+  the step) into this rank's float32 shard of each sum, accumulated over the backwards of a
+  step; the model's graph outputs nothing for those parameters. ``DPOptimizer.step()`` then
+  reduce-scatters the other clipped sums and noises this rank's coordinates of both.
+
+Every rank runs the same graph, so every rank calls the same collectives in the same order
+(an empty batch too). The first call (the capture, the blocks' compile and the self-checks)
+gathers every unit; so does a forward without gradient.
 
 Refused, with what to change: FSDP's mixed precision (``MixedPrecisionPolicy`` with a
 ``param_dtype`` or ``reduce_dtype``; use ``torch.autocast`` around the forward), CPU offload,
@@ -70,6 +89,8 @@ class Sharding:
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
+        self.places: dict[int, Place] = {}      # id(unit) -> its Place (Note [Sharded blocks])
+        self.early: dict[str, torch.Tensor] = {}    # this rank's shards of the blocks' sums
 
     def _mesh(self, model: torch.nn.Module):
         meshes = set()
@@ -91,10 +112,15 @@ class Sharding:
         return meshes.pop()
 
     # -- the forward -------------------------------------------------------------------------------
-    def gather(self) -> None:
-        """Every unit's parameters unsharded on the modules (a no-op for a unit that is)."""
+    def gather(self, blocks_empty: bool = False) -> None:
+        """Every unit's parameters unsharded on the modules (a no-op for a unit that is); with
+        ``blocks_empty``, a block's unit unsharded but empty (Note [Sharded blocks])."""
         for unit in self.units:
-            unit.unshard()
+            place = self.places.get(id(unit)) if blocks_empty else None
+            if place is None:
+                unit.unshard()
+            else:
+                place.attach()
 
     def release(self) -> None:
         """Every unit back to its shards; the gathered storage is freed."""
@@ -147,36 +173,61 @@ class Sharding:
         self._structure = hashlib.sha256(repr([
             (name, tuple(p.shape), str(p.dtype), repr(p.placements)) for name, p in named])
             .encode()).hexdigest()
-        self.row = sum(layout.padded for layout in self._layouts) + 1     # + the example count
 
-    def reduce_scatter(self, sums: dict, examples: int, device) -> tuple[torch.Tensor, int]:
-        """This rank's coordinates of the sum over ranks of the clipped sums (float32, the
-        padding included), and the examples of every rank."""
-        rows = torch.zeros(self.world, self.row, dtype=torch.float32, device=device)
+    def reduce_scatter(self, sums: dict, examples: int, device
+                       ) -> tuple[dict[str, torch.Tensor], int]:
+        """This rank's coordinates of the sum over ranks of each clipped sum (float32, padded to
+        the parameter's largest chunk), and the examples of every rank. A block's sums were
+        reduce-scattered in the backward (``early``); the rest go in one collective."""
+        late = [layout for layout in self._layouts if layout.name not in self.early]
+        row = sum(layout.padded for layout in late) + 1      # + the example count
+        rows = torch.zeros(self.world, row, dtype=torch.float32, device=device)
         offset = 0
-        for layout in self._layouts:
+        for layout in late:
             full = sums.get(layout.name)
             if full is not None:
-                for r, chunk in enumerate(layout.chunks(full)):
-                    rows[r, offset:offset + chunk.numel()] = chunk.reshape(-1)
+                layout.lay_out(full, rows[:, offset:offset + layout.padded])
             offset += layout.padded
         rows[:, -1] = float(examples)
-        mine = torch.empty(self.row, dtype=torch.float32, device=device)
+        mine = torch.empty(row, dtype=torch.float32, device=device)
         _reduce_scatter(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=self.group)
-        return mine[:-1], int(round(float(mine[-1])))
+        out, offset = {}, 0
+        for layout in late:
+            out[layout.name] = mine[offset:offset + layout.padded]
+            offset += layout.padded
+        out.update(self.early)
+        return out, int(round(float(mine[-1])))
 
-    def write_grads(self, mine: torch.Tensor, ledger) -> None:
+    def write_grads(self, mine: dict[str, torch.Tensor], ledger) -> None:
         """Each sharded parameter's gradient: this rank's coordinates, as a DTensor with the
         parameter's placement."""
         from torch.distributed.tensor import DTensor
 
-        offset = 0
         for layout, (name, p) in zip(self._layouts, self._named):
-            local = mine[offset:offset + layout.local_numel].view(layout.local_shape)
+            local = mine[name][:layout.local_numel].view(layout.local_shape)
             p.grad = DTensor.from_local(local.to(p.dtype).clone(), p.device_mesh, p.placements,
                                         shape=p.shape, stride=p.stride())
             ledger.released(name, p)
-            offset += layout.padded
+        self.early.clear()
+
+    def reset(self) -> None:
+        self.early.clear()
+
+    @property
+    def names(self) -> list[str]:
+        """The sharded trainable parameters, in the optimizer's order."""
+        return [layout.name for layout in self._layouts]
+
+    # -- blocks ------------------------------------------------------------------------------------
+    def place_blocks(self, model: torch.nn.Module, blocks: list) -> dict[int, "Place"]:
+        """A ``Place`` for each block (name, module) that is an FSDP unit (Note [Sharded
+        blocks]): id(block) -> its place. Every unit must be gathered."""
+        units = {id(u): (u, state) for u, state in zip(self.units, self._states)}
+        for name, block in blocks:
+            if id(block) in units:
+                unit, state = units[id(block)]
+                self.places[id(unit)] = Place(self, unit, state, name)
+        return {uid: place for uid, place in self.places.items()}
 
     def seed(self, seed: int) -> int:
         """A fixed seed mixed with the rank: no two shards draw the same noise stream."""
@@ -186,6 +237,7 @@ class Sharding:
 
 # torch 2.13 renamed reduce_scatter_tensor, which warns
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Layout:
@@ -216,11 +268,122 @@ class _Layout:
                              f"{self.local_shape}, dpfx's layout expects {expected}; this FSDP "
                              f"version shards differently from torch.chunk along dim {self.dim}")
 
+    def lay_out(self, full: torch.Tensor, rows: torch.Tensor) -> None:
+        """``full``'s chunk for rank r into row r of ``rows`` (world, padded)."""
+        for r, chunk in enumerate(self.chunks(full)):
+            rows[r, :chunk.numel()] = chunk.reshape(-1)
+
     def chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
         if tuple(full.shape) != self.shape:
             raise ValueError(f"the clipped sum of '{self.name}' has shape {tuple(full.shape)}, "
                              f"the parameter {self.shape}")
         return list(torch.chunk(full.to(torch.float32), self.world, dim=self.dim))[:self.world]
+
+
+class Place:
+    """A block that is an FSDP unit: its parameters gathered only while its ops run, its clipped
+    sums reduce-scattered as soon as they are formed (Note [Sharded blocks])."""
+
+    def __init__(self, sharding: Sharding, unit, state, name: str):
+        self.sharding, self.unit, self.name = sharding, unit, name
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        self.groups = groups
+        self.params = [fp for g in groups for fp in g.fsdp_params]
+        for fp in self.params:
+            if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") or \
+                    len(fp.all_gather_outputs) != 1 or fp.all_gather_outputs[0].numel() != \
+                    fp._sharded_param_data.numel() * sharding.world:
+                raise ValueError(
+                    f"FSDP unit '{name}': parameter '{fp._module_info.param_name}' is gathered "
+                    f"by an FSDP extension (a tensor subclass with fsdp_pre_all_gather) or "
+                    f"laid out otherwise than FSDP's padded dim-0 shards; compile without "
+                    f"blocks=")
+        # the unit's trainable parameters, in the order of the block's op (its named_parameters)
+        by_object = {id(fp._unsharded_param): fp for fp in self.params}
+        self.trainable = []
+        for pname, p in unit.named_parameters():
+            if p.requires_grad:
+                fp = by_object.get(id(p))
+                if fp is None:
+                    raise ValueError(f"FSDP unit '{name}': parameter '{pname}' is not one of "
+                                     f"the unit's own; compile without blocks=")
+                full = f"{name}.{pname}" if name else pname
+                self.trainable.append(
+                    (full, _Layout(full, fp.sharded_param, sharding.world, sharding.rank)))
+        self.padded = sum(layout.padded for _, layout in self.trainable)
+
+    def attach(self) -> None:
+        """The unit's unsharded parameters on its modules, their storage empty."""
+        for fp in self.params:
+            fp.free_unsharded_param()
+        for g in self.groups:
+            g._to_unsharded()
+
+    @property
+    def filled(self) -> bool:
+        return all(fp.all_gather_outputs[0].untyped_storage().size() != 0 for fp in self.params)
+
+    @contextlib.contextmanager
+    def resident(self):
+        if self.filled or not self.params:
+            yield
+            return
+        group = self.sharding.group
+        for fp in self.params:
+            out = fp.all_gather_outputs[0]
+            out.untyped_storage().resize_(out.numel() * out.itemsize)
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                _all_gather(out, fp._sharded_param_data, group=group)
+        try:
+            yield
+        finally:
+            for fp in self.params:
+                fp.free_unsharded_param()
+
+    @contextlib.contextmanager
+    def stand_in(self):
+        """The unit's parameters hold this rank's shard in every rank's place (no collective):
+        values for the self-check (Note [A block whose parameters live elsewhere])."""
+        if self.filled or not self.params:
+            yield
+            return
+        for fp in self.params:
+            out = fp.all_gather_outputs[0]
+            out.untyped_storage().resize_(out.numel() * out.itemsize)
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.view(self.sharding.world, -1).copy_(fp._sharded_param_data.view(1, -1))
+        try:
+            yield
+        finally:
+            for fp in self.params:
+                fp.free_unsharded_param()
+
+    def clipped(self, sums: list[torch.Tensor]) -> None:
+        """This rank's shard of the sum over ranks of the unit's clipped sums, into ``early``."""
+        s = self.sharding
+        if len(sums) != len(self.trainable):
+            raise RuntimeError(f"dpfx: block '{self.name}' formed {len(sums)} clipped sums for "
+                               f"{len(self.trainable)} trainable parameters")
+        rows = torch.zeros(s.world, self.padded, dtype=torch.float32, device=sums[0].device
+                           if sums else None)
+        offset = 0
+        for (_, layout), full in zip(self.trainable, sums):
+            layout.lay_out(full, rows[:, offset:offset + layout.padded])
+            offset += layout.padded
+        mine = torch.empty(self.padded, dtype=torch.float32, device=rows.device)
+        _reduce_scatter(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=s.group)
+        del rows
+        offset = 0
+        for name, layout in self.trainable:
+            piece = mine[offset:offset + layout.padded]
+            if name in s.early:
+                s.early[name] += piece
+            else:
+                s.early[name] = piece.clone()
+            offset += layout.padded
 
 
 def _named_units(model: torch.nn.Module, found: list):

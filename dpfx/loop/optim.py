@@ -364,8 +364,10 @@ class DPOptimizer(torch.optim.Optimizer):
             mine, examples = sharding.reduce_scatter(model.clipped_sums, model.examples, device)
         except RuntimeError as e:
             raise peer_error(self.steps, sharding.group, e) from e
-        self._add_noise(mine, model.dp_config.noise_std)
-        mine /= self._denominator(examples)
+        divisor = self._denominator(examples)
+        for name in sharding.names:          # this rank's coordinates, in one order on every rank
+            self._add_noise(mine[name], model.dp_config.noise_std)
+            mine[name] /= divisor
         sharding.write_grads(mine, self._gate.ledger)
         model.reset_clipped_sums()
 

@@ -22,11 +22,30 @@ Every op is functional (its outputs are new tensors), so Inductor calls it as an
 and the graph around it keeps its order. The kernels and the fake implementations live in the
 process's ``KERNELS`` table, filled when a block is compiled; a key that is not there is an
 error naming the block (a graph loaded without its blocks).
+
+# Note [A block whose parameters live elsewhere]
+A block that is an FSDP2 unit (loop/fsdp.py) holds its parameters' values only while one of its
+ops runs, and its clipped sums leave the model's graph as soon as they are formed. Its ops are
+called with the key ``"<key>#<block name>"``, whose ``PLACES`` entry is the block's ``Place``:
+
+- ``block_fwd`` and ``block_bwd`` (and ``block_clip`` if its operands include a parameter) run
+  inside ``place.resident()``, which gathers the block's parameters for the call if they are not
+  there and frees them after;
+- ``block_clip`` hands the block's clipped sums to ``place.clipped(sums)`` and returns zeros
+  with stride 0 (no storage) in their place: the model's graph is built and proven over the
+  same ops, and the sums reach the optimizer by the place (a reduce-scatter to the ranks that
+  own each coordinate). Only a backward that dpfx runs for the user's step (``live()``, set by
+  the backend's runner) hands them over; the self-check's runs compute them and drop them.
+
+The kernels are the block's, whatever the suffix: the compiled block is shared, only where its
+parameters and sums live differs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable
+import weakref
+from typing import Callable, Protocol
 
 import torch
 
@@ -59,13 +78,60 @@ class Kernels:
     # the batch layouts (graph/batch.py) of block_fwd's and block_bwd's outputs
     forward_layouts: list | None = None
     backward_layouts: list | None = None
+    operands_read_params: bool = False      # an operand is a parameter or constant of the block
 
 
 KERNELS: dict[str, Kernels] = {}
 
 
+class Place(Protocol):
+    """Where one block's parameters and clipped sums live (Note [A block whose parameters live
+    elsewhere])."""
+    def resident(self) -> contextlib.AbstractContextManager: ...
+    def stand_in(self) -> contextlib.AbstractContextManager: ...
+    def clipped(self, sums: list[torch.Tensor]) -> None: ...
+
+
+PLACES: weakref.WeakValueDictionary[str, Place] = weakref.WeakValueDictionary()   # its owner holds it
+_LIVE = [0]
+
+
+@contextlib.contextmanager
+def live():
+    """The ops run for the user's step: a block's clipped sums go to its place."""
+    _LIVE[0] += 1
+    try:
+        yield
+    finally:
+        _LIVE[0] -= 1
+
+
+@contextlib.contextmanager
+def stand_ins():
+    """Every place's parameters hold values made on this rank alone, for the self-check, which
+    reads every input of the model's graph and runs on one rank's schedule (a collective there
+    could meet another rank's step): any values check the compiled code against its graph."""
+    with contextlib.ExitStack() as stack:
+        for place in list(PLACES.values()):
+            stack.enter_context(place.stand_in())
+        yield
+
+
+def _place(key: str) -> Place | None:
+    place = PLACES.get(key)
+    if place is None and "#" in key:
+        raise RuntimeError(f"dpfx: block {key!r} has no place for its parameters in this "
+                           f"process (its model was released or its blocks uninstalled)")
+    return place
+
+
+def _resident(key: str):
+    place = _place(key)
+    return place.resident() if place is not None else contextlib.nullcontext()
+
+
 def kernels(key: str) -> Kernels:
-    found = KERNELS.get(key)
+    found = KERNELS.get(key.partition("#")[0])
     if found is None:
         raise RuntimeError(f"dpfx: no compiled block {key!r} in this process: a graph that calls "
                            f"a dpfx block was loaded without compiling the block (compile the "
@@ -75,7 +141,9 @@ def kernels(key: str) -> Kernels:
 
 @torch.library.custom_op("dpfx::block_fwd", mutates_args=())
 def block_fwd(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
-    return kernels(key).forward(list(args))
+    k = kernels(key)
+    with _resident(key):
+        return k.forward(list(args))
 
 
 @block_fwd.register_fake
@@ -85,7 +153,9 @@ def _block_fwd_fake(key, args):
 
 @torch.library.custom_op("dpfx::block_bwd", mutates_args=())
 def block_bwd(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
-    return kernels(key).backward(list(args))
+    k = kernels(key)
+    with _resident(key):
+        return k.backward(list(args))
 
 
 @block_bwd.register_fake
@@ -95,7 +165,9 @@ def _block_bwd_fake(key, args):
 
 @torch.library.custom_op("dpfx::block_grad", mutates_args=())
 def block_grad(key: str, operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    return kernels(key).grad(list(operands))
+    k = kernels(key)
+    with _resident(key) if k.operands_read_params else contextlib.nullcontext():
+        return k.grad(list(operands))
 
 
 @block_grad.register_fake
@@ -106,12 +178,26 @@ def _block_grad_fake(key, operands):
 @torch.library.custom_op("dpfx::block_clip", mutates_args=())
 def block_clip(key: str, coefs: list[torch.Tensor], keeps: list[torch.Tensor],
                operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    return kernels(key).clip(list(coefs), list(keeps), list(operands))
+    k = kernels(key)
+    place = _place(key)
+    if place is None:
+        return k.clip(list(coefs), list(keeps), list(operands))
+    with place.resident() if k.operands_read_params else contextlib.nullcontext():
+        sums = k.clip(list(coefs), list(keeps), list(operands))
+    if _LIVE[0]:
+        place.clipped(sums)
+    return _no_storage(sums)
 
 
 @block_clip.register_fake
 def _block_clip_fake(key, coefs, keeps, operands):
-    return kernels(key).fake_clip(list(coefs), list(keeps), list(operands))
+    sums = kernels(key).fake_clip(list(coefs), list(keeps), list(operands))
+    return _no_storage(sums) if "#" in key else sums
+
+
+def _no_storage(sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros of each sum's shape and dtype, stride 0: they hold no storage."""
+    return [torch.zeros((), dtype=s.dtype, device=s.device).expand(s.shape) for s in sums]
 
 
 def operands(k: Kernels, args: list, outs: list) -> list:

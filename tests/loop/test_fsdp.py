@@ -109,14 +109,15 @@ def _shard(model: nn.Module, name: str) -> None:
 
 # -- what each rank runs -----------------------------------------------------------------------
 def _train(name: str, world: int, reduction: str, sigma: float, steps: int, empty=False,
-           backend="inductor"):
+           backend="inductor", blocks=None):
     """A sharded private run on this rank: (parameters after it, every step's unsharded p.grad,
     the types of parameters, gradients and optimizer state)."""
     model, per_example, data, bound = _setup(name)
     _shard(model, name)
     D = 6
     dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=sigma,
-                      expected_batch_size=D, loss_reduction=reduction, seed=7, backend=backend)
+                      expected_batch_size=D, loss_reduction=reduction, seed=7, backend=backend,
+                      blocks=blocks)
     assert dp.dp_config.noise == "optimizer"
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5), dp)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -336,3 +337,20 @@ def test_unsupported_sharding_is_refused_with_the_fix(tmp_path):
         assert "optimizer after sharding" in said["optimizer_first"], said
         assert "fully_shard on each" in said["grouped"], said
         assert said["untouched"] == "kinds ['DTensor']", said
+
+
+# Note [Sharded blocks] in dpfx/loop/fsdp.py: each unit (fc1 and fc2; each decoder layer) is a
+# block whose parameters are gathered only by its ops and whose clipped sums are
+# reduce-scattered in the backward; the root unit (the Llama's embeddings, tied head and norm)
+# goes through the step's reduce-scatter. Both must give the reference's gradients.
+@pytest.mark.parametrize("name,backend", [
+    ("mlp", "inductor"), ("llama", "eager"),
+    pytest.param("llama", "inductor", marks=pytest.mark.slow),
+    pytest.param("lora", "inductor", marks=pytest.mark.slow)])
+def test_sharded_blocks_equal_the_reference_on_the_union(tmp_path, name, backend):
+    if name != "mlp":
+        pytest.importorskip("transformers")
+    if name == "lora":
+        pytest.importorskip("peft")
+    results = _spawn(tmp_path, 2, "train", name, 2, "mean", 0.0, 3, False, backend, "auto")
+    _check_exact(results, name, 2, "mean", dict(rtol=1e-4, atol=1e-6))
