@@ -303,10 +303,14 @@ def test_sharded_llama_with_tied_head_and_lora(tmp_path, name, backend):
     _check_exact(results, name, 2, "mean", dict(rtol=1e-4, atol=1e-6))
 
 
-def test_every_coordinate_is_noised_once(tmp_path):
+@pytest.mark.parametrize("blocks", [None, pytest.param("auto", marks=pytest.mark.slow)])
+def test_every_coordinate_is_noised_once(tmp_path, blocks):
     """Empty batches: every step's gradient is the noise alone, N(0, (sigma C / D)^2) per
-    coordinate. Sharded, the optimizer adds the noise, whatever the backend: backend="eager"."""
-    results = _spawn(tmp_path, 2, "train", "mlp", 2, "mean", SIGMA, NOISE_STEPS, True, "eager")
+    coordinate. Sharded, the optimizer adds the noise, whatever the backend: backend="eager".
+    With blocks, fc1 and fc2 are blocks whose sums the backward reduce-scatters: their shards
+    are noised at the step like any other."""
+    results = _spawn(tmp_path, 2, "train", "mlp", 2, "mean", SIGMA, NOISE_STEPS, True, "eager",
+                     blocks)
     _, noise, _ = results[0]
     for n in noise:     # one gradient, whichever rank gathers it
         assert torch.equal(noise[n], results[1][1][n])
