@@ -8,6 +8,10 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     keep             = isfinite(per_sample_norms)                          # bool[B]
     clip_factor      = where(keep, min(1, C / (per_sample_norms + 1e-6)), 0)
                        where(keep, C / (per_sample_norms + gamma), 0)     # clipping="automatic"
+                       (clipping="adaptive": C is the graph's last input, clip_bound, and the
+                       noise std sigma_grad * clip_bound; the last output is the count
+                       sum_i (float(keep_i & (norm_i <= C)) - 1/2) + sigma_b * N(0, 1):
+                       Note [Adaptive clipping] in privacy/adaptive.py)
     clipped[p]       = sum_i where(keep_i, (clip_factor * scale)_i * ps[p]_i, 0)   # p.shape
     noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D

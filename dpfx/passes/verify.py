@@ -25,8 +25,11 @@
    (moves of its clipped sums + its noise_scale node) / D, or the add_noise_ call's noised
    clipped side with (multiplier, divisor) exactly 1/D, nothing reweighting one against the
    other (Note [The release is checked as a whole]); and, re-running the batch analysis on
-   the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
-   ``PrivacyError`` naming the parameter.
+   the rewritten graph, no op other than the clipped sums (and adaptive clipping's count) may
+   combine examples. Under clipping="adaptive" C and the noise std read the graph's one bound
+   input, and the count of unclipped examples has sensitivity 1/2 and its own noise (Note [The
+   adaptive bound is proven as an input]). A violation is a ``PrivacyError`` naming the
+   parameter.
 
 See tests/passes/test_verifier.py, which hands the verifier broken graphs.
 """
