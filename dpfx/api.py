@@ -26,7 +26,7 @@ from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, co
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
-from dpfx.errors import CaptureError, DPFXError, PrivacyError
+from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -103,6 +103,14 @@ class DPModule(torch.nn.Module):
         self._dpfx_backend.gate.reset_sums()
         if self._sharding is not None:
             self._sharding.reset()
+        if self._dpfx_backend.adaptive_clip is not None:
+            self._dpfx_backend.adaptive_clip.reset_count()
+
+    @property
+    def adaptive_clip(self):
+        """clipping="adaptive": the ``dpfx.privacy.adaptive.AdaptiveClip`` that holds C_t
+        (``.bound``; ``state_dict()`` for a checkpoint without a DPOptimizer); else None."""
+        return self._dpfx_backend.adaptive_clip
 
     @property
     def dp_config(self) -> DPConfig:
@@ -479,7 +487,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False, self_check: bool | str = True,
             allow_input_grads: bool = False, loss=None, clipping: str | None = None,
-            clipping_gamma: float = AUTOMATIC_GAMMA, blocks=None) -> DPModule:
+            clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
+            clip_lr: float = 0.2, count_noise_multiplier: float | None = None,
+            blocks=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -498,7 +508,14 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     "per_layer" (the default for a dict), or "automatic": every example scaled by
     C / (||g|| + clipping_gamma) instead of clipped (Bu et al. 2022; with the number or the dict
     of bounds, per group), which bounds each example by C as well (Note [Clip functions] in
-    config.py). ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
+    config.py); or "adaptive" (Andrew et al. 2021): flat clipping to a bound C_t that starts
+    at ``max_grad_norm`` and follows the ``target_quantile`` of the per-sample norms, moved
+    after every step by C_t * exp(-clip_lr * (b_t - target_quantile)) with b_t the fraction of
+    unclipped examples, released with noise std ``count_noise_multiplier`` (sigma_b, required
+    when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
+    (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the step costs what sigma costs (Note [Adaptive
+    clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t).
+    ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
     ``dp_model.clipped_sums`` (p.grad stays None) and ``dpfx.DPOptimizer`` adds the noise and
     divides once per optimizer step (virtual batches, secure noise, distributed training).
     The default ``noise`` is "graph", or "optimizer" when torch.distributed is initialized with
@@ -534,12 +551,19 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
                       allow_input_grads=allow_input_grads, clipping=clipping,
-                      clipping_gamma=clipping_gamma)
+                      clipping_gamma=clipping_gamma, target_quantile=target_quantile,
+                      clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     warn_fixed_seed(seed)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
+    if config.adaptive and blocks is not None:
+        raise OptionError("clipping='adaptive' with blocks= is not supported yet: compile "
+                          "without blocks (or with clipping='flat')")
+    if config.adaptive and units:
+        raise OptionError("clipping='adaptive' with a model sharded by fully_shard is not "
+                          "supported yet: compile with clipping='flat'")
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
     if not units:

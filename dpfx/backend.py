@@ -41,6 +41,7 @@ from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
 from dpfx.loss.gate import ReleaseGate
 from dpfx.ops import blocks as block_ops
 from dpfx.ops.norms import NormStats
+from dpfx.privacy.adaptive import AdaptiveClip
 
 
 class DPBackend:
@@ -66,6 +67,10 @@ class DPBackend:
         if config.seed is not None:
             self._generator = torch.Generator().manual_seed(config.seed)
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
+        # Note [Adaptive clipping] in privacy/adaptive.py: C_t, which every backward reads
+        self.adaptive_clip = AdaptiveClip(config.max_grad_norm, config.target_quantile,
+                                          config.clip_lr, config.count_noise_multiplier) \
+            if config.adaptive else None
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
 
@@ -255,6 +260,10 @@ class DPBackend:
         # on ATen's kernels.
         check = self._checks.get(kwargs.get("graph_id"))
         reference = Half.of(gm, None) if check is not None else None
+        adaptive = self.last_backward.adaptive
+        if adaptive:    # the graph's last input is C_t (passes/__init__._bound_input)
+            bound = gm.graph.find_nodes(op="placeholder")[-1]
+            example_inputs = [*example_inputs, bound.meta["val"]]
         with torch._inductor.config.patch(fallback_random=not native_noise):
             compiled = self._lower(gm, example_inputs, kwargs)
         if check is not None:
@@ -263,6 +272,8 @@ class DPBackend:
             # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
             check.compare_backward = not native_noise or self.config.noise == "optimizer"
 
+        if adaptive:
+            compiled = self._with_bound(compiled, device)
         zero_tangents = self.last_backward.zero_tangents
         positions = {pg.name: pg.output_index for pg in self.param_grads}
         elsewhere = [i for name, i in positions.items() if name in self.released_elsewhere]
@@ -315,6 +326,28 @@ class DPBackend:
 
         run_backward._boxed_call = True
         return run_backward
+
+    def _with_bound(self, compiled, device: torch.device):
+        """The compiled backward called with C_t appended to its arguments; its last output, the
+        step's count of unclipped examples, goes to the adaptive bound's owner: noised
+        (noise="graph": C_{t+1} is set at once) or raw (noise="optimizer": DPOptimizer.step
+        noises the logical batch's count once). Note [Adaptive clipping] in
+        privacy/adaptive.py."""
+        state, config, gate = self.adaptive_clip, self.config, self.gate
+
+        def run(args):
+            examples = gate.pending
+            args.append(state.tensor(device))
+            outs = list(compiled(args))
+            count = outs.pop()
+            if config.noise == "optimizer":
+                state.add_count(count)
+            else:
+                state.released(float(count), config.expected_batch_size or examples)
+            return outs
+
+        run._boxed_call = True
+        return run
 
     def _checking(self) -> bool:
         return self.config.self_check is not False and self.config.backend == "inductor" \

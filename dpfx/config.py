@@ -13,8 +13,11 @@ STRATEGIES = ("auto", "materialize", "ghost")
 NOISE_MODES = ("graph", "optimizer")
 # Note [Clip functions]: "flat" and "per_layer" clip to min(1, C / (||g|| + CLIP_EPS)) (one group,
 # or one per name prefix); "automatic" scales every example by C / (||g|| + gamma) (Bu et al.
-# 2022, "Automatic clipping"), which never exceeds C either: ||g|| C / (||g|| + gamma) < C.
-CLIPPING = ("flat", "per_layer", "automatic")
+# 2022, "Automatic clipping"), which never exceeds C either: ||g|| C / (||g|| + gamma) < C;
+# "adaptive" clips as "flat" to a bound C_t that the graph reads as an input at every step and
+# that follows a target quantile of the per-sample norms (Andrew et al. 2021; Note [Adaptive
+# clipping] in privacy/adaptive.py).
+CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
 # Bu et al.'s stability constant gamma, the default of ``clipping_gamma``.
 AUTOMATIC_GAMMA = 0.01
 
@@ -43,6 +46,12 @@ class DPConfig:
     allow_input_grads: bool = False
     clipping: str | None = None
     clipping_gamma: float = AUTOMATIC_GAMMA
+    # clipping="adaptive" (Note [Adaptive clipping] in privacy/adaptive.py): the quantile gamma of
+    # the per-sample norms that C_t follows, the geometric rate eta, and sigma_b, the std of the
+    # noise on the count of unclipped examples
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    count_noise_multiplier: float | None = None
 
     def __post_init__(self):
         if self.clipping is None:       # inferred: a dict of bounds is per-layer clipping
@@ -61,6 +70,7 @@ class DPConfig:
                 or not (math.isfinite(self.clipping_gamma) and self.clipping_gamma > 0):
             raise OptionError(f"clipping_gamma must be a finite number > 0 (automatic "
                               f"clipping's C / (||g|| + gamma)), got {self.clipping_gamma!r}")
+        self._check_adaptive()
         if isinstance(self.max_grad_norm, dict):
             object.__setattr__(self, "max_grad_norm", tuple(self.max_grad_norm.items()))
         bounds = (self.max_grad_norm if isinstance(self.max_grad_norm, tuple)
@@ -111,6 +121,60 @@ class DPConfig:
         if not isinstance(self.allow_input_grads, bool):
             raise ValueError(f"allow_input_grads must be a bool, got {self.allow_input_grads!r}")
 
+    def _check_adaptive(self) -> None:
+        adaptive = self.clipping == "adaptive"
+        if not adaptive:
+            if self.count_noise_multiplier is not None:
+                raise OptionError("count_noise_multiplier is the noise on adaptive clipping's "
+                                  "count of unclipped examples: pass clipping='adaptive' too")
+            return
+        if isinstance(self.max_grad_norm, (dict, tuple)):
+            raise OptionError("clipping='adaptive' adapts one flat bound: pass max_grad_norm=C "
+                              "(its initial value C_0); per-layer adaptive bounds are not "
+                              "supported (use clipping='per_layer' with fixed bounds)")
+        if not (_finite_number(self.target_quantile) and 0 < self.target_quantile < 1):
+            raise OptionError(f"target_quantile must be a number in (0, 1) (the fraction of "
+                              f"examples left unclipped), got {self.target_quantile!r}")
+        if not (_finite_number(self.clip_lr) and self.clip_lr > 0):
+            raise OptionError(f"clip_lr must be a finite number > 0 (the geometric rate eta of "
+                              f"C <- C exp(-eta (b - target_quantile))), got {self.clip_lr!r}")
+        sigma_b = self.count_noise_multiplier
+        if sigma_b is None:
+            if _finite_number(self.noise_multiplier) and self.noise_multiplier > 0:
+                raise OptionError(
+                    "clipping='adaptive' needs count_noise_multiplier=sigma_b, the std of the "
+                    "noise on the count of unclipped examples (Andrew et al. 2021 suggest "
+                    "expected_batch_size / 20); the gradient's noise multiplier is then raised "
+                    "so that both releases together cost what noise_multiplier does")
+            object.__setattr__(self, "count_noise_multiplier", 0.0)
+            return
+        if not (_finite_number(sigma_b) and sigma_b >= 0):
+            raise OptionError(f"count_noise_multiplier must be a finite number >= 0, got "
+                              f"{sigma_b!r}")
+        sigma = self.noise_multiplier
+        if _finite_number(sigma) and sigma > 0 and not sigma_b > sigma / 2:
+            raise OptionError(
+                f"count_noise_multiplier={sigma_b} must exceed noise_multiplier / 2 = "
+                f"{sigma / 2}: the count's release (sensitivity 1/2, std sigma_b) and the "
+                f"gradient's compose to sigma only if sigma_grad = (sigma^-2 - (2 sigma_b)^-2)"
+                f"^(-1/2) is finite. Raise count_noise_multiplier (Andrew et al. 2021 suggest "
+                f"expected_batch_size / 20)")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clipping == "adaptive"
+
+    @property
+    def grad_noise_multiplier(self) -> float:
+        """The noise multiplier of the gradient's release: sigma, or under adaptive clipping
+        sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so that the gradient (sensitivity C,
+        std sigma_grad C) and the count (sensitivity 1/2, std sigma_b) compose to one Gaussian
+        mechanism of multiplier sigma (Andrew et al. 2021, Theorem 1)."""
+        sigma = float(self.noise_multiplier)
+        if not self.adaptive or sigma == 0:
+            return sigma
+        return (sigma ** -2 - (2 * float(self.count_noise_multiplier)) ** -2) ** -0.5
+
     @property
     def per_layer(self) -> bool:
         return isinstance(self.max_grad_norm, tuple)
@@ -156,7 +220,12 @@ class DPConfig:
 
     @property
     def noise_std(self) -> float:
-        """Standard deviation of the noise added to the clipped sum, before dividing by D."""
+        """Standard deviation of the noise added to the clipped sum, before dividing by D. Under
+        adaptive clipping it changes every step (``grad_noise_multiplier`` times the step's
+        bound): the graph and the optimizer read the bound, never this."""
+        if self.adaptive:
+            raise PrivacyError("under clipping='adaptive' the noise std is "
+                               "grad_noise_multiplier * C_t, with C_t the step's bound")
         return self.noise_multiplier * self.sensitivity
 
 
@@ -180,6 +249,10 @@ def check_loss(loss) -> None:
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite_number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _check_bound(c, name: str) -> None:

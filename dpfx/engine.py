@@ -80,7 +80,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  track_norms: bool = False, generator: torch.Generator | None = None,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
                  clipping: str | None = None, clipping_gamma: float = AUTOMATIC_GAMMA,
-                 user_ids=None, max_examples_per_user: int | None = None,
+                 target_quantile: float = 0.5, clip_lr: float = 0.2,
+                 count_noise_multiplier: float | None = None, user_ids=None, max_examples_per_user: int | None = None,
                  **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
@@ -92,8 +93,10 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     on disk before its update, and a run made again with the same path counts every step the
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
-    ``dp_model.loss(x, y)``). ``clipping``, ``clipping_gamma``: as ``dpfx.compile``'s ("flat",
-    "per_layer" or "automatic").
+    ``dp_model.loss(x, y)``). ``clipping``, ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
+    ``count_noise_multiplier``: as ``dpfx.compile``'s ("flat", "per_layer", "automatic" or
+    "adaptive"; with a ``target_epsilon``, sigma is calibrated for the whole step and the
+    gradient's share follows from ``count_noise_multiplier``).
     ``accountant``: "pld", "rdp", or a ``dpfx.privacy.Accountant`` to keep counting in (several
     runs over one dataset share one). ``noise``: where the noise is added ("graph" or
     "optimizer"); by default "optimizer" exactly when the run needs it (below).
@@ -162,7 +165,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           expected_batch_size=expected_batch_size(units, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
                           track_norms=track_norms, loss=loss, clipping=clipping,
-                          clipping_gamma=clipping_gamma)
+                          clipping_gamma=clipping_gamma, target_quantile=target_quantile,
+                          clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from dpfx.backend import DPBackend
 from dpfx.ops.noise import add_noise_keyed
-from dpfx.errors import PrivacyError
+from dpfx.errors import OptionError, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
 from dpfx.loop.noise import add_gaussian_, noise_generator, secure_gaussian
 from dpfx.privacy import Accountant
@@ -104,6 +104,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.world > 1 and config.noise != "optimizer":
             raise ValueError("distributed training adds the noise once across ranks, at step(): "
                              "compile the model with dpfx.compile(..., noise='optimizer')")
+        if config.adaptive and (self.world > 1 or dp_model._sharding is not None):
+            raise OptionError("clipping='adaptive' is not supported with distributed or sharded "
+                              "training yet (the count of unclipped examples would need the "
+                              "clipped sums' all-reduce): compile with clipping='flat'")
         if self.world > 1 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None:
             raise ValueError("distributed training needs expected_batch_size (the global "
@@ -261,7 +265,9 @@ class DPOptimizer(torch.optim.Optimizer):
         # Note [Only dpfx's gradients reach a private step] in loss/gate.py
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
+        examples, count = self.dp_model.examples, self._take_count()
         self._privatize()
+        self._adapt(count, examples)
         self._gate.close_step()
         self.original_optimizer.step()
         self._open = False
@@ -274,6 +280,30 @@ class DPOptimizer(torch.optim.Optimizer):
             self.privacy_ledger.append(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
                                        sample_rate=self.sample_rate,
                                        max_grad_norm=self._max_grad_norm())
+
+    def _take_count(self):
+        state = self.dp_model.adaptive_clip
+        return None if state is None or self._noised_in_graph else state.take_count()
+
+    def _adapt(self, count, examples: int) -> None:
+        """noise="optimizer" under adaptive clipping: the logical batch's count of unclipped
+        examples noised once, N(0, sigma_b^2), and the bound moved (Note [Adaptive clipping] in
+        privacy/adaptive.py). After the gradient's release, which used the step's C_t."""
+        if count is None:
+            return
+        state = self.dp_model.adaptive_clip
+        count = count.detach().to(torch.float32).reshape(1).clone()
+        self._add_noise(count, state.count_noise_multiplier)
+        config = self.dp_model.dp_config
+        state.released(float(count), config.expected_batch_size or examples)
+
+    def _noise_std(self) -> float:
+        """The gradient's noise std: sigma * S, or sigma_grad * C_t under adaptive clipping."""
+        config = self.dp_model.dp_config
+        state = self.dp_model.adaptive_clip
+        if state is None:
+            return config.noise_std
+        return config.grad_noise_multiplier * state.bound
 
     def _max_grad_norm(self):
         bound = self.dp_model.dp_config.max_grad_norm
@@ -301,7 +331,7 @@ class DPOptimizer(torch.optim.Optimizer):
             for n, p in self._named] + count)
         flat = both[:-1] if count else both
         if self.world <= 1 or rank_of(self.process_group) == 0:
-            self._add_noise(flat, config.noise_std)
+            self._add_noise(flat, self._noise_std())
         if self.world > 1:
             try:
                 dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -342,8 +372,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if len(storages) != len(tensors):
             return False
         divisor = self._denominator(self.dp_model.examples)    # may refuse: nothing changed yet
-        if config.noise_std:
-            add_noise_keyed(tensors, config.noise_std, 1.0, divisor, self._generator)
+        std = self._noise_std()
+        if std:
+            add_noise_keyed(tensors, std, 1.0, divisor, self._generator)
         else:
             for t in tensors:
                 t.div_(divisor)
@@ -366,7 +397,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise peer_error(self.steps, sharding.group, e) from e
         divisor = self._denominator(examples)
         for name in sharding.names:          # this rank's coordinates, in one order on every rank
-            self._add_noise(mine[name], model.dp_config.noise_std)
+            self._add_noise(mine[name], self._noise_std())
             mine[name] /= divisor
         sharding.write_grads(mine, self._gate.ledger)
         model.reset_clipped_sums()
@@ -402,7 +433,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "generator": None if self._generator is None or
                 self.dp_model.dp_config.seed is None else self._generator.get_state(),
                 "generator_device": None if self._generator is None else
-                self._generator.device.type}
+                self._generator.device.type,
+                "adaptive_clip": None if self.dp_model.adaptive_clip is None else
+                self.dp_model.adaptive_clip.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._check_loadable(state)
@@ -412,6 +445,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.privacy_ledger is not None:     # steps released after the checkpoint count
             reconcile(self.privacy_ledger, self.accountant, self._max_grad_norm())
         self._share_count()
+        if self.dp_model.adaptive_clip is not None:
+            self.dp_model.adaptive_clip.load_state_dict(state["adaptive_clip"])
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
@@ -433,6 +468,9 @@ class DPOptimizer(torch.optim.Optimizer):
         """Refuse a state, before anything is loaded, that would stop epsilon counting on."""
         if not isinstance(state, dict) or "optimizer" not in state:
             raise ValueError("state must come from DPOptimizer.state_dict()")
+        if (state.get("adaptive_clip") is None) != (self.dp_model.adaptive_clip is None):
+            raise ValueError("the checkpoint and this model disagree on clipping='adaptive'; "
+                             "compile the model with the checkpoint's clipping to resume it")
         if (state.get("accountant") is None) != (self.accountant is None):
             raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
                              "accountant; epsilon would not keep counting")

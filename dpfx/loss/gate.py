@@ -172,6 +172,11 @@ class ReleaseGate:
         """The examples whose clipped gradients are in ``clipped_sums``."""
         return self._examples
 
+    @property
+    def pending(self) -> int:
+        """The examples of the forward whose backward is about to run."""
+        return self._pending
+
     def reset_sums(self) -> None:
         self._sums.clear()
         self._examples = 0

@@ -223,6 +223,12 @@ class PrivacyEngine:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpfx picks "
                              f"the per-sample form per layer in all of them), got "
                              f"{grad_sample_mode!r}")
+        if clipping == "adaptive":
+            raise ValueError("clipping='adaptive' is not offered through the Opacus surface, "
+                             "which clips 'flat' or 'per_layer' (Opacus's min/max clipbound and "
+                             "unclipped_num_std have no dpfx counterpart): use "
+                             "dpfx.make_private(..., clipping='adaptive', target_quantile=, "
+                             "clip_lr=, count_noise_multiplier=)")
         if clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping={clipping!r} is not offered by dpfx: it clips 'flat' "
                              f"(one bound) or 'per_layer' (a bound per parameter, or "

@@ -23,7 +23,7 @@ from dpfx.errors import CaptureError
 from dpfx.graph import tags
 from dpfx.graph.printer import format_graph
 from dpfx.graph.batch import BatchAnalysis, BatchDim, Layout
-from dpfx.passes.clip_noise import insert_clip_and_noise
+from dpfx.passes.clip_noise import CLIP_BOUND, insert_clip_and_noise
 from dpfx.graph.emit import Emitter
 from dpfx.passes.per_sample import ParamGrad, RewriteContext, rewrite_per_sample
 from dpfx.passes.schedule import place_norms_early
@@ -67,6 +67,9 @@ class BackwardResult:
     private: dict[str, fx.Node]
     # positions (among the graph's inputs) of batch-free tangents that must be zero at run time
     zero_tangents: list[int] = dataclasses.field(default_factory=list)
+    # adaptive clipping (Note [Adaptive clipping] in privacy/adaptive.py): the graph reads C_t
+    # as its last input and returns the step's count of unclipped examples as its last output
+    adaptive: bool = False
 
 
 @dataclasses.dataclass
@@ -176,9 +179,12 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         problems.extend(Problem("unsupported", str(e)) for e in errors)
         return BackwardResult(gm, an, grads, {}, zero_tangents)
     stages.record("backward.per_sample", gm, fw.batch_symbols, names)
-    private = insert_clip_and_noise(emit, grads, config, device, norm_sink)
+    bound = _bound_input(gm, fake_mode, device) if config.adaptive else None
+    private = insert_clip_and_noise(emit, grads, config, device, norm_sink, bound)
     for pg in grads:
         outs[pg.output_index] = private[pg.name]
+    if bound is not None:
+        outs.append(private.pop(CLIP_BOUND))
     output.args = (tuple(outs),)
     gm.graph.eliminate_dead_code()
     _drop_dead_convolution_outputs(gm.graph)
@@ -190,7 +196,18 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
 
     verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
     gm.graph.lint()
-    return BackwardResult(gm, an, grads, private, zero_tangents)
+    return BackwardResult(gm, an, grads, private, zero_tangents, adaptive=bound is not None)
+
+
+def _bound_input(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> fx.Node:
+    """The backward's last input: adaptive clipping's bound C_t, a 0-d float32 tensor."""
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+    with gm.graph.inserting_after(last):
+        bound = gm.graph.placeholder(CLIP_BOUND)
+    with fake_mode:
+        bound.meta["val"] = torch.empty((), dtype=torch.float32, device=device)
+    bound.meta["dpfx"] = CLIP_BOUND
+    return bound
 
 
 # Note [Batch-free forward outputs: gradient zero or refused]

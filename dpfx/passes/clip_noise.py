@@ -8,6 +8,10 @@ g_i / B; multiplying by B undoes the mean) or 1 for "sum"::
     keep             = isfinite(per_sample_norms)                          # bool[B]
     clip_factor      = where(keep, min(1, C / (per_sample_norms + 1e-6)), 0)
                        where(keep, C / (per_sample_norms + gamma), 0)     # clipping="automatic"
+                       (clipping="adaptive": C is the graph's last input, clip_bound, and the
+                       noise std sigma_grad * clip_bound; the last output is the count
+                       sum_i (float(keep_i & (norm_i <= C)) - 1/2) + sigma_b * N(0, 1):
+                       Note [Adaptive clipping] in privacy/adaptive.py)
     clipped[p]       = sum_i where(keep_i, (clip_factor * scale)_i * ps[p]_i, 0)   # p.shape
     noise            = N(0, 1)[sum of numels] ; noise[p] = slice(noise) * (sigma * C)
     grad[p]          = (clipped[p] + noise[p]) / D
@@ -63,9 +67,17 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
+# The name of the backward's input that holds adaptive clipping's bound C_t (Note [Adaptive
+# clipping] in privacy/adaptive.py); the backend appends its value to the backward's arguments.
+CLIP_BOUND = "clip_bound"
+
+
 def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfig,
-                          device: torch.device, norm_sink: int | None = None
-                          ) -> dict[str, torch.fx.Node]:
+                          device: torch.device, norm_sink: int | None = None,
+                          bound: torch.fx.Node | None = None) -> dict[str, torch.fx.Node]:
+    """Returns parameter name -> its released gradient; under adaptive clipping (``bound`` the
+    placeholder of C_t) also CLIP_BOUND -> the step's count of unclipped examples (noised, or
+    raw for noise="optimizer"), which the backend takes off the graph's outputs."""
     batch = emit.batch_size()
     mean = config.loss_reduction == "mean"
 
@@ -76,7 +88,9 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     groups = {key: members for key, members in groups.items() if members}
 
     # Note [Vector parameters' per-sample gradients stacked]
-    in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE
+    # (adaptive clipping: the noise std is a node, sigma_grad * C_t; the sliced draw takes it)
+    in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE \
+        and bound is None
     stacks = _stack_vectors(grads, config, emit) if in_place and STACK_VECTORS else []
     stacked = {pg.name for s in stacks for pg in s.members}
 
@@ -103,7 +117,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         norm.meta["dpfx"] = "per_sample_norms"
         denom = emit(aten.add.Tensor, norm, config.clip_eps)
         ratio = emit(aten.mul.Tensor, emit(aten.reciprocal.default, denom),
-                     config.clip_bounds[key])
+                     config.clip_bounds[key] if bound is None else bound)
         # Note [Non-finite examples contribute zero] (rules/registry.py): factor 0, and every
         # term of the example selected away from the clipped sums.
         # isfinite(norm), written as Inductor's decomposition writes it (abs(x) < inf; the C++
@@ -140,9 +154,16 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     emitted = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
                                      moved=not in_place) for pg in order}
     clipped = {pg.name: emitted[pg.name] for pg in grads if pg.name in emitted}
+    count = _unclipped_count(norms[""], clips[""].keep, bound, emit) if bound is not None \
+        else None
     if config.noise == "optimizer":
-        return {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
-    std = config.noise_std
+        out = {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
+        if count is not None:
+            count.meta["dpfx_output"] = "unclipped_count"
+            out[CLIP_BOUND] = count
+        return out
+    std = config.noise_std if bound is None else \
+        emit(aten.mul.Tensor, bound, config.grad_noise_multiplier, tag="noise_std")
     if not mean:
         multiplier, divisor = 1.0, 1
     elif config.expected_batch_size is not None:
@@ -156,7 +177,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     # Sizes go through emit.size: a parameter's dims can be symbols too (automatic dynamic).
     shapes = {pg.name: emit.analysis.shape(pg.grad.meta["val"]) for pg in grads}
     numels = {name: sympy.Mul(*shape) for name, shape in shapes.items()}
-    total = emit.size(sympy.Add(*numels.values()))
+    total = emit.size(sympy.Add(*numels.values(), 1 if count is not None else 0))
     if device.type == "cpu":    # Philox + Box-Muller on every core (ops/noise.py)
         noise = emit(torch.ops.dpfx.standard_normal.default, total, device, tag="noise")
     else:                       # Inductor lowers randn to its fused Philox
@@ -187,7 +208,23 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         else:
             out = emit(aten.div.Tensor, noisy, divisor)
         private[pg.name] = _as_output(pg, out, "private_grad", emit)
+    if count is not None:   # the draw's last entry
+        chunk = emit(aten.slice.Tensor, noise, 0, emit.size(offset), emit.size(offset + 1))
+        scaled = emit(aten.mul.Tensor, emit(aten.view.default, chunk, []),
+                      config.count_noise_multiplier, tag="count_noise_scale")
+        private[CLIP_BOUND] = emit(aten.add.Tensor, count, scaled, tag="noisy_count")
     return private
+
+
+def _unclipped_count(norm: torch.fx.Node, keep: torch.fx.Node, bound: torch.fx.Node,
+                     emit: Emitter) -> torch.fx.Node:
+    """sum_i (1[||g_i|| <= C_t] - 1/2) over the examples (a non-finite norm counts as clipped):
+    each term is +-1/2, so the count's sensitivity is 1/2 (Note [Adaptive clipping] in
+    privacy/adaptive.py)."""
+    unclipped = emit(aten.logical_and.default, keep, emit(aten.le.Tensor, norm, bound))
+    ones = emit(prims.convert_element_type.default, unclipped, torch.float32)
+    centered = emit(aten.sub.Tensor, ones, 0.5)
+    return emit(aten.sum.dim_IntList, centered, [0], tag="unclipped_count")
 
 
 # The device types whose graphs add the noise with dpfx::add_noise_ (Note [Noise added in

@@ -25,8 +25,11 @@
    (moves of its clipped sums + its noise_scale node) / D, or the add_noise_ call's noised
    clipped side with (multiplier, divisor) exactly 1/D, nothing reweighting one against the
    other (Note [The release is checked as a whole]); and, re-running the batch analysis on
-   the rewritten graph, no op other than the clipped sums may combine examples. A violation is a
-   ``PrivacyError`` naming the parameter.
+   the rewritten graph, no op other than the clipped sums (and adaptive clipping's count) may
+   combine examples. Under clipping="adaptive" C and the noise std read the graph's one bound
+   input, and the count of unclipped examples has sensitivity 1/2 and its own noise (Note [The
+   adaptive bound is proven as an input]). A violation is a ``PrivacyError`` naming the
+   parameter.
 
 See tests/passes/test_verifier.py, which hands the verifier broken graphs.
 """
@@ -319,9 +322,10 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     factors = _tagged(graph, "clip_factor")
     if not factors:
         raise PrivacyError("the backward graph has no clip factor node")
-    bound_of = {}      # clip factor -> its C
+    adaptive = _adaptive_bound(graph) if config.adaptive else None
+    bound_of = {}      # clip factor -> its C (adaptive clipping: the input holding C_t)
     for factor in factors:
-        bound_of[factor] = _check_clip_factor(factor, config, g)
+        bound_of[factor] = _check_clip_factor(factor, config, g, adaptive)
     covered = {f: _norm_sources(f) for f in factors}   # what each factor's norm is taken over
     dependent = _reached(g, sources)
     factor_of = {}
@@ -378,7 +382,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
         if not mine:
             raise PrivacyError(f"the gradient of parameter '{name}' does not depend on the clip "
                                f"factor")
-        bound = config.clip_bounds[config.group_of(name)]
+        bound = config.clip_bounds[config.group_of(name)] if adaptive is None else adaptive
         for c in mine:
             if bound_of[factor_of[c]] != bound:
                 raise PrivacyError(f"the gradient of parameter '{name}' is clipped to "
@@ -393,7 +397,9 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
             raise PrivacyError(f"no noise is added to the gradient of parameter '{name}'")
         for s in scales:
             noise_src, std = s.args
-            if std != config.noise_std:
+            if adaptive is not None:
+                _check_adaptive_std(name, std, adaptive, config)
+            elif std != config.noise_std:
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
             noise_slices.append((name, _noise_slice(name, noise_src)))
@@ -407,8 +413,88 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
             if start < end:
                 raise PrivacyError(f"parameters '{first}' and '{second}' share the noise of sum "
                                    f"{index - 1} of {call.name}")
+    if adaptive is not None:
+        slice_ = _check_count(graph, adaptive, config, an)
+        if slice_ is not None:
+            noise_slices.append(("<the count of unclipped examples>", slice_))
     _check_disjoint(noise_slices)
     _check_no_other_batch_mixing(gm, an)
+
+
+# Note [The adaptive bound is proven as an input]
+# Under clipping="adaptive" (Note [Adaptive clipping] in privacy/adaptive.py) C_t is no constant
+# of the graph: it is the graph's last input, tagged "clip_bound", which the backend fills with
+# the step's bound. The proof is the flat one with that input in place of the constant: every
+# clip factor is where(isfinite(norm), min(1, C_t / (norm + eps)), 0) of that very input, so an
+# example's contribution has norm at most C_t whatever the norms and whatever C_t is; every
+# noise_scale multiplies its standard normals by mul(C_t, sigma_grad), the same input times the
+# configured sigma_grad; and the graph's last output releases the count of unclipped examples
+# as sum_i (float(b_i) - 1/2) for a per-example bool b_i (each term +-1/2: sensitivity 1/2), plus
+# sigma_b times one more entry of the step's draw, shared with no parameter (noise="optimizer":
+# the raw count, noised by DPOptimizer). A factor or a noise that reads any other tensor, a
+# second bound input, or a bound that is not the last input (the backend appends C_t last) is
+# refused. (tests/passes/test_adaptive_clipping.py)
+def _adaptive_bound(graph: fx.Graph) -> fx.Node:
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    bounds = [p for p in placeholders if p.meta.get("dpfx") == "clip_bound"]
+    val = bounds[0].meta.get("val") if len(bounds) == 1 else None
+    if len(bounds) != 1 or bounds[0] is not placeholders[-1] or \
+            not isinstance(val, torch.Tensor) or val.dim() != 0 or val.dtype != torch.float32:
+        raise PrivacyError("clipping='adaptive': the backward graph must read C_t from one 0-d "
+                           "float32 input, its last, tagged clip_bound")
+    return bounds[0]
+
+
+def _check_adaptive_std(name: str, std, bound: fx.Node, config: DPConfig) -> None:
+    if not (isinstance(std, fx.Node) and std.target is aten.mul.Tensor and not std.kwargs
+            and len(std.args) == 2 and std.args[0] is bound
+            and std.args[1] == config.grad_noise_multiplier):
+        raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma_grad*C_t)^2) "
+                           f"with C_t the graph's clip_bound input and sigma_grad = "
+                           f"{config.grad_noise_multiplier}: its scale is {std}")
+
+
+def _check_count(graph: fx.Graph, bound: fx.Node, config: DPConfig, an: BatchAnalysis):
+    """The graph's last output is the count of unclipped examples as Note [The adaptive bound
+    is proven as an input] says; returns its noise slice (None for noise="optimizer")."""
+    def refuse(why: str):
+        raise PrivacyError(f"clipping='adaptive': the count of unclipped examples {why}")
+
+    outs = graph.find_nodes(op="output")[0].args[0]
+    out = outs[-1] if isinstance(outs, (tuple, list)) and outs else None
+    counts = _tagged(graph, "unclipped_count")
+    if not isinstance(out, fx.Node) or len(counts) != 1:
+        refuse("is not the graph's last output, one tagged sum")
+    count = counts[0]
+    x = count.args[0] if count.target is aten.sum.dim_IntList and list(count.args[1:]) == [[0]] \
+        and not count.kwargs else None
+    ok = isinstance(x, fx.Node) and x.target is aten.sub.Tensor and x.args[1] == 0.5 \
+        and not x.kwargs
+    ones = x.args[0] if ok else None
+    ok = ok and isinstance(ones, fx.Node) and \
+        ones.target is prims.convert_element_type.default and ones.args[1] == torch.float32
+    flags = ones.args[0] if ok else None
+    val = flags.meta.get("val") if isinstance(flags, fx.Node) else None
+    if not (ok and isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 1
+            and an.size(val.shape[0]) == an.batch):
+        refuse(f"{count.name} is not sum_i (float(b_i) - 1/2) of one bool b_i per example")
+    if flags.target is not aten.logical_and.default or \
+            flags.args[0].meta.get("dpfx") != "finite_examples" or \
+            flags.args[1].target is not aten.le.Tensor or flags.args[1].args[1] is not bound \
+            or flags.args[1].args[0] is not flags.args[0].args[0].args[0]:
+        refuse(f"{flags.name} is not isfinite(norm) & (norm <= C_t) of the clip_bound input")
+    if config.noise == "optimizer":
+        if out is not count:
+            refuse("is not the graph's last output, for dpfx.DPOptimizer to noise")
+        return None
+    scaled = out.args[1] if out.target is aten.add.Tensor and len(out.args) == 2 \
+        and out.args[0] is count and not out.kwargs else None
+    if not (isinstance(scaled, fx.Node) and scaled.meta.get("dpfx") == "count_noise_scale"
+            and scaled.target is aten.mul.Tensor and len(scaled.args) == 2
+            and scaled.args[1] == config.count_noise_multiplier):
+        refuse(f"released as {out.name} is not count + N(0, sigma_b^2), sigma_b = "
+               f"{config.count_noise_multiplier}")
+    return _noise_slice("<the count of unclipped examples>", scaled.args[0])
 
 
 def _release_ancestors(g: nx.DiGraph, out: fx.Node, memo: dict | None = None) -> set[fx.Node]:
@@ -659,7 +745,8 @@ def _size_expr(x) -> sympy.Expr:
 def _check_no_other_batch_mixing(gm: fx.GraphModule, an: BatchAnalysis) -> None:
     """After the rewrite, the clipped sums are the only ops that may combine examples: a rule
     that read a batch-wide value (a count over the whole batch, say) would leak through it."""
-    mixing = mixing_ops(gm, an.rerun(gm.graph), skip={"clipped_sum", "block_clip"})
+    mixing = mixing_ops(gm, an.rerun(gm.graph), skip={"clipped_sum", "block_clip",
+                                                       "unclipped_count"})
     if mixing:
         raise PrivacyError(
             "the rewritten backward graph combines examples outside the clipped sums:\n  - "
@@ -738,15 +825,17 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
     return applies[0]
 
 
-def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> float:
+def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph,
+                       adaptive: fx.Node | None = None) -> float | fx.Node:
     """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), or for automatic
     clipping where(isfinite(norm), C / (norm + gamma), 0) (Note [Clip functions] in config.py),
     with ``norm`` the per-sample norms, isfinite written abs(norm) < inf, eps the configured
     constant added to that very norm, and C one of the configured bounds; returns C. Either form
     scales an example of norm n to n * factor <= C: the clamp bounds the first, gamma > 0 the
     second, and any other denominator (a norm scaled down, a constant of the wrong sign) could
-    let an example past C."""
-    bounds = set(config.clip_bounds.values())
+    let an example past C. Under adaptive clipping C is the ``adaptive`` input itself (Note [The
+    adaptive bound is proven as an input])."""
+    bounds = set(config.clip_bounds.values()) if adaptive is None else {adaptive}
     automatic = config.clipping == "automatic"
     ok = factor.target is aten.where.self and _is_zero(factor.args[2])
     keep, scale = factor.args[:2] if ok else (None, None)
@@ -759,7 +848,8 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> floa
     else:
         ok = ok and scale.target is aten.clamp_max.default and scale.args[1] == 1.0
         ratio = scale.args[0] if ok else None
-    ok = ok and ratio.target is aten.mul.Tensor and ratio.args[1] in bounds
+    ok = ok and ratio.target is aten.mul.Tensor and any(ratio.args[1] is b or (
+        adaptive is None and ratio.args[1] == b) for b in bounds)
     inverse = ratio.args[0] if ok else None
     ok = ok and isinstance(inverse, fx.Node) and inverse.target is aten.reciprocal.default
     denom = inverse.args[0] if ok else None
@@ -768,7 +858,7 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph) -> floa
     if not ok:
         form = ("C / (norm + gamma)" if automatic else "min(1, C / (norm + eps))")
         raise PrivacyError(f"the clip factor is not where(isfinite(norm), {form}, 0) of the "
-                           f"per-sample norms with C in {sorted(bounds)} and "
+                           f"per-sample norms with C in {sorted(map(str, bounds))} and "
                            f"{'gamma' if automatic else 'eps'} = {config.clip_eps}")
     return ratio.args[1]
 

@@ -209,7 +209,7 @@ def test_the_clamped_form_under_automatic_is_refused():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(clipping="adaptive"), "clipping must be one of"),
+    (dict(clipping="quantile"), "clipping must be one of"),
     (dict(clipping="flat", max_grad_norm={"": 1.0}), "clipping='flat' takes one bound"),
     (dict(clipping="per_layer"), "clipping='per_layer' takes max_grad_norm as a dict"),
     (dict(clipping="automatic", clipping_gamma=0.0), "clipping_gamma must be"),
