@@ -591,12 +591,18 @@ class BlockCall:
         self.signature = signature
         self.block = block      # a reference cycle the module's own collection frees
         self.num_outputs = kernels(key).num_outputs
+        # Where each parameter and buffer lives, in named_parameters()'s order, found once: the
+        # model's capture traces this call once per layer, and a walk of the module tree per
+        # call is what dynamo spends its time on.
+        named = list(block.named_parameters())
+        self.trainable = [_slot(block, n) for n, p in named if p.requires_grad]
+        self.frozen = [_slot(block, n) for n, p in named if not p.requires_grad]
+        self.buffers = [_slot(block, n) for n, _ in block.named_buffers()]
 
     def __call__(self, *args, **kwargs):
         block = self.block
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaves = _without_empty_caches(leaves, block)
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
         if constants != self.constants:
@@ -604,11 +610,21 @@ class BlockCall:
                 f"dpfx: block {type(block).__name__} is called with arguments other than those "
                 f"it was compiled for ({_describe(leaves)}; compiled for "
                 f"{_describe(self.constants)}); compile without blocks")
-        params = [p for _, p in block.named_parameters() if p.requires_grad]
-        constants = [t for _, t in block.named_parameters() if not t.requires_grad] + \
-            [b for _, b in block.named_buffers()]
-        outs = torch.ops.dpfx.block_fwd(self.key, tensors + params + constants)
+        params = [getattr(m, a) for m, a in self.trainable]
+        frozen = [getattr(m, a) for m, a in self.frozen]
+        if not all(p.requires_grad for p in params) or any(p.requires_grad for p in frozen):
+            raise CaptureError(
+                f"dpfx: a parameter of block {type(block).__name__} changed requires_grad since "
+                f"the block was compiled; compile the model again")
+        buffers = [getattr(m, a) for m, a in self.buffers]
+        outs = torch.ops.dpfx.block_fwd(self.key, tensors + params + frozen + buffers)
         return pytree.tree_unflatten(list(outs[:self.num_outputs]), self.out_spec)
+
+
+def _slot(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """(the module that holds ``name``, its attribute name)."""
+    path, _, attr = name.rpartition(".")
+    return block.get_submodule(path), attr
 
 
 def install(block: torch.nn.Module, key: str, out_spec, leaves: list) -> None:

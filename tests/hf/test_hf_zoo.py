@@ -302,3 +302,38 @@ def test_zoo(name):
             for k in want:
                 torch.testing.assert_close(got[k], want[k], **tol,
                                            msg=lambda m: f"{backend} B={y.shape[0]} {k}: {m}")
+
+
+# Per-block private graphs (docs/blocks.md): the same zoo with blocks="auto", through Inductor
+# with the self-check on, against the same reference. An architecture whose blocks dpfx refuses
+# is listed with its error; all run in `make test-all` (each compiles its block and the model).
+BLOCKS_XFAIL = {**XFAIL}
+
+
+def _block_marks(name):
+    marks = [pytest.mark.slow]
+    if name in BLOCKS_XFAIL:
+        error, reason = BLOCKS_XFAIL[name]
+        marks.append(pytest.mark.xfail(strict=True, raises=error, reason=reason))
+    return marks
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_block_marks(n)) for n in ZOO])
+def test_zoo_blocks(name):
+    case = ZOO[name]
+    torch.manual_seed(0)
+    model = case.build().train()
+    g = torch.Generator().manual_seed(1)
+    batches = [case.inputs(3, g), case.inputs(1, g)]
+    if case.warm:
+        with torch.no_grad():
+            model(**batches[1][0], **case.static)
+    wants = [reference(model, case, kw, y, C) for kw, y in batches]
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, blocks="auto")
+    for (kw, y), (want, _) in zip(batches, wants):
+        got = run(dp, model, case, kw, y)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], **(case.tol or TOL),
+                                       msg=lambda m: f"blocks B={y.shape[0]} {k}: {m}")
+    assert dp._blocks, "blocks='auto' found no block"
