@@ -457,8 +457,7 @@ def _unaliased(outs, inputs) -> list:
     for o in outs:
         key = _storage(o)
         if key in seen:     # the same strides: the graphs that read it were compiled so
-            o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
-                                    device=o.device).copy_(o)
+            o = _laid_out(o, o.stride())
             key = _storage(o)
         seen.add(key)
         result.append(o)
@@ -523,23 +522,31 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
     def split_fw(outs):
         return list(outs[:num_outputs]) + [outs[i] for i in c.saved]
 
+    fw_strides = _strides_of(c.fw_fake)
+    a_strides = _strides_of(c.part_a_fake)
+    b_strides = _strides_of(c.part_b_fake)
+
     def forward(args):
-        return _unaliased(split_fw(c.fw_compiled(fw_inputs(args))), args)
+        inputs = _conformed(fw_inputs(args), fw_strides, _batch_of(args, batched))
+        return _unaliased(split_fw(c.fw_compiled(inputs)), args)
 
     def fake_forward(args):
         return _unaliased(split_fw(c.fw_fake(*fw_inputs(args))), args)
 
-    def a_inputs(reads):
-        batch = None
+    def a_batch(reads):
         for r, t in zip(op_reads, reads):
             if r[0] == "grad" and t.dim():
-                batch = t.shape[0]
-                break
+                return t.shape[0]
+        return None
+
+    def a_inputs(reads):
+        batch = a_batch(reads)
         it = iter(reads)
         return [_evaluate(r[1], batch) if r[0] == "size" else next(it) for r in c.reads]
 
     def backward(reads):
-        return _unaliased(c.part_a(a_inputs(reads)), reads)
+        inputs = _conformed(a_inputs(reads), a_strides, a_batch(reads))
+        return _unaliased(c.part_a(inputs), reads)
 
     def fake_backward(reads):
         return _unaliased(c.part_a_fake(*a_inputs(reads)), reads)
@@ -553,7 +560,8 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
         return [o.to(c.param_dtypes[n]) for o, n in zip(outs, params)]
 
     def clip(coefs, keeps, operands):
-        return _unaliased(c.part_b(b_inputs(coefs, keeps, operands)), operands)
+        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides, coefs[0].shape[0])
+        return _unaliased(c.part_b(inputs), operands)
 
     def fake_clip(coefs, keeps, operands):
         return _unaliased(c.part_b_fake(*b_inputs(coefs, keeps, operands)), operands)
@@ -580,6 +588,42 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
                        kind == "in" and op_reads[i][0] == "arg" and op_reads[i][1] >= num_inputs
                        for kind, i in sources),
                    forward_layouts=c.fw_layouts, backward_layouts=result.layouts)
+
+
+# Note [A block's inputs in the layouts it was compiled for]
+# Inductor compiles each of a block's graphs for its inputs' strides and asserts them on every
+# call. What reaches a block op at run time need not have them: the model's graph may hand over
+# a view (GPT-J's rotary table, a slice of a wider tensor) or a gradient in another layout than
+# the capture's example. Each tensor input whose strides differ (in a dim of size > 1) from those
+# of its graph's placeholder, evaluated at the call's batch size, is copied into them first.
+def _strides_of(gm: fx.GraphModule) -> list:
+    """Each placeholder's strides as polynomials in the batch symbol (None: not a tensor)."""
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        out.append([_size_expr(x) for x in val.stride()]
+                   if isinstance(val, torch.Tensor) else None)
+    return out
+
+
+def _conformed(inputs: list, strides: list, batch) -> list:
+    out = []
+    for t, want in zip(inputs, strides):
+        if want is not None and isinstance(t, torch.Tensor) and t.dim() and \
+                (batch is not None or not any(e.free_symbols for e in want)):
+            want = [_evaluate(e, batch) for e in want]
+            if any(n > 1 and s != w for n, s, w in zip(t.shape, t.stride(), want)):
+                t = _laid_out(t, want)
+        out.append(t)
+    return out
+
+
+def _laid_out(t: torch.Tensor, strides) -> torch.Tensor:
+    """A copy of ``t`` with ``strides``; a dim of stride 0 is a broadcast, read at its first
+    entry (what code compiled for that layout reads)."""
+    small = t[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides)]
+    out = torch.empty_strided(small.shape, strides, dtype=t.dtype, device=t.device)
+    return out.copy_(small).expand(t.shape)
 
 
 class BlockCall:
