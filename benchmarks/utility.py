@@ -270,7 +270,7 @@ def report(results: dict, args, minutes: float) -> str:
                          f"| {_cell(row)} | {row['epsilon']:.3f} |")
         if "bounds" in r["adaptive"]:
             bounds = ", ".join(f"{b:.3f}" for b in r["adaptive"]["bounds"])
-            lines.append(f"")
+            lines.append("")
             lines.append(f"{task}: adaptive clipping's last bound C_t per seed: {bounds}.")
             lines.append("")
     return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
