@@ -237,13 +237,13 @@ def _cell(row) -> str:
     return f"{row['mean']:.3f} ± {row['std']:.3f}"
 
 
-def report(results: dict, args, minutes: float) -> str:
+def report(results: dict, args, minutes: float, commit: str) -> str:
     lines = [
         "# Utility at epsilon 3",
         "",
         f"`python benchmarks/utility.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`"
-        f" ({minutes:.1f} min); {datetime.date.today().isoformat()}, commit {_commit()}, "
-        f"{_machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
+        f" ({minutes:.1f} min); {datetime.date.today().isoformat()}, commit {commit}, "
+        f"{_machine()}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
         f"backend {args.backend}. Method and tasks: the script's docstring.",
         "",
         f"Test accuracy, mean ± std over {args.seeds} seeds; epsilon at delta {DELTA:g} "
@@ -268,12 +268,11 @@ def report(results: dict, args, minutes: float) -> str:
             lines.append(f"| {task} (train {row['n']}, test {row['test']}) | {row['label']} "
                          f"| {row['q']:.4f} | {row['steps']} | {row['sigma']:.3f} | {accs} "
                          f"| {_cell(row)} | {row['epsilon']:.3f} |")
-        if "bounds" in r["adaptive"]:
-            bounds = ", ".join(f"{b:.3f}" for b in r["adaptive"]["bounds"])
-            lines.append("")
-            lines.append(f"{task}: adaptive clipping's last bound C_t per seed: {bounds}.")
-            lines.append("")
-    return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
+    lines.append("")
+    for task, r in results.items():
+        bounds = ", ".join(f"{b:.3f}" for b in r["adaptive"]["bounds"])
+        lines.append(f"- {task}: adaptive clipping's last bound C_t, per seed: {bounds}.")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -290,12 +289,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
-    start = time.perf_counter()
+    start, commit = time.perf_counter(), _commit()
     results = {}
     for task in args.tasks:
         print(f"{task}:", flush=True)
         results[task] = task_rows(task, args)
-    text = report(results, args, (time.perf_counter() - start) / 60)
+    text = report(results, args, (time.perf_counter() - start) / 60, commit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
