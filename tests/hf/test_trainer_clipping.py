@@ -162,14 +162,15 @@ class _BoundAtEachStep(transformers.TrainerCallback):
 
 
 def test_adaptive_bound_is_saved_and_resumed(tmp_path):
-    """With noise: a run stopped at its checkpoint after 2 steps saved C_2 (optimizer.pt's
+    """With noise: a run stopped at its checkpoint after 1 step saved C_1 (optimizer.pt's
     DPOptimizer state, and dp_accountant.json); a fresh DPTrainer resumed from it starts its
-    third step at C_2, not at C_0, and ends with 4 updates of the bound."""
+    second step at C_1, not at C_0, and ends with 2 updates of the bound."""
     def run(resume=None, stop_at=None):
         torch.manual_seed(0)
         trainer = hf.DPTrainer(
-            model=gpt2(), args=args(tmp_path, max_steps=4, save_strategy="steps",
-                                    save_steps=2),
+            model=gpt2(), args=args(tmp_path, max_steps=2, save_strategy="steps",
+                                    save_steps=1, per_device_train_batch_size=4,
+                                    gradient_accumulation_steps=1),
             train_dataset=lm_data(16, seed=1), max_grad_norm=1.0, noise_multiplier=1.0,
             clipping="adaptive", count_noise_multiplier=2.0, clip_lr=ETA,
             dp_kwargs={"backend": "eager"})
@@ -179,20 +180,19 @@ def test_adaptive_bound_is_saved_and_resumed(tmp_path):
             trainer.train(resume_from_checkpoint=resume)
         return trainer, seen.bounds
 
-    stopped, bounds = run(stop_at=2)
+    stopped, bounds = run(stop_at=1)
     saved = stopped.model.adaptive_clip.bound
-    assert stopped.model.adaptive_clip.steps == 2 and len(bounds) == 2
-    assert bounds[0] == 1.0 and saved != 1.0
-    folder = tmp_path / "checkpoint-2"
+    assert stopped.model.adaptive_clip.steps == 1 and bounds == [1.0] and saved != 1.0
+    folder = tmp_path / "checkpoint-1"
     with open(folder / hf.ACCOUNTANT_FILE) as f:
         assert json.load(f)["adaptive_clip"]["bound"] == saved
     state = torch.load(folder / "optimizer.pt", weights_only=False)
-    assert state["adaptive_clip"]["bound"] == saved and state["adaptive_clip"]["steps"] == 2
+    assert state["adaptive_clip"]["bound"] == saved and state["adaptive_clip"]["steps"] == 1
 
     resumed, bounds = run(resume=str(folder))
-    assert bounds[0] == saved                   # the third step clips to the checkpoint's C_2
-    assert resumed.model.adaptive_clip.steps == 4
-    assert resumed.accountant.steps == 4
+    assert bounds == [saved]                    # the second step clips to the checkpoint's C_1
+    assert resumed.model.adaptive_clip.steps == 2
+    assert resumed.accountant.steps == 2
 
 
 def test_refused_before_the_model_is_touched(tmp_path):
