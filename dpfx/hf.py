@@ -35,6 +35,13 @@ schedules, saving stay Trainer's):
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
+``clipping=`` picks the clip function as ``dpfx.compile``'s does ("flat", "per_layer", "automatic",
+"adaptive", with ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
+``count_noise_multiplier``): under "adaptive" the bound C_t starts at ``max_grad_norm``, moves
+after each optimizer step (the count of unclipped examples summed over the step's physical
+batches and noised once, by ``DPOptimizer``), and is saved in Trainer's ``optimizer.pt`` and in
+``dp_accountant.json``, so a resumed run continues from the checkpoint's C_t.
+
 With ``user_column=`` (or ``user_ids=``) and ``max_examples_per_user=``, the unit is the user:
 users are sampled, up to k examples each, the model runs under ``per_user``, each user's
 gradient is clipped as one and epsilon is per user (Note [DPTrainer at the user level] in
@@ -67,7 +74,8 @@ from dpfx.hf_ranks import broadcast_from_rank0, check_launch
 from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_train_loader
 from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size, poisson_loader
-from dpfx.errors import PrivacyError
+from dpfx.config import AUTOMATIC_GAMMA, DPConfig
+from dpfx.errors import OptionError, PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
@@ -77,6 +85,9 @@ from dpfx.privacy.ledger import recorded as ledger_recorded
 from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
 
 ACCOUNTANT_FILE = "dp_accountant.json"
+# DPTrainer's own arguments that go to dpfx.compile, refused in dp_kwargs
+CLIPPING_OPTIONS = ("clipping", "clipping_gamma", "target_quantile", "clip_lr",
+                    "count_noise_multiplier")
 LEDGER_FILE = "privacy.ledger"
 
 
@@ -84,7 +95,15 @@ class DPTrainer(Trainer):
     """``transformers.Trainer`` that trains with DP-SGD (see the module's docstring).
 
     ``max_grad_norm``: the per-example clipping bound C (TrainingArguments' own max_grad_norm,
-    a clip of the summed gradient, is turned off). Give exactly one of ``noise_multiplier`` or
+    a clip of the summed gradient, is turned off); under ``clipping="adaptive"`` its initial
+    value C_0. ``clipping``, ``clipping_gamma``, ``target_quantile``, ``clip_lr`` and
+    ``count_noise_multiplier``: the clip function, as ``dpfx.compile``'s ("flat" by default,
+    "per_layer" for a dict of bounds, "automatic": C / (||g|| + clipping_gamma), "adaptive":
+    C_t follows the ``target_quantile`` of the per-example norms at rate ``clip_lr``, the count
+    noised with std ``count_noise_multiplier``, required with noise and above sigma / 2; it
+    costs no epsilon beyond sigma's: docs/options.md). Adaptive clipping over several
+    processes, a ``fully_shard``ed model or ``blocks=`` is refused before the model is
+    touched. Give exactly one of ``noise_multiplier`` or
     ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
     at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
     tests and replayable runs; by default each run samples afresh). ``ledger``: the privacy
@@ -106,7 +125,9 @@ class DPTrainer(Trainer):
                  sampler_generator: torch.Generator | None = None,
                  ledger: str | bool | None = True, dp_kwargs: dict | None = None,
                  user_column: str | None = None, user_ids=None,
-                 max_examples_per_user: int | None = None, **kwargs):
+                 max_examples_per_user: int | None = None, clipping: str | None = None,
+                 clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
+                 clip_lr: float = 0.2, count_noise_multiplier: float | None = None, **kwargs):
         if model is None:
             raise ValueError("DPTrainer needs the model (model_init is not supported: the "
                              "compiled model and the accountant are made once)")
@@ -117,7 +138,8 @@ class DPTrainer(Trainer):
         if train is None or not hasattr(train, "__len__") or len(train) == 0:
             raise ValueError("DPTrainer needs a non-empty map-style train_dataset: Poisson "
                              "sampling draws each example independently")
-        misplaced = sorted({"user_ids", "user_column", "max_examples_per_user"} & set(dp_kwargs or {}))
+        misplaced = sorted({"user_ids", "user_column", "max_examples_per_user", *CLIPPING_OPTIONS}
+                           & set(dp_kwargs or {}))
         if misplaced:
             raise ValueError(f"pass {', '.join(misplaced)} to DPTrainer itself, not in dp_kwargs "
                              f"(which go to dpfx.compile)")
@@ -159,6 +181,11 @@ class DPTrainer(Trainer):
                 sample_rate=self.sample_rate, steps=self.planned_steps(args),
                 accountant=accountant)
         self.noise_multiplier = privacy._check_noise_multiplier(noise_multiplier)
+        clip_options = dict(clipping=clipping, clipping_gamma=clipping_gamma,
+                            target_quantile=target_quantile, clip_lr=clip_lr,
+                            count_noise_multiplier=count_noise_multiplier)
+        _check_clipping(model, max_grad_norm, self.noise_multiplier, clip_options, self.world,
+                        dp_kwargs or {})
         if secure_mode and sampler_generator is not None:
             raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
                              "would make them replayable")
@@ -174,7 +201,7 @@ class DPTrainer(Trainer):
             _enable_checkpointing(model, args)
         self._compile_settings = dict(max_grad_norm=max_grad_norm,
                                       expected_batch_size=expected_batch_size(n, self.sample_rate),
-                                      noise="optimizer", **(dp_kwargs or {}))
+                                      noise="optimizer", **clip_options, **(dp_kwargs or {}))
         dp_model = dp_compile(model if self.users is None else per_user(model),
                               noise_multiplier=self.noise_multiplier, **self._compile_settings)
         if ledger is True:
@@ -417,11 +444,13 @@ class _CheckpointAccountant(TrainerCallback):
         trainer = self.trainer
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.should_save and os.path.isdir(folder):     # rank 0 writes the shared file
+            clip = getattr(trainer.model, "adaptive_clip", None)
             record = {"accountant": trainer.accountant.state_dict(),
                       "noise_multiplier": trainer.noise_multiplier,
                       "sample_rate": trainer.sample_rate, "delta": trainer.delta,
                       "privacy_unit": trainer.privacy_unit,
-                      "epsilon": trainer.get_epsilon(), "steps": trainer.accountant.steps}
+                      "epsilon": trainer.get_epsilon(), "steps": trainer.accountant.steps,
+                      "adaptive_clip": None if clip is None else clip.state_dict()}
             tmp = os.path.join(folder, ACCOUNTANT_FILE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(record, f, indent=1)
@@ -429,6 +458,22 @@ class _CheckpointAccountant(TrainerCallback):
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(folder, ACCOUNTANT_FILE))
         return control
+
+
+def _check_clipping(model, max_grad_norm, sigma: float, options: dict, world: int,
+                    dp_kwargs: dict) -> None:
+    """The clipping options validated as ``dpfx.compile`` will (``DPConfig``), and what it or
+    ``DPOptimizer`` would refuse later, before the model is broadcast, checkpointed or compiled."""
+    config = DPConfig(max_grad_norm=max_grad_norm, noise_multiplier=sigma, **options)
+    if not config.adaptive:
+        return
+    where = ("several processes" if world > 1 else "a model sharded by fully_shard"
+             if fsdp.units(model) else "blocks=" if dp_kwargs.get("blocks") is not None else None)
+    if where is not None:
+        raise OptionError(f"clipping='adaptive' is not supported with {where} yet (the count of "
+                          f"unclipped examples is not reduced across ranks or blocks): train with "
+                          f"clipping='flat' or 'automatic'"
+                          + (", or on one process" if world > 1 else ""))
 
 
 def _checkpointing_fields(args) -> list[str]:
