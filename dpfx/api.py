@@ -561,9 +561,6 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     if config.adaptive and blocks is not None:
         raise OptionError("clipping='adaptive' with blocks= is not supported yet: compile "
                           "without blocks (or with clipping='flat')")
-    if config.adaptive and units:
-        raise OptionError("clipping='adaptive' with a model sharded by fully_shard is not "
-                          "supported yet: compile with clipping='flat'")
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
     if not units:

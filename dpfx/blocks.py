@@ -662,7 +662,9 @@ class BlockCall:
                 f"the block was compiled; compile the model again")
         buffers = [getattr(m, a) for m, a in self.buffers]
         outs = torch.ops.dpfx.block_fwd(self.key, tensors + params + frozen + buffers)
-        return pytree.tree_unflatten(list(outs[:self.num_outputs]), self.out_spec)
+        it = iter(outs[:self.num_outputs])
+        return pytree.tree_unflatten(
+            [next(it) if x is _TENSOR else x for x in self.out_constants], self.out_spec)
 
 
 def _slot(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -671,11 +673,20 @@ def _slot(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return block.get_submodule(path), attr
 
 
-def install(block: torch.nn.Module, key: str, out_spec, leaves: list) -> None:
+def install(block: torch.nn.Module, key: str, out, leaves: list) -> None:
     """``block(...)`` calls the compiled block ``key`` from now on (``uninstall`` undoes it).
-    ``leaves``: an example call's flattened arguments (its tensors stand for any tensor)."""
+    ``leaves``: an example call's flattened arguments (its tensors stand for any tensor);
+    ``out``: the example call's flattened outputs and their spec. An output that is not a
+    tensor (``None`` for attention weights not asked for) is no output of the block's graph:
+    it is returned as the example returned it."""
+    out_leaves, out_spec = out
     call = BlockCall(block, key, ())
     call.out_spec = out_spec
+    call.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
+    tensors = sum(1 for x in out_leaves if isinstance(x, torch.Tensor))
+    if tensors != call.num_outputs:
+        raise CaptureError(f"dpfx: block {type(block).__name__} returns {tensors} tensors, its "
+                           f"compiled graph {call.num_outputs}; compile without blocks")
     call.constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
     block.forward = call
 
@@ -735,7 +746,7 @@ def select(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.Module]]:
             found = [(n, m) for n, m in named if n and _is_fsdp_unit(m)]
         if not found:
             for n, m in named:
-                if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 \
+                if isinstance(m, torch.nn.ModuleList) and len(m) >= 1 \
                         and len({type(c) for c in m}) == 1 and len(m) > len(found) \
                         and any(True for _ in m[0].parameters()):
                     found = [(f"{n}.{i}" if n else str(i), c) for i, c in enumerate(m)]
@@ -858,13 +869,13 @@ def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: D
             if signature not in keys:
                 keys[signature] = compile_block(block, a, kw, batched, config)
             with torch.no_grad():
-                out_spec = pytree.tree_flatten(block(*a, **kw))[1]
+                out_leaves, out_spec = pytree.tree_flatten(block(*a, **kw))
             key = keys[signature]
             place = placed.get(id(block))
             if place is not None:
                 key = f"{key}#{place.name}"
                 PLACES[key] = place
-            install(block, key, out_spec, leaves3)
+            install(block, key, (out_leaves, out_spec), leaves3)
             installed.append(block)
     except BaseException:
         for block in installed:

@@ -467,13 +467,9 @@ def _check_clipping(model, max_grad_norm, sigma: float, options: dict, world: in
     config = DPConfig(max_grad_norm=max_grad_norm, noise_multiplier=sigma, **options)
     if not config.adaptive:
         return
-    where = ("several processes" if world > 1 else "a model sharded by fully_shard"
-             if fsdp.units(model) else "blocks=" if dp_kwargs.get("blocks") is not None else None)
-    if where is not None:
-        raise OptionError(f"clipping='adaptive' is not supported with {where} yet (the count of "
-                          f"unclipped examples is not reduced across ranks or blocks): train with "
-                          f"clipping='flat' or 'automatic'"
-                          + (", or on one process" if world > 1 else ""))
+    if dp_kwargs.get("blocks") is not None:
+        raise OptionError("clipping='adaptive' is not supported with blocks= yet: train with "
+                          "clipping='flat' or 'automatic', or without blocks")
 
 
 def _checkpointing_fields(args) -> list[str]:

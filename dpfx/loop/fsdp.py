@@ -174,13 +174,14 @@ class Sharding:
             (name, tuple(p.shape), str(p.dtype), repr(p.placements)) for name, p in named])
             .encode()).hexdigest()
 
-    def reduce_scatter(self, sums: dict, examples: int, device
-                       ) -> tuple[dict[str, torch.Tensor], int]:
+    def reduce_scatter(self, sums: dict, counts: torch.Tensor, device
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """This rank's coordinates of the sum over ranks of each clipped sum (float32, padded to
-        the parameter's largest chunk), and the examples of every rank. A block's sums were
+        the parameter's largest chunk), and the sum over ranks of ``counts`` (this rank's
+        example count last; every rank receives the totals). A block's sums were
         reduce-scattered in the backward (``early``); the rest go in one collective."""
         late = [layout for layout in self._layouts if layout.name not in self.early]
-        row = sum(layout.padded for layout in late) + 1      # + the example count
+        row = sum(layout.padded for layout in late) + counts.numel()
         rows = torch.zeros(self.world, row, dtype=torch.float32, device=device)
         offset = 0
         for layout in late:
@@ -188,7 +189,7 @@ class Sharding:
             if full is not None:
                 layout.lay_out(full, rows[:, offset:offset + layout.padded])
             offset += layout.padded
-        rows[:, -1] = float(examples)
+        rows[:, row - counts.numel():] = counts.to(device=device, dtype=torch.float32)
         mine = torch.empty(row, dtype=torch.float32, device=device)
         _reduce_scatter(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=self.group)
         out, offset = {}, 0
@@ -196,7 +197,7 @@ class Sharding:
             out[layout.name] = mine[offset:offset + layout.padded]
             offset += layout.padded
         out.update(self.early)
-        return out, int(round(float(mine[-1])))
+        return out, mine[row - counts.numel():]
 
     def write_grads(self, mine: dict[str, torch.Tensor], ledger) -> None:
         """Each sharded parameter's gradient: this rank's coordinates, as a DTensor with the

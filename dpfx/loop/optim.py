@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from dpfx.backend import DPBackend
 from dpfx.ops.noise import add_noise_keyed
-from dpfx.errors import OptionError, PrivacyError
+from dpfx.errors import PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
 from dpfx.loop.noise import add_gaussian_, noise_generator, secure_gaussian
 from dpfx.privacy import Accountant
@@ -104,10 +104,6 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.world > 1 and config.noise != "optimizer":
             raise ValueError("distributed training adds the noise once across ranks, at step(): "
                              "compile the model with dpfx.compile(..., noise='optimizer')")
-        if config.adaptive and (self.world > 1 or dp_model._sharding is not None):
-            raise OptionError("clipping='adaptive' is not supported with distributed or sharded "
-                              "training yet (the count of unclipped examples would need the "
-                              "clipped sums' all-reduce): compile with clipping='flat'")
         if self.world > 1 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None:
             raise ValueError("distributed training needs expected_batch_size (the global "
@@ -161,7 +157,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # Where the noise is added, fixed with the compiled model: in its backward graph (p.grad
         # is private when step() runs) or here, once per logical step
         self._noised_in_graph = config.noise == "graph"
-        self._privatize = (lambda: None) if self._noised_in_graph else \
+        self._privatize = (lambda count: count) if self._noised_in_graph else \
             self._write_private_grads if sharding is None else self._write_sharded_grads
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
@@ -266,7 +262,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
         examples, count = self.dp_model.examples, self._take_count()
-        self._privatize()
+        count = self._privatize(count)      # several ranks: the count goes with the sums
         self._adapt(count, examples)
         self._gate.close_step()
         self.original_optimizer.step()
@@ -314,22 +310,27 @@ class DPOptimizer(torch.optim.Optimizer):
             self.accountant.step(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
                                  sample_rate=self.sample_rate)
 
-    def _write_private_grads(self) -> None:
+    def _write_private_grads(self, count=None):
+        """The noised, divided clipped sums into p.grad. Returns the adaptive count still to be
+        noised (one process), or None when it went with the sums (several ranks)."""
         model, config = self.dp_model, self.dp_model.dp_config
         sums = model.clipped_sums
         if not self._named:
-            return
+            return count
         if self.world <= 1 and self._write_in_place(sums, config):
             model.reset_clipped_sums()
-            return
+            return count
         device = self._named[0][1].device
         examples = model.examples
-        # Several ranks: the example count travels in the same buffer, one collective.
-        count = [torch.tensor([float(examples)], device=device)] if self.world > 1 else []
+        # Several ranks: the example count (and under adaptive clipping the count of unclipped
+        # examples, noised on rank 0) travel in the same buffer, one collective.
+        tail = []
+        if self.world > 1:
+            tail = self._counts_to_send(count, examples, device)
         both = torch.cat([
             (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
-            for n, p in self._named] + count)
-        flat = both[:-1] if count else both
+            for n, p in self._named] + tail)
+        flat = both[:both.numel() - sum(t.numel() for t in tail)]
         if self.world <= 1 or rank_of(self.process_group) == 0:
             self._add_noise(flat, self._noise_std())
         if self.world > 1:
@@ -338,6 +339,8 @@ class DPOptimizer(torch.optim.Optimizer):
             except RuntimeError as e:
                 raise peer_error(self.steps, self.process_group, e) from e
             examples = int(both[-1].item())
+            self._counts_received(both[-2] if len(tail) == 2 else None, examples)
+            count = None
         flat /= self._denominator(examples)
         offset = 0
         for name, p in self._named:
@@ -346,6 +349,30 @@ class DPOptimizer(torch.optim.Optimizer):
             self._gate.ledger.released(name, p)     # the inner step's pre-hooks may edit it
             offset += n
         model.reset_clipped_sums()
+        return count
+
+    # Note [Adaptive clipping over several ranks]
+    # The count of unclipped examples is a sum over the global batch like the clipped sums: each
+    # rank's raw centered count travels in the sums' collective, rank 0 adding the count's noise
+    # N(0, sigma_b^2) once to its own (the same draw in every row of a reduce-scatter, so that
+    # every rank receives the same noised total), and every rank moves the bound from that total
+    # after the gradient's release: the ranks' bounds stay equal, and the count is noised once.
+    def _counts_to_send(self, count, examples: int, device) -> list:
+        tail = []
+        if self.dp_model.adaptive_clip is not None and not self._noised_in_graph:
+            mine = torch.zeros(1, dtype=torch.float32, device=device) if count is None else \
+                count.detach().to(device=device, dtype=torch.float32).reshape(1).clone()
+            if rank_of(self.process_group) == 0:
+                self._add_noise(mine, self.dp_model.adaptive_clip.count_noise_multiplier)
+            tail.append(mine)
+        tail.append(torch.tensor([float(examples)], device=device))
+        return tail
+
+    def _counts_received(self, noised_count, examples: int) -> None:
+        if noised_count is not None:
+            config = self.dp_model.dp_config
+            self.dp_model.adaptive_clip.released(float(noised_count),
+                                                 config.expected_batch_size or examples)
 
     # Note [The optimizer's noise added where the sums lie]
     # In one process on the CPU, each clipped sum is noised and divided in place by one call of
@@ -383,24 +410,29 @@ class DPOptimizer(torch.optim.Optimizer):
             self._gate.ledger.released(name, p)     # the inner step's pre-hooks may edit it
         return True
 
-    def _write_sharded_grads(self) -> None:
+    def _write_sharded_grads(self, count=None):
         """Note [Sharded DP-SGD] in loop/fsdp.py: one reduce-scatter of the clipped sums; this rank
-        noises and writes the coordinates it owns."""
+        noises and writes the coordinates it owns. The adaptive count goes with them (Note
+        [Adaptive clipping over several ranks])."""
         model, sharding = self.dp_model, self.dp_model._sharding
         sharding.release()
         if not self._named:
-            return
+            return count
         device = self._named[0][1].device
+        tail = self._counts_to_send(count, model.examples, device)
         try:
-            mine, examples = sharding.reduce_scatter(model.clipped_sums, model.examples, device)
+            mine, counts = sharding.reduce_scatter(model.clipped_sums, torch.cat(tail), device)
         except RuntimeError as e:
             raise peer_error(self.steps, sharding.group, e) from e
+        examples = int(round(float(counts[-1])))
+        self._counts_received(counts[0] if len(tail) == 2 else None, examples)
         divisor = self._denominator(examples)
         for name in sharding.names:          # this rank's coordinates, in one order on every rank
             self._add_noise(mine[name], self._noise_std())
             mine[name] /= divisor
         sharding.write_grads(mine, self._gate.ledger)
         model.reset_clipped_sums()
+        return None
 
     def _add_noise(self, flat: torch.Tensor, std: float) -> None:
         if std == 0:

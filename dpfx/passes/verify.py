@@ -46,7 +46,8 @@ import torch.fx as fx
 import dpfx.ops  # noqa: F401  (registers the dpfx:: ops the graphs hold)
 from dpfx.config import DPConfig
 from dpfx.errors import PrivacyError
-from dpfx.graph.batch import Ambiguous, BatchAnalysis, BatchDim, _nonnegative
+from dpfx.graph.batch import (Ambiguous, BatchAnalysis, BatchDim, _declared_layouts,
+                             _nonnegative)
 from dpfx.passes.indexing import index_problem
 
 aten = torch.ops.aten
@@ -110,6 +111,16 @@ def forward_problems(gm: fx.GraphModule, an: BatchAnalysis, skip: set = frozense
             for node, reason in mixing_ops(gm, an, skip=skip)]
 
 
+def _batch_free_block_output(node: fx.Node) -> bool:
+    """An output of a compiled block that the block's own analysis found batch-free (a buffer
+    it saves for its backward): the block's forward check proved that nothing in it reduced
+    over examples, so it holds no example's data."""
+    if node.target is not operator.getitem or not isinstance(node.args[1], int):
+        return False
+    declared = _declared_layouts(node.args[0])
+    return declared is not None and declared[node.args[1]] is None
+
+
 def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tuple]:
     """(node, reason) for every op that combines examples, except nodes tagged in ``skip``."""
     found = []
@@ -121,7 +132,7 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
         if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):
             continue
         if not an.is_batched(node):
-            if not attention_side_output(node):   # Note [Attention kernels keep the ...]
+            if not attention_side_output(node) and not _batch_free_block_output(node):
                 found.append((node, "reduces over the batch dim"))
             continue
         lay = an.layout(node)
