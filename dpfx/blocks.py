@@ -312,7 +312,14 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, DPFXError):
                 raise e.inner_exception.with_traceback(None) from None
-            raise
+            raise CaptureError(
+                f"dpfx: block {type(block).__name__} could not be compiled "
+                f"({type(e.inner_exception).__name__}: {_first_line(e.inner_exception)}); "
+                f"compile without blocks") from e
+        except torch._dynamo.exc.Unsupported as e:
+            raise CaptureError(
+                f"dpfx: block {type(block).__name__} could not be captured as one graph "
+                f"({_first_line(e)}); compile without blocks") from e
     if getattr(capture, "result", None) is None:
         raise CaptureError(f"dpfx: dynamo did not hand block {type(block).__name__} to dpfx's "
                            f"compiler (a graph break or a cache entry of another compile); "
@@ -331,6 +338,10 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
                     capture.fw_info.batch_symbols)
     KERNELS[key] = kernels
     return key
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # Note [A block's key names its graphs]
@@ -531,7 +542,8 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
         return _unaliased(split_fw(c.fw_compiled(inputs)), args)
 
     def fake_forward(args):
-        return _unaliased(split_fw(c.fw_fake(*fw_inputs(args))), args)
+        inputs = _conformed(fw_inputs(args), fw_strides, _batch_of(args, batched))
+        return _unaliased(split_fw(c.fw_fake(*inputs)), args)
 
     def a_batch(reads):
         for r, t in zip(op_reads, reads):
@@ -549,7 +561,8 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
         return _unaliased(c.part_a(inputs), reads)
 
     def fake_backward(reads):
-        return _unaliased(c.part_a_fake(*a_inputs(reads)), reads)
+        inputs = _conformed(a_inputs(reads), a_strides, a_batch(reads))
+        return _unaliased(c.part_a_fake(*inputs), reads)
 
     def b_inputs(coefs, keeps, operands):
         batch = coefs[0].shape[0]
@@ -564,7 +577,8 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
         return _unaliased(c.part_b(inputs), operands)
 
     def fake_clip(coefs, keeps, operands):
-        return _unaliased(c.part_b_fake(*b_inputs(coefs, keeps, operands)), operands)
+        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides, coefs[0].shape[0])
+        return _unaliased(c.part_b_fake(*inputs), operands)
 
     def _ones(norms):
         batch, device = norms.shape[1], norms.device
@@ -612,10 +626,18 @@ def _conformed(inputs: list, strides: list, batch) -> list:
         if want is not None and isinstance(t, torch.Tensor) and t.dim() and \
                 (batch is not None or not any(e.free_symbols for e in want)):
             want = [_evaluate(e, batch) for e in want]
-            if any(n > 1 and s != w for n, s, w in zip(t.shape, t.stride(), want)):
+            # symbolic strides (a fake call's, through the batch) are compared where they are
+            # plain numbers on both sides
+            if any(_known(n) and _known(s) and _known(w) and n > 1 and s != w
+                   for n, s, w in zip(t.shape, t.stride(), want)):
                 t = _laid_out(t, want)
         out.append(t)
     return out
+
+
+def _known(x) -> bool:
+    return isinstance(x, int) or \
+        (isinstance(x, torch.SymInt) and x.node.maybe_as_int() is not None)
 
 
 def _laid_out(t: torch.Tensor, strides) -> torch.Tensor:

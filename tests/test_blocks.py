@@ -65,11 +65,11 @@ def _with_blocks(net, backend, batch=2, seq=5):
     """Every block of ``net`` calling one compiled block (captured on the first)."""
     torch.manual_seed(1)
     h = torch.randn(batch, seq, net.emb.embedding_dim)
-    _, out_spec = pytree.tree_flatten(net.blocks[0](h))
+    out = pytree.tree_flatten(net.blocks[0](h))
     config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend=backend)
     key = compile_block(net.blocks[0], (h,), {}, {0}, config)
     for b in net.blocks:
-        install(b, key, out_spec, [h])
+        install(b, key, out, [h])
     return key
 
 

@@ -92,7 +92,8 @@ class Place(Protocol):
     def clipped(self, sums: list[torch.Tensor]) -> None: ...
 
 
-PLACES: weakref.WeakValueDictionary[str, Place] = weakref.WeakValueDictionary()   # its owner holds it
+# key -> its block's place; the sharding that made the place holds it
+PLACES: weakref.WeakValueDictionary[str, Place] = weakref.WeakValueDictionary()
 _LIVE = [0]
 
 

@@ -307,7 +307,22 @@ def test_zoo(name):
 # Per-block private graphs (docs/blocks.md): the same zoo with blocks="auto", through Inductor
 # with the self-check on, against the same reference. An architecture whose blocks dpfx refuses
 # is listed with its error; all run in `make test-all` (each compiles its block and the model).
-BLOCKS_XFAIL = {**XFAIL}
+BLOCKS_XFAIL = {
+    **XFAIL,
+    # ALiBi's bias is (B * heads, 1, T): the batch merged with the heads in dim 0
+    "bloom": (dpfx.CaptureError, "block transformer.h.0 (BloomBlock) is called with a tensor "
+              "whose shape follows the batch other than in dim 0"),
+    # the first block computes the relative position bias from its table and hands it to the
+    # next: a block output without the batch that receives a gradient
+    "t5": (dpfx.UnsupportedOpError, "parameter 'layer.0.SelfAttention.relative_attention_bias"
+           ".weight' receives the gradient of a forward output without a batch dim"),
+    # the relative position table is passed to every layer and requires grad
+    "deberta_v2": (dpfx.CaptureError, "block DebertaV2Layer is called with a tensor of shape "
+                   "(16, 16) that has no batch dim and requires grad"),
+    # the block's own capture (not the model's) meets transformers' ContextVar
+    "wav2vec2": (dpfx.CaptureError, "block Wav2Vec2EncoderLayer could not be captured as one "
+                 "graph (Unsupported method call: ContextVar.get)"),
+}
 
 
 def _block_marks(name):
