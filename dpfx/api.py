@@ -26,7 +26,7 @@ from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, co
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
-from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
+from dpfx.errors import CaptureError, DPFXError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -558,9 +558,6 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
-    if config.adaptive and blocks is not None:
-        raise OptionError("clipping='adaptive' with blocks= is not supported yet: compile "
-                          "without blocks (or with clipping='flat')")
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
     if not units:

@@ -75,7 +75,7 @@ from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_trai
 from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size, poisson_loader
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig
-from dpfx.errors import OptionError, PrivacyError
+from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import split_batch
 from dpfx.loop.optim import DPOptimizer
@@ -184,8 +184,7 @@ class DPTrainer(Trainer):
         clip_options = dict(clipping=clipping, clipping_gamma=clipping_gamma,
                             target_quantile=target_quantile, clip_lr=clip_lr,
                             count_noise_multiplier=count_noise_multiplier)
-        _check_clipping(model, max_grad_norm, self.noise_multiplier, clip_options, self.world,
-                        dp_kwargs or {})
+        _check_clipping(max_grad_norm, self.noise_multiplier, clip_options)
         if secure_mode and sampler_generator is not None:
             raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
                              "would make them replayable")
@@ -460,16 +459,11 @@ class _CheckpointAccountant(TrainerCallback):
         return control
 
 
-def _check_clipping(model, max_grad_norm, sigma: float, options: dict, world: int,
-                    dp_kwargs: dict) -> None:
-    """The clipping options validated as ``dpfx.compile`` will (``DPConfig``), and what it or
-    ``DPOptimizer`` would refuse later, before the model is broadcast, checkpointed or compiled."""
-    config = DPConfig(max_grad_norm=max_grad_norm, noise_multiplier=sigma, **options)
-    if not config.adaptive:
-        return
-    if dp_kwargs.get("blocks") is not None:
-        raise OptionError("clipping='adaptive' is not supported with blocks= yet: train with "
-                          "clipping='flat' or 'automatic', or without blocks")
+def _check_clipping(max_grad_norm, sigma: float, options: dict) -> None:
+    """The clipping options validated as ``dpfx.compile`` will (``DPConfig``), before the model
+    is broadcast, checkpointed or compiled. Every clip function trains on every path (several
+    ranks, sharded, blocks)."""
+    DPConfig(max_grad_norm=max_grad_norm, noise_multiplier=sigma, **options)
 
 
 def _checkpointing_fields(args) -> list[str]:

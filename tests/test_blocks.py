@@ -2,6 +2,7 @@
 one compiled block shared by identical blocks, its parameters clipped by the whole model's
 factor, against torch.func and the batch-of-one loop."""
 import copy
+import math
 
 import pytest
 import torch
@@ -358,3 +359,38 @@ def test_block_proof_refuses_a_clipped_sum_not_scaled_by_its_coefficient(monkeyp
     with pytest.raises(PrivacyError, match="not scaled by block parameter 0's coefficient"):
         compile_block(Block(), (torch.randn(2, 5, 8),), {}, {0}, config)
     assert calls
+
+
+def test_adaptive_clipping_through_blocks():
+    """clipping="adaptive" with blocks: each step's release equals the batch-of-one loop
+    clipped at that step's bound C_t, and the bound moves as Andrew et al.'s update gives from
+    the count of norms (blocks' rows included) at most C_t; through Inductor, self-check on."""
+    torch.manual_seed(0)
+    net = Net()
+    reference = copy.deepcopy(net)
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        return (torch.randint(0, 11, (b, 5), generator=g),), torch.randint(0, 11, (b, 5),
+                                                                           generator=g)
+
+    # C_0 the first batch's median norm: clipping bites on one example and not on the others
+    first = per_example_norms(loop_example_grads(reference, _token_loss, *make(3)))
+    c0, eta, quantile = float(first.median()), 0.5, 0.5
+    dp = dpfx.compile(net, max_grad_norm=c0, noise_multiplier=0.0, loss_reduction="sum",
+                      clipping="adaptive", target_quantile=quantile, clip_lr=eta, blocks="auto")
+    bound = c0
+    for b in (3, 5):
+        inputs, y = make(b)
+        norms = per_example_norms(loop_example_grads(reference, _token_loss, inputs, y))
+        got = run_dpfx_multi(dp, net, _token_loss, inputs, y, "sum")
+        want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=bound,
+                                 loss_reduction="sum")
+        assert_close(got, want, rtol=2e-4, atol=1e-6)
+        count = float(((norms <= bound).float() - 0.5).sum())
+        bound *= math.exp(-eta * (count / b + 0.5 - quantile))
+        assert dp.adaptive_clip.bound == pytest.approx(bound, rel=1e-6)
+    assert bool((first > c0).any()) and bool((first <= c0).any())
+    assert dp._blocks
+    for blk in net.blocks:
+        uninstall(blk)

@@ -198,9 +198,7 @@ def test_adaptive_bound_is_saved_and_resumed(tmp_path):
 def test_refused_before_the_model_is_touched(tmp_path):
     """A count noise at or below sigma / 2 is refused as dpfx.compile refuses it, before
     DPTrainer turns on activation checkpointing (the first change it makes to the model);
-    clipping options given in dp_kwargs are refused with where they go; adaptive clipping with
-    blocks= is refused (the check DPTrainer makes before it broadcasts rank 0's parameters),
-    naming the fix."""
+    clipping options given in dp_kwargs are refused with where they go."""
     model = gpt2()
     with pytest.raises(dpfx.OptionError, match="must exceed noise_multiplier / 2"):
         hf.DPTrainer(model=model, args=args(tmp_path, activation_checkpointing=True),
@@ -210,10 +208,7 @@ def test_refused_before_the_model_is_touched(tmp_path):
     with pytest.raises(ValueError, match="pass clipping to DPTrainer itself"):
         hf.DPTrainer(model=model, args=args(tmp_path), train_dataset=lm_data(16, seed=1),
                      noise_multiplier=1.0, dp_kwargs={"clipping": "automatic"})
-    with pytest.raises(dpfx.OptionError, match="blocks=.*clipping='flat'"):
-        hf._check_clipping(model, 1.0, 1.0, dict(clipping="adaptive", count_noise_multiplier=2.0),
-                           1, {"blocks": "auto"})
-    # several processes: the count goes with the clipped sums (tests/loop/test_adaptive_ranks.py)
-    hf._check_clipping(model, 1.0, 1.0, dict(clipping="adaptive", count_noise_multiplier=2.0),
-                       2, {})
-    hf._check_clipping(model, 1.0, 1.0, dict(clipping="automatic"), 2, {})   # accepted
+    # several processes: the count goes with the clipped sums (tests/loop/test_adaptive_ranks.py);
+    # blocks: tests/test_blocks.py
+    hf._check_clipping(1.0, 1.0, dict(clipping="adaptive", count_noise_multiplier=2.0))
+    hf._check_clipping(1.0, 1.0, dict(clipping="automatic"))   # accepted
