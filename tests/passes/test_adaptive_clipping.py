@@ -280,7 +280,6 @@ def test_a_count_that_is_not_the_proven_form_is_refused(plant):
     (dict(target_quantile=1.0), "target_quantile must be"),
     (dict(clip_lr=0.0), "clip_lr must be"),
     (dict(clipping="flat"), "pass clipping='adaptive' too"),
-    (dict(blocks="auto"), "blocks= is not supported yet"),
 ])
 def test_bad_adaptive_options_are_refused(kwargs, match):
     settings = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "clipping": "adaptive",
