@@ -67,7 +67,7 @@ from dpfx.lower.inductor import inductor_patches, lower
 from dpfx.lower.selfcheck import _has_random_ops
 from dpfx.ops.blocks import KERNELS, PLACES, Kernels, kernels
 from dpfx.passes import compile_forward
-from dpfx.passes.block import block_backward
+from dpfx.passes.block import block_backward, norm_rows
 
 _CAPTURES = itertools.count()
 
@@ -89,12 +89,13 @@ class _Capture(DPBackend):
     """DPBackend for one block: no loss, the block's backward split instead of clip and noise."""
 
     def __init__(self, block, config, args: list[torch.Tensor], batched: set[int],
-                 params: list[str]):
+                 params: list[str], rows: list[int] | None):
         from dpfx.loss.gate import ReleaseGate
         super().__init__(block, config, ReleaseGate())
         self.position = {id(t): i for i, t in enumerate(args)}
         self.batched = batched
         self.params = params
+        self.rows = rows
         self.name = type(block).__name__
         self.result = None
 
@@ -204,7 +205,7 @@ class _Capture(DPBackend):
                              for i, name in param_outputs.items()}
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         result = block_backward(gm, self.fw_info, param_outputs, tangents, self.params,
-                                self.config, fake_mode)
+                                self.config, fake_mode, self.rows)
         a_inputs = [n.meta["val"] for n in result.part_a.graph.find_nodes(op="placeholder")]
         b_inputs = [n.meta["val"] for n in result.part_b.graph.find_nodes(op="placeholder")]
         self.part_a_fake = copy.deepcopy(result.part_a)
@@ -261,10 +262,12 @@ def _batch_of(tensors: list, positions) -> Any:
 
 
 def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int],
-                  config: DPConfig) -> str:
+                  config: DPConfig, groups: list[str] | None = None) -> str:
     """Capture, prove and lower ``block`` called as ``block(*args, **kwargs)``; returns the key
     of its ``dpfx::block_*`` ops. ``batched``: positions, among the call's flattened leaves,
-    of the tensors whose dim 0 is the batch."""
+    of the tensors whose dim 0 is the batch; ``groups``: each trainable parameter's clipping
+    group, in ``named_parameters`` order (its norm rows: Note [One norm row per clipping
+    group] in passes/block.py; None: a row per parameter)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensor_of = {i: k for k, i in enumerate(positions)}
@@ -276,7 +279,8 @@ def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: se
     # op argument order: call tensors, trainable parameters, frozen parameters and buffers
     op_args = call_tensors + [p for _, p in trainable] + constants
     batched_args = {tensor_of[i] for i in batched}
-    capture = _Capture(block, config, op_args, batched_args, params)
+    capture = _Capture(block, config, op_args, batched_args, params,
+                       norm_rows(groups, len(params)) if groups is not None else None)
 
     # the example call: detached copies, so nothing of the capture reaches the user's tensors.
     # Every floating batched argument asks for its gradient: the key serves the first block
@@ -597,7 +601,7 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
                    clip=clip, backward_reads=op_reads, fake_forward=_shapes_once(fake_forward),
                    fake_backward=_shapes_once(fake_backward), fake_grad=_shapes_once(fake_grad),
                    fake_clip=_shapes_once(fake_clip),
-                   operands=sources, norms=len(result.input_grads),
+                   operands=sources, norms=len(result.input_grads), rows=result.rows,
                    operands_read_params=any(
                        kind == "in" and op_reads[i][0] == "arg" and op_reads[i][1] >= num_inputs
                        for kind, i in sources),
@@ -887,9 +891,14 @@ def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: D
                         f"whose shape follows the batch other than in dim 0 ({tuple(x2.shape)} "
                         f"at 2 examples, {tuple(x3.shape)} at 3); compile without blocks")
             a, kw = pytree.tree_unflatten(leaves3, spec3)
-            signature = block_signature(block, a, kw, batched)
+            # which of its parameters share a clipping group: one norm row each group (Note
+            # [One norm row per clipping group] in passes/block.py)
+            groups = [config.group_of(f"{name}.{n}") for n, p in block.named_parameters()
+                      if p.requires_grad]
+            signature = (block_signature(block, a, kw, batched),
+                         tuple(norm_rows(groups, len(groups))))
             if signature not in keys:
-                keys[signature] = compile_block(block, a, kw, batched, config)
+                keys[signature] = compile_block(block, a, kw, batched, config, groups)
             with torch.no_grad():
                 out_leaves, out_spec = pytree.tree_flatten(block(*a, **kw))
             key = keys[signature]

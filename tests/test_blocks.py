@@ -3,6 +3,7 @@ one compiled block shared by identical blocks, its parameters clipped by the who
 factor, against torch.func and the batch-of-one loop."""
 import copy
 import math
+import operator
 
 import pytest
 import torch
@@ -396,3 +397,100 @@ def test_adaptive_clipping_through_blocks():
     assert dp._blocks
     for blk in net.blocks:
         uninstall(blk)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_clipping_groups_that_split_blocks(backend):
+    """Per-layer clipping whose groups split some blocks (Note [One norm row per clipping
+    group]): a block's parameters in one group share one norm row, and two blocks share a
+    compiled block only if their parameters are grouped alike. Against the batch-of-one loop
+    clipped per group, clipping biting, batch sizes 3, 0, 1 and 5; Inductor with the
+    self-check on."""
+    torch.manual_seed(0)
+    net = Net()
+    reference = copy.deepcopy(net)
+    # block 0: one group of its own; block 1: three groups (qkv, fc1, the rest with the model);
+    # block 2: the model's group. Blocks 0 and 2 are grouped alike (one row), block 1 is not.
+    bounds = {"": 0.05, "blocks.0": 0.03, "blocks.1.qkv": 0.02, "blocks.1.fc1": 0.04}
+    dp = dpfx.compile(net, max_grad_norm=bounds, noise_multiplier=0.0, loss_reduction="sum",
+                      blocks="auto", backend=backend)
+
+    def make(b):
+        g = torch.Generator().manual_seed(b)
+        return (torch.randint(0, 11, (b, 5), generator=g),), torch.randint(0, 11, (b, 5),
+                                                                           generator=g)
+
+    for b in (3, 0, 1, 5):
+        inputs, y = make(b)
+        if b == 3:
+            grads = loop_example_grads(reference, _token_loss, inputs, y)
+            for key, bound in bounds.items():
+                members = {k: v for k, v in grads.items()
+                           if max((p for p in bounds if p == "" or k.startswith(p + ".")),
+                                  key=len) == key}
+                assert bool((per_example_norms(members) > bound).all()), key
+        got = run_dpfx_multi(dp, net, _token_loss, inputs, y, "sum")
+        want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=bounds,
+                                 loss_reduction="sum")
+        assert_close(got, want, rtol=2e-4, atol=1e-6)
+    keys = [b.forward.key for b in net.blocks]
+    assert keys[0] == keys[2] != keys[1]
+    assert kernels(keys[0]).rows == [0] * len(kernels(keys[0]).params)
+    rows = dict(zip(kernels(keys[1]).params, kernels(keys[1]).rows))
+    assert rows["qkv.weight"] == rows["qkv.bias"] != rows["fc1.weight"] == rows["fc1.bias"]
+    assert len(set(rows.values())) == 3 and rows["ln1.weight"] == rows["fc2.bias"]
+    if backend == "inductor":
+        checks = list(dp._dpfx_backend._checks.values())
+        assert checks and all(c.done and c.backward is not None for c in checks)
+    for blk in net.blocks:
+        uninstall(blk)
+
+
+def test_one_norm_row_per_block_call_in_the_model_graph():
+    """Under flat clipping each block call adds one norm row to the model's norm, once for all
+    its parameters; the verifier refuses a block whose parameters' row is not in the norm of
+    the factor that scales them."""
+    from dpfx.errors import PrivacyError
+    from dpfx.passes.verify import verify_backward
+
+    torch.manual_seed(0)
+    net = Net()
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+                      backend="eager", blocks="auto")
+    ids = torch.randint(0, 11, (2, 5))
+    _token_loss(dp(ids), ids).backward()
+    result = dp._dpfx_backend.last_backward
+    gm = result.gm
+    k = kernels(net.blocks[0].forward.key)
+    assert k.rows == [0] * len(k.params)
+    selects = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.select.int)
+               if n.args[0].target is operator.getitem
+               and n.args[0].args[0].target is torch.ops.dpfx.block_bwd.default]
+    assert len(selects) == 3, "one row per block call"
+    grads = {name: result.private[name] for name in result.private}
+    verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)
+    k.rows = [1] * len(k.params)      # a row the model's norm never took
+    try:
+        with pytest.raises(PrivacyError, match="norm row 1 of its block call"):
+            verify_backward(gm, result.analysis.rerun(gm.graph), grads, dp.dp_config)
+    finally:
+        k.rows = [0] * len(k.params)
+    for blk in net.blocks:
+        uninstall(blk)
+
+
+def test_two_models_with_blocks_do_not_recompile_each_other():
+    """Two Hugging Face models with blocks in one process, stepped in turn through Inductor:
+    each compiles its pair once (Note [The pickler leaves pytree's registry as it was] in
+    lower/warm.py; before, each compile's graph snapshot and each warm load failed the other
+    model's guards on pytree's registry, and the two recompiled each other at every step)."""
+    torch.manual_seed(0)
+    pairs = [_hf_lm("gpt2", layers=2) for _ in range(2)]
+    dps = [dpfx.compile(m, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+                        blocks="auto") for m, _ in pairs]
+    inputs, y = pairs[0][1](3)
+    for _ in range(3):
+        for dp, (model, _) in zip(dps, pairs):
+            _token_loss(dp(*inputs), y).backward()
+            model.zero_grad(set_to_none=True)
+    assert [dp.compile_count for dp in dps] == [2, 2]

@@ -42,6 +42,8 @@ GPT-2 small's warm aot_autograd phase 8.7 -> 4.1 s, its warm first step 18.1 -> 
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 from typing import Any, Callable
 
@@ -114,12 +116,42 @@ def snapshot(gm: fx.GraphModule) -> bytes | None:
     set_aside = {node: {k: node.meta.pop(k) for k in _DERIVED if k in node.meta}
                  for node in gm.graph.nodes if node.op != "placeholder"}
     try:
-        return GraphPickler.dumps(gm, Options(ops_filter=None))
+        with pytree_registry_kept():
+            return GraphPickler.dumps(gm, Options(ops_filter=None))
     except Exception:       # a graph GraphPickler cannot write is compiled, just not cached
         return None
     finally:
         for node, meta in set_aside.items():
             node.meta.update(meta)
+
+
+# Note [The pickler leaves pytree's registry as it was]
+# GraphPickler registers ``slice`` as a pytree node while it writes or reads a graph and removes
+# it after. Dynamo guards code that flattens a pytree (a block call's arguments, a Hugging Face
+# output) on the version of pytree's registry dict, which any change bumps: every snapshot and
+# every warm load made every other compiled model in the process fail its guards. Two models
+# with blocks then recompiled each other at every step, each recompile's load failing the
+# other's guard again (9 s steps instead of 0.2 s; tests/test_blocks.py::test_two_models_with_blocks_do_not_recompile_each_other). The pickler
+# therefore works on copies of the registry, and the registry objects dynamo reads are put back
+# unchanged.
+_REGISTRIES = ("SUPPORTED_NODES", "SUPPORTED_SERIALIZED_TYPES",
+               "SERIALIZED_TYPE_TO_PYTHON_TYPE", "CONSTANT_NODES")
+
+
+@contextlib.contextmanager
+def pytree_registry_kept():
+    import torch.utils._pytree as pytree
+
+    saved = {name: getattr(pytree, name) for name in _REGISTRIES if hasattr(pytree, name)}
+    with pytree._NODE_REGISTRY_LOCK:
+        for name, registry in saved.items():
+            setattr(pytree, name, copy.copy(registry))
+    try:
+        yield
+    finally:
+        with pytree._NODE_REGISTRY_LOCK:
+            for name, registry in saved.items():
+                setattr(pytree, name, registry)
 
 
 class DPOutputCode(OutputCode):
@@ -178,7 +210,8 @@ def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
-    loaded = GraphPickler.loads(graph, fake_mode)
+    with pytree_registry_kept():
+        loaded = GraphPickler.loads(graph, fake_mode)
     gm = fx.GraphModule(loaded, loaded.graph)
     if "shape_env" not in gm.__dict__:
         gm.shape_env = None

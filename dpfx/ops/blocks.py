@@ -5,8 +5,9 @@ A block's private graph (``dpfx/blocks.py`` builds it) is split at the clip coef
 
     block_fwd(key, args)   -> [outputs..., saved...]        the block's forward
     block_bwd(key, args)   -> [input grads..., norms, operands...]
-                              norms: f32[P, B], row j the squared per-sample norm of the
-                              block's parameter j (what the graph holds, before any scaling)
+                              norms: f32[R, B], row rows[j] the squared per-sample norm of
+                              the block's parameters in parameter j's clipping group (what the
+                              graph holds, before any scaling; passes/block.py)
     block_grad(key, [norms, *ops]) -> [grad_0, ..., grad_P-1]   the plain sums over examples
     block_clip(key, coefs, keeps, ops) -> [clipped_0, ..., clipped_P-1]
                               sum_i where(keep_j[i], coefs_j[i] * g_i[j], 0) for each j
@@ -75,6 +76,7 @@ class Kernels:
     # part B's operands: ("out", k) output k of block_bwd, ("in", i) its input i
     operands: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     norms: int = 0                  # the position of norms among block_bwd's outputs
+    rows: list[int] = dataclasses.field(default_factory=list)  # parameter j's row of norms
     # the batch layouts (graph/batch.py) of block_fwd's and block_bwd's outputs
     forward_layouts: list | None = None
     backward_layouts: list | None = None

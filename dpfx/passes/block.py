@@ -6,11 +6,14 @@ So the block's backward is rewritten per sample like a model's (the same rules),
 instead of a clip factor of its own, it takes each parameter's coefficient and finite-example
 mask as inputs:
 
-    part A:  (saved, output grads)          -> input grads, norms f32[P, B], operands
+    part A:  (saved, output grads)          -> input grads, norms f32[R, B], operands
     part B:  (operands, coefs[P], keeps[P]) -> clipped sums, one per parameter
 
-Row j of ``norms`` is the squared per-sample norm of parameter j's gradient as the graph holds
-it (the root graph scales it as it scales its own parameters' squares); ``operands`` are what
+Row r of ``norms`` is the squared per-sample norm of the gradients of the parameters j with
+``rows[j] == r``, as the graph holds them (the root graph scales it as it scales its own
+parameters' squares): one row per clipping group the block's parameters fall in (one row under
+flat clipping), so the model's graph adds one row per block call, not one per parameter
+(Note [One norm row per clipping group]); ``operands`` are what
 part B reads of part A: a ghost parameter's book-keeping operands (the layer's input and output
 gradient rows), a materialized one's per-sample gradient. Part B is ``Clip.scale`` and the
 clipped sums of ``passes/clip_noise.py``, so a block's parameter is clipped exactly as the same
@@ -51,12 +54,34 @@ class BlockBackward:
     a_inputs: list[str]
     grads: list[ParamGrad]
     layouts: list               # part A's outputs' batch layouts
+    rows: list[int]             # parameter j's row of norms
+
+
+# Note [One norm row per clipping group]
+# The model's graph adds every block call's norm rows into its clip factors' norms. With a row
+# per parameter, twelve GPT-2 layers put 144 selects and adds into the model's backward, lowered
+# and compiled as C++ at every compile (a third of that graph's C++). Part A therefore sums the
+# squares of the parameters that share a clipping group into one row: ``rows[j]`` is parameter
+# j's row, numbered by first appearance; which parameters share a group is part of the block's
+# signature (blocks.py), so two instances share compiled graphs only if their parameters are
+# grouped alike. The model's graph takes a row once for all the parameters that share it
+# (``Ghost.norm_shared``), and its verifier checks that parameter j's row, ``rows[j]``, is in
+# the norm of the factor that scales j's clipped sum; ``verify_block`` checks that row covers
+# j's clipped sum's operands.
+def norm_rows(groups: list[str] | None, count: int) -> list[int]:
+    """Each parameter's norm row: its group's index by first appearance (one row each when
+    ``groups`` is None)."""
+    if groups is None:
+        return list(range(count))
+    index: dict[str, int] = {}
+    return [index.setdefault(g, len(index)) for g in groups]
 
 
 def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
                    tangent_outputs: dict[str, int], params: list[str], config: DPConfig,
-                   fake_mode: Any) -> BlockBackward:
-    """``params``: the block's trainable parameter names in the order the op passes them."""
+                   fake_mode: Any, rows: list[int] | None = None) -> BlockBackward:
+    """``params``: the block's trainable parameter names in the order the op passes them;
+    ``rows``: each one's norm row (default: a row each)."""
     output = gm.graph.find_nodes(op="output")[0]
     outs = list(output.args[0])
     seeds = dict(fw.layouts)
@@ -92,12 +117,17 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
     an = an.rerun(gm.graph)
     emit.analysis = an
 
-    squares = []
-    for pg in grads:
+    rows = list(range(len(params))) if rows is None else list(rows)
+    if len(rows) != len(params) or sorted(set(rows)) != list(range(len(set(rows)))):
+        raise PrivacyError(f"a block's norm rows {rows} do not number its {len(params)} "
+                           f"parameters' groups from 0")
+    sums: dict[int, fx.Node] = {}
+    for pg, r in zip(grads, rows):
         sq = _squared_norm(pg, emit)
         if sq.meta["val"].dtype != torch.float32:
             sq = emit(torch.ops.prims.convert_element_type.default, sq, torch.float32)
-        squares.append(emit(aten.unsqueeze.default, sq, 0))
+        sums[r] = emit(aten.add.Tensor, sums[r], sq) if r in sums else sq
+    squares = [emit(aten.unsqueeze.default, sums[r], 0) for r in range(len(sums))]
     norms = emit(aten.cat.default, squares, tag="block_norms") if len(squares) > 1 \
         else squares[0]
     clipped = [_clipped_sum(pg, Clip(coef, keep), emit) for pg, (coef, keep) in zip(grads, cuts)]
@@ -105,12 +135,12 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
     output.args = (tuple([outs[i] for i in input_grads] + [norms] + clipped),)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    verify_block(gm, an, clipped, cuts, squares)
+    verify_block(gm, an, clipped, cuts, [squares[r] for r in rows])
 
     part_a, part_b, operands, num_sizes, layouts = _split(
         gm, {n for pair in cuts for n in pair}, len(input_grads) + 1, an)
     return BlockBackward(part_a, part_b, input_grads, list(params), operands, num_sizes,
-                         [n.name for n in placeholders], grads, layouts)
+                         [n.name for n in placeholders], grads, layouts, rows)
 
 
 def _batch_size_val(placeholders, an: BatchAnalysis):
@@ -125,7 +155,8 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
                  cuts: list[tuple[fx.Node, fx.Node]], squares: list[fx.Node]) -> None:
     """What the root graph relies on for each parameter j of the block: its output j is a sum
     over examples in which every term that carries an example is scaled by ``coef_j`` and
-    selected by ``keep_j``, and the operand scaled is one norm row j is taken over. No path from
+    selected by ``keep_j``, and the operand scaled is one that ``squares[j]`` (parameter j's
+    norm row) is taken over. No path from
     the data reaches a clipped output except through those products."""
     from dpfx.passes import verify as v
 
@@ -148,7 +179,7 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
         mine = [c for c in tagged if c in ancestors]
         if not mine:
             raise PrivacyError(f"block parameter {j}'s output is not a clipped sum")
-        # what row j's norm is taken over: its ancestors through dpfx's own nodes, stopping at
+        # what j's norm row is taken over: its ancestors through dpfx's own nodes, stopping at
         # the captured graph's (a later layer's output gradient is upstream of this parameter's
         # per-sample gradient without being part of its norm)
         covered = v._norm_sources(sq)

@@ -96,7 +96,16 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 
     norms = {}
     for key, members in groups.items():
-        squares = [_squared_norm(pg, emit) for pg in members if pg.name not in stacked]
+        squares, shared = [], set()
+        for pg in members:
+            if pg.name in stacked:
+                continue
+            if pg.strategy == "ghost" and pg.ghost.norm_shared:
+                # Note [One norm row per clipping group] (passes/block.py): once per row
+                if pg.ghost.norm_sq in shared:
+                    continue
+                shared.add(pg.ghost.norm_sq)
+            squares.append(_squared_norm(pg, emit))
         squares += [emit.squared_norm(s.per_sample, BatchDim(0)) for s in stacks
                     if s.group == key]
         norm_sq = squares[0]

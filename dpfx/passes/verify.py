@@ -772,11 +772,11 @@ _MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 # A block called as one op (ops/blocks.py) returns parameter j's clipped sum as output j of
 # ``dpfx::block_clip(key, coefs, keeps, operands)``. What happens inside was proven when the
 # block was compiled (passes/block.verify_block): output j sums examples' terms each scaled by
-# coefs[j] and selected by keeps[j], over operands that row j of the block's norms is taken
+# coefs[j] and selected by keeps[j], over operands that row rows[j] of the block's norms is taken
 # over. Here the root graph proves the rest: coefs[j] is a clip coefficient of this graph (its
 # factor's C is the parameter's group's), keeps[j] is that factor's finite mask, the operands
-# are those of one ``dpfx::block_bwd`` call, and row j of that call's norms is part of the
-# norm the factor is computed from.
+# are those of one ``dpfx::block_bwd`` call, and row rows[j] of that call's norms (the row of
+# j's clipping group) is part of the norm the factor is computed from.
 def _is_block_clip(node: fx.Node) -> bool:
     return node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
         and node.args[0].target is torch.ops.dpfx.block_clip.default
@@ -809,12 +809,14 @@ def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalys
     if expected != [tuple(s) for s in k.operands]:
         raise PrivacyError(f"{c.name} (block {k.name}) reads operands other than its "
                            f"block_bwd call's")
+    # parameter j's row, which passes/block.verify_block proved covers j's clipped sum
     rows = [n for n in covered[base] if n.target is aten.select.int
-            and n.args[1:] == (0, j) and n.args[0].target is operator.getitem
+            and n.args[1:] == (0, k.rows[j]) and n.args[0].target is operator.getitem
             and n.args[0].args == (bwd, k.norms)]
     if not rows:
-        raise PrivacyError(f"{c.name} (block {k.name}): norm row {j} of its block call is not "
-                           f"part of the per-sample norm it is clipped by")
+        raise PrivacyError(f"{c.name} (block {k.name}): norm row {k.rows[j]} of its block call "
+                           f"(parameter {j}'s) is not part of the per-sample norm it is "
+                           f"clipped by")
     return base, (bwd, j)
 
 

@@ -1,9 +1,11 @@
 """The rule for a block's parameters (``dpfx::block_grad``, ops/blocks.py): ghost only.
 
 A block called as one op returns each parameter's plain gradient from ``block_grad(key, [norms,
-*operands])``. Its per-sample form is the block's own: the squared norm of parameter j is row j
-of the ``norms`` that ``block_bwd`` computed, and the clipped sum is output j of ``block_clip``
-given the clip coefficients and finite masks. Every parameter of one block call clipped by the
+*operands])``. Its per-sample form is the block's own: the squared norm of parameter j is in row
+``rows[j]`` of the ``norms`` that ``block_bwd`` computed, a row shared by the block's parameters
+in j's clipping group and taken once into the group's norm (``Ghost.norm_shared``; Note [One
+norm row per clipping group] in passes/block.py), and the clipped sum is output j of
+``block_clip`` given the clip coefficients and finite masks. Every parameter of one block call clipped by the
 same ``Clip`` emits the same ``block_clip`` node (the emitter shares equal nodes), so flat
 clipping runs part B once per block call; per-layer groups that split a block run it once per
 group. There is no materialized form: a block never builds (B, *param.shape).
@@ -40,7 +42,7 @@ def ghost_block(node: fx.Node, ctx) -> Ghost:
     norms, operands = args[0], list(args[1:])
     j = node.args[1]
     emit = ctx.emit
-    norm_sq = emit(aten.select.int, norms, 0, j)
+    norm_sq = emit(aten.select.int, norms, 0, kernels(key).rows[j])
 
     def clipped_sum(clip) -> fx.Node:
         count = len(kernels(key).params)
@@ -48,7 +50,7 @@ def ghost_block(node: fx.Node, ctx) -> Ghost:
                    [clip.keep] * count, operands, tag="block_clip")
         return emit(operator.getitem, out, j, tag="clipped_sum")
 
-    return Ghost(norm_sq, clipped_sum)
+    return Ghost(norm_sq, clipped_sum, norm_shared=True)
 
 
 def rewrite_block(node: fx.Node, ctx) -> fx.Node:

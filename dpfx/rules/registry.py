@@ -45,6 +45,11 @@ class Ghost:
     # parameter's cross terms are taken from (Note [Tied weights without per-sample gradients]).
     # Emitted on demand: a parameter that is not tied never needs them.
     factors: Callable[[], tuple["Rows", "Rows"]] | None = None
+    # ``norm_sq`` covers every parameter whose form returns this same node (a block's norm row
+    # over the parameters of one clipping group): the group's norm takes it once. Only a rule
+    # that builds the shared node on purpose sets this; two parameters whose norms merely
+    # coincide still count twice.
+    norm_shared: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
