@@ -480,17 +480,25 @@ def test_one_norm_row_per_block_call_in_the_model_graph():
 
 
 def test_two_models_with_blocks_do_not_recompile_each_other():
-    """Two Hugging Face models with blocks in one process, stepped in turn through Inductor:
-    each compiles its pair once (Note [The pickler leaves pytree's registry as it was] in
-    lower/warm.py; before, each compile's graph snapshot and each warm load failed the other
-    model's guards on pytree's registry, and the two recompiled each other at every step)."""
+    """Two Hugging Face models with blocks in one process, stepped in turn through Inductor
+    (self-check on): each compiles its pair once (Note [The pickler leaves pytree's registry as
+    it was] in lower/warm.py; before, each compile's graph snapshot and each warm load failed
+    the other model's guards on pytree's registry, and the two recompiled each other at every
+    step), and each step equals the batch-of-one loop, clipping biting."""
     torch.manual_seed(0)
     pairs = [_hf_lm("gpt2", layers=2) for _ in range(2)]
-    dps = [dpfx.compile(m, max_grad_norm=1.0, noise_multiplier=0.0, loss_reduction="sum",
+    references = [copy.deepcopy(m) for m, _ in pairs]
+    dps = [dpfx.compile(m, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum",
                         blocks="auto") for m, _ in pairs]
-    inputs, y = pairs[0][1](3)
-    for _ in range(3):
-        for dp, (model, _) in zip(dps, pairs):
-            _token_loss(dp(*inputs), y).backward()
-            model.zero_grad(set_to_none=True)
+    for step in range(3):
+        inputs, y = pairs[0][1](3 if step != 1 else 1)
+        for dp, (model, _), reference in zip(dps, pairs, references):
+            got = run_dpfx_multi(dp, model, _token_loss, inputs, y, "sum")
+            if step == 0:
+                norms = per_example_norms(loop_example_grads(reference, _token_loss, inputs, y))
+                assert bool((norms > 0.05).all()), norms
+            want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
+                                     loss_reduction="sum")
+            assert_close(got, want, rtol=2e-4, atol=1e-6)
     assert [dp.compile_count for dp in dps] == [2, 2]
+    assert all(len(dp._blocks) == 2 for dp in dps)
