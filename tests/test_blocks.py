@@ -502,3 +502,31 @@ def test_two_models_with_blocks_do_not_recompile_each_other():
             assert_close(got, want, rtol=2e-4, atol=1e-6)
     assert [dp.compile_count for dp in dps] == [2, 2]
     assert all(len(dp._blocks) == 2 for dp in dps)
+
+
+def test_block_proof_refuses_a_clipped_sum_over_another_parameters_gradient(monkeypatch):
+    """With one norm row for a whole group, the block's proof still checks each parameter's
+    clipped sum against that parameter's own norm: ln1.bias released from ln1.weight's
+    per-sample gradients (the same shape; one gradient released twice) is refused although both
+    are in the row."""
+    import dpfx.passes.block as block_pass
+    from dpfx.errors import PrivacyError
+
+    original = block_pass._clipped_sum
+    first = []
+
+    def planted(pg, clip, emit, moved=True):
+        if not first:
+            first.append(pg)
+        elif len(first) == 1:
+            first.append(pg)
+            return original(first[0], clip, emit, moved)
+        return original(pg, clip, emit, moved)
+
+    monkeypatch.setattr(block_pass, "_clipped_sum", planted)
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    block = Block()
+    groups = ["g"] * sum(1 for p in block.parameters() if p.requires_grad)
+    with pytest.raises(PrivacyError, match="not part of parameter 1's norm"):
+        compile_block(block, (torch.randn(2, 5, 8),), {}, {0}, config, groups)
+    assert [pg.name for pg in first] == ["ln1.weight", "ln1.bias"]

@@ -122,10 +122,12 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
         raise PrivacyError(f"a block's norm rows {rows} do not number its {len(params)} "
                            f"parameters' groups from 0")
     sums: dict[int, fx.Node] = {}
+    own = []        # each parameter's own squares, what verify_block checks its sum against
     for pg, r in zip(grads, rows):
         sq = _squared_norm(pg, emit)
         if sq.meta["val"].dtype != torch.float32:
             sq = emit(torch.ops.prims.convert_element_type.default, sq, torch.float32)
+        own.append(sq)
         sums[r] = emit(aten.add.Tensor, sums[r], sq) if r in sums else sq
     squares = [emit(aten.unsqueeze.default, sums[r], 0) for r in range(len(sums))]
     norms = emit(aten.cat.default, squares, tag="block_norms") if len(squares) > 1 \
@@ -135,7 +137,7 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
     output.args = (tuple([outs[i] for i in input_grads] + [norms] + clipped),)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    verify_block(gm, an, clipped, cuts, [squares[r] for r in rows])
+    verify_block(gm, an, clipped, cuts, own, [squares[r] for r in rows])
 
     part_a, part_b, operands, num_sizes, layouts = _split(
         gm, {n for pair in cuts for n in pair}, len(input_grads) + 1, an)
@@ -152,12 +154,17 @@ def _batch_size_val(placeholders, an: BatchAnalysis):
 
 
 def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
-                 cuts: list[tuple[fx.Node, fx.Node]], squares: list[fx.Node]) -> None:
+                 cuts: list[tuple[fx.Node, fx.Node]], squares: list[fx.Node],
+                 rows: list[fx.Node] | None = None) -> None:
     """What the root graph relies on for each parameter j of the block: its output j is a sum
     over examples in which every term that carries an example is scaled by ``coef_j`` and
-    selected by ``keep_j``, and the operand scaled is one that ``squares[j]`` (parameter j's
-    norm row) is taken over. No path from
-    the data reaches a clipped output except through those products."""
+    selected by ``keep_j``, and the operand scaled is one that ``squares[j]``, parameter j's own
+    squared norm, is taken over (not another parameter's of its group: that would release one
+    gradient twice), and ``squares[j]`` is part of ``rows[j]``, the norm row the model's graph
+    reads for j. No path from the data reaches a clipped output except through those
+    products."""
+    import networkx as nx
+
     from dpfx.passes import verify as v
 
     graph = gm.graph
@@ -171,6 +178,9 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
     if len(set(clipped)) != len(clipped):
         raise PrivacyError("two of the block's parameters are released from one clipped sum")
     taken: dict[fx.Node, int] = {}
+    for j, row in enumerate(rows or []):
+        if row is not squares[j] and squares[j] not in nx.ancestors(g, row):
+            raise PrivacyError(f"block parameter {j}'s squared norm is not part of its norm row")
     for j, (out, (coef, keep), sq) in enumerate(zip(clipped, cuts, squares)):
         if out in leaked:
             raise PrivacyError(f"block parameter {j}'s clipped sum has a path from the data that "
