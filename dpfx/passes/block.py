@@ -66,8 +66,9 @@ class BlockBackward:
 # signature (blocks.py), so two instances share compiled graphs only if their parameters are
 # grouped alike. The model's graph takes a row once for all the parameters that share it
 # (``Ghost.norm_shared``), and its verifier checks that parameter j's row, ``rows[j]``, is in
-# the norm of the factor that scales j's clipped sum; ``verify_block`` checks that row covers
-# j's clipped sum's operands.
+# the norm of the factor that scales j's clipped sum; ``verify_block`` checks j's clipped sum
+# against j's own squared norm (a row alone would let one parameter's gradient be released in
+# another's slot of the same group: released twice) and that norm against j's row.
 def norm_rows(groups: list[str] | None, count: int) -> list[int]:
     """Each parameter's norm row: its group's index by first appearance (one row each when
     ``groups`` is None)."""
