@@ -106,4 +106,8 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/test_blocks.py::test_hf_blocks[gpt2-inductor]": 22,
     "tests/test_blocks.py::test_model_of_blocks_against_the_loop[eager-mean-True]": 14,
     "tests/test_blocks.py::test_hf_blocks[gpt2-eager]": 10,
+    # (the block ops keep their eager vmap test and the models' Inductor tests; adaptive clipping
+    # and blocks keep their own default tests)
+    "tests/test_blocks.py::test_block_ops_against_vmap[inductor]": 22,
+    "tests/test_blocks.py::test_adaptive_clipping_through_blocks": 23,
 }
