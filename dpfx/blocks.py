@@ -45,6 +45,7 @@ and constants (a key/value cache that already holds positions; an empty one is d
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -210,9 +211,10 @@ class _Capture(DPBackend):
         b_inputs = [n.meta["val"] for n in result.part_b.graph.find_nodes(op="placeholder")]
         self.part_a_fake = copy.deepcopy(result.part_a)
         self.part_b_fake = copy.deepcopy(result.part_b)
-        self.part_a = lower(result.part_a, a_inputs, dict(kwargs), self.config.backend)
-        b_kwargs = {k: v for k, v in kwargs.items() if k != "static_input_idxs"}
-        self.part_b = lower(result.part_b, b_inputs, b_kwargs, self.config.backend)
+        with _no_donated_inputs():
+            self.part_a = lower(result.part_a, a_inputs, dict(kwargs), self.config.backend)
+            b_kwargs = {k: v for k, v in kwargs.items() if k != "static_input_idxs"}
+            self.part_b = lower(result.part_b, b_inputs, b_kwargs, self.config.backend)
         self.result = result
         self.reads = reads
         self.grad_inputs = [arg_of_output[i] for i in result.input_grads]
@@ -222,6 +224,32 @@ class _Capture(DPBackend):
 
         unused._boxed_call = True
         return unused
+
+
+# Note [A block's backward donates no input]
+# aot_autograd marks the backward's saved tensors that nothing reads after the backward as
+# donated (``bw_donated_idxs``, by placeholder index), and Inductor then writes later buffers
+# into them. Parts A and B are not that backward: their placeholders are another list (a donated
+# index names some other tensor of part A), and part B and the self-check read what part A read
+# (a saved activation is an operand of a clipped sum). With the donation kept, part A wrote a
+# LayerNorm block's tanh gradient into the saved pre-activation, which part B would have read
+# had a rule taken it as an operand: a clipped sum of values the norm never saw. Both parts are
+# lowered with no input donated. (tests/loss/test_loss_corpus.py::
+# test_per_example_losses_through_blocks; tests/test_blocks.py::
+# test_a_blocks_backward_writes_into_none_of_its_inputs)
+@contextlib.contextmanager
+def _no_donated_inputs():
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None:
+        yield
+        return
+    kept = meta.bw_donated_idxs
+    meta.bw_donated_idxs = []
+    try:
+        yield
+    finally:
+        meta.bw_donated_idxs = kept
 
 
 def _size_expr(val) -> Any:

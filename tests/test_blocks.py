@@ -530,3 +530,46 @@ def test_block_proof_refuses_a_clipped_sum_over_another_parameters_gradient(monk
     with pytest.raises(PrivacyError, match="not part of parameter 1's norm"):
         compile_block(block, (torch.randn(2, 5, 8),), {}, {0}, config, groups)
     assert [pg.name for pg in first] == ["ln1.weight", "ln1.bias"]
+
+
+class _NormTanh(nn.Module):
+    """LayerNorm, Linear, tanh, residual: aot_autograd donates the saved pre-activation to the
+    backward, where Inductor would write the tanh gradient into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+def test_a_blocks_backward_writes_into_none_of_its_inputs():
+    """Parts A and B through Inductor leave every tensor they read as it was: part B and the
+    self-check read what part A read (Note [A block's backward donates no input]). The
+    self-check is off here so that a backward that wrote into its inputs is compiled and seen
+    doing it, not refused."""
+    torch.manual_seed(0)
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, self_check=False)
+    key = compile_block(_NormTanh(), (torch.randn(3, 4, 8),), {}, {0}, config)
+    k = kernels(key)
+    block = _NormTanh()
+    for b in (2, 5):
+        args = [torch.randn(b, 4, 8)] + [p.detach() for p in block.parameters()]
+        got = k.forward(args)
+        grads = [torch.randn_like(o) for o in got[:k.num_outputs]]
+        reads = [args[i] if kind == "arg" else got[k.num_outputs + i] if kind == "saved"
+                 else grads[i] for kind, i in k.backward_reads]
+        before = [r.clone() for r in reads]
+        part_a = k.backward(reads)
+        for i, (x, y) in enumerate(zip(reads, before)):
+            assert torch.equal(x, y), f"part A wrote into its input {i} ({k.backward_reads[i]})"
+        ops = operands(k, reads, part_a)
+        kept = [o.clone() for o in ops]
+        k.clip([torch.ones(b) for _ in k.params], [torch.ones(b, dtype=torch.bool)
+                                                   for _ in k.params], ops)
+        for i, (x, y) in enumerate(zip(ops, kept)):
+            assert torch.equal(x, y), f"part B wrote into its operand {i}"
+        for x, y in zip(part_a, k.fake_backward(before)):     # the graph the proof read
+            torch.testing.assert_close(x, y)

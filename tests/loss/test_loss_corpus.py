@@ -13,13 +13,16 @@ Each coupled loss (a batch statistic of the outputs or of the labels that reache
 top-k, a softmax over the batch) is refused with the op and the user's line.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from support.loss_idioms import (CANARY_IDIOMS, CORPUS, COUPLED, IGNORE, K, Net, T, V, _apply,
+from support.loss_idioms import (CANARY_IDIOMS, CORPUS, COUPLED, IGNORE, K, BlockNet, Net, T, V,
+                                 _apply,
                                  _assert_close, _batch, _bites, _clipped_sum, _dpfx_step,
                                  _neighbours, _per_example, _reference, _slice_to)
 from support.sweep import reductions
@@ -70,6 +73,56 @@ def test_per_example_losses_through_inductor():
                 got = _dpfx_step(dp, model, which, loss, ids, d)
                 _assert_close(f"{name} B={batch} C={bound}", model, got,
                               _reference(grads, bound, batch))
+
+
+def test_per_example_losses_through_blocks():
+    """Every idiom through per-block graphs (the two residual layers are one compiled block,
+    the embedding and heads the model graph around them), through Inductor with the self-check:
+    each block's norm rows and clipped sums under the loss's per-example scale, at batch sizes
+    3, 1, 4 (= T) and 0, with a bound no example reaches and one every example exceeds; then
+    the auditor's canary: one added example moves the release by at most C. The reference runs
+    on a copy of the model that dpfx never touched."""
+    torch.manual_seed(0)
+    ref = BlockNet()
+    grads = {(name, batch): _per_example(ref, CORPUS[name][0], CORPUS[name][2],
+                                         *_batch(batch, seed=batch))
+             for name in CORPUS for batch in (3, 1, 4)}
+    for bound in (1e6, 1e-4):
+        model = copy.deepcopy(ref)
+        dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, blocks="auto",
+                          expected_batch_size=3)
+        for name in sorted(CORPUS):
+            which, loss, _ = CORPUS[name]
+            for batch in (3, 1, 4):
+                ids, d = _batch(batch, seed=batch)
+                got = _dpfx_step(dp, model, which, loss, ids, d)
+                _assert_close(f"{name} B={batch} C={bound}", model, got,
+                              _reference(grads[name, batch], bound, 3))
+            ids, d = _batch(0)
+            try:
+                _apply(which, loss, ref(ids), d)
+            except (ZeroDivisionError, RuntimeError):
+                continue        # the idiom itself fails on an empty batch
+            got = _dpfx_step(dp, model, which, loss, ids, d)
+            assert all(float(g.abs().max()) == 0 for g in got), name
+        assert len(dp._blocks) == 2 and len({type(b.forward) for b in model.layers}) == 1
+    ids, d = _neighbours()
+    names = ["sum_over_len", "token_python_ints", "bert_pretraining"]
+    norms = []
+    for name in names:
+        which, _, term = CORPUS[name]
+        g = _per_example(ref, which, term, ids, d)[0]
+        norms.append(float(torch.sqrt(sum(x.pow(2).sum() for x in g))))
+    bound = max(norms) * 1.5
+    model = copy.deepcopy(ref)
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, loss_reduction="sum",
+                      blocks="auto")
+    for name in names:
+        which, loss, _ = CORPUS[name]
+        base = _dpfx_step(dp, model, which, loss, ids[:8], _slice_to(d, 8))
+        added = _dpfx_step(dp, model, which, loss, ids, d)
+        moved = float(torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(added, base))))
+        assert moved <= bound * (1 + 1e-4), (name, moved, bound)
 
 
 @pytest.mark.parametrize("name", ["hf_causal_lm", "masked_token_mean", "bert_pretraining"])

@@ -33,6 +33,34 @@ class Net(nn.Module):
         return self.tok(h), self.cls(pooled), self.reg(pooled)
 
 
+class Layer(nn.Module):
+    """A residual block: the repeated unit of ``BlockNet``."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class BlockNet(Net):
+    """``Net`` with two residual blocks between the embedding and the heads: the model the
+    corpus runs through per-block graphs (``blocks="auto"`` takes the ModuleList's layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        for layer in self.layers:
+            h = layer(h)
+        pooled = h.mean(1)
+        return self.tok(h), self.cls(pooled), self.reg(pooled)
+
+
 def _batch(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 11, (n, T), generator=g)
