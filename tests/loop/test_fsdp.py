@@ -347,14 +347,20 @@ def test_unsupported_sharding_is_refused_with_the_fix(tmp_path):
 # block whose parameters are gathered only by its ops and whose clipped sums are
 # reduce-scattered in the backward; the root unit (the Llama's embeddings, tied head and norm)
 # goes through the step's reduce-scatter. Both must give the reference's gradients.
-@pytest.mark.parametrize("name,backend", [
-    ("mlp", "inductor"), ("llama", "eager"),
-    pytest.param("llama", "inductor", marks=pytest.mark.slow),
-    pytest.param("lora", "inductor", marks=pytest.mark.slow)])
-def test_sharded_blocks_equal_the_reference_on_the_union(tmp_path, name, backend):
+# Four ranks (two processes a core here, so slow) with the sum: each unit's shards are a quarter
+# of its rows, and the Llama's tied head crosses the root unit and the embedding's.
+@pytest.mark.parametrize("name,backend,world,reduction", [
+    ("mlp", "inductor", 2, "mean"), ("llama", "eager", 2, "mean"),
+    pytest.param("llama", "inductor", 2, "mean", marks=pytest.mark.slow),
+    pytest.param("lora", "inductor", 2, "mean", marks=pytest.mark.slow),
+    pytest.param("mlp", "inductor", 4, "sum", marks=pytest.mark.slow),
+    pytest.param("llama", "inductor", 4, "sum", marks=pytest.mark.slow)])
+def test_sharded_blocks_equal_the_reference_on_the_union(tmp_path, name, backend, world,
+                                                         reduction):
     if name != "mlp":
         pytest.importorskip("transformers")
     if name == "lora":
         pytest.importorskip("peft")
-    results = _spawn(tmp_path, 2, "train", name, 2, "mean", 0.0, 3, False, backend, "auto")
-    _check_exact(results, name, 2, "mean", dict(rtol=1e-4, atol=1e-6))
+    results = _spawn(tmp_path, world, "train", name, world, reduction, 0.0, 3, False, backend,
+                     "auto", deadline=900)
+    _check_exact(results, name, world, reduction, dict(rtol=1e-4, atol=1e-6))
