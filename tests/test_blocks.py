@@ -573,3 +573,60 @@ def test_a_blocks_backward_writes_into_none_of_its_inputs():
             assert torch.equal(x, y), f"part B wrote into its operand {i}"
         for x, y in zip(part_a, k.fake_backward(before)):     # the graph the proof read
             torch.testing.assert_close(x, y)
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h, scale=1.0, mask=None):
+        out = torch.tanh(self.fc(h)) * scale
+        return h + (out if mask is None else out * mask)
+
+
+class _ScaledNet(nn.Module):
+    """Two ``_Scaled`` layers, called as ``how`` says."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Scaled(), _Scaled()])
+        self.how = "keywords"
+
+    def forward(self, x):
+        m = torch.ones(8)
+        for layer in self.layers:
+            if self.how == "keywords":
+                x = layer(x, scale=2.0, mask=m)
+            elif self.how == "positional":
+                x = layer(x, 2.0, m)
+            elif self.how == "other_scale":
+                x = layer(x, scale=3.0, mask=m)
+            else:
+                x = layer(x, scale=2.0, mask=(m,))
+        return x
+
+
+def test_a_block_call_is_checked_against_the_call_it_was_compiled_for():
+    """Note [A block call's flattening]: the keyword call the blocks were compiled from takes the
+    fast path; another constant, a container where the call had a tensor, or the same values
+    passed positionally (another structure) are refused, and the call compiled for still runs."""
+    from dpfx.errors import CaptureError
+    torch.manual_seed(0)
+    net = _ScaledNet()
+    plain = copy.deepcopy(net)
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, blocks="auto",
+                      backend="eager")
+    x = torch.randn(3, 8)
+    want = plain(x)
+    torch.testing.assert_close(dp(x), want)
+    assert net.layers[0].forward.flat == (1, ("scale", "mask"))
+    for how, said in (("other_scale", "3.0"), ("container", "compiled for"),
+                      ("positional", "compiled for")):
+        net.how = how
+        with pytest.raises(CaptureError, match="arguments other than those it was compiled "
+                                               "for") as e:
+            dp(x)
+        assert said in str(e.value)
+    net.how = "keywords"
+    torch.testing.assert_close(dp(x), want)
