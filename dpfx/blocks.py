@@ -782,9 +782,9 @@ def _flat_call(spec) -> tuple[int, tuple] | None:
     is ``spec`` had only leaves for arguments, else None."""
     if spec is None:
         return None
-    args_spec, kwargs_spec = spec.children_specs
+    args_spec, kwargs_spec = spec.children()
     if args_spec.type is not tuple or kwargs_spec.type is not dict or \
-            not all(c.is_leaf() for c in args_spec.children_specs + kwargs_spec.children_specs):
+            not all(c.is_leaf() for c in [*args_spec.children(), *kwargs_spec.children()]):
         return None
     return args_spec.num_children, tuple(kwargs_spec.context)
 
