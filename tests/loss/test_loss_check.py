@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 import dpfx
 from dpfx.loss import check as loss_check
 from support.reference import assert_close, dp_sgd_grads, per_example_grads
-from support.sweep import examples
+from support.sweep import examples, with_reductions
 
 C = 0.05
 V, T = 5, 4
@@ -529,14 +529,14 @@ def _check_stack(name, path, reduction, backend, batches=(3, 1, 0)):
         [v.term_nodes for v in verdicts]
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("path", ["plain", "captured"])
-@pytest.mark.parametrize("name", sorted(STACKS))
+@pytest.mark.parametrize("name,reduction", with_reductions(sorted(STACKS)))
 def test_stacked_batch_sums_match_reference(name, path, reduction):
     """Per-position batch sums or means, stacked (or concatenated) and combined with public
     coefficients, in the plain loop and the captured loss: the DP-SGD gradient of each
-    example's own term (tests/support/reference.py) at B = 3, 1 and 0, a bound that clips about half
-    the examples, eager."""
+    example's own term (tests/support/reference.py) at B = 3, 1 and 0, a bound that clips about
+    half the examples, eager. By default each stack under one reduction
+    (tests/support/sweep.py)."""
     _check_stack(name, path, reduction, "eager")
 
 

@@ -25,7 +25,7 @@ from support.loss_idioms import (CANARY_IDIOMS, CORPUS, COUPLED, IGNORE, K, Bloc
                                  _apply,
                                  _assert_close, _batch, _bites, _clipped_sum, _dpfx_step,
                                  _neighbours, _per_example, _reference, _slice_to)
-from support.sweep import reductions
+from support.sweep import reductions, with_reductions
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_per_example_losses_match_reference(name):
@@ -192,12 +192,12 @@ def test_rows_selected_by_a_mask_are_refused_with_the_masked_form(loss):
 
 
 
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("name", CANARY_IDIOMS)
+@pytest.mark.parametrize("name,reduction", with_reductions(CANARY_IDIOMS))
 def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction):
     """sigma 0: the release with and without the canary differs by at most C/D, whichever way
     the loss writes the batch size. The bound is set so that the eight equal examples are not
-    clipped: a batch-size factor kept inside their terms would move all eight."""
+    clipped: a batch-size factor kept inside their terms would move all eight. By default each
+    idiom under one reduction (tests/support/sweep.py)."""
     which, loss, term = CORPUS[name]
     torch.manual_seed(0)
     model = Net()

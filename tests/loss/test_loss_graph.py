@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import dpfx
 from support import loss_idioms as corpus
 from support.reference import CLIP_EPS, assert_close
-from support.sweep import examples, reductions
+from support.sweep import every_other, examples, reductions, with_reductions
 
 KEYS = ["tokens", "labels", "multi", "target", "teacher", "weight"]
 # CTC's kernel has an output size that depends on the data, and F.gaussian_nll_loss branches on
@@ -49,13 +49,13 @@ def _compile(model, which, f, **kwargs):
     return dpfx.compile(model, loss=_fn(which, f), **kwargs)
 
 
-@pytest.mark.parametrize("name", CAPTURED)
+@pytest.mark.parametrize("name", every_other(CAPTURED))
 def test_captured_losses_match_reference(name):
     """Batch sizes 3 and 1 through one compiled model (mean), 4 (= T, sum), a bound that bites,
-    the FX backend; an empty batch releases zeros. By default one of the two reductions
-    (tests/support/sweep.py)."""
+    the FX backend; an empty batch releases zeros. By default every other idiom, under one of the
+    two reductions (tests/support/sweep.py)."""
     which, loss, term = corpus.CORPUS[name]
-    wanted = reductions(CAPTURED, name)             # tests/support/sweep.py
+    wanted = reductions(every_other(CAPTURED), name)    # tests/support/sweep.py
     for batches, reduction in (((3, 1), "mean"), ((4,), "sum")):
         if reduction not in wanted:
             continue
@@ -160,10 +160,11 @@ def test_captured_loss_branching_on_data_is_named(name):
     assert "loss_idioms.py:" in message and "loss.backward()" in message, message
 
 
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("name", [n for n in corpus.CANARY_IDIOMS if n not in DATA_BRANCHES])
+@pytest.mark.parametrize("name,reduction", with_reductions(
+    [n for n in corpus.CANARY_IDIOMS if n not in DATA_BRANCHES]))
 def test_one_added_example_moves_the_release_by_at_most_C_over_D(name, reduction):
-    """The auditor's canary of tests/loss/test_loss_corpus.py, in the captured form."""
+    """The auditor's canary of tests/loss/test_loss_corpus.py, in the captured form. By default
+    each idiom under one reduction (tests/support/sweep.py)."""
     which, loss, term = corpus.CORPUS[name]
     torch.manual_seed(0)
     model = corpus.Net()
