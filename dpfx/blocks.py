@@ -50,7 +50,6 @@ import copy
 import hashlib
 import itertools
 import unittest.mock
-import weakref
 from typing import Any
 
 import torch
@@ -259,8 +258,10 @@ def _size_expr(val) -> Any:
 
 
 def _evaluate(expr, batch) -> Any:
-    """``expr``, a polynomial in the one batch symbol, at ``batch`` (an int or a SymInt)."""
+    """``expr``, a polynomial in the one batch symbol (or a max or min of them), at ``batch``
+    (an int or a SymInt)."""
     import sympy
+    from torch.utils._sympy.functions import Max, Min
 
     if expr.is_Integer:
         return int(expr)
@@ -279,6 +280,12 @@ def _evaluate(expr, batch) -> Any:
         return out
     if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 0:
         return parts[0] ** int(expr.exp)
+    if isinstance(expr, (Max, Min)):     # a stride of a dim that may be empty
+        pick = torch.sym_max if isinstance(expr, Max) else torch.sym_min
+        out = parts[0]
+        for p in parts[1:]:
+            out = pick(out, p)
+        return out
     raise CaptureError(f"a dpfx block's graph needs the size {expr}, which is not a polynomial "
                        f"in the batch size")
 
@@ -287,6 +294,18 @@ def _batch_of(tensors: list, positions) -> Any:
     for pos in positions:
         return tensors[pos].shape[0]
     raise CaptureError("a dpfx block needs at least one argument with the batch in dim 0")
+
+
+def _batch_of_reads(kinds: list, reads: list, batched) -> Any:
+    """The batch size of part A's reads ``reads`` (of kinds ``kinds``): an output gradient's
+    dim 0, else a batched argument's."""
+    for (kind, _), t in zip(kinds, reads):
+        if kind == "grad" and t.dim():
+            return t.shape[0]
+    for (kind, i), t in zip(kinds, reads):
+        if kind == "arg" and i in batched:
+            return t.shape[0]
+    raise CaptureError("a dpfx block's backward reads no tensor with the batch in dim 0")
 
 
 def compile_block(block: torch.nn.Module, args: tuple, kwargs: dict, batched: set[int],
@@ -512,39 +531,27 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-# Note [A block's shapes are computed once per call site's shapes]
-# A block op's fake implementation runs the block's whole graph on fake tensors, and dynamo, the
-# joint trace and Inductor's propagation each ask it for every block call: twelve GPT-2 layers
-# made the model graph's backward lowering 19 s, against 6.6 s for two. The outputs' shapes,
-# strides and dtypes depend only on the inputs', so each fake implementation runs its graph once
-# per distinct input metadata in one ShapeEnv and hands later calls new empty tensors laid out
-# alike.
-def _shapes_once(fake):
-    seen: dict = {}
+# Note [A block op's shapes come from its graphs' metadata]
+# A block op's fake implementation is asked for its outputs by dynamo, the joint trace and
+# Inductor's lowering at every block call. Running the block's graph on fake tensors there made
+# twelve GPT-2 layers' backward lowering 19 s, against 6.6 s for two; and the ops' fake calls
+# have no saved activations to run part A's graph on (Note [A block's own tensors stay out of
+# the model's graph] in ops/blocks.py). Each output's shape and strides are polynomials in the
+# block's batch symbol, read from its graph once, so a fake call evaluates them at the call's
+# batch size and returns empty tensors laid out alike: what the graph run would return.
+def _output_metadata(gm: fx.GraphModule, count: int | None = None) -> list:
+    """(shape, strides, dtype) of ``gm``'s first ``count`` outputs, sizes as polynomials in the
+    batch symbol."""
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    return [([_size_expr(x) for x in o.meta["val"].shape],
+             [_size_expr(x) for x in o.meta["val"].stride()], o.meta["val"].dtype)
+            for o in outs[:count]]
 
-    def metadata(t):
-        if not isinstance(t, torch.Tensor):
-            return repr(t)
-        return (tuple(str(x) for x in t.shape), tuple(str(x) for x in t.stride()), t.dtype,
-                str(t.device), t.requires_grad)
 
-    def run(*lists):
-        tensors = [t for group in lists for t in group]
-        mode = torch._guards.detect_fake_mode(tensors)
-        env = getattr(mode, "shape_env", None)
-        if env is None:
-            return fake(*lists)
-        key = (id(env), tuple(tuple(metadata(t) for t in group) for group in lists))
-        hit = seen.get(key)
-        if hit is None or hit[0]() is not env:
-            outs = fake(*lists)
-            seen[key] = (weakref.ref(env), [(o.shape, o.stride(), o.dtype, o.device)
-                                            for o in outs])
-            return outs
-        return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                for shape, stride, dtype, device in hit[1]]
-
-    return run
+def _empty_at(metadata: list, batch, device) -> list:
+    return [torch.empty_strided([_evaluate(e, batch) for e in shape],
+                                [_evaluate(e, batch) for e in stride], dtype=dtype, device=device)
+            for shape, stride, dtype in metadata]
 
 
 def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
@@ -624,12 +631,29 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
     def fake_grad(args):
         return cast(fake_clip(*_ones(args[0]), args[1:]))
 
+    fw_meta = _output_metadata(c.fw_fake, num_outputs)
+    a_meta = _output_metadata(c.part_a_fake, len(result.input_grads) + 1)
+    b_meta = _output_metadata(c.part_b_fake)
+    graph_kinds = [r for r in op_reads if r[0] != "saved"]
+
+    def shapes_forward(args):
+        return _empty_at(fw_meta, _batch_of(args, batched), args[0].device)
+
+    def shapes_backward(reads):
+        return _empty_at(a_meta, _batch_of_reads(graph_kinds, reads, batched), reads[0].device)
+
+    def shapes_grad(device):
+        return [t.to(c.param_dtypes[n]) for t, n in zip(_empty_at(b_meta, None, device), params)]
+
+    def shapes_clip(device):
+        return _empty_at(b_meta, None, device)
+
     return Kernels(name=name, params=params, num_inputs=num_inputs, num_outputs=num_outputs,
                    grad_inputs=c.grad_inputs, forward=forward, backward=backward, grad=grad,
-                   clip=clip, backward_reads=op_reads, fake_forward=_shapes_once(fake_forward),
-                   fake_backward=_shapes_once(fake_backward), fake_grad=_shapes_once(fake_grad),
-                   fake_clip=_shapes_once(fake_clip),
-                   operands=sources, norms=len(result.input_grads), rows=result.rows,
+                   clip=clip, backward_reads=op_reads, fake_forward=fake_forward,
+                   fake_backward=fake_backward, fake_grad=fake_grad, fake_clip=fake_clip,
+                   shapes_forward=shapes_forward, shapes_backward=shapes_backward,
+                   shapes_grad=shapes_grad, shapes_clip=shapes_clip, operands=sources, norms=len(result.input_grads), rows=result.rows,
                    operands_read_params=any(
                        kind == "in" and op_reads[i][0] == "arg" and op_reads[i][1] >= num_inputs
                        for kind, i in sources),

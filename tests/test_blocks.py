@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 import dpfx
 from dpfx.blocks import compile_block, install, uninstall
 from dpfx.config import DPConfig
-from dpfx.ops.blocks import kernels, operands
+from dpfx.ops.blocks import graph_operands, graph_reads, kernels, operands
 from support.reference import (assert_close, loop_dp_sgd_grads, loop_example_grads,
                                      per_example_norms, run_dpfx_multi)
 
@@ -98,15 +98,17 @@ def test_block_ops_against_vmap(backend):
             return (functional_call(block, dict(zip(names, ps)), (xi[None],))[0] * gi).sum()
 
         per_example = vmap(grad(term), in_dims=(None, 0, 0))(params, x, g)
-        reads = [[x, *params][i] if kind == "arg" else
-                 outs[k.num_outputs + i] if kind == "saved" else g
-                 for kind, i in k.backward_reads]
+        assert len(outs) == k.num_outputs + 1     # the saved activations' handle
+        reads = [outs[k.num_outputs]] + [[x, *params][i] if kind == "arg" else g for kind, i in
+                                         (k.backward_reads[n] for n in graph_reads(k))]
         bwd = torch.ops.dpfx.block_bwd(key, reads)
+        assert len(bwd) == k.norms + 2            # the held operands' handle
         want = torch.stack([p.flatten(1).pow(2).sum(1) for p in per_example])
         torch.testing.assert_close(bwd[k.norms], want, **tol)
         coefs = [torch.rand(b) for _ in params]
         keeps = [torch.rand(b) > 0.3 for _ in params]
-        clipped = torch.ops.dpfx.block_clip(key, coefs, keeps, operands(k, reads, bwd))
+        ops = [bwd[n] if kind == "out" else reads[n] for kind, n in graph_operands(k)]
+        clipped = torch.ops.dpfx.block_clip(key, coefs, keeps, ops)
         for j, p in enumerate(per_example):
             w = (coefs[j] * keeps[j]).view(-1, *[1] * (p.dim() - 1))
             torch.testing.assert_close(clipped[j], (w * p).sum(0), **tol)

@@ -190,9 +190,8 @@ def _declared_layouts(node: fx.Node) -> tuple | None:
     if node.op != "call_function" or node.target not in (
             torch.ops.dpfx.block_fwd.default, torch.ops.dpfx.block_bwd.default):
         return None
-    k = blocks.kernels(node.args[0])
-    layouts = k.forward_layouts if node.target is torch.ops.dpfx.block_fwd.default \
-        else k.backward_layouts
+    layouts = blocks.op_layouts(blocks.kernels(node.args[0]),
+                                node.target is torch.ops.dpfx.block_fwd.default)
     return tuple(layouts) if layouts is not None else None
 
 

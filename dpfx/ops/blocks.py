@@ -3,14 +3,20 @@ its private graph is compiled once and shared by every identical block.
 
 A block's private graph (``dpfx/blocks.py`` builds it) is split at the clip coefficient:
 
-    block_fwd(key, args)   -> [outputs..., saved...]        the block's forward
-    block_bwd(key, args)   -> [input grads..., norms, operands...]
+    block_fwd(key, args)   -> [outputs..., saved]          the block's forward
+    block_bwd(key, [saved, *reads]) -> [input grads..., norms, held]
                               norms: f32[R, B], row rows[j] the squared per-sample norm of
                               the block's parameters in parameter j's clipping group (what the
                               graph holds, before any scaling; passes/block.py)
-    block_grad(key, [norms, *ops]) -> [grad_0, ..., grad_P-1]   the plain sums over examples
-    block_clip(key, coefs, keeps, ops) -> [clipped_0, ..., clipped_P-1]
+    block_grad(key, [norms, held, *ops]) -> [grad_0, ..., grad_P-1]   the plain sums
+    block_clip(key, coefs, keeps, [held, *ops]) -> [clipped_0, ..., clipped_P-1]
                               sum_i where(keep_j[i], coefs_j[i] * g_i[j], 0) for each j
+
+``saved`` and ``held`` are handles (Note [A block's own tensors stay out of the model's graph]):
+``saved`` stands for the activations the block's forward saved, ``held`` for the part B
+operands that part A made; ``reads`` are the rest of what part A reads (the call's arguments and
+parameters, the output gradients) and ``ops`` the rest of part B's operands (those of them), in
+the orders ``graph_reads`` and ``graph_operands`` give.
 
 ``args`` of ``block_fwd`` are the block's tensor call arguments, then its parameters in the
 order the block's ``Kernels`` name them. The op's autograd formula calls ``block_bwd`` and
@@ -20,7 +26,22 @@ as the model itself. dpfx's per-sample rewrite (``rules/block.py``) replaces eac
 are clipped by the clip factor of the whole model's graph, like any other parameter.
 
 Every op is functional (its outputs are new tensors), so Inductor calls it as an extern kernel
-and the graph around it keeps its order. The kernels and the fake implementations live in the
+and the graph around it keeps its order.
+
+# Note [A block's own tensors stay out of the model's graph]
+What a block's forward saves for its backward (a dozen activations of a decoder layer), and the
+book-keeping operands its part A makes for part B, are read by the block's own ops alone. Had
+they been outputs of the ops, every one would be a tensor the model's capture traces through
+dynamo, the joint trace and Inductor's lowering at each block call: twelve GPT-2 layers spent
+about 2 s of the model's compile per call on them (their symbolic shapes' arithmetic, mostly).
+So the op keeps them in ``_HELD`` and returns a handle in their place: a one-element int64
+tensor of zeros (equal in every run, so the self-check's comparisons and its independence test
+pass over it), keyed by its storage. The entry lives exactly as long as the handle: a finalizer
+on the handle drops it, so the activations are freed when autograd frees the saved handle, as
+it freed the tensors themselves. Only tensors the op made are held: the call's arguments and
+the output gradients are graph tensors whose buffers Inductor may reuse once the graph no longer
+reads them, so they stay operands of the graph. A handle that is not the op's own (a copy) finds
+no entry and fails loudly. The kernels and the fake implementations live in the
 process's ``KERNELS`` table, filled when a block is compiled; a key that is not there is an
 error naming the block (a graph loaded without its blocks).
 
@@ -53,8 +74,10 @@ import torch
 
 @dataclasses.dataclass
 class Kernels:
-    """What the ops of one block key run. Each callable takes and returns lists of tensors; the
-    ``fake`` ones compute only shapes (they run under a FakeTensorMode)."""
+    """What the ops of one block key run: the block's kernels, which take and return lists of
+    tensors (every saved activation and operand among them: the ops hold those, Note [A block's
+    own tensors stay out of the model's graph]); the ``fake`` ones run the block's FX graphs
+    (the block's self-check compares them with the kernels)."""
     name: str                       # the block's class, for errors
     params: list[str]               # parameter names within the block, in ``args`` order
     num_inputs: int                 # tensor call arguments before the parameters
@@ -66,21 +89,28 @@ class Kernels:
     backward: Callable[[list], list]
     grad: Callable[[list], list]
     clip: Callable[[list, list, list], list]
-    # which of block_fwd's args and outputs block_bwd reads, in its order: ("arg", i) |
-    # ("saved", k) (an output of block_fwd after the user outputs) | ("grad", k)
+    # which of ``forward``'s args and outputs ``backward`` (part A) reads, in its order:
+    # ("arg", i) | ("saved", k) (an output of ``forward`` after the user outputs) | ("grad", k)
     backward_reads: list[tuple[str, int]]
     fake_forward: Callable[[list], list] | None = None
     fake_backward: Callable[[list], list] | None = None
     fake_grad: Callable[[list], list] | None = None
     fake_clip: Callable[[list, list, list], list] | None = None
-    # part B's operands: ("out", k) output k of block_bwd, ("in", i) its input i
+    # part B's operands: ("out", k) output k of ``backward``, ("in", i) its input i
     operands: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    norms: int = 0                  # the position of norms among block_bwd's outputs
+    norms: int = 0                  # the position of norms among ``backward``'s outputs
     rows: list[int] = dataclasses.field(default_factory=list)  # parameter j's row of norms
-    # the batch layouts (graph/batch.py) of block_fwd's and block_bwd's outputs
+    # the batch layouts (graph/batch.py) of ``forward``'s and ``backward``'s outputs
     forward_layouts: list | None = None
     backward_layouts: list | None = None
     operands_read_params: bool = False      # an operand is a parameter or constant of the block
+    # the ops' outputs as empty tensors, from the block's graphs' output metadata (what the ops'
+    # fake implementations return): ``shapes_forward(args)``, ``shapes_backward(reads)`` (the
+    # graph's reads, ``graph_reads``), ``shapes_grad(device)``, ``shapes_clip(device)``
+    shapes_forward: Callable[[list], list] | None = None
+    shapes_backward: Callable[[list], list] | None = None
+    shapes_grad: Callable[[torch.device], list] | None = None
+    shapes_clip: Callable[[torch.device], list] | None = None
 
 
 KERNELS: dict[str, Kernels] = {}
@@ -142,40 +172,114 @@ def kernels(key: str) -> Kernels:
     return found
 
 
+_HELD: dict[int, list[torch.Tensor]] = {}
+
+
+def _handle(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """A handle holding ``tensors`` while it lives (Note [A block's own tensors stay out of the
+    model's graph])."""
+    handle = torch.zeros(1, dtype=torch.int64, device=device)
+    key = handle.untyped_storage().data_ptr()
+    _HELD[key] = tensors
+    weakref.finalize(handle, _HELD.pop, key, None)
+    return handle
+
+
+def _held(handle: torch.Tensor) -> list[torch.Tensor]:
+    found = _HELD.get(handle.untyped_storage().data_ptr())
+    if found is None:
+        raise RuntimeError("dpfx: a block op was handed a handle that is not a block op's own "
+                           "(a copy of it, or one whose tensors were freed)")
+    return found
+
+
+def _fake_handle(device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device=device)
+
+
+def graph_reads(k: Kernels) -> list[int]:
+    """The positions, among ``k.backward_reads``, of what ``block_bwd`` takes after its handle:
+    every read but the saved activations."""
+    return [i for i, (kind, _) in enumerate(k.backward_reads) if kind != "saved"]
+
+
+def _is_held(k: Kernels, source: tuple[str, int]) -> bool:
+    kind, i = source
+    return kind == "out" or k.backward_reads[i][0] == "saved"
+
+
+def graph_operands(k: Kernels) -> list[tuple[str, int]]:
+    """Part B's operands as the model's graph passes them, after the ``held`` handle: (\"out\", n)
+    the handle, output n of ``block_bwd``, then (\"in\", i) input i of ``block_bwd``, for each
+    operand that is one of the graph's reads."""
+    position = {r: 1 + n for n, r in enumerate(graph_reads(k))}
+    return [("out", k.norms + 1)] + [("in", position[i]) for kind, i in k.operands
+                                    if not _is_held(k, (kind, i))]
+
+
+def _all_reads(k: Kernels, saved: list, reads: list) -> list:
+    """Part A's reads in ``k.backward_reads`` order, from the saved activations and the graph's."""
+    it_saved, it_reads = iter(saved), iter(reads)
+    return [next(it_saved) if kind == "saved" else next(it_reads)
+            for kind, _ in k.backward_reads]
+
+
+def _all_operands(k: Kernels, operands: list) -> list:
+    """Part B's operands in ``k.operands`` order, from a held handle and the graph's ones."""
+    held, rest = iter(_held(operands[0])), iter(operands[1:])
+    return [next(held) if _is_held(k, s) else next(rest) for s in k.operands]
+
+
+def op_layouts(k: Kernels, forward: bool) -> list | None:
+    """The batch layouts of ``block_fwd``'s (or ``block_bwd``'s) outputs in the model's graph;
+    a handle has none: it holds no example's data in its entries."""
+    layouts = k.forward_layouts if forward else k.backward_layouts
+    if layouts is None:
+        return None
+    return list(layouts[:k.num_outputs if forward else k.norms + 1]) + [None]
+
+
 @torch.library.custom_op("dpfx::block_fwd", mutates_args=())
 def block_fwd(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
     k = kernels(key)
     with _resident(key):
-        return k.forward(list(args))
+        outs = k.forward(list(args))
+    return outs[:k.num_outputs] + [_handle(outs[k.num_outputs:], outs[0].device)]
 
 
 @block_fwd.register_fake
 def _block_fwd_fake(key, args):
-    return kernels(key).fake_forward(list(args))
+    outs = kernels(key).shapes_forward(list(args))
+    return outs + [_fake_handle(outs[0].device)]
 
 
 @torch.library.custom_op("dpfx::block_bwd", mutates_args=())
 def block_bwd(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
     k = kernels(key)
+    reads = _all_reads(k, _held(args[0]), list(args[1:]))
     with _resident(key):
-        return k.backward(list(args))
+        outs = k.backward(reads)
+    held = [outs[i] if kind == "out" else reads[i] for kind, i in k.operands
+            if _is_held(k, (kind, i))]
+    return outs[:k.norms + 1] + [_handle(held, outs[k.norms].device)]
 
 
 @block_bwd.register_fake
 def _block_bwd_fake(key, args):
-    return kernels(key).fake_backward(list(args))
+    outs = kernels(key).shapes_backward(list(args[1:]))
+    return outs + [_fake_handle(outs[-1].device)]
 
 
 @torch.library.custom_op("dpfx::block_grad", mutates_args=())
 def block_grad(key: str, operands: list[torch.Tensor]) -> list[torch.Tensor]:
     k = kernels(key)
     with _resident(key) if k.operands_read_params else contextlib.nullcontext():
-        return k.grad(list(operands))
+        return k.grad([operands[0]] + _all_operands(k, list(operands[1:])))
 
 
 @block_grad.register_fake
 def _block_grad_fake(key, operands):
-    return kernels(key).fake_grad(list(operands))
+    return kernels(key).shapes_grad(operands[0].device)
 
 
 @torch.library.custom_op("dpfx::block_clip", mutates_args=())
@@ -183,10 +287,11 @@ def block_clip(key: str, coefs: list[torch.Tensor], keeps: list[torch.Tensor],
                operands: list[torch.Tensor]) -> list[torch.Tensor]:
     k = kernels(key)
     place = _place(key)
+    operands = _all_operands(k, list(operands))
     if place is None:
-        return k.clip(list(coefs), list(keeps), list(operands))
+        return k.clip(list(coefs), list(keeps), operands)
     with place.resident() if k.operands_read_params else contextlib.nullcontext():
-        sums = k.clip(list(coefs), list(keeps), list(operands))
+        sums = k.clip(list(coefs), list(keeps), operands)
     if _LIVE[0]:
         place.clipped(sums)
     return _no_storage(sums)
@@ -194,7 +299,7 @@ def block_clip(key: str, coefs: list[torch.Tensor], keeps: list[torch.Tensor],
 
 @block_clip.register_fake
 def _block_clip_fake(key, coefs, keeps, operands):
-    sums = kernels(key).fake_clip(list(coefs), list(keeps), list(operands))
+    sums = kernels(key).shapes_clip(coefs[0].device)
     return _no_storage(sums) if "#" in key else sums
 
 
@@ -204,7 +309,8 @@ def _no_storage(sums: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def operands(k: Kernels, args: list, outs: list) -> list:
-    """Part B's operands of one block call: from block_bwd's outputs or its inputs."""
+    """Part B's operands of one block call: from part A's outputs or its inputs (``k``'s own
+    kernels' lists, not the ops')."""
     return [outs[i] if kind == "out" else args[i] for kind, i in k.operands]
 
 
@@ -213,25 +319,27 @@ def _setup_context(ctx, inputs, output):
     k = kernels(key)
     ctx.key = key
     ctx.num_args = len(args)
-    # what block_bwd reads: the call's arguments and parameters as they came, the saved tensors
-    # block_fwd returned after its outputs
-    reads = [args[i] if kind == "arg" else output[k.num_outputs + i]
-             for kind, i in k.backward_reads if kind != "grad"]
-    ctx.save_for_backward(*reads)
+    # what block_bwd takes besides the output gradients: the handle of the saved activations,
+    # the call's arguments and parameters as they came
+    ctx.save_for_backward(output[k.num_outputs],
+                          *[args[i] for kind, i in k.backward_reads if kind == "arg"])
 
 
 def _backward(ctx, grads):
     k = kernels(ctx.key)
-    saved = iter(ctx.saved_tensors)
-    args = []
+    handle, *saved = ctx.saved_tensors
+    saved = iter(saved)
+    reads = []
     for kind, i in k.backward_reads:
         if kind == "grad":
             g = grads[i]
-            args.append(g if g is not None else torch.zeros(()))
-        else:
-            args.append(next(saved))
-    outs = block_bwd(ctx.key, args)
-    params = block_grad(ctx.key, [outs[k.norms]] + operands(k, args, outs))
+            reads.append(g if g is not None else torch.zeros(()))
+        elif kind == "arg":
+            reads.append(next(saved))
+    outs = block_bwd(ctx.key, [handle] + reads)
+    taken = [handle] + reads
+    ops = [outs[n] if kind == "out" else taken[n] for kind, n in graph_operands(k)]
+    params = block_grad(ctx.key, [outs[k.norms]] + ops)
     arg_grads = [None] * ctx.num_args
     for pos, i in enumerate(k.grad_inputs):
         arg_grads[i] = outs[pos]

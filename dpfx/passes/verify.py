@@ -775,8 +775,9 @@ _MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 # coefs[j] and selected by keeps[j], over operands that row rows[j] of the block's norms is taken
 # over. Here the root graph proves the rest: coefs[j] is a clip coefficient of this graph (its
 # factor's C is the parameter's group's), keeps[j] is that factor's finite mask, the operands
-# are those of one ``dpfx::block_bwd`` call, and row rows[j] of that call's norms (the row of
-# j's clipping group) is part of the norm the factor is computed from.
+# are those of one ``dpfx::block_bwd`` call (the handle it returned for the operands it holds,
+# then its inputs that are operands: ops/blocks.graph_operands), and row rows[j] of that call's
+# norms (the row of j's clipping group) is part of the norm the factor is computed from.
 def _is_block_clip(node: fx.Node) -> bool:
     return node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
         and node.args[0].target is torch.ops.dpfx.block_clip.default
@@ -784,7 +785,7 @@ def _is_block_clip(node: fx.Node) -> bool:
 
 def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalysis,
                       config: DPConfig) -> tuple[fx.Node, tuple[fx.Node, int]]:
-    from dpfx.ops.blocks import kernels
+    from dpfx.ops.blocks import graph_operands, kernels
 
     call, j = c.args
     key, coefs, keeps, operands = call.args
@@ -806,7 +807,7 @@ def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalys
     expected = [("out", o.args[1]) if o.target is operator.getitem and o.args[0] is bwd
                 else ("in", bwd.args[1].index(o)) if o in bwd.args[1] else None
                 for o in operands]
-    if expected != [tuple(s) for s in k.operands]:
+    if expected != graph_operands(k):
         raise PrivacyError(f"{c.name} (block {k.name}) reads operands other than its "
                            f"block_bwd call's")
     # parameter j's row, which passes/block.verify_block proved covers j's clipped sum
