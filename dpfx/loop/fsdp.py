@@ -43,9 +43,11 @@ largest unit instead of the model:
 - the units that are not blocks (the root: embeddings, head) are gathered for the step as above;
   a block's unit is put on its module unsharded but empty (FSDP's unsharded ``nn.Parameter``
   objects, their storage freed), so the model's graph and its guards see the same objects;
-- each of the block's ops (forward, the backward's part A) all-gathers the unit's padded shards
-  into FSDP's own all-gather buffers (the unsharded parameters are views of them) and frees
-  them after the op; no unit is gathered beyond its op;
+- each of the block's ops (forward, the backward's part A) gathers the unit with one
+  collective, as FSDP does: the unit's padded shards end to end are all-gathered at once and
+  copied out into FSDP's own all-gather buffers (the unsharded parameters are views of them),
+  one collective per dtype if the unit mixes dtypes; the buffers are freed after the op, so no
+  unit is gathered beyond its op;
 - once the model's clip factor is known, each block's part B forms its clipped sums, and the
   place reduce-scatters them at once (the unit's parameters in one collective, laid out as at
   the step) into this rank's float32 shard of each sum, accumulated over the backwards of a
@@ -329,20 +331,40 @@ class Place:
 
     @contextlib.contextmanager
     def resident(self):
+        """The unit's parameters gathered for the call (unless they are there) and freed after
+        it, with one all-gather per dtype of the unit, as FSDP gathers a unit."""
         if self.filled or not self.params:
             yield
             return
-        group = self.sharding.group
+        by_dtype: dict[torch.dtype, list] = {}
         for fp in self.params:
-            out = fp.all_gather_outputs[0]
-            out.untyped_storage().resize_(out.numel() * out.itemsize)
-            with torch.autograd._unsafe_preserve_version_counter(out):
-                _all_gather(out, fp._sharded_param_data, group=group)
+            by_dtype.setdefault(fp._sharded_param_data.dtype, []).append(fp)
+        for fps in by_dtype.values():
+            self._gather(fps)
         try:
             yield
         finally:
             for fp in self.params:
                 fp.free_unsharded_param()
+
+    def _gather(self, fps: list) -> None:
+        """``fps``' padded shards (one dtype, S elements end to end on every rank) in one
+        collective: rank r's S land at [r*S, (r+1)*S) of the receive buffer, so each parameter's
+        columns of its (world, S) view are that parameter's all-gather output, world rows of its
+        shard."""
+        world = self.sharding.world
+        sizes = [fp._sharded_param_data.numel() for fp in fps]
+        with torch.no_grad():
+            send = torch.cat([fp._sharded_param_data for fp in fps])
+            received = send.new_empty(world * send.numel())
+            _all_gather(received, send, group=self.sharding.group)
+            del send
+            outs = [fp.all_gather_outputs[0] for fp in fps]
+            for out in outs:
+                out.untyped_storage().resize_(out.numel() * out.itemsize)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                torch.split_with_sizes_copy(received.view(world, -1), sizes, dim=1,
+                                            out=[out.view(world, -1) for out in outs])
 
     @contextlib.contextmanager
     def stand_in(self):

@@ -8,7 +8,8 @@ head (by default with backend="eager"), and LoRA adapters on a sharded frozen ba
 std sigma*C/D, measured per coordinate: a coordinate noised by two ranks would show sqrt(2) times
 that, a shard noised by none 0; shards of different ranks draw independent noise even from one
 fixed seed. Parameters, gradients and optimizer state stay DTensor shards, evaluation reshards
-after its forward, and each rank's checkpoint of its shards loads into a fresh sharded run.
+after its forward, and each rank's checkpoint of its shards loads into a fresh sharded run. A
+block that is an FSDP unit is gathered with one collective for each of its ops.
 Configurations dpfx does not support are refused on every rank with what to change (Note
 [Sharded DP-SGD] in dpfx/loop/fsdp.py).
 """
@@ -226,8 +227,30 @@ def _refusals() -> dict:
     return said
 
 
+def _counting_gathers(*args):
+    """``_train(*args)`` with the all-gathers of the blocks' places counted, and the block ops
+    that found their unit not gathered (those that need it gathered)."""
+    from dpfx.loop import fsdp
+    counts = {"gathers": 0, "ops": 0}
+    gather, resident = fsdp._all_gather, fsdp.Place.resident
+
+    def counted_gather(*a, **kw):
+        counts["gathers"] += 1
+        return gather(*a, **kw)
+
+    def counted_resident(place):
+        counts["ops"] += not place.filled and bool(place.params)
+        return resident(place)
+
+    fsdp._all_gather, fsdp.Place.resident = counted_gather, counted_resident
+    try:
+        return _train(*args), counts
+    finally:
+        fsdp._all_gather, fsdp.Place.resident = gather, resident
+
+
 def _scenario(scenario: str, args: tuple):
-    return _train(*args) if scenario == "train" else _refusals()
+    return {"train": _train, "gathers": _counting_gathers, "refusals": _refusals}[scenario](*args)
 
 
 def _spawn(tmp_path, world, scenario, *args, deadline=480):
@@ -364,3 +387,14 @@ def test_sharded_blocks_equal_the_reference_on_the_union(tmp_path, name, backend
     results = _spawn(tmp_path, world, "train", name, world, reduction, 0.0, 3, False, backend,
                      "auto", deadline=900)
     _check_exact(results, name, world, reduction, dict(rtol=1e-4, atol=1e-6))
+
+
+def test_sharded_blocks_gather_each_unit_with_one_collective(tmp_path):
+    """Each op of a block that is an FSDP unit (fc1, fc2: a weight and a bias each) gathers
+    the unit with one all-gather, not one a parameter, and the gradients stay the reference's."""
+    results = _spawn(tmp_path, 2, "gathers", "mlp", 2, "mean", 0.0, 3, False, "eager", "auto")
+    for rank in range(2):
+        counts = results[rank][1]
+        assert counts["ops"] > 0 and counts["gathers"] == counts["ops"], (rank, counts)
+    _check_exact({r: results[r][0] for r in range(2)}, "mlp", 2, "mean",
+                 dict(rtol=1e-4, atol=1e-6))
