@@ -132,7 +132,8 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
 
 def test_merged_cpu_builds(tmp_path, monkeypatch):
     """Note [One C++ build per compile worker] (lower/cpu_builds.py): the kernels of each dpfx graph
-    are built as at most one unit per compile worker, exact at B = 3, 0, 1 and 16 (the width);
+    are built as at most one unit per compile worker, waited for at their first call, exact at
+    B = 3, 0, 1 and 16 (the width);
     a second compile on the same cache directory loads the units without g++; a plain
     torch.compile keeps one build per kernel. A unit g++ refuses is built kernel by kernel."""
     from torch._inductor import async_compile, codecache
@@ -159,6 +160,10 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
                         classmethod(recording_load))
     monkeypatch.setattr(async_compile.AsyncCompile, "submit",
                         classmethod(lambda cls, task: submits.append(1) or submit(cls, task)))
+    stand_ins = []      # Note [A graph's C++ builds run while the next graph lowers]
+    on_first_call = cpu_builds._on_first_call
+    monkeypatch.setattr(cpu_builds, "_on_first_call", lambda scope, name, member: stand_ins.append(
+        (scope, name)) or on_first_call(scope, name, member))
     # enough kernels in each graph for units of several kernels (more than the workers)
     layers = [m for _ in range(4) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
@@ -186,6 +191,10 @@ def test_merged_cpu_builds(tmp_path, monkeypatch):
             if run == "cold":
                 assert len(merged) <= 2 * 2            # per graph, at most one per worker
                 assert submits
+                # the modules were loaded without waiting for their builds, and each kernel's
+                # first call put the built kernel in its stand-in's place
+                assert stand_ins and all(
+                    not getattr(scope[name], "dpfx_stand_in", False) for scope, name in stand_ins)
             else:
                 assert submits == [], "the warm start rebuilt a unit"
         # a unit g++ refuses: its kernels built one by one, with a warning, still exact
