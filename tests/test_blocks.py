@@ -2,6 +2,7 @@
 one compiled block shared by identical blocks, its parameters clipped by the whole model's
 factor, against torch.func and the batch-of-one loop."""
 import copy
+import gc
 import math
 import operator
 
@@ -15,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 import dpfx
 from dpfx.blocks import compile_block, install, uninstall
 from dpfx.config import DPConfig
+from dpfx.ops import blocks as ops_blocks
 from dpfx.ops.blocks import graph_operands, graph_reads, kernels, operands
 from support.reference import (assert_close, loop_dp_sgd_grads, loop_example_grads,
                                      per_example_norms, run_dpfx_multi)
@@ -155,12 +157,45 @@ def test_model_of_blocks_against_the_loop(backend, reduction, tied):
         if reduction == "mean":
             want = {k: v / 4 for k, v in want.items()}
         assert_close(got, want, rtol=2e-4, atol=1e-6)
+        # the saved activations and operands the ops held are freed with the step's graphs
+        gc.collect()
+        assert not ops_blocks._HELD, f"{len(ops_blocks._HELD)} handles outlived the step"
     assert dp.compile_count == 2, "one compiled pair serves every batch size"
     if backend == "inductor":
         checks = list(dp._dpfx_backend._checks.values())
         assert checks and all(c.done and c.backward is not None for c in checks)
     for b in net.blocks:
         uninstall(b)
+
+
+def test_a_handle_holds_its_tensors_while_it_lives():
+    """Note [A block's own tensors stay out of the model's graph] (ops/blocks.py): block_fwd
+    returns one handle after its outputs, whose entry holds the block's saved activations
+    until the handle is freed; a copy of a handle is refused, not read as another entry."""
+    torch.manual_seed(0)
+    block = Block()
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    key = compile_block(block, (torch.randn(2, 5, 8),), {}, {0}, config)
+    k = kernels(key)
+    params = [p.detach() for p in block.parameters()]
+    gc.collect()
+    before = len(ops_blocks._HELD)
+    x = torch.randn(3, 5, 8)
+    outs = torch.ops.dpfx.block_fwd(key, [x] + params)
+    handle = outs[k.num_outputs]
+    assert handle.dtype == torch.int64 and handle.shape == (1,) and int(handle) == 0
+    assert len(ops_blocks._HELD) == before + 1
+    saved = ops_blocks._held(handle)
+    assert saved and all(isinstance(t, torch.Tensor) for t in saved)
+    reads = [[x, *params][i] if kind == "arg" else torch.randn(3, 5, 8) for kind, i in
+             (k.backward_reads[n] for n in graph_reads(k))]
+    with pytest.raises(RuntimeError, match="not a block op's own"):
+        torch.ops.dpfx.block_bwd(key, [handle.clone()] + reads)
+    bwd = torch.ops.dpfx.block_bwd(key, [handle] + reads)
+    assert len(ops_blocks._HELD) == before + 2
+    del outs, handle, saved, bwd
+    gc.collect()
+    assert len(ops_blocks._HELD) == before
 
 
 def test_identical_blocks_share_one_capture():
