@@ -62,6 +62,7 @@ from dpfx.capture.entry import BatchMarked, DynamoSettings, HeapFrozen
 from dpfx.capture.traceable import Captured
 from dpfx.config import DPConfig
 from dpfx.errors import CaptureError, DPFXError
+from dpfx.lower.cpu_builds import finish_builds
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
 from dpfx.lower.selfcheck import _has_random_ops
@@ -419,6 +420,7 @@ def _self_check(k: Kernels, call_tensors: list, batched: set[int], rest: list,
     from dpfx.lower.selfcheck import _close, _compare, _other_examples
     from dpfx.ops.blocks import operands
 
+    finish_builds()     # Note [A graph's C++ builds run while the next graph lowers]
     g = torch.Generator().manual_seed(0)
 
     def changed(t: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from torch.fx.graph import _BoxedCodeGen
 import torch.utils._python_dispatch
 
 from dpfx.capture import batch_branches
+from dpfx.lower.cpu_builds import finish_builds
 from dpfx.ops import noise as cpu_noise
 from dpfx.errors import PrivacyError
 from dpfx.graph.batch import BatchDim
@@ -362,6 +363,7 @@ class GraphCheck:
 
     def run(self, args: list) -> None:
         self.done = True
+        finish_builds()     # Note [A graph's C++ builds run while the next graph lowers]
         generator = torch.Generator(device="cpu").manual_seed(0)
         sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
         # Note [A self-check is not repeated on code it has passed]
