@@ -290,9 +290,13 @@ def merged_cpu_builds():
 # kernels, and what the module calls, are those it would have waited for; a unit g++ refuses
 # is rebuilt kernel by kernel at that first call (``MergedBuildFailed``). Builds overlap only
 # Python: before anything computes (the self-check's runs, a kernel's first call) every build
-# started is waited for (``finish_builds``). Torch's kernels run on OpenMP threads that spin at
-# their barriers, and beside two g++ runs on two cores they slowed a 12-layer GPT-2's one-graph
-# self-check from 1.7 s to 15 s.
+# started is waited for (``finish_builds``): torch's kernels run on OpenMP threads, one a core,
+# that wait at their barriers by spinning, and g++ would take cores from them mid-kernel. On a
+# 12-layer GPT-2 with blocks the first step went from 36.0 to 31.3-33.9 s (regional
+# torch.compile 27.3-29.5 s in the same runs); the one-graph path is unchanged (86.5 against
+# 87.0 s in one run: its backward's builds, the largest, have no graph after them to overlap,
+# and are waited for in its self-check instead of its lowering).
+# (benchmarks/latest/first_step_blocks_handles.md)
 _STARTED: list[_Batch] = []     # batches whose builds started and were not all waited for
 
 
