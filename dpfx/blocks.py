@@ -641,11 +641,14 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
     def shapes_forward(args):
         return _empty_at(fw_meta, _batch_of(args, batched), args[0].device)
 
-    def shapes_backward(reads):
-        return _empty_at(a_meta, _batch_of_reads(graph_kinds, reads, batched), reads[0].device)
+    grad_meta = [(shape, stride, c.param_dtypes[n])
+                 for (shape, stride, _), n in zip(b_meta, params)]
+
+    def shapes_backward(reads, device):
+        return _empty_at(a_meta, _batch_of_reads(graph_kinds, reads, batched), device)
 
     def shapes_grad(device):
-        return [t.to(c.param_dtypes[n]) for t, n in zip(_empty_at(b_meta, None, device), params)]
+        return _empty_at(grad_meta, None, device)
 
     def shapes_clip(device):
         return _empty_at(b_meta, None, device)
@@ -655,7 +658,8 @@ def _kernels(c: _Capture, name: str, params: list[str], num_inputs: int,
                    clip=clip, backward_reads=op_reads, fake_forward=fake_forward,
                    fake_backward=fake_backward, fake_grad=fake_grad, fake_clip=fake_clip,
                    shapes_forward=shapes_forward, shapes_backward=shapes_backward,
-                   shapes_grad=shapes_grad, shapes_clip=shapes_clip, operands=sources, norms=len(result.input_grads), rows=result.rows,
+                   shapes_grad=shapes_grad, shapes_clip=shapes_clip, operands=sources,
+                   norms=len(result.input_grads), rows=result.rows,
                    operands_read_params=any(
                        kind == "in" and op_reads[i][0] == "arg" and op_reads[i][1] >= num_inputs
                        for kind, i in sources),
