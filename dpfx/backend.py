@@ -10,15 +10,17 @@ backends execute the same rewritten graphs.
 AOTAutogradCache returns compiled artifacts without calling the inner compiler; a hit for a graph
 first compiled without dpfx would hand back *non-private* gradients. So it serves a dpfx compile
 only as Note [A warm start without the joint trace] (lower/warm.py) sets it up: on CPU, in its bundled
-mode, holding dpfx's own output code, which calls dpfx's inner compiler again when it is loaded,
-under a key that carries dpfx's source digest; a hit after which dpfx compiled nothing is
-refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
+mode, holding dpfx's own output code, which runs the code dpfx proved and lowered, under its
+digest and the self-check's verdict (Note [A trusted warm start]), or calls dpfx's inner compiler
+again when it is loaded, under a key that carries dpfx's source digest and every private setting;
+a hit after which dpfx compiled nothing is refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
 graph itself. (tests/lower/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
 tests/lower/test_warm_start.py)
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 import secrets
@@ -36,7 +38,7 @@ from dpfx.lower import warm
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import cache_key_pass, inductor_patches, lower
 from dpfx.graph.batch import sym_expr
-from dpfx.lower.selfcheck import GraphCheck, Half
+from dpfx.lower.selfcheck import GraphCheck, Half, pair_verdict, verdict_path
 from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
 from dpfx.loss.gate import ReleaseGate
 from dpfx.ops import blocks as block_ops
@@ -73,6 +75,11 @@ class DPBackend:
             if config.adaptive else None
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
+        # Note [A trusted warm start] in lower/warm.py: what a cache entry needs to run the code
+        # it holds without the passes (the lowered code, its plan), set by the last compile
+        self._made: tuple | None = None
+        self._outputs: dict = {}   # graph id -> the forward's output code, until its backward
+        self._lowered_forwards: dict = {}    # graph id -> a trustable forward's lowered code
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -102,9 +109,12 @@ class DPBackend:
             and torch._functorch.config.enable_autograd_cache
         patches = inductor_patches(example_inputs)
         if cached:
+            # Note [A trusted warm start] (lower/warm.py): the key names every setting the
+            # rewritten graphs depend on, so an entry's code serves only the same settings
             patches = {**patches, "post_grad_custom_post_pass": cache_key_pass(
                 torch._inductor.config.post_grad_custom_post_pass,
-                extra=repr([str(d) for d in self.decisions]))}
+                extra=repr(([str(d) for d in self.decisions], self.config, self._input_kinds,
+                            sorted(self._targets))))}
         with torch._functorch.config.patch(enable_autograd_cache=cached,
                                            bundled_autograd_cache=cached,
                                            force_non_lazy_backward_lowering=True,
@@ -158,7 +168,20 @@ class DPBackend:
         if self.config.backend != "inductor" or _device_of(example_inputs).type != "cpu":
             return self.compile_graph(gm, example_inputs, kwargs)
         graph = warm.snapshot(gm)     # before dpfx's passes rewrite it
-        return warm.DPOutputCode(self.compile_graph(gm, example_inputs, kwargs), graph, kwargs)
+        stages = dict(self.stages.graphs)
+        self._made = None
+        code = warm.DPOutputCode(self.compile_graph(gm, example_inputs, kwargs), graph, kwargs)
+        if self._made is not None:     # Note [A trusted warm start] in lower/warm.py
+            lowered, plan = self._made
+            plan["stages"] = {k: v for k, v in self.stages.graphs.items() if stages.get(k) != v}
+            code.trust(lowered, plan)
+            if kwargs.get("is_backward"):
+                forward = self._outputs.pop(kwargs.get("graph_id"), None)
+                if forward is not None and forward.plan is not None:
+                    forward.plan["pair"] = plan["pair"]
+            else:
+                self._outputs[kwargs.get("graph_id")] = code
+        return code
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict) -> Any:
         """dpfx's inner compiler proper: on a fresh trace, or on a graph loaded from
@@ -183,6 +206,9 @@ class DPBackend:
         self._forward[kwargs.get("graph_id")] = info
         reference = Half.of(gm, None) if self._checking() else None
         compiled = self._lower(gm, example_inputs, kwargs)
+        if self._trustable(gm, info):
+            self._made = (compiled, {"kind": "forward"})
+            self._lowered_forwards[kwargs.get("graph_id")] = compiled
         check = None
         if reference is not None:
             reference.compiled = compiled
@@ -197,6 +223,9 @@ class DPBackend:
                                targets, always=self.config.self_check == "always")
             self._checks[kwargs.get("graph_id")] = check
 
+        return self._forward_runner(compiled, check)
+
+    def _forward_runner(self, compiled, check):
         def run_forward(args):
             if check is not None and check.ready(args):
                 # Note [Checking what Inductor generated]; its synthetic norms are not the user's.
@@ -271,11 +300,25 @@ class DPBackend:
             check.backward = reference
             # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
             check.compare_backward = not native_noise or self.config.noise == "optimizer"
+        positions = {pg.name: pg.output_index for pg in self.param_grads}
+        zero_tangents = self.last_backward.zero_tangents
+        forward = self._lowered_forwards.pop(kwargs.get("graph_id"), None)
+        if forward is not None and not native_noise:
+            plan = {"kind": "backward", "positions": positions, "zero_tangents": zero_tangents,
+                    "adaptive": adaptive}
+            plan["pair"] = pair_verdict(forward, compiled, check)
+            if plan["pair"] is not None:
+                self._made = (compiled, plan)
+                if check is not None:
+                    check.verdict = plan["pair"]
+        return self._backward_runner(compiled, positions, zero_tangents, adaptive, device)
 
+    def _backward_runner(self, compiled, positions: dict, zero_tangents: list, adaptive: bool,
+                         device: torch.device):
+        """The compiled backward's runner: the gate's admission, the noise seed, the released
+        gradients handed to the gate."""
         if adaptive:
             compiled = self._with_bound(compiled, device)
-        zero_tangents = self.last_backward.zero_tangents
-        positions = {pg.name: pg.output_index for pg in self.param_grads}
         elsewhere = [i for name, i in positions.items() if name in self.released_elsewhere]
         positions = {name: i for name, i in positions.items()
                      if name not in self.released_elsewhere}
@@ -327,6 +370,53 @@ class DPBackend:
         run_backward._boxed_call = True
         return run_backward
 
+    # -- Note [A trusted warm start] in lower/warm.py --------------------------------------------
+    def _trustable(self, gm: fx.GraphModule, info: ForwardInfo) -> bool:
+        """Whether a cache entry of this forward (and its backward) may run without the passes
+        in a later process: the code holds nothing of this process (a block's kernels, a norm
+        sink) and the self-check's verdict does not depend on sizes read at run time."""
+        if self.config.backend != "inductor" or self.problems is not None \
+                or self.config.track_norms or self.config.self_check == "always":
+            return False
+        if any(str(n.target).startswith("dpfx.block_") for n in gm.graph.nodes
+               if n.op == "call_function"):
+            return False
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("val")
+            sizes = value.shape if isinstance(value, torch.Tensor) else \
+                [value] if isinstance(value, torch.SymInt) else []
+            for size in sizes:
+                if isinstance(size, torch.SymInt) and \
+                        not size.node.expr.free_symbols <= set(info.batch_symbols):
+                    return False
+        return True
+
+    def trusts(self, plan: dict) -> bool:
+        """Whether this compile runs a cache entry's code as it is: its self-check passed
+        before (or is off) and nothing here asks for the passes to run again."""
+        if self.config.backend != "inductor" or self.problems is not None \
+                or self.config.track_norms or self.config.self_check == "always":
+            return False
+        if not self._checking():
+            return True
+        pair = plan.get("pair")
+        return pair is not None and os.path.exists(verdict_path(pair))
+
+    def load_trusted(self, plan: dict, compiled, kwargs: dict):
+        """The runner of a trusted entry's lowered code, as a compile of its graph would have
+        made it."""
+        self.compiles += 1
+        for name, text in plan.get("stages", {}).items():
+            self.stages.graphs[name] = text
+            if self.stages.on_stage is not None:
+                self.stages.on_stage(name, text)
+        if plan["kind"] == "forward":
+            return self._forward_runner(compiled, None)
+        self.param_grads = [TrustedGrad(name, i) for name, i in plan["positions"].items()]
+        self.last_backward = None
+        return self._backward_runner(compiled, plan["positions"], plan["zero_tangents"],
+                                     plan["adaptive"], torch.device("cpu"))
+
     def _with_bound(self, compiled, device: torch.device):
         """The compiled backward called with C_t appended to its arguments; its last output, the
         step's count of unclipped examples, goes to the adaptive bound's owner: noised
@@ -364,6 +454,13 @@ class DPBackend:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", stage)
         with open(os.path.join(directory, f"{self.compiles:03d}_{safe}.txt"), "w") as f:
             f.write(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustedGrad:
+    """A parameter's gradient output in a graph loaded from a trusted cache entry."""
+    name: str
+    output_index: int
 
 
 def _loss_tangent_is_one(gm: fx.GraphModule, names: list[str]) -> None:

@@ -353,6 +353,9 @@ class GraphCheck:
         self.device = device
         self.decisions = decisions    # the batch sizes this graph serves (capture/batch_branches.py)
         self.done = False
+        # the pair's verdict name, whose marker a pass leaves for a trusted cache entry (Note
+        # [A trusted warm start] in lower/warm.py); None: the entry is not trusted
+        self.verdict: str | None = None
 
     def ready(self, args: list) -> bool:
         """Runs once, at the first call with a non-empty batch (its rows are sampled)."""
@@ -370,6 +373,7 @@ class GraphCheck:
         passed = None if self.always else _passed_marker(self, sizes)
         if passed is not None and os.path.exists(passed):
             self.skipped = True
+            self._passed(sizes)
             return
         # Note [The self-check runs outside the first call's dispatch modes]
         # The check runs inside the compiled forward's first call, where aot_autograd's runtime
@@ -384,6 +388,13 @@ class GraphCheck:
                     self._check_at(b, args, sizes, generator)
         if passed is not None:
             _mark(passed)
+        self._passed(sizes)
+
+    def _passed(self, sizes: dict) -> None:
+        """Leave the pair's verdict for a trusted cache entry: only where no size the check
+        read off the call (a non-batch symbol) decided what it ran."""
+        if self.verdict is not None and not sizes:
+            _mark(verdict_path(self.verdict))
 
     def _check_at(self, b: int, args: list, sizes: dict, generator) -> None:
         sizes = {**sizes, **{s: b for s in self.batch_symbols}}
@@ -537,6 +548,34 @@ def _passed_marker(check: "GraphCheck", sizes: dict) -> str | None:
                  check.compare_backward, SIZES, torch.__version__))
     name = hashlib.sha256(what.encode()).hexdigest()
     return os.path.join(cache_dir(), "dpfx_selfcheck", name)
+
+
+def verdict_path(pair: str) -> str:
+    """The marker of a passed check of the pair of compiled graphs named ``pair``."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "dpfx_verdicts", pair)
+
+
+def pair_verdict(forward, backward, check: "GraphCheck | None") -> str | None:
+    """The name of a passed check of this forward and backward's code (Note [A trusted warm
+    start] in lower/warm.py): each graph's FX-graph cache key and its code's hash, and what
+    decides the check's runs; None where the code cannot be identified."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    keys = []
+    for code in (forward, backward):
+        graph_key = getattr(code, "_fx_graph_cache_key", None)
+        if not isinstance(code, CompiledFxGraph) or not isinstance(graph_key, str) \
+                or not isinstance(code.cache_key, str):
+            return None
+        keys.append((graph_key, code.cache_key))
+    checked = None if check is None else (
+        check.layouts, sorted(check.batch_inputs), sorted(check.targets),
+        _sizes_served(check.decisions), check.compare_backward,
+        [(h.outputs, h.streamed, h.random, h.low_precision) for h in (check.forward,)])
+    what = repr((keys, checked, SIZES, torch.__version__))
+    return hashlib.sha256(what.encode()).hexdigest()
 
 
 def _mark(path: str) -> None:

@@ -1,4 +1,5 @@
-"""A warm start without aot_autograd's joint trace: dpfx's graphs in AOTAutogradCache's entries.
+"""A warm start without aot_autograd's joint trace: dpfx's graphs, code and verdicts in AOTAutogradCache's
+entries.
 
 # Note [A warm start without the joint trace]
 A user's second run of a script found Inductor's code in its cache, but dpfx still traced the
@@ -19,6 +20,7 @@ backend.py), so dpfx takes part in it this way, on CPU:
   batch size]): the same dynamo code captured for B = 1 and for other sizes is two graphs.
 - On a hit, AOTAutogradCache rebuilds the runtime wrappers from its entry and calls each output
   code's ``post_compile`` with the call's inputs, the forward's first. There ``DPOutputCode``
+  runs the code it holds (Note [A trusted warm start], below) or, where that is not trusted,
   loads its graph and runs dpfx's inner compiler on it, exactly as on a miss: batch analysis,
   rewrite, proof, lowering (Inductor's FX-graph cache hits: the same rewritten graph) and the
   self-check. Nothing the proof reads comes from the file but the graph itself: every node's fake
@@ -35,6 +37,41 @@ backend.py), so dpfx takes part in it this way, on CPU:
   A graph ``GraphPickler`` cannot write (its metadata names a class defined inside a function)
   is compiled as before, without an entry.
 
+# Note [A trusted warm start]
+By default a hit does not rebuild: it runs the code the entry holds, as Inductor runs the code it
+loads from the same directory (a writer of that directory can already run code as the user).
+What dpfx decided about the graphs is as trustworthy as the code it lowered them to, so an entry
+holds, beside the captured graph, the verdicts and what they cover:
+
+- the rewritten graph's lowered code (Inductor's ``CompiledFxGraph``, serialized as Inductor's
+  own cache serializes it), proven before it was lowered (a proof that refuses raises, and a
+  compile that raises saves no entry);
+- a plan: what the backend's runner needs (the backward's gradient outputs by parameter, the
+  batch-free tangents that must be zero, whether the graph reads C_t) and the stage texts that
+  ``DPFX_DUMP_DIR`` and ``dpfx.explain`` read;
+- the pair's verdict name (``selfcheck.pair_verdict``: both graphs' FX-graph keys and code
+  hashes, and what decides the check's runs). The self-check does not run at compile time, so
+  the verdict lives beside the entry: a check that passes leaves a marker by that name
+  (``dpfx_verdicts/`` in Inductor's cache directory). Without it the entry is rebuilt, proven
+  and checked, and the pass leaves it.
+- a sha256 over the plan, the code and the captured graph: an entry that does not match it (a
+  torn write, a flipped byte) is a miss (``FXGraphCacheMiss``), so the compile runs dpfx's
+  passes on a fresh trace and writes the entry again.
+
+The key covers everything the verdicts depend on: the captured graph, torch's version and
+Inductor's settings (AOTAutogradCache's own key), dpfx's source digest, the batch-size
+decisions, every setting of ``DPConfig`` and the role of each graph input (a parameter by name,
+a batch input, a constant, a captured loss's target), through the custom pass's uuid
+(``lowering._CacheKey``). A changed bound, noise multiplier, strategy, noise placement or loss
+reduction misses.
+
+The forward and its backward are trusted together: the backward of a rebuilt forward is rebuilt;
+a trusted forward whose backward cannot be is a miss of the pair. Not trusted, and so rebuilt
+as before: a graph holding a block's kernels or a norm sink (state of the process that compiled
+it), graphs whose self-check depends on non-batch sizes read at run time, ``self_check="always"``,
+``dpfx.validate``, and every compile under ``DPFX_REPROVE=1`` (for auditors; the test suite sets
+it, and tests/lower/test_warm_start.py runs both paths).
+
 The rebuild costs loading the graphs, propagating fake values through them and the cache's key:
 GPT-2 small's warm aot_autograd phase 8.7 -> 4.1 s, its warm first step 18.1 -> 13.5 s
 (benchmarks/latest/first_step_warm_aot_cache.md); with entries that hold no derived fake value,
@@ -44,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 from typing import Any, Callable
 
@@ -63,6 +101,8 @@ class _State(threading.local):
     forward_outputs: list | None = None   # the rebuilt forward's output values
     forward_strides: list | None = None   # the strides its compiled code gives them
     serial: int = 0                    # compiles so far: a rebuilt pair's own graph id
+    trusted: int = 0                   # entries run as they are (Note [A trusted warm start])
+    trusted_forward: Any = None        # the plan of the forward just loaded as it is
     device_index: Any = None
 
 
@@ -85,6 +125,7 @@ class compiling:
         state.backend, state.compiled, state.forward_outputs, state.device_index, \
             state.forward_strides = self.backend, 0, None, None, None
         state.serial += 1
+        state.trusted_forward = None
         return self
 
     def __exit__(self, *exc):
@@ -162,6 +203,17 @@ class DPOutputCode(OutputCode):
         self._graph = graph
         self._kwargs = {k: v for k, v in kwargs.items() if k in _KEPT}
         self._boxed_call = True
+        self.lowered = None     # Note [A trusted warm start]: the rewritten graph's code
+        self.plan: dict | None = None
+        self._digest: str | None = None
+
+    def trust(self, lowered, plan: dict) -> None:
+        """Keep the rewritten graph's lowered code and what runs it (Note [A trusted warm
+        start])."""
+        from torch._inductor.output_code import CompiledFxGraph
+
+        if isinstance(lowered, CompiledFxGraph):
+            self.lowered, self.plan = lowered, plan
 
     def __call__(self, inputs):
         return self._runner(inputs)
@@ -172,6 +224,14 @@ class DPOutputCode(OutputCode):
         if self._graph is None:
             raise BypassAOTAutogradCache("dpfx: the graph could not be serialized")
         self._runner = None
+        if self.lowered is not None and self.plan is not None and \
+                (self.plan["kind"] == "backward" or "pair" in self.plan):
+            lowered = copy.copy(self.lowered)
+            lowered.prepare_for_serialization()
+            self.lowered = lowered
+            self._digest = _digest(self.plan, lowered, self._graph)
+        else:
+            self.lowered = self.plan = None
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
@@ -182,7 +242,6 @@ class DPOutputCode(OutputCode):
         backend = state.backend
         if backend is None:
             raise RuntimeError("dpfx: a cached graph loaded outside a dpfx compile")
-        gm, inputs = _rebuild(self._graph, self._kwargs, example_inputs)
         from torch._inductor.cudagraph_utils import BoxedDeviceIndex
         from torch._inductor.utils import BoxedBool
 
@@ -193,6 +252,9 @@ class DPOutputCode(OutputCode):
         kwargs = {**self._kwargs, "boxed_forward_device_index": state.device_index,
                   "cudagraphs": BoxedBool(False),
                   "graph_id": ("cached", state.serial, self._kwargs.get("graph_id"))}
+        if self._load_trusted(backend, example_inputs, constants, kwargs):
+            return
+        gm, inputs = _rebuild(self._graph, self._kwargs, example_inputs)
         if kwargs.get("is_backward"):
             self._runner = backend.compile_graph(gm, inputs, kwargs)
             return
@@ -201,6 +263,47 @@ class DPOutputCode(OutputCode):
         with torch._guards.TracingContext.report_output_strides() as strides:
             self._runner = backend.compile_graph(gm, inputs, kwargs)
         state.forward_strides = list(strides) if strides is not None else None
+
+
+    def _load_trusted(self, backend, example_inputs, constants, kwargs) -> bool:
+        """Run the entry's lowered code without the passes, where it may be (Note [A trusted
+        warm start]); False: rebuild and prove the graph again."""
+        from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss
+        from torch._inductor.codecache import FxGraphCache
+
+        backward = bool(kwargs.get("is_backward"))
+        if backward and state.trusted_forward is None:
+            return False        # the forward was rebuilt: its backward is too
+        trusted = self.plan is not None and self.lowered is not None and \
+            os.environ.get("DPFX_REPROVE") != "1" and backend.trusts(self.plan)
+        if not trusted:
+            if backward:        # a trusted forward's backward that cannot be: compile both
+                raise FXGraphCacheMiss("dpfx: a trusted forward's backward is not trusted")
+            state.trusted_forward = None
+            return False
+        if self._digest != _digest(self.plan, self.lowered, self._graph):
+            raise FXGraphCacheMiss("dpfx: a cache entry does not match its digest; rebuilt")
+        lowered, _ = FxGraphCache.cache_hit_post_compile(copy.copy(self.lowered), {}, constants)
+        if lowered is None:
+            raise FXGraphCacheMiss("dpfx: a cache entry's code no longer loads; rebuilt")
+        lowered.post_compile(example_inputs, constants, {"is_backward": backward, **kwargs})
+        self._runner = backend.load_trusted(self.plan, lowered, kwargs)
+        state.compiled += 1
+        state.trusted += 1
+        state.trusted_forward = None if backward else self.plan
+        return True
+
+
+def _digest(plan: dict, lowered, graph: bytes) -> str:
+    """What an entry's trusted path runs, hashed: the plan, the code and the captured graph."""
+    import hashlib
+    import pickle
+
+    digest = hashlib.sha256(pickle.dumps(plan))
+    digest.update(str(lowered.source_code).encode())
+    digest.update(str(lowered.cache_key).encode())
+    digest.update(graph)
+    return digest.hexdigest()
 
 
 def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule, list]:
