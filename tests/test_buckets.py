@@ -255,3 +255,48 @@ def test_token_ids_pad_with_row_0():
     y = torch.randint(0, 4, (5,))
     got = _step(padded, model, ids, y, _loss("sum"))[1]
     assert_close(got, _step(unpadded, model, ids, y, _loss("sum"))[1])
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_sequence_inputs_through_both_strategies(strategy):
+    """(B, T, d) inputs: the ghost norm's book-keeping product selects both of its operands by
+    the padded mask (Note [Non-finite examples contribute zero]); a float target's mean loss."""
+    torch.manual_seed(0)
+    model = MLP()
+    padded = _compile(model, "eager", "mean", None, batch_buckets=BUCKETS, strategy=strategy)
+    unpadded = _compile(model, "eager", "mean", None, strategy=strategy)
+    assert {pg.strategy for pg in _grads_after(padded, torch.randn(2, 5, 8))
+            if pg.name.endswith("weight")} == {strategy}
+    for b in (1, 3, 5):
+        x, y = torch.randn(b, 5, 8), torch.randn(b, 5, 4)
+        got = _step(padded, model, x, y, F.mse_loss)[1]
+        assert_close(got, _step(unpadded, model, x, y, F.mse_loss)[1])
+        assert_close(got, _reference(model, F.mse_loss, x, y, "mean"))
+
+
+def _grads_after(dp, x):
+    dp(x).sum().backward()
+    dp._orig_mod.zero_grad(set_to_none=True)
+    return dp._dpfx_backend.param_grads
+
+
+def test_noise_of_a_padded_batch():
+    """sigma > 0: a "sum" loss's release is the unpadded one, draw for draw (one seed, the same
+    dpfx::add_noise_ on CPU); a "mean" loss's noise has std sigma * C / B with B the real
+    examples, not the bucket (the sliced draw, divided by real_examples)."""
+    torch.manual_seed(0)
+    model = MLP(d_in=64, hidden=64)
+    kw = dict(max_grad_norm=C, noise_multiplier=1.0, seed=3, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpfx.FixedSeedWarning)
+        padded = dpfx.compile(model, loss_reduction="sum", batch_buckets=BUCKETS, **kw)
+        unpadded = dpfx.compile(model, loss_reduction="sum", **kw)
+        mean = dpfx.compile(model, batch_buckets=BUCKETS, **kw)
+    x, y = torch.randn(3, 64), torch.randint(0, 4, (3,))
+    assert_close(_step(padded, model, x, y, _loss("sum"))[1],
+                 _step(unpadded, model, x, y, _loss("sum"))[1])
+    got = _step(mean, model, x, y, _loss("mean"))[1]
+    clean = _reference(model, _loss("mean"), x, y, "mean")
+    noise = torch.cat([(got[k] - clean[k]).flatten() for k in got])
+    assert noise.numel() > 4000
+    assert noise.std().item() == pytest.approx(C / 3, rel=0.05)

@@ -94,8 +94,9 @@ REAL_EXAMPLES = "real_examples"
 # ``dpfx::observe_norms`` records only the first B norms (ops/norms.py), so no padded row is
 # ever counted as clipped, unclipped or non-finite. The verifier requires this form of keep
 # whenever buckets are configured, with ``real_rows`` read from the one real_examples input
-# (Note [Padded rows are proven out] in verify.py). Graphs noise with the sliced draw on CPU
-# too (the in-place add_noise_ takes its divisor as a size, not a tensor).
+# (Note [Padded rows are proven out] in verify.py). A mean loss without expected_batch_size
+# is released with the sliced draw on CPU too (add_noise_ takes its divisor as a size, and D is
+# the tensor real_examples); with a sum, or a given expected_batch_size, add_noise_ stays.
 # (tests/test_buckets.py)
 
 
@@ -125,8 +126,11 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 
     # Note [Vector parameters' per-sample gradients stacked]
     # (adaptive clipping: the noise std is a node, sigma_grad * C_t; the sliced draw takes it)
+    # (a padded batch's mean without expected_batch_size divides by a tensor, real_examples:
+    # add_noise_ takes its divisor as a size)
     in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE \
-        and bound is None and real is None
+        and bound is None and not (real is not None and mean
+                                   and config.expected_batch_size is None)
     stacks = _stack_vectors(grads, config, emit) if in_place and STACK_VECTORS else []
     stacked = {pg.name for s in stacks for pg in s.members}
 

@@ -585,8 +585,9 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig,
     if item.target is aten.slice.Tensor and item.meta.get("dpfx") in (None, "private_grad"):
         span, item = item, item.args[0]
     if item.target is operator.getitem and _is_add_noise(item.args[0]):
-        if real is not None:
-            refuse(f"{item.name} is released by dpfx::add_noise_, whose divisor is no input: a "
+        if real is not None and config.loss_reduction == "mean" and \
+                config.expected_batch_size is None:
+            refuse(f"{item.name} is released by dpfx::add_noise_, whose divisor is a size: a "
                    f"padded batch's D is its real_examples input")
         return _check_release_in_place(name, item, an, config, refuse, span)
     if span is not None:
@@ -900,9 +901,9 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph,
 # 0-d float32, which the backend fills with B). So row i >= B has clip factor 0 and each of its
 # terms is selected to exactly 0, whatever its values. A mean loss's clip coefficient and the
 # division by D must read that same input (the graph holds g_i / B: P would scale an example
-# past C), the in-place add_noise_ release (whose divisor is a size) is refused, and adaptive
-# clipping's count must be sum_i where(real_rows, float(b_i) - 1/2, 0). A graph whose masks have
-# the plain form where buckets are configured is refused.
+# past C), so there the in-place add_noise_ release (whose divisor is a size) is refused.
+# Adaptive clipping's count must be sum_i where(real_rows, float(b_i) - 1/2, 0). A graph whose
+# masks have the plain form where buckets are configured is refused.
 # (tests/test_buckets.py::test_a_mask_without_the_real_rows_is_refused)
 def _real_examples(graph: fx.Graph) -> fx.Node:
     found = [p for p in graph.find_nodes(op="placeholder")
