@@ -224,12 +224,6 @@ class DPModule(torch.nn.Module):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major_empty, (args, kwargs))
             tensors = _tensor_leaves(args, kwargs)
         config = self.dp_config
-        real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py
-        batch = config.bucket_for(real)
-        if batch != real:
-            args, kwargs = pytree.tree_map_only(
-                torch.Tensor, functools.partial(_padded, rows=batch), (args, kwargs))
-            tensors = _tensor_leaves(args, kwargs)
         training = torch.is_grad_enabled() and any(p.requires_grad for p in self._params)
         if training and batch == 0 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None and config.noise == "graph":
@@ -242,6 +236,12 @@ class DPModule(torch.nn.Module):
             check_loop_inputs(self, tensors)
         if self._blocks_pending is not None:     # Note [Per-block private graphs] (blocks.py)
             return self._run_with_new_blocks(args, kwargs, targets, tensors)
+        real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py
+        batch = config.bucket_for(real)
+        if batch != real:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, functools.partial(_padded, rows=batch), (args, kwargs))
+            tensors = _tensor_leaves(args, kwargs)
         backend.gate.begin_forward()
         capturing = False
         entry = self._entry_for(batch, targets is not None)

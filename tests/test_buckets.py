@@ -7,6 +7,7 @@ buckets and on their edges (B = 1, B = a bucket, B = a bucket + 1, B = 0). Note 
 contribute zero] in dpfx/passes/clip_noise.py, Note [Padded rows are proven out] in
 dpfx/passes/verify.py.
 """
+import copy
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ import dpfx.passes
 from dpfx.config import DPConfig
 from dpfx.errors import OptionError
 from dpfx.ops.norms import NonFiniteExampleWarning
-from support.models import MLP
+from support.models import MLP, Block, TinyGPT
 from support.reference import assert_close, dp_sgd_grads, per_example_grads, per_example_norms
 
 BUCKETS = (4, 8)
@@ -300,3 +301,19 @@ def test_noise_of_a_padded_batch():
     noise = torch.cat([(got[k] - clean[k]).flatten() for k in got])
     assert noise.numel() > 4000
     assert noise.std().item() == pytest.approx(C / 3, rel=0.05)
+
+
+def test_blocks_with_padded_batches():
+    """A block called as one op (blocks=) clips with the root graph's padded masks: a tied
+    causal GPT's step with its block compiled once equals the unpadded step without blocks."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=11, d=8, T=5)
+    plain = copy.deepcopy(model)    # the reference's: blocks= installs its op in ``model``
+    padded = _compile(model, "eager", "sum", None, batch_buckets=BUCKETS, blocks=[Block])
+    unpadded = _compile(model, "eager", "sum", None)
+    for b in (3, 5):
+        ids, y = torch.randint(0, 11, (b, 5)), torch.randint(0, 11, (b,))
+        got = _step(padded, model, ids, y, _loss("sum"))[1]
+        assert_close(got, _step(unpadded, model, ids, y, _loss("sum"))[1])
+        assert_close(got, _reference(plain, _loss("sum"), ids, y, "sum"))
+    assert padded._blocks, "the block was not compiled as one op"
