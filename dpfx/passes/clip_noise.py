@@ -45,7 +45,8 @@ final pointwise kernel. One draw (GPU: ``aten.randn``, sliced) or one call (CPU:
 ``dpfx::add_noise_``, one Philox key) serves all parameters, so there is one seed per step. Every node that the verifier relies
 on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor", "clip_coef",
 "clip_apply", "finite_mask", "clipped_sum", "noise" (the draw, or the add_noise_ call),
-"noise_scale" (GPU form), "private_grad" | "clipped_grad".
+"noise_scale" (GPU form), "private_grad" | "clipped_grad"; with ``batch_buckets``, "real_rows"
+and the input "real_examples" (Note [Padded rows contribute zero]).
 """
 from __future__ import annotations
 
