@@ -26,7 +26,7 @@ from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, co
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
-from dpfx.errors import CaptureError, DPFXError, PrivacyError
+from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -236,6 +236,12 @@ class DPModule(torch.nn.Module):
             check_loop_inputs(self, tensors)
         if self._blocks_pending is not None:     # Note [Per-block private graphs] (blocks.py)
             return self._run_with_new_blocks(args, kwargs, targets, tensors)
+        real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py
+        batch = config.bucket_for(real)
+        if batch != real:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, functools.partial(_padded, rows=batch), (args, kwargs))
+            tensors = _tensor_leaves(args, kwargs)
         backend.gate.begin_forward()
         capturing = False
         entry = self._entry_for(batch, targets is not None)
@@ -294,7 +300,10 @@ class DPModule(torch.nn.Module):
             entry.swaps = steady_swaps(entry.fn, args, kwargs)
         if sharding is not None and not training:
             sharding.release()      # nothing will read the gathered parameters again
-        backend.gate.end_forward(training, batch)
+        if batch != real:
+            out = pytree.tree_map_only(torch.Tensor, functools.partial(
+                _real_rows, rows=batch, real=real), out)
+        backend.gate.end_forward(training, real)
         if backend.compiles != self._compiles_seen:
             self._after_capture()
         if training:
@@ -305,7 +314,7 @@ class DPModule(torch.nn.Module):
             if targets is not None:
                 return captured(out, backend)     # Note [The loss inside the graph]
             # Note [The loss inside the proof] in loss/track.py
-            out = track(out, backend, batch, self._param_ids, tensors)
+            out = track(out, backend, real, self._param_ids, tensors)
         return out
 
     def _run_with_new_blocks(self, args, kwargs, targets, tensors):
@@ -467,6 +476,19 @@ def _row_major_empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
 
 
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with copies of its row 0 appended up to ``rows`` rows (Note [Padded rows contribute
+    zero] in passes/clip_noise.py: the copies keep the forward in the range of real rows; the
+    graph's mask, not their values, makes them contribute nothing)."""
+    return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
+
+
+def _real_rows(t: torch.Tensor, rows: int, real: int) -> torch.Tensor:
+    """An output of a padded batch as the caller sees it: its first ``real`` rows (outputs carry
+    the batch in dim 0; one without a batch dim of ``rows`` is left as it is)."""
+    return t[:real] if t.dim() and t.shape[0] == rows else t
+
+
 def _check_batch(tensors: list[torch.Tensor]) -> int:
     if not tensors:
         raise CaptureError("dpfx needs at least one tensor input with the batch in dim 0")
@@ -489,7 +511,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             allow_input_grads: bool = False, loss=None, clipping: str | None = None,
             clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
             clip_lr: float = 0.2, count_noise_multiplier: float | None = None,
-            blocks=None) -> DPModule:
+            blocks=None, batch_buckets=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -533,11 +555,22 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     for tests: it warns (``dpfx.FixedSeedWarning``). ``blocks``: "auto", or module classes or
     names: each repeated block (a decoder layer) becomes a private graph compiled once for all
     identical blocks and called as one op (docs/blocks.md); the model's graph clips every
-    parameter with one factor as before.
+    parameter with one factor as before. ``batch_buckets``: increasing batch sizes, such as
+    (64, 128, 256): each batch of B examples runs padded to the smallest bucket >= B with rows
+    that contribute exactly zero (masked in the graph and proven so), and the outputs come back
+    with B rows, so that Poisson batches compile a few shapes only (for CUDA graphs); a batch
+    larger than the last bucket is an error, an empty one runs unpadded (Note [Padded rows
+    contribute zero] in passes/clip_noise.py). Not with ``loss=`` yet.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"dpfx.compile expects an nn.Module, got {type(model).__name__}")
     check_loss(loss)
+    if loss is not None and batch_buckets is not None:
+        raise OptionError(
+            "batch_buckets is not supported with loss= yet: the loss inside the graph would "
+            "average over the padded rows too. Compute the loss outside the model on the output "
+            "(loss = fn(dp_model(x), y); loss.backward()), which dpfx returns with the batch's "
+            "real rows only, or drop batch_buckets.")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             "dpfx.compile got a DistributedDataParallel module. DDP all-reduces every gradient "
@@ -552,7 +585,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
                       backend, strategy, noise, track_norms, self_check,
                       allow_input_grads=allow_input_grads, clipping=clipping,
                       clipping_gamma=clipping_gamma, target_quantile=target_quantile,
-                      clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
+                      clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier,
+                      batch_buckets=batch_buckets)
     warn_fixed_seed(seed)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True)")

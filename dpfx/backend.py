@@ -290,9 +290,11 @@ class DPBackend:
         check = self._checks.get(kwargs.get("graph_id"))
         reference = Half.of(gm, None) if check is not None else None
         adaptive = self.last_backward.adaptive
-        if adaptive:    # the graph's last input is C_t (passes/__init__._bound_input)
-            bound = gm.graph.find_nodes(op="placeholder")[-1]
-            example_inputs = [*example_inputs, bound.meta["val"]]
+        padded = self.last_backward.padded
+        # the graph's last inputs: B of a padded batch, then C_t (passes/__init__._scalar_input)
+        added = list(gm.graph.find_nodes(op="placeholder"))[-(padded + adaptive):] \
+            if padded or adaptive else []
+        example_inputs = [*example_inputs, *(p.meta["val"] for p in added)]
         with torch._inductor.config.patch(fallback_random=not native_noise):
             compiled = self._lower(gm, example_inputs, kwargs)
         if check is not None:
@@ -305,20 +307,23 @@ class DPBackend:
         forward = self._lowered_forwards.pop(kwargs.get("graph_id"), None)
         if forward is not None and not native_noise:
             plan = {"kind": "backward", "positions": positions, "zero_tangents": zero_tangents,
-                    "adaptive": adaptive}
+                    "adaptive": adaptive, "padded": padded}
             plan["pair"] = pair_verdict(forward, compiled, check)
             if plan["pair"] is not None:
                 self._made = (compiled, plan)
                 if check is not None:
                     check.verdict = plan["pair"]
-        return self._backward_runner(compiled, positions, zero_tangents, adaptive, device)
+        return self._backward_runner(compiled, positions, zero_tangents, adaptive, device,
+                                     padded)
 
     def _backward_runner(self, compiled, positions: dict, zero_tangents: list, adaptive: bool,
-                         device: torch.device):
+                         device: torch.device, padded: bool = False):
         """The compiled backward's runner: the gate's admission, the noise seed, the released
         gradients handed to the gate."""
         if adaptive:
             compiled = self._with_bound(compiled, device)
+        if padded:      # appended before C_t: the outer wrapper
+            compiled = self._with_real_examples(compiled, device)
         elsewhere = [i for name, i in positions.items() if name in self.released_elsewhere]
         positions = {name: i for name, i in positions.items()
                      if name not in self.released_elsewhere}
@@ -415,7 +420,7 @@ class DPBackend:
         self.param_grads = [TrustedGrad(name, i) for name, i in plan["positions"].items()]
         self.last_backward = None
         return self._backward_runner(compiled, plan["positions"], plan["zero_tangents"],
-                                     plan["adaptive"], torch.device("cpu"))
+                                     plan["adaptive"], torch.device("cpu"), plan["padded"])
 
     def _with_bound(self, compiled, device: torch.device):
         """The compiled backward called with C_t appended to its arguments; its last output, the
@@ -435,6 +440,26 @@ class DPBackend:
             else:
                 state.released(float(count), config.expected_batch_size or examples)
             return outs
+
+        run._boxed_call = True
+        return run
+
+    def _with_real_examples(self, compiled, device: torch.device):
+        """The compiled backward called with the count of real examples of its forward's padded
+        batch appended to its arguments (Note [Padded rows contribute zero] in
+        passes/clip_noise.py); ``norm_stats`` records those rows' norms only."""
+        gate, stats = self.gate, self.norm_stats
+
+        def run(args):
+            real = gate.pending
+            args.append(torch.tensor(float(real), dtype=torch.float32, device=device))
+            if stats is None:
+                return compiled(args)
+            stats.rows = real
+            try:
+                return compiled(args)
+            finally:
+                stats.rows = None
 
         run._boxed_call = True
         return run

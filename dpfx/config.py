@@ -52,6 +52,9 @@ class DPConfig:
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     count_noise_multiplier: float | None = None
+    # Note [Padded rows contribute zero] in passes/clip_noise.py: batch sizes the inputs are
+    # padded up to (one compiled shape per bucket), increasing; None: the batch as it comes
+    batch_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.clipping is None:       # inferred: a dict of bounds is per-layer clipping
@@ -71,6 +74,7 @@ class DPConfig:
             raise OptionError(f"clipping_gamma must be a finite number > 0 (automatic "
                               f"clipping's C / (||g|| + gamma)), got {self.clipping_gamma!r}")
         self._check_adaptive()
+        self._check_buckets()
         if isinstance(self.max_grad_norm, dict):
             object.__setattr__(self, "max_grad_norm", tuple(self.max_grad_norm.items()))
         bounds = (self.max_grad_norm if isinstance(self.max_grad_norm, tuple)
@@ -159,6 +163,36 @@ class DPConfig:
                 f"gradient's compose to sigma only if sigma_grad = (sigma^-2 - (2 sigma_b)^-2)"
                 f"^(-1/2) is finite. Raise count_noise_multiplier (Andrew et al. 2021 suggest "
                 f"expected_batch_size / 20)")
+
+    def _check_buckets(self) -> None:
+        buckets = self.batch_buckets
+        if buckets is None:
+            return
+        if isinstance(buckets, (list, tuple)):
+            buckets = tuple(buckets)
+        ok = isinstance(buckets, tuple) and buckets and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets) \
+            and all(a < b for a, b in zip(buckets, buckets[1:]))
+        if not ok:
+            raise OptionError(f"batch_buckets must be a non-empty sequence of increasing "
+                              f"positive ints (the batch sizes a batch is padded up to, such as "
+                              f"(64, 128, 256)), or None; got {self.batch_buckets!r}")
+        object.__setattr__(self, "batch_buckets", buckets)
+
+    def bucket_for(self, batch: int) -> int:
+        """The smallest bucket that holds ``batch`` rows (Note [Padded rows contribute zero]
+        in passes/clip_noise.py); ``batch`` itself without buckets or for an empty batch."""
+        if self.batch_buckets is None or batch == 0:
+            return batch
+        for bucket in self.batch_buckets:
+            if batch <= bucket:
+                return bucket
+        raise ValueError(
+            f"batch size {batch} exceeds the largest of batch_buckets={self.batch_buckets}: "
+            f"dpfx pads each batch up to a bucket and never drops examples. Add a bucket of at "
+            f"least {batch} to dpfx.compile(..., batch_buckets=...) (Poisson sampling's batch "
+            f"size exceeds its expected size q*N by a few standard deviations sqrt(q*N) at most "
+            f"in practice), or sample smaller batches.")
 
     @property
     def adaptive(self) -> bool:

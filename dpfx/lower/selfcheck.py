@@ -57,6 +57,7 @@ from dpfx.capture import batch_branches
 from dpfx.lower.cpu_builds import finish_builds
 from dpfx.ops import noise as cpu_noise
 from dpfx.errors import PrivacyError
+from dpfx.passes.clip_noise import REAL_EXAMPLES
 from dpfx.graph.batch import BatchDim
 
 # Note [The self-check's two batch sizes]
@@ -422,7 +423,9 @@ class GraphCheck:
         if self.backward is None or not self.compare_backward or self.forward.random:
             return
         saved = _saved_by_backward_name(self.forward, got)
-        bw_args = [saved[name] if name in saved else _random_like(meta, sizes, generator)
+        bw_args = [saved[name] if name in saved else
+                   _real_examples(b, meta) if name == REAL_EXAMPLES else
+                   _random_like(meta, sizes, generator)
                    for name, meta in self.backward.inputs]
         # Each backward gets its own forward's saved tensors: the eager graph may read a saved
         # view through its base (as_strided over the packed q/k/v projection), and Inductor's
@@ -884,6 +887,13 @@ def _known_sizes(inputs: list, args: list, batch_symbols: set) -> dict:
                 if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
                     sizes.setdefault(s.node.expr, v)
     return {s: v for s, v in sizes.items() if s not in batch_symbols}
+
+
+def _real_examples(b: int, meta: torch.Tensor) -> torch.Tensor:
+    """A padded batch's count of real examples (Note [Padded rows contribute zero] in
+    passes/clip_noise.py) for a check at batch size ``b``: all rows but the last, so that the
+    check runs a padded row through both graphs."""
+    return torch.tensor(float(max(b - 1, 1)), dtype=meta.dtype, device=meta.device)
 
 
 def _concrete(size, sizes: dict) -> int:

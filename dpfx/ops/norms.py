@@ -79,12 +79,17 @@ class NormStats:
         self.non_finite = 0   # examples dropped for a non-finite norm, over every pass seen
         self.sink = next(_NEXT)
         _SINKS[self.sink] = weakref.ref(self)
+        # a padded batch's real examples while its backward runs (Note [Padded rows contribute
+        # zero] in passes/clip_noise.py): the rows after them are not examples
+        self.rows: int | None = None
 
     def set_groups(self, keys: list[str]) -> None:
         """The groups the compiled graph reports, in its row order."""
         self._keys = list(keys)
 
     def _record(self, norms: torch.Tensor) -> None:
+        if self.rows is not None:
+            norms = norms[:, :self.rows]
         clipped = torch.zeros(norms.shape[1:], dtype=torch.bool, device=norms.device)
         for key, row in zip(self._keys, norms):
             self._recent[key].append(row)

@@ -23,7 +23,7 @@ from dpfx.errors import CaptureError
 from dpfx.graph import tags
 from dpfx.graph.printer import format_graph
 from dpfx.graph.batch import BatchAnalysis, BatchDim, Layout
-from dpfx.passes.clip_noise import CLIP_BOUND, insert_clip_and_noise
+from dpfx.passes.clip_noise import CLIP_BOUND, REAL_EXAMPLES, insert_clip_and_noise
 from dpfx.graph.emit import Emitter
 from dpfx.passes.per_sample import ParamGrad, RewriteContext, rewrite_per_sample
 from dpfx.passes.schedule import place_norms_early
@@ -70,6 +70,9 @@ class BackwardResult:
     # adaptive clipping (Note [Adaptive clipping] in privacy/adaptive.py): the graph reads C_t
     # as its last input and returns the step's count of unclipped examples as its last output
     adaptive: bool = False
+    # batch_buckets (Note [Padded rows contribute zero] in clip_noise.py): the graph reads the
+    # count of real examples as its input before C_t's (its last without adaptive clipping)
+    padded: bool = False
 
 
 @dataclasses.dataclass
@@ -179,8 +182,11 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
         problems.extend(Problem("unsupported", str(e)) for e in errors)
         return BackwardResult(gm, an, grads, {}, zero_tangents)
     stages.record("backward.per_sample", gm, fw.batch_symbols, names)
-    bound = _bound_input(gm, fake_mode, device) if config.adaptive else None
-    private = insert_clip_and_noise(emit, grads, config, device, norm_sink, bound)
+    # Note [Padded rows contribute zero] (clip_noise.py): B, before C_t (which stays last)
+    real = _scalar_input(gm, fake_mode, device, REAL_EXAMPLES) \
+        if config.batch_buckets is not None else None
+    bound = _scalar_input(gm, fake_mode, device, CLIP_BOUND) if config.adaptive else None
+    private = insert_clip_and_noise(emit, grads, config, device, norm_sink, bound, real)
     for pg in grads:
         outs[pg.output_index] = private[pg.name]
     if bound is not None:
@@ -196,18 +202,21 @@ def compile_backward(gm: fx.GraphModule, fw: ForwardInfo, param_outputs: dict[in
 
     verify_backward(gm, an, {pg.name: private[pg.name] for pg in grads}, config)
     gm.graph.lint()
-    return BackwardResult(gm, an, grads, private, zero_tangents, adaptive=bound is not None)
+    return BackwardResult(gm, an, grads, private, zero_tangents, adaptive=bound is not None,
+                          padded=real is not None)
 
 
-def _bound_input(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> fx.Node:
-    """The backward's last input: adaptive clipping's bound C_t, a 0-d float32 tensor."""
+def _scalar_input(gm: fx.GraphModule, fake_mode: Any, device: torch.device,
+                  name: str) -> fx.Node:
+    """A new last input of the backward, a 0-d float32 tensor tagged ``name``: adaptive
+    clipping's bound C_t (CLIP_BOUND), or the real examples of a padded batch (REAL_EXAMPLES)."""
     last = list(gm.graph.find_nodes(op="placeholder"))[-1]
     with gm.graph.inserting_after(last):
-        bound = gm.graph.placeholder(CLIP_BOUND)
+        node = gm.graph.placeholder(name)
     with fake_mode:
-        bound.meta["val"] = torch.empty((), dtype=torch.float32, device=device)
-    bound.meta["dpfx"] = CLIP_BOUND
-    return bound
+        node.meta["val"] = torch.empty((), dtype=torch.float32, device=device)
+    node.meta["dpfx"] = name
+    return node
 
 
 # Note [Batch-free forward outputs: gradient zero or refused]

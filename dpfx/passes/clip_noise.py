@@ -45,7 +45,8 @@ final pointwise kernel. One draw (GPU: ``aten.randn``, sliced) or one call (CPU:
 ``dpfx::add_noise_``, one Philox key) serves all parameters, so there is one seed per step. Every node that the verifier relies
 on carries ``meta["dpfx"]``: "per_sample_norms", "finite_examples", "clip_factor", "clip_coef",
 "clip_apply", "finite_mask", "clipped_sum", "noise" (the draw, or the add_noise_ call),
-"noise_scale" (GPU form), "private_grad" | "clipped_grad".
+"noise_scale" (GPU form), "private_grad" | "clipped_grad"; with ``batch_buckets``, "real_rows"
+and the input "real_examples" (Note [Padded rows contribute zero]).
 """
 from __future__ import annotations
 
@@ -70,15 +71,52 @@ prims = torch.ops.prims
 # The name of the backward's input that holds adaptive clipping's bound C_t (Note [Adaptive
 # clipping] in privacy/adaptive.py); the backend appends its value to the backward's arguments.
 CLIP_BOUND = "clip_bound"
+# The name of the backward's input that holds the count of real examples in a batch padded to a
+# bucket (Note [Padded rows contribute zero]); the backend appends its value before C_t's.
+REAL_EXAMPLES = "real_examples"
+
+
+# Note [Padded rows contribute zero]
+# With ``batch_buckets`` (config.py) dpfx pads every batch of B examples up to the smallest
+# bucket P >= B, so that the compiled graphs (and, on a GPU, the CUDA graphs replaying them) see
+# a few shapes rather than one per Poisson batch size. Rows B..P-1 are copies of row 0 (api.py:
+# a copy keeps the forward's values in the range real rows have: valid token ids, an attention
+# mask with a row to attend to), but nothing rests on those values. The backward reads B as
+# its input ``real_examples`` (a 0-d float32 the backend appends) and builds
+#     real_rows = arange(P) < real_examples                                  # bool[P]
+#     keep      = isfinite(norm) & real_rows                                 # "finite_examples"
+# so a padded row is handled as an example with a non-finite norm is (Note [Non-finite
+# examples contribute zero] in rules/registry.py): clip factor 0, and every term of it selected
+# away with where(keep, ., 0): a NaN or inf its forward produced adds exactly zero. The forward's
+# outputs are sliced back to B rows before the user sees them, so a mean loss is the mean over
+# the B real examples and the graph holds g_i / B: the mean's scale (in the norm and in the clip
+# coefficient) and the divisor D (without expected_batch_size) are ``real_examples``, not P.
+# Adaptive clipping's count sums over the real rows only (where(real_rows, b_i - 1/2, 0)), and
+# ``dpfx::observe_norms`` records only the first B norms (ops/norms.py), so no padded row is
+# ever counted as clipped, unclipped or non-finite. The verifier requires this form of keep
+# whenever buckets are configured, with ``real_rows`` read from the one real_examples input
+# (Note [Padded rows are proven out] in verify.py). A mean loss without expected_batch_size
+# is released with the sliced draw on CPU too (add_noise_ takes its divisor as a size, and D is
+# the tensor real_examples); with a sum, or a given expected_batch_size, add_noise_ stays.
+# (tests/test_buckets.py)
 
 
 def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfig,
                           device: torch.device, norm_sink: int | None = None,
-                          bound: torch.fx.Node | None = None) -> dict[str, torch.fx.Node]:
+                          bound: torch.fx.Node | None = None,
+                          real: torch.fx.Node | None = None) -> dict[str, torch.fx.Node]:
     """Returns parameter name -> its released gradient; under adaptive clipping (``bound`` the
     placeholder of C_t) also CLIP_BOUND -> the step's count of unclipped examples (noised, or
-    raw for noise="optimizer"), which the backend takes off the graph's outputs."""
-    batch = emit.batch_size()
+    raw for noise="optimizer"), which the backend takes off the graph's outputs. ``real``: the
+    placeholder of the count of real examples in a padded batch (Note [Padded rows contribute
+    zero])."""
+    # a mean loss's B: the real examples of a padded batch, else the batch size symbol
+    batch = emit.batch_size() if real is None else real
+    real_rows = None
+    if real is not None:    # Note [Padded rows contribute zero]
+        rows = emit(aten.arange.start_step, 0, emit.batch_size(), 1, dtype=torch.int64,
+                    device=real.meta["val"].device, pin_memory=False)
+        real_rows = emit(aten.lt.Tensor, rows, real, tag="real_rows")
     mean = config.loss_reduction == "mean"
 
     # One clipping group for flat clipping; one per per-layer key otherwise.
@@ -89,8 +127,11 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 
     # Note [Vector parameters' per-sample gradients stacked]
     # (adaptive clipping: the noise std is a node, sigma_grad * C_t; the sliced draw takes it)
+    # (a padded batch's mean without expected_batch_size divides by a tensor, real_examples:
+    # add_noise_ takes its divisor as a size)
     in_place = config.noise != "optimizer" and device.type in NOISE_IN_PLACE \
-        and bound is None
+        and bound is None and not (real is not None and mean
+                                   and config.expected_batch_size is None)
     stacks = _stack_vectors(grads, config, emit) if in_place and STACK_VECTORS else []
     stacked = {pg.name for s in stacks for pg in s.members}
 
@@ -131,8 +172,10 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         # term of the example selected away from the clipped sums.
         # isfinite(norm), written as Inductor's decomposition writes it (abs(x) < inf; the C++
         # backend compiles with -fno-finite-math-only, so the comparison survives).
-        keep = emit(aten.lt.Scalar, emit(aten.abs.default, norm), float("inf"),
-                    tag="finite_examples")
+        finite = emit(aten.lt.Scalar, emit(aten.abs.default, norm), float("inf"),
+                      tag=None if real_rows is not None else "finite_examples")
+        keep = finite if real_rows is None else emit(aten.logical_and.default, finite,
+                                                     real_rows, tag="finite_examples")
         zero = emit(aten.scalar_tensor.default, 0, dtype=norm.meta["val"].dtype,
                     device=norm.meta["val"].device)
         # Note [Clip functions] (config.py): automatic clipping scales every example by
@@ -163,8 +206,8 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
     emitted = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
                                      moved=not in_place) for pg in order}
     clipped = {pg.name: emitted[pg.name] for pg in grads if pg.name in emitted}
-    count = _unclipped_count(norms[""], clips[""].keep, bound, emit) if bound is not None \
-        else None
+    count = _unclipped_count(norms[""], clips[""].keep, bound, emit, real_rows) \
+        if bound is not None else None
     if config.noise == "optimizer":
         out = {pg.name: _as_output(pg, clipped[pg.name], "clipped_grad", emit) for pg in grads}
         if count is not None:
@@ -226,13 +269,17 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
 
 
 def _unclipped_count(norm: torch.fx.Node, keep: torch.fx.Node, bound: torch.fx.Node,
-                     emit: Emitter) -> torch.fx.Node:
+                     emit: Emitter, real_rows: torch.fx.Node | None = None) -> torch.fx.Node:
     """sum_i (1[||g_i|| <= C_t] - 1/2) over the examples (a non-finite norm counts as clipped):
     each term is +-1/2, so the count's sensitivity is 1/2 (Note [Adaptive clipping] in
-    privacy/adaptive.py)."""
+    privacy/adaptive.py); a padded row's term is 0 (Note [Padded rows contribute zero])."""
     unclipped = emit(aten.logical_and.default, keep, emit(aten.le.Tensor, norm, bound))
     ones = emit(prims.convert_element_type.default, unclipped, torch.float32)
     centered = emit(aten.sub.Tensor, ones, 0.5)
+    if real_rows is not None:
+        zero = emit(aten.scalar_tensor.default, 0, dtype=torch.float32,
+                    device=norm.meta["val"].device)
+        centered = emit(aten.where.self, real_rows, centered, zero)
     return emit(aten.sum.dim_IntList, centered, [0], tag="unclipped_count")
 
 

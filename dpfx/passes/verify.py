@@ -28,7 +28,9 @@
    the rewritten graph, no op other than the clipped sums (and adaptive clipping's count) may
    combine examples. Under clipping="adaptive" C and the noise std read the graph's one bound
    input, and the count of unclipped examples has sensitivity 1/2 and its own noise (Note [The
-   adaptive bound is proven as an input]). A violation is a ``PrivacyError`` naming the
+   adaptive bound is proven as an input]). With ``batch_buckets`` every isfinite(norm) above is
+   isfinite(norm) & (arange(B) < real_examples), and D and a mean's B are the one real_examples
+   input (Note [Padded rows are proven out]). A violation is a ``PrivacyError`` naming the
    parameter.
 
 See tests/passes/test_verifier.py, which hands the verifier broken graphs.
@@ -334,16 +336,17 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
     if not factors:
         raise PrivacyError("the backward graph has no clip factor node")
     adaptive = _adaptive_bound(graph) if config.adaptive else None
+    real = _real_examples(graph) if config.batch_buckets is not None else None
     bound_of = {}      # clip factor -> its C (adaptive clipping: the input holding C_t)
     for factor in factors:
-        bound_of[factor] = _check_clip_factor(factor, config, g, adaptive)
+        bound_of[factor] = _check_clip_factor(factor, config, g, adaptive, an, real)
     covered = {f: _norm_sources(f) for f in factors}   # what each factor's norm is taken over
     dependent = _reached(g, sources)
     factor_of = {}
     block_rows = {}     # (dpfx::block_bwd call, parameter index) -> the clipped sum releasing it
     for c in clipped:
         if _is_block_clip(c):   # Note [A block's clipped sums] (rules/block.py, passes/block.py)
-            factor_of[c], row = _check_block_clip(c, covered, bound_of, an, config)
+            factor_of[c], row = _check_block_clip(c, covered, bound_of, an, config, real)
             if row in block_rows:
                 raise PrivacyError(f"{c.name} and {block_rows[row].name} both release parameter "
                                    f"{row[1]} of block call {row[0].name}")
@@ -353,7 +356,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
         ps, coef = apply.args
         base = _broadcast_source(coef)
         if base.meta.get("dpfx") == "clip_coef":
-            _check_undoes_the_mean(base, an, config)
+            _check_undoes_the_mean(base, an, config, real)
             base = base.args[0]
         if base not in bound_of:
             raise PrivacyError(f"{c.name} is not scaled by the clip factor")
@@ -414,7 +417,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                 raise PrivacyError(f"the noise of parameter '{name}' is not N(0, (sigma*C)^2): "
                                    f"scale {std}, expected {config.noise_std}")
             noise_slices.append((name, _noise_slice(name, noise_src)))
-        slot = _check_release(name, out, an, config)
+        slot = _check_release(name, out, an, config, real)
         if slot is not None:
             call, index, start, end = slot
             slots.setdefault((call, index), []).append((start, end, name))
@@ -425,7 +428,7 @@ def verify_backward(gm: fx.GraphModule, an: BatchAnalysis, grads: dict[str, fx.N
                 raise PrivacyError(f"parameters '{first}' and '{second}' share the noise of sum "
                                    f"{index - 1} of {call.name}")
     if adaptive is not None:
-        slice_ = _check_count(graph, adaptive, config, an)
+        slice_ = _check_count(graph, adaptive, config, an, real)
         if slice_ is not None:
             noise_slices.append(("<the count of unclipped examples>", slice_))
     _check_disjoint(noise_slices)
@@ -465,7 +468,8 @@ def _check_adaptive_std(name: str, std, bound: fx.Node, config: DPConfig) -> Non
                            f"{config.grad_noise_multiplier}: its scale is {std}")
 
 
-def _check_count(graph: fx.Graph, bound: fx.Node, config: DPConfig, an: BatchAnalysis):
+def _check_count(graph: fx.Graph, bound: fx.Node, config: DPConfig, an: BatchAnalysis,
+                 real: fx.Node | None = None):
     """The graph's last output is the count of unclipped examples as Note [The adaptive bound
     is proven as an input] says; returns its noise slice (None for noise="optimizer")."""
     def refuse(why: str):
@@ -479,6 +483,9 @@ def _check_count(graph: fx.Graph, bound: fx.Node, config: DPConfig, an: BatchAna
     count = counts[0]
     x = count.args[0] if count.target is aten.sum.dim_IntList and list(count.args[1:]) == [[0]] \
         and not count.kwargs else None
+    if real is not None:    # a padded row's term is where(real_rows, ., 0): 0
+        x = x.args[1] if isinstance(x, fx.Node) and x.target is aten.where.self and \
+            _real_rows(x.args[0], an, real) and _is_zero(x.args[2]) else None
     ok = isinstance(x, fx.Node) and x.target is aten.sub.Tensor and x.args[1] == 0.5 \
         and not x.kwargs
     ones = x.args[0] if ok else None
@@ -492,7 +499,7 @@ def _check_count(graph: fx.Graph, bound: fx.Node, config: DPConfig, an: BatchAna
     if flags.target is not aten.logical_and.default or \
             flags.args[0].meta.get("dpfx") != "finite_examples" or \
             flags.args[1].target is not aten.le.Tensor or flags.args[1].args[1] is not bound \
-            or flags.args[1].args[0] is not flags.args[0].args[0].args[0]:
+            or flags.args[1].args[0] is not _norm_of_keep(flags.args[0], an, real):
         refuse(f"{flags.name} is not isfinite(norm) & (norm <= C_t) of the clip_bound input")
     if config.noise == "optimizer":
         if out is not count:
@@ -562,8 +569,8 @@ _RELEASE_MOVES = {
 }
 
 
-def _check_release(name: str, out: fx.Node, an: BatchAnalysis,
-                   config: DPConfig) -> tuple[fx.Node, int] | None:
+def _check_release(name: str, out: fx.Node, an: BatchAnalysis, config: DPConfig,
+                   real: fx.Node | None = None) -> tuple[fx.Node, int] | None:
     def refuse(why: str):
         raise PrivacyError(f"the gradient of parameter '{name}' is not (clipped sum + noise) / D "
                            f"as released: {why}")
@@ -578,6 +585,10 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis,
     if item.target is aten.slice.Tensor and item.meta.get("dpfx") in (None, "private_grad"):
         span, item = item, item.args[0]
     if item.target is operator.getitem and _is_add_noise(item.args[0]):
+        if real is not None and config.loss_reduction == "mean" and \
+                config.expected_batch_size is None:
+            refuse(f"{item.name} is released by dpfx::add_noise_, whose divisor is a size: a "
+                   f"padded batch's D is its real_examples input")
         return _check_release_in_place(name, item, an, config, refuse, span)
     if span is not None:
         refuse(f"{span.name} slices what is not a sum that dpfx::add_noise_ released")
@@ -587,9 +598,9 @@ def _check_release(name: str, out: fx.Node, an: BatchAnalysis,
                 node.args[1] == 1.0 / config.expected_batch_size
         else:
             divisor = node.args[1] if node.target is aten.div.Tensor else None
-            exact = isinstance(divisor, fx.Node) and \
-                isinstance(divisor.meta.get("val"), torch.SymInt) and \
-                an.size(divisor.meta["val"]) == an.batch
+            exact = isinstance(divisor, fx.Node) and (divisor is real if real is not None else (
+                isinstance(divisor.meta.get("val"), torch.SymInt) and
+                an.size(divisor.meta["val"]) == an.batch))
         if not exact:
             refuse(f"{node.name} = {node.target} is not the division by D")
         node = node.args[0]
@@ -784,7 +795,8 @@ def _is_block_clip(node: fx.Node) -> bool:
 
 
 def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalysis,
-                      config: DPConfig) -> tuple[fx.Node, tuple[fx.Node, int]]:
+                      config: DPConfig, real: fx.Node | None = None
+                      ) -> tuple[fx.Node, tuple[fx.Node, int]]:
     from dpfx.ops.blocks import graph_operands, kernels
 
     call, j = c.args
@@ -792,7 +804,7 @@ def _check_block_clip(c: fx.Node, covered: dict, bound_of: dict, an: BatchAnalys
     k = kernels(key)
     base = _broadcast_source(coefs[j])
     if base.meta.get("dpfx") == "clip_coef":
-        _check_undoes_the_mean(base, an, config)
+        _check_undoes_the_mean(base, an, config, real)
         base = base.args[0]
     if base not in bound_of:
         raise PrivacyError(f"{c.name} (block {k.name}) is not scaled by a clip factor")
@@ -840,7 +852,8 @@ def _clip_apply_of(clipped: fx.Node) -> fx.Node:
 
 
 def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph,
-                       adaptive: fx.Node | None = None) -> float | fx.Node:
+                       adaptive: fx.Node | None = None, an: BatchAnalysis | None = None,
+                       real: fx.Node | None = None) -> float | fx.Node:
     """``factor`` is where(isfinite(norm), min(1, C / (norm + eps)), 0), or for automatic
     clipping where(isfinite(norm), C / (norm + gamma), 0) (Note [Clip functions] in config.py),
     with ``norm`` the per-sample norms, isfinite written abs(norm) < inf, eps the configured
@@ -848,15 +861,14 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph,
     scales an example of norm n to n * factor <= C: the clamp bounds the first, gamma > 0 the
     second, and any other denominator (a norm scaled down, a constant of the wrong sign) could
     let an example past C. Under adaptive clipping C is the ``adaptive`` input itself (Note [The
-    adaptive bound is proven as an input])."""
+    adaptive bound is proven as an input]); with batch buckets isfinite(norm) is isfinite(norm)
+    & real_rows (Note [Padded rows are proven out])."""
     bounds = set(config.clip_bounds.values()) if adaptive is None else {adaptive}
     automatic = config.clipping == "automatic"
     ok = factor.target is aten.where.self and _is_zero(factor.args[2])
     keep, scale = factor.args[:2] if ok else (None, None)
-    ok = ok and keep.meta.get("dpfx") == "finite_examples" and keep.target is aten.lt.Scalar \
-        and keep.args[1] == float("inf") and keep.args[0].target is aten.abs.default
-    norm = keep.args[0].args[0] if ok else None
-    ok = ok and norm.meta.get("dpfx") == "per_sample_norms"
+    norm = _norm_of_keep(keep, an, real) if ok else None
+    ok = norm is not None and norm.meta.get("dpfx") == "per_sample_norms"
     if automatic:
         ratio = scale if ok else None
     else:
@@ -871,20 +883,82 @@ def _check_clip_factor(factor: fx.Node, config: DPConfig, g: nx.DiGraph,
         and denom.args[0] is norm and denom.args[1] == config.clip_eps and not denom.kwargs
     if not ok:
         form = ("C / (norm + gamma)" if automatic else "min(1, C / (norm + eps))")
-        raise PrivacyError(f"the clip factor is not where(isfinite(norm), {form}, 0) of the "
+        keep_form = "isfinite(norm) & (arange(B) < real_examples)" if real is not None \
+            else "isfinite(norm)"
+        raise PrivacyError(f"the clip factor is not where({keep_form}, {form}, 0) of the "
                            f"per-sample norms with C in {sorted(map(str, bounds))} and "
                            f"{'gamma' if automatic else 'eps'} = {config.clip_eps}")
     return ratio.args[1]
 
 
-def _check_undoes_the_mean(coef: fx.Node, an: BatchAnalysis, config: DPConfig) -> None:
+# Note [Padded rows are proven out]
+# With ``batch_buckets`` a batch of B examples runs padded to P rows (Note [Padded rows contribute
+# zero] in clip_noise.py). The proof does not trust that the padded rows hold nothing: every
+# finite-example mask ("finite_examples": the keep of every clip factor, of every select of a
+# clipped sum's operands, of every block's clipped sums, and of adaptive clipping's count) must
+# be logical_and(abs(norm) < inf, real_rows) with real_rows exactly lt(arange(0, P, 1),
+# real_examples), P the batch size symbol and real_examples the graph's one input so tagged (a
+# 0-d float32, which the backend fills with B). So row i >= B has clip factor 0 and each of its
+# terms is selected to exactly 0, whatever its values. A mean loss's clip coefficient and the
+# division by D must read that same input (the graph holds g_i / B: P would scale an example
+# past C), so there the in-place add_noise_ release (whose divisor is a size) is refused.
+# Adaptive clipping's count must be sum_i where(real_rows, float(b_i) - 1/2, 0). A graph whose
+# masks have the plain form where buckets are configured is refused.
+# (tests/test_buckets.py::test_a_mask_without_the_real_rows_is_refused)
+def _real_examples(graph: fx.Graph) -> fx.Node:
+    found = [p for p in graph.find_nodes(op="placeholder")
+             if p.meta.get("dpfx") == "real_examples"]
+    val = found[0].meta.get("val") if len(found) == 1 else None
+    if not (isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.float32):
+        raise PrivacyError("batch_buckets: the backward graph must read the count of real "
+                           "examples from one 0-d float32 input tagged real_examples")
+    return found[0]
+
+
+def _real_rows(node, an: BatchAnalysis | None, real: fx.Node) -> bool:
+    """``node`` is lt(arange(0, P, 1), real_examples), P the batch size symbol."""
+    if not (isinstance(node, fx.Node) and node.target is aten.lt.Tensor and len(node.args) == 2
+            and node.args[1] is real and not node.kwargs):
+        return False
+    rows = node.args[0]
+    if not (isinstance(rows, fx.Node) and rows.target is aten.arange.start_step
+            and len(rows.args) == 3 and rows.args[0] == 0 and rows.args[2] == 1):
+        return False
+    end = rows.args[1].meta.get("val") if isinstance(rows.args[1], fx.Node) else None
+    return isinstance(end, torch.SymInt) and an is not None and an.size(end) == an.batch
+
+
+def _norm_of_keep(keep, an: BatchAnalysis | None, real: fx.Node | None) -> fx.Node | None:
+    """The per-sample norm of a finite-example mask: keep = abs(norm) < inf, or with batch
+    buckets logical_and(abs(norm) < inf, real_rows); None for any other form."""
+    if not isinstance(keep, fx.Node) or keep.meta.get("dpfx") != "finite_examples":
+        return None
+    finite = keep
+    if real is not None:
+        if not (keep.target is aten.logical_and.default and len(keep.args) == 2
+                and _real_rows(keep.args[1], an, real)):
+            return None
+        finite = keep.args[0]
+    if not (isinstance(finite, fx.Node) and finite.target is aten.lt.Scalar
+            and finite.args[1] == float("inf") and isinstance(finite.args[0], fx.Node)
+            and finite.args[0].target is aten.abs.default):
+        return None
+    return finite.args[0].args[0]
+
+
+def _check_undoes_the_mean(coef: fx.Node, an: BatchAnalysis, config: DPConfig,
+                           real: fx.Node | None = None) -> None:
     """A clip coefficient is the clip factor times B, undoing the 1/B that a mean loss puts on
     each example's gradient in the graph, and there is one only for loss_reduction="mean":
-    any other multiplier would let an example's clipped contribution exceed C."""
+    any other multiplier would let an example's clipped contribution exceed C. With batch
+    buckets B is the real_examples input (Note [Padded rows are proven out])."""
     size = coef.args[1] if coef.target is aten.mul.Tensor and len(coef.args) == 2 else None
     val = size.meta.get("val") if isinstance(size, fx.Node) else None
-    if not (config.loss_reduction == "mean" and isinstance(val, torch.SymInt)
-            and an.size(val) == an.batch):
+    if real is not None:
+        ok = size is real
+    else:
+        ok = isinstance(val, torch.SymInt) and an.size(val) == an.batch
+    if not (config.loss_reduction == "mean" and ok):
         raise PrivacyError(f"the clip coefficient {coef.name} is not the clip factor times the "
                            f"batch size of a mean loss: it would scale an example's clipped "
                            f"gradient past C")

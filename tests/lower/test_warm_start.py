@@ -156,11 +156,13 @@ def _steps(dp, model, settings, batches=(5, 3)):
     {"noise": "optimizer"},
     {"max_grad_norm": {"fc1": 0.3, "fc2": 0.2}},
     {"loss": mse},
-], ids=["adaptive", "optimizer_noise", "per_layer", "captured_loss"])
+    {"batch_buckets": (4, 8), "clipping": "adaptive", "noise_multiplier": 1.0,
+     "count_noise_multiplier": 2.0, "seed": 3},
+], ids=["adaptive", "optimizer_noise", "per_layer", "captured_loss", "buckets"])
 def test_a_trusted_entry_releases_what_the_cold_compile_released(cache, monkeypatch, settings):
     """Adaptive clipping (the bound as an input, the count as an output), noise at the
-    optimizer, per-layer bounds and a captured loss: the trusted entry's releases are the cold
-    compile's, number for number."""
+    optimizer, per-layer bounds, a captured loss and padded batches (the real count as an
+    input): the trusted entry's releases are the cold compile's, number for number."""
     torch.manual_seed(0)
     model = MLP()
     cold = _steps(_compile(model, **settings), model, settings)
