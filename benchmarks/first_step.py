@@ -34,7 +34,9 @@ timed calls nested in it):
   rest of ``compile_forward`` / ``compile_backward``;
 - lowering fw / bw: Inductor's ``compile_fx_inner`` per graph; "C++ compile" is the summed time
   of its ``compile_file`` calls (these may overlap on the compile threads);
-- self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``);
+- self-check: copying the graphs for it (``Half.of``) and running it (``GraphCheck.run``),
+  less "builds waited": the C++ builds that are still running when the check starts, waited
+  for there (they would be waited for at the first call without it);
 - other: the rest of the step (running the graphs, the loss check, the optimizer).
 With ``--poisson``, each process then takes a second step at B - 1 examples, as Poisson
 sampling's next batch would be, timed alone ("second step"), and the methods include
@@ -71,7 +73,8 @@ sys.path.insert(0, str(HERE))
 DEFAULT_MODELS = ("mlp", "gpt", "hf_gpt2")
 PHASES = ("blocks", "dynamo", "aot_autograd", "batch analysis", "rewrite", "verify", "stage texts",
           "loss capture",
-          "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "other")
+          "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "builds waited",
+          "other")
 
 
 def build(name: str):
@@ -166,6 +169,10 @@ def instrument_dpfx(timers: Timers) -> None:
     backend.capture_loss = timers.wrap_function(backend.capture_loss, "loss capture")
     timers.wrap(selfcheck.Half, "of", "self-check copy")
     timers.wrap(selfcheck.GraphCheck, "run", "self-check run")
+    # the C++ builds the first run waits for (Note [A graph's C++ builds run while the next
+    # graph lowers]): the builds' time, which the self-check's start only happens to meet
+    timers.wrap(selfcheck, "finish_builds", "builds waited")
+    timers.wrap(blocks, "finish_builds", "builds waited")
 
 
 def worker(args) -> None:
@@ -268,6 +275,7 @@ def worker(args) -> None:
             - phases["passes other"] - phases["lowering fw"] - phases["lowering bw"] \
             - spent.get("self-check copy", 0.0)
         result["self-check run"] = spent.get("self-check run", 0.0)
+        phases["builds waited"] = spent.get("builds waited", 0.0)
     else:
         lowerings = compilation_time_metrics.get("compile_fx_inner", [])  # forward, backward
         phases["lowering fw"] = sum(lowerings[:1])
@@ -275,6 +283,7 @@ def worker(args) -> None:
         # the backward lowers at the first backward, or inside the backend call (dynamic shapes)
         phases["aot_autograd"] = backend_call - sum(inside)
     counted = ("dynamo", "aot_autograd", "lowering fw", "lowering bw", "self-check", "blocks",
+               "builds waited",
                "batch analysis", "rewrite", "verify", "stage texts", "loss capture",
                "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import re
 import secrets
@@ -38,7 +39,7 @@ from dpfx.lower import warm
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import cache_key_pass, inductor_patches, lower
 from dpfx.graph.batch import sym_expr
-from dpfx.lower.selfcheck import GraphCheck, Half, pair_verdict, verdict_path
+from dpfx.lower.selfcheck import GraphCheck, Half, Release, pair_verdict, verdict_path
 from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
 from dpfx.loss.gate import ReleaseGate
 from dpfx.ops import blocks as block_ops
@@ -303,6 +304,13 @@ class DPBackend:
             # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
             check.compare_backward = not native_noise or self.config.noise == "optimizer"
         positions = {pg.name: pg.output_index for pg in self.param_grads}
+        if check is not None and not adaptive and not padded:
+            # Note [The second size grows the first] (lower/selfcheck.py)
+            config = self.config
+            divisor = 1.0 if config.noise == "optimizer" or config.loss_reduction == "sum" \
+                else float(config.expected_batch_size) if config.expected_batch_size else None
+            check.release = Release(frozenset(positions.values()), divisor, math.sqrt(
+                sum(c * c for c in config.clip_bounds.values())))
         zero_tangents = self.last_backward.zero_tangents
         forward = self._lowered_forwards.pop(kwargs.get("graph_id"), None)
         if forward is not None and not native_noise:

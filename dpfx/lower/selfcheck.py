@@ -28,10 +28,16 @@ and checks:
    rows in any forward output (activations saved for the backward included), and no batch-free
    output at all. The batch layout of each output comes from dpfx's batch analysis.
 
+Where the backward's release is known, check 1 runs at the smaller size only, and the larger
+size adds an example before the smaller batch's: its forward rows must be the smaller size's
+(check 2, and no assumed size), and its release may move by at most one example's clip bound
+(Note [The second size grows the first]).
+
 A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs,
-at each size, two compiled runs and one eager run of the forward and one of each of the backward:
-a few percent of the first step on small models, a quarter of GPT-2 small's cold one (11.3 of
-46 s on the 2-core AMD EPYC, 2026-11-27; docs/ARCHITECTURE.md);
+two compiled runs of the forward and the backward and one eager run of each (at each size, and
+a third compiled forward, where the sizes are not grown): a few percent of the first step on
+small models, GPT-2 small 12.4 s against torch.compile's 60 s cold first step (the AMD EPYC,
+2026-11-29; docs/ARCHITECTURE.md);
 ``dpfx.compile(..., self_check=False)`` skips it. Code that has passed it once is not checked
 again (Note [A self-check is not repeated on code it has passed]), unless ``self_check="always"``.
 tests/lower/test_selfcheck.py hands it deliberately miscompiled graphs.
@@ -59,6 +65,30 @@ from dpfx.ops import noise as cpu_noise
 from dpfx.errors import PrivacyError
 from dpfx.passes.clip_noise import REAL_EXAMPLES
 from dpfx.graph.batch import BatchDim
+
+# Note [The second size grows the first]
+# Both sizes used to be compared with the eager reference, each with its own independence run:
+# ten graph runs, half of them eager (GPT-2 small: 21.6 s of check, a third of torch.compile's
+# whole cold first step). Now, where the backward's release is known (the backend sets
+# ``release``: not under adaptive clipping or padded batches, and not for 16-bit or random
+# forwards, whose cross-size rows would not agree to the bit budget), the larger size B + 1
+# runs compiled only, on a batch whose examples 1.. are the smaller batch's, with the same
+# output gradients on those rows:
+# - the compiled forward at both sizes, before the larger backward runs (it may reuse its
+#   donated saved tensors' buffers): every example's rows of every batch-laid output (saved
+#   activations included) must be the same at B and at B + 1 with an example added before it,
+#   and batch-free outputs the same. This is the independence test (what changing example 0
+#   would change, adding it changes) and the test that no code assumed either size.
+# - the compiled backward at both sizes, noiseless: with S the released sums times D, the added
+#   example may move S by at most its clip bound, ||S(B + 1) - S(B)|| <= sqrt(sum_g C_g^2)
+#   (1 + 1e-3) + 1e-4 ||S(B)||: the canary test, on the generated code at the larger size.
+# - the smaller size is compared with the eager reference, forward and backward, as before: the
+#   comparison of the generated code against the proven graph.
+# What the larger size no longer shows: a backward that is wrong there by less than one
+# example's bound (a utility error, not a leak: mixing examples moves the sum by more). The
+# check then costs six runs, two eager (GPT-2 small, the AMD EPYC: 12.4 s, and the C++ builds
+# the check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the
+# full comparison. (tests/lower/test_selfcheck.py::test_code_wrong_at_the_larger_size_only_is_refused)
 
 # Note [The self-check's two batch sizes]
 # Two sizes, so that code which assumed one batch size fails at the other; neither is 1, which
@@ -307,6 +337,7 @@ def _stream_graph(graph: fx.Graph) -> tuple[int, ...]:
 class _Recording(threading.local):
     got: list | None = None           # the compiled backward's outputs
     measured: dict | None = None      # output position -> _Measure
+    seen: Callable | None = None      # takes each compiled output before it is let go
 
 
 _recording = _Recording()
@@ -318,6 +349,8 @@ def _record(position: int, want: torch.Tensor) -> None:
     if _recording.measured is None or not cpu_noise.silenced():
         raise RuntimeError("dpfx's self-check ran its streamed reference outside the check")
     _recording.measured[position] = _measure(_recording.got[position], want)
+    if _recording.seen is not None:
+        _recording.seen(position, _recording.got[position])
     _recording.got[position] = None
 
 
@@ -357,6 +390,9 @@ class GraphCheck:
         # the pair's verdict name, whose marker a pass leaves for a trusted cache entry (Note
         # [A trusted warm start] in lower/warm.py); None: the entry is not trusted
         self.verdict: str | None = None
+        # what the backward releases (set by the backend): Note [The second size grows the
+        # first]; None: both sizes are compared with the eager reference
+        self.release: Release | None = None
 
     def ready(self, args: list) -> bool:
         """Runs once, at the first call with a non-empty batch (its rows are sampled)."""
@@ -384,9 +420,17 @@ class GraphCheck:
         # are not the user's graph, so they run with the modes set aside; the real call that
         # follows still runs under them.
         with torch.utils._python_dispatch._disable_current_modes():
-            for b in _sizes_served(self.decisions):
+            served = _sizes_served(self.decisions)
+            dims = self._tangent_dims() if self._grows(served) else None
+            if dims is not None:    # Note [The second size grows the first]
                 with _isolated_rng(self.device):
-                    self._check_at(b, args, sizes, generator)
+                    grown = self._run_grown(served[1], served[0], args, sizes, generator, dims)
+                with _isolated_rng(self.device):
+                    self._check_at(served[0], args, sizes, generator, grown)
+            else:
+                for b in served:
+                    with _isolated_rng(self.device):
+                        self._check_at(b, args, sizes, generator)
         if passed is not None:
             _mark(passed)
         self._passed(sizes)
@@ -397,10 +441,12 @@ class GraphCheck:
         if self.verdict is not None and not sizes:
             _mark(verdict_path(self.verdict))
 
-    def _check_at(self, b: int, args: list, sizes: dict, generator) -> None:
+    def _check_at(self, b: int, args: list, sizes: dict, generator,
+                  grown: "_Grown | None" = None) -> None:
         sizes = {**sizes, **{s: b for s in self.batch_symbols}}
-        fw_args = [self._synthetic(name, meta, a, sizes, generator)
-                   for (name, meta), a in zip(self.forward.inputs, args)]
+        fw_args = grown.fw_args if grown is not None else \
+            [self._synthetic(name, meta, a, sizes, generator)
+             for (name, meta), a in zip(self.forward.inputs, args)]
         # Note [The self-check holds two runs at a time]
         # Each forward output set holds the activations saved for the backward (GPT-2 small at
         # B = 5, T = 128: about 0.6 GB), so the order bounds the check's peak: the independence
@@ -411,9 +457,12 @@ class GraphCheck:
         # gradients as it releases it and lets both sides' go (Note [The eager reference
         # compares each gradient as it is released]), so one set of gradients is alive at a
         # time, as in a training step.
-        got = _call(self.forward.compiled, fw_args, self.device)
-        if b > 1:
-            self._check_independence(b, fw_args, got, sizes, generator)
+        if grown is not None:       # run and compared with the larger size's already
+            got, grown.small, grown.fw_args = grown.small, None, None
+        else:
+            got = _call(self.forward.compiled, fw_args, self.device)
+            if b > 1:
+                self._check_independence(b, fw_args, got, sizes, generator)
         want = _call(self.forward.reference, fw_args, self.device)
         if not self.forward.random:
             _compare("forward", b, self.forward.outputs, got, want,
@@ -424,9 +473,10 @@ class GraphCheck:
             return
         saved = _saved_by_backward_name(self.forward, got)
         bw_args = [saved[name] if name in saved else
+                   grown.tangents[k] if grown is not None and k in grown.tangents else
                    _real_examples(b, meta) if name == REAL_EXAMPLES else
                    _random_like(meta, sizes, generator)
-                   for name, meta in self.backward.inputs]
+                   for k, (name, meta) in enumerate(self.backward.inputs)]
         # Each backward gets its own forward's saved tensors: the eager graph may read a saved
         # view through its base (as_strided over the packed q/k/v projection), and Inductor's
         # forward lays its outputs out for its own backward.
@@ -438,13 +488,18 @@ class GraphCheck:
             got_bw = _call(self.backward.compiled, bw_args, self.device, consume=True)
             # Note [The eager reference compares each gradient as it is released]
             _recording.got, _recording.measured = got_bw, {}
+            _recording.seen = grown.account if grown is not None else None
             try:
                 want_bw = _call(self.backward.reference, ref_args, self.device,
                                 consume=True)
                 measured = _recording.measured
             finally:
-                _recording.got = _recording.measured = None
+                _recording.got = _recording.measured = _recording.seen = None
             del ref_args
+        if grown is not None:
+            for i, x in enumerate(got_bw):
+                if x is not None:
+                    grown.account(i, x)
         unchecked = [self.backward.outputs[i] for i in self.backward.streamed
                      if i not in measured]
         if unchecked:
@@ -453,6 +508,102 @@ class GraphCheck:
                                f"unchecked; dpfx refuses to train (a dpfx bug: please report)")
         _compare("backward", b, self.backward.outputs, got_bw, want_bw,
                  self.backward.low_precision, measured)
+        if grown is not None:
+            grown.check(b)
+
+    # -- Note [The second size grows the first] ---------------------------------------------------
+    def _grows(self, served: list) -> bool:
+        return len(served) == 2 and served[1] == served[0] + 1 and self.release is not None \
+            and self.backward is not None and self.compare_backward \
+            and not self.forward.random and not self.low_precision() \
+            and all(name != REAL_EXAMPLES for name, _ in self.backward.inputs)
+
+    def low_precision(self) -> bool:
+        return self.forward.low_precision or (self.backward is not None
+                                              and self.backward.low_precision)
+
+    def _tangent_dims(self) -> dict | None:
+        """The batch dim of each backward input the check draws (an output's gradient), by
+        position: None for one without the batch; None in all where one holds the batch
+        other than as a dim of its own."""
+        saved = set(self.forward.outputs)
+        dims = {}
+        for k, (name, meta) in enumerate(self.backward.inputs):
+            if name in saved or name.startswith("rng_state_output_"):
+                continue
+            if isinstance(meta, torch.SymInt):
+                if meta.node.expr.free_symbols & set(self.batch_symbols):
+                    return None
+                continue
+            if not isinstance(meta, torch.Tensor):
+                continue
+            found = []
+            for d, size in enumerate(meta.shape):
+                if not isinstance(size, torch.SymInt):
+                    continue
+                expr = size.node.expr
+                if expr in self.batch_symbols:
+                    found.append(d)
+                elif expr.free_symbols & set(self.batch_symbols):
+                    return None
+            if len(found) > 1:
+                return None
+            dims[k] = found[0] if found else None
+        return dims
+
+    def _run_grown(self, large: int, small: int, args: list, sizes: dict, generator,
+                   dims: dict) -> "_Grown":
+        """The compiled forward and backward at the larger size; the smaller size's inputs,
+        its examples 1 on."""
+        at_large = {**sizes, **{s: large for s in self.batch_symbols}}
+        at_small = {**sizes, **{s: small for s in self.batch_symbols}}
+        fw_large = [self._synthetic(name, meta, a, at_large, generator)
+                    for (name, meta), a in zip(self.forward.inputs, args)]
+        fw_small = [_rows_from(a, 0 if name in self.batch_inputs else None, meta, at_small)
+                    for (name, meta), a in zip(self.forward.inputs, fw_large)]
+        got = _call(self.forward.compiled, fw_large, self.device)
+        del fw_large
+        grown = _Grown(fw_small, got, {}, large, at_large, self.release)
+        # before the larger backward runs: it may reuse its saved tensors' buffers (donated)
+        grown.small = _call(self.forward.compiled, fw_small, self.device)
+        self._check_rows(small, grown.small, grown, at_small)
+        saved = _saved_by_backward_name(self.forward, got)
+        del got
+        bw_args, tangents = [], {}
+        for k, (name, meta) in enumerate(self.backward.inputs):
+            value = saved[name] if name in saved else _random_like(meta, at_large, generator)
+            if k in dims:
+                tangents[k] = _rows_from(value, dims[k], meta, at_small)
+            bw_args.append(value)
+        del saved
+        with cpu_noise.noiseless():
+            released = _call(self.backward.compiled, bw_args, self.device, consume=True)
+        grown.tangents = tangents
+        for i in self.release.positions:
+            if i < len(released) and isinstance(released[i], torch.Tensor):
+                grown.large[i] = released[i]
+        return grown
+
+    def _check_rows(self, b: int, got: list, grown: "_Grown", sizes: dict) -> None:
+        """Every example's rows of the forward's outputs at the smaller size are those it has
+        at the larger, where an example was added before it: nothing mixes examples, at
+        either size, and no code assumed either size. Batch-free outputs are the same."""
+        for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, grown.outputs):
+            if not isinstance(x, torch.Tensor) or (layout is not None
+                                                   and not isinstance(layout, BatchDim)):
+                continue
+            if layout is not None:
+                x = _examples(x, layout, b, sizes)
+                y = _other_examples(y, layout, grown.size, grown.sizes)
+            if not _close(x, y, 1e-4):
+                raise PrivacyError(
+                    f"dpfx's self-check of the compiled forward: adding an example before the "
+                    f"others changed {'their rows of' if layout is not None else 'the batch-free'} "
+                    f"output {name} (batch size {b} against {grown.size}). The code Inductor "
+                    f"generated mixes examples or assumed a batch size (a torch bug); dpfx "
+                    f"refuses to train with it. Use backend='eager' and report this with your "
+                    f"torch version.")
+        grown.outputs = None
 
     def _synthetic(self, name, meta, real, sizes, generator):
         if isinstance(meta, torch.SymInt):
@@ -874,6 +1025,79 @@ def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> t
     d = layout.dim
     split = t.reshape(*t.shape[:d], outer, b, inner, *t.shape[d + 1:])
     return split.narrow(d + 1, 1, b - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """What the compiled backward releases, for Note [The second size grows the first]: its
+    gradient outputs' positions, D (None: the batch size, a mean without expected_batch_size;
+    1 for clipped sums and sums) and the most one example may move the sum of clipped
+    gradients: sqrt(sum_g C_g^2)."""
+    positions: frozenset
+    divisor: float | None
+    bound: float
+
+
+class _Grown:
+    """The larger size's run, kept for the smaller size's check."""
+
+    def __init__(self, fw_args, outputs, tangents, size, sizes, release: Release):
+        self.fw_args, self.outputs, self.tangents = fw_args, outputs, tangents
+        self.size, self.sizes, self.release = size, sizes, release
+        self.large: dict = {}       # position -> the larger size's released gradient
+        self.small: list | None = None    # the smaller size's compiled forward outputs
+        self.gap = 0.0              # sum over positions of ||S_large - S_small||^2
+        self.norm = 0.0             # ... of ||S_small||^2
+        self.finite = True
+
+    def _d(self, b: int) -> float:
+        return float(b) if self.release.divisor is None else self.release.divisor
+
+    def account(self, position: int, small: torch.Tensor) -> None:
+        large = self.large.pop(position, None)
+        if large is None or not isinstance(small, torch.Tensor):
+            return
+        d_small, d_large = self._d(self.size - 1), self._d(self.size)
+        norm = float(torch.linalg.vector_norm(small, dtype=torch.float64)) * d_small
+        if not math.isfinite(float(torch.linalg.vector_norm(large))):
+            self.finite = False     # an example's non-finite terms are selected away
+            return
+        if not math.isfinite(norm):
+            return                  # the eager comparison lines these up
+        # ||S_large - S_small|| without a copy of either (torch.dist fuses the difference)
+        scaled = small if d_small == d_large else small * (d_small / d_large)
+        gap = float(torch.dist(large, scaled)) * d_large
+        self.gap += gap * gap
+        self.norm += norm * norm
+
+    def check(self, b: int) -> None:
+        moved = math.sqrt(self.gap)
+        limit = self.release.bound * (1 + 1e-3) + 1e-4 * math.sqrt(self.norm)
+        if self.large or not self.finite or not moved <= limit:
+            raise PrivacyError(
+                f"dpfx's self-check of the compiled backward: one example added to a batch of "
+                f"{b} moved the sum of clipped gradients by {moved:.6g}, more than the bound "
+                f"{self.release.bound:.6g}"
+                f"{' (or released what the smaller batch did not)' if self.large else ''}. The "
+                f"code Inductor generated mixes examples or assumed a batch size (a torch bug); "
+                f"dpfx refuses to train with it. Use backend='eager' and report this with your "
+                f"torch version.")
+
+
+def _rows_from(value, dim: int | None, meta, sizes: dict):
+    """A larger size's value at the smaller size: its examples 1 on along ``dim`` (None: the
+    value itself), laid out as the graph was compiled for."""
+    if not isinstance(value, torch.Tensor) or dim is None:
+        return _concrete(meta, sizes) if isinstance(meta, torch.SymInt) else value
+    rows = value.narrow(dim, 1, value.shape[dim] - 1).clone()
+    return _laid_out(rows, meta, sizes)
+
+
+def _examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> torch.Tensor:
+    """Every example, from a tensor whose dim ``layout.dim`` is (outer, B, inner)."""
+    outer, inner = _concrete(layout.outer, sizes), _concrete(layout.inner, sizes)
+    d = layout.dim
+    return t.reshape(*t.shape[:d], outer, b, inner, *t.shape[d + 1:])
 
 
 def _known_sizes(inputs: list, args: list, batch_symbols: set) -> dict:

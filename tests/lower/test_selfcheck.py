@@ -47,7 +47,7 @@ def _nudge_gradients(outs):
 
 
 @pytest.mark.parametrize("which,corrupt,match,expected", [
-    ("forward", _roll_first_output, "changing example 0|disagrees", None),
+    ("forward", _roll_first_output, "adding an example|changing example 0|disagrees", None),
     ("backward", _nudge_gradients, "compiled backward graph disagrees", None),
     # DP gradients at a realistic scale: entries of order C/D, far below 1.
     ("backward", _nudge_gradients, "compiled backward graph disagrees", 256),
@@ -62,6 +62,54 @@ def test_miscompiled_graph_refused_before_training(monkeypatch, which, corrupt, 
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _at_the_larger_size(corrupt):
+    """``corrupt`` applied to the outputs of a call whose first input has 3 rows only: code
+    wrong at one batch size, right at the other."""
+    def at_three(outs, args):
+        three = any(isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 3 for a in args)
+        return corrupt(outs) if three else outs
+    return at_three
+
+
+def _miscompile_with_args(monkeypatch, which: str, corrupt):
+    real_lower = dpfx.backend.lower
+
+    def lower(gm, example_inputs, kwargs, backend):
+        compiled = real_lower(gm, example_inputs, kwargs, backend)
+        if bool(kwargs.get("is_backward")) != (which == "backward"):
+            return compiled
+
+        def wrong(args):
+            seen = list(args)
+            return corrupt(list(compiled(args)), seen)
+
+        wrong._boxed_call = True
+        return wrong
+
+    monkeypatch.setattr(dpfx.backend, "lower", lower)
+
+
+def _scale_gradients(outs):
+    return [o * 4.0 if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+            for o in outs]
+
+
+@pytest.mark.parametrize("which,corrupt,match", [
+    ("forward", _roll_first_output, "adding an example before the others changed"),
+    ("backward", _scale_gradients, "one example added to a batch of 2 moved"),
+], ids=["forward-mixes", "backward-scales"])
+def test_code_wrong_at_the_larger_size_only_is_refused(monkeypatch, which, corrupt, match):
+    """Note [The second size grows the first]: the larger size is compared with the smaller,
+    not with the eager reference; code that mixes examples or moves the release by more than C
+    there alone is still refused."""
+    _miscompile_with_args(monkeypatch, which, _at_the_larger_size(corrupt))
+    model = MLP()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(dpfx.PrivacyError, match=match):
+        mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def _spy_on_comparisons(monkeypatch) -> list:
@@ -491,15 +539,25 @@ def test_an_infinite_output_does_not_loosen_the_others():
 
 
 def _check_runs(monkeypatch) -> list:
-    """The batch sizes the self-check runs the graphs at, as it runs them."""
-    real_check_at, sizes = dpfx.lower.selfcheck.GraphCheck._check_at, []
+    """The batch sizes the self-check runs the graphs at, as it runs them: the larger first
+    (Note [The second size grows the first]), each size once."""
+    check = dpfx.lower.selfcheck.GraphCheck
+    real_check_at, real_grown, sizes = check._check_at, check._run_grown, []
 
     def check_at(self, b, *args):
         sizes.append(b)
         return real_check_at(self, b, *args)
 
-    monkeypatch.setattr(dpfx.lower.selfcheck.GraphCheck, "_check_at", check_at)
+    def run_grown(self, large, *args):
+        sizes.append(large)
+        return real_grown(self, large, *args)
+
+    monkeypatch.setattr(check, "_check_at", check_at)
+    monkeypatch.setattr(check, "_run_grown", run_grown)
     return sizes
+
+
+RUNS = sorted(dpfx.lower.selfcheck.SIZES, reverse=True)    # the sizes, as a check runs them
 
 
 def _mlp_step(self_check=True):
@@ -521,7 +579,7 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     _mlp_step(self_check=False)                       # fills the cache, checks nothing
     assert runs == [] and checks == []
     _mlp_step()                                       # the cache's code, never checked: checked
-    assert runs == list(dpfx.lower.selfcheck.SIZES)
+    assert runs == RUNS
     assert not checks[-1].skipped
     assert isinstance(checks[-1].forward.eager, torch.fx.GraphModule)
     markers = list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())
@@ -529,25 +587,25 @@ def test_passed_check_not_repeated_on_the_same_code(tmp_path, monkeypatch):
     counters.clear()
     model = _mlp_step()                               # the same code again: not re-checked
     assert counters["inductor"]["fxgraph_cache_hit"] == 2
-    assert runs == list(dpfx.lower.selfcheck.SIZES)
+    assert runs == RUNS
     # Note [The eager reference is built when the check runs]: skipped, so never built
     assert checks[-1].skipped and isinstance(checks[-1].forward.eager, tuple) \
         and isinstance(checks[-1].backward.eager, tuple)
     assert model.fc1.weight.grad is not None
     _mlp_step(self_check="always")
-    assert runs == 2 * list(dpfx.lower.selfcheck.SIZES)
+    assert runs == 2 * RUNS
     # other code (a wider layer): checked, and marked apart
     torch._dynamo.reset()
     wide = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
     dp = dpfx.compile(wide, max_grad_norm=1.0, noise_multiplier=1.0)
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
-    assert runs == 3 * list(dpfx.lower.selfcheck.SIZES)
+    assert runs == 3 * RUNS
     assert len(list((tmp_path / "inductor" / "dpfx_selfcheck").iterdir())) == 2
     # the checked code, miscompiled after Inductor: the wrapper is no cached code, so it is checked
     _miscompile(monkeypatch, "backward", _nudge_gradients)
     with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
         _mlp_step()
-    assert runs[-1] in dpfx.lower.selfcheck.SIZES and len(runs) == 3 * len(dpfx.lower.selfcheck.SIZES) + 1
+    assert runs[-2:] == RUNS and len(runs) == 4 * len(RUNS)
 
 
 def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch):
@@ -558,7 +616,7 @@ def test_code_outside_the_fx_graph_cache_is_always_checked(tmp_path, monkeypatch
     with torch._inductor.config.patch(fx_graph_cache=False):
         _mlp_step()
         _mlp_step()
-    assert runs == 2 * list(dpfx.lower.selfcheck.SIZES)
+    assert runs == 2 * RUNS
     assert not (tmp_path / "inductor" / "dpfx_selfcheck").exists()
 
 
