@@ -70,8 +70,9 @@ from dpfx.graph.batch import BatchDim
 # Both sizes used to be compared with the eager reference, each with its own independence run:
 # ten graph runs, half of them eager (GPT-2 small: 21.6 s of check, a third of torch.compile's
 # whole cold first step). Now, where the backward's release is known (the backend sets
-# ``release``: not under adaptive clipping or padded batches, and not for 16-bit or random
-# forwards, whose cross-size rows would not agree to the bit budget), the larger size B + 1
+# ``release``: not under adaptive clipping or padded batches, not for 16-bit or random
+# forwards, whose cross-size rows would not agree to the bit budget, and not with a captured
+# loss, whose saved terms carry the loss's normalizers, 1/B among them), the larger size B + 1
 # runs compiled only, on a batch whose examples 1.. are the smaller batch's, with the same
 # output gradients on those rows:
 # - the compiled forward at both sizes, before the larger backward runs (it may reuse its
@@ -515,7 +516,8 @@ class GraphCheck:
     def _grows(self, served: list) -> bool:
         return len(served) == 2 and served[1] == served[0] + 1 and self.release is not None \
             and self.backward is not None and self.compare_backward \
-            and not self.forward.random and not self.low_precision() \
+            and not self.forward.random and not self.low_precision() and not self.targets \
+            and "loss" not in self.layouts \
             and all(name != REAL_EXAMPLES for name, _ in self.backward.inputs)
 
     def low_precision(self) -> bool:
