@@ -283,7 +283,14 @@ class DPOutputCode(OutputCode):
             return False
         if self._digest != _digest(self.plan, self.lowered, self._graph):
             raise FXGraphCacheMiss("dpfx: a cache entry does not match its digest; rebuilt")
-        lowered, _ = FxGraphCache.cache_hit_post_compile(copy.copy(self.lowered), {}, constants)
+        from dpfx.lower.cpu_builds import merged_cpu_builds
+
+        # the module's kernels load as the lowering built them: merged units (Note [A graph's
+        # C++ builds run while the next graph lowers]), found in the cache by their key; with
+        # Inductor's own AsyncCompile each kernel was compiled again on its own
+        with merged_cpu_builds():
+            lowered, _ = FxGraphCache.cache_hit_post_compile(copy.copy(self.lowered), {},
+                                                             constants)
         if lowered is None:
             raise FXGraphCacheMiss("dpfx: a cache entry's code no longer loads; rebuilt")
         lowered.post_compile(example_inputs, constants, {"is_backward": backward, **kwargs})
