@@ -36,8 +36,8 @@ size adds an example before the smaller batch's: its forward rows must be the sm
 A failure raises ``PrivacyError`` before any gradient is computed from the user's data. It costs,
 two compiled runs of the forward and the backward and one eager run of each (at each size, and
 a third compiled forward, where the sizes are not grown): a few percent of the first step on
-small models, GPT-2 small 12.4 s against torch.compile's 60 s cold first step (the AMD EPYC,
-2026-11-29; docs/ARCHITECTURE.md);
+small models, GPT-2 small 12.8 s against torch.compile's 55.5 s cold first step (the AMD EPYC,
+2026-11-29; BENCHMARKS.md);
 ``dpfx.compile(..., self_check=False)`` skips it. Code that has passed it once is not checked
 again (Note [A self-check is not repeated on code it has passed]), unless ``self_check="always"``.
 tests/lower/test_selfcheck.py hands it deliberately miscompiled graphs.
@@ -87,8 +87,8 @@ from dpfx.graph.batch import BatchDim
 #   comparison of the generated code against the proven graph.
 # What the larger size no longer shows: a backward that is wrong there by less than one
 # example's bound (a utility error, not a leak: mixing examples moves the sum by more). The
-# check then costs six runs, two eager (GPT-2 small, the AMD EPYC: 12.4 s, and the C++ builds
-# the check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the
+# check then costs six runs, two eager (GPT-2 small, the AMD EPYC: 21.6 -> 12.4 s, in-process;
+# the C++ builds the check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the
 # full comparison. (tests/lower/test_selfcheck.py::test_code_wrong_at_the_larger_size_only_is_refused)
 
 # Note [The self-check's two batch sizes]

@@ -282,6 +282,7 @@ class DPOutputCode(OutputCode):
             state.trusted_forward = None
             return False
         if self._digest != _digest(self.plan, self.lowered, self._graph):
+            _forget(self._digest)
             raise FXGraphCacheMiss("dpfx: a cache entry does not match its digest; rebuilt")
         from dpfx.lower.cpu_builds import merged_cpu_builds
 
@@ -299,6 +300,26 @@ class DPOutputCode(OutputCode):
         state.trusted += 1
         state.trusted_forward = None if backward else self.plan
         return True
+
+
+def _forget(digest: str | None) -> None:
+    """Remove the AOTAutogradCache entries that hold ``digest`` (an entry that failed it): the
+    compile that follows writes the entry again, and a lookup must not find the corrupted one
+    first."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if not digest:
+        return
+    mark = digest.encode()
+    for root, _, files in os.walk(os.path.join(cache_dir(), "aotautograd")):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    if mark in f.read():
+                        os.remove(path)
+            except OSError:
+                pass
 
 
 def _digest(plan: dict, lowered, graph: bytes) -> str:

@@ -217,6 +217,7 @@ def test_a_corrupted_entry_is_detected_and_rebuilt(cache, monkeypatch):
     assert counters["aot_autograd"]["autograd_cache_miss"] == 1
     assert _trusted() == trusted and dp._dpfx_backend.last_backward is not None
     assert any(b"def call(self, args)" in open(p, "rb").read() for p in _entries(cache))
+    assert not any(b"def call(self, argz)" in open(p, "rb").read() for p in _entries(cache))
     with monkeypatch.context() as m:
         _no_passes(m)
         _exact(_compile(model), model, 2)
