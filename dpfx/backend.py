@@ -13,8 +13,9 @@ only as Note [A warm start without the joint trace] (lower/warm.py) sets it up: 
 mode, holding dpfx's own output code, which runs the code dpfx proved and lowered, under its
 digest and the self-check's verdict (Note [A trusted warm start]), or calls dpfx's inner compiler
 again when it is loaded, under a key that carries dpfx's source digest and every private setting;
-a hit after which dpfx compiled nothing is refused. On a GPU it stays off. Inductor's FX graph cache stays on: its key is the rewritten
-graph itself. (tests/lower/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
+a hit after which dpfx compiled nothing is refused. On a GPU it stays off. Inductor's FX graph
+cache stays on: its key is the rewritten graph itself.
+(tests/lower/test_inductor.py::test_plain_torch_compile_first_does_not_leak,
 tests/lower/test_warm_start.py)
 """
 from __future__ import annotations

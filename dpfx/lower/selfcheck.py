@@ -70,26 +70,26 @@ from dpfx.graph.batch import BatchDim
 # Both sizes used to be compared with the eager reference, each with its own independence run:
 # ten graph runs, half of them eager (GPT-2 small: 21.6 s of check, a third of torch.compile's
 # whole cold first step). Now, where the backward's release is known (the backend sets
-# ``release``: not under adaptive clipping or padded batches, not for 16-bit or random
-# forwards, whose cross-size rows would not agree to the bit budget, and not with a captured
-# loss, whose saved terms carry the loss's normalizers, 1/B among them), the larger size B + 1
-# runs compiled only, on a batch whose examples 1.. are the smaller batch's, with the same
-# output gradients on those rows:
+# ``release``: not under adaptive clipping or padded batches; not for 16-bit or random forwards,
+# whose rows would not agree across sizes to the budget; not with a captured loss, whose saved
+# terms carry the loss's normalizers, 1/B among them), the larger size B + 1 runs compiled only,
+# on a batch whose examples 1.. are the smaller batch's, with the same output gradients on them:
 # - the compiled forward at both sizes, before the larger backward runs (it may reuse its
 #   donated saved tensors' buffers): every example's rows of every batch-laid output (saved
 #   activations included) must be the same at B and at B + 1 with an example added before it,
 #   and batch-free outputs the same. This is the independence test (what changing example 0
 #   would change, adding it changes) and the test that no code assumed either size.
 # - the compiled backward at both sizes, noiseless: with S the released sums times D, the added
-#   example may move S by at most its clip bound, ||S(B + 1) - S(B)|| <= sqrt(sum_g C_g^2)
-#   (1 + 1e-3) + 1e-4 ||S(B)||: the canary test, on the generated code at the larger size.
+#   example may move S by at most its clip bound,
+#       ||S(B + 1) - S(B)|| <= sqrt(sum_g C_g^2) (1 + 1e-3) + 1e-4 ||S(B)||,
+#   the canary test, on the generated code at the larger size.
 # - the smaller size is compared with the eager reference, forward and backward, as before: the
 #   comparison of the generated code against the proven graph.
-# What the larger size no longer shows: a backward that is wrong there by less than one
-# example's bound (a utility error, not a leak: mixing examples moves the sum by more). The
-# check then costs six runs, two eager (GPT-2 small, the AMD EPYC: 21.6 -> 12.4 s, in-process;
-# the C++ builds the check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the
-# full comparison. (tests/lower/test_selfcheck.py::test_code_wrong_at_the_larger_size_only_is_refused)
+# What the larger size no longer shows: a backward wrong there by less than one example's bound
+# (a utility error, not a leak: mixing examples moves the sum by more). The check costs six runs,
+# two of them eager (GPT-2 small, the AMD EPYC: 21.6 -> 12.4 s in-process; the C++ builds the
+# check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the full
+# comparison. (tests/lower/test_selfcheck.py::test_code_wrong_at_the_larger_size_only_is_refused)
 
 # Note [The self-check's two batch sizes]
 # Two sizes, so that code which assumed one batch size fails at the other; neither is 1, which
@@ -386,7 +386,7 @@ class GraphCheck:
         self.batch_symbols = batch_symbols
         self.batch_inputs = batch_inputs
         self.device = device
-        self.decisions = decisions    # the batch sizes this graph serves (capture/batch_branches.py)
+        self.decisions = decisions    # batch sizes this graph serves (capture/batch_branches.py)
         self.done = False
         # the pair's verdict name, whose marker a pass leaves for a trusted cache entry (Note
         # [A trusted warm start] in lower/warm.py); None: the entry is not trusted

@@ -1,5 +1,5 @@
-"""A warm start without aot_autograd's joint trace: dpfx's graphs, code and verdicts in AOTAutogradCache's
-entries.
+"""A warm start without aot_autograd's joint trace: dpfx's graphs, code and verdicts in
+AOTAutogradCache's entries.
 
 # Note [A warm start without the joint trace]
 A user's second run of a script found Inductor's code in its cache, but dpfx still traced the
@@ -263,7 +263,6 @@ class DPOutputCode(OutputCode):
         with torch._guards.TracingContext.report_output_strides() as strides:
             self._runner = backend.compile_graph(gm, inputs, kwargs)
         state.forward_strides = list(strides) if strides is not None else None
-
 
     def _load_trusted(self, backend, example_inputs, constants, kwargs) -> bool:
         """Run the entry's lowered code without the passes, where it may be (Note [A trusted
