@@ -311,7 +311,8 @@ class DPBackend:
             divisor = 1.0 if config.noise == "optimizer" or config.loss_reduction == "sum" \
                 else float(config.expected_batch_size) if config.expected_batch_size else None
             check.release = Release(frozenset(positions.values()), divisor, math.sqrt(
-                sum(c * c for c in config.clip_bounds.values())))
+                sum(c * c for c in config.clip_bounds.values())),
+                mean=config.loss_reduction == "mean")
         zero_tangents = self.last_backward.zero_tangents
         forward = self._lowered_forwards.pop(kwargs.get("graph_id"), None)
         if forward is not None and not native_noise:

@@ -79,8 +79,9 @@ from dpfx.graph.batch import BatchDim
 #   activations included) must be the same at B and at B + 1 with an example added before it,
 #   and batch-free outputs the same. This is the independence test (what changing example 0
 #   would change, adding it changes) and the test that no code assumed either size.
-# - the compiled backward at both sizes, noiseless: with S the released sums times D, the added
-#   example may move S by at most its clip bound,
+# - the compiled backward at both sizes, noiseless, the shared examples' output gradients the
+#   same up to the mean's 1/B (Note [A mean's output gradients carry 1/B]): with S the released
+#   sums times D, the added example may move S by at most its clip bound,
 #       ||S(B + 1) - S(B)|| <= sqrt(sum_g C_g^2) (1 + 1e-3) + 1e-4 ||S(B)||,
 #   the canary test, on the generated code at the larger size.
 # - the smaller size is compared with the eager reference, forward and backward, as before: the
@@ -90,6 +91,19 @@ from dpfx.graph.batch import BatchDim
 # two of them eager (GPT-2 small, the AMD EPYC: 21.6 -> 12.4 s in-process; the C++ builds the
 # check waits for first, 7.4 s, are the builds' own time). Elsewhere both sizes run the full
 # comparison. (tests/lower/test_selfcheck.py::test_code_wrong_at_the_larger_size_only_is_refused)
+
+# Note [A mean's output gradients carry 1/B]
+# Under loss_reduction="mean" the output gradients a backward receives carry the loss's 1/B, and
+# the graph takes it off with the batch size of the call: each example's gradient is B times the
+# one the graph computes from them (passes/clip_noise.py). The grown check draws the larger
+# size's output gradients and gives the smaller size the same rows; fed as they are, every
+# shared example's gradient at B + 1 would be (B + 1)/B times its gradient at B, and each
+# unclipped example would move the sum by 1/B of its norm. With some examples near C and the
+# added one clipped, that passed C on correct code, at some C and not others. So for a mean the
+# smaller size's output gradients are the larger's rows times (B + 1)/B, as a mean loss's would
+# be: every shared example's gradient is then the same at both sizes, and only the added one
+# moves S. The backward is linear in its output gradients, so this is exact up to rounding.
+# (tests/lower/test_selfcheck_sweep.py: C swept across the examples' norms, both reductions)
 
 # Note [The self-check's two batch sizes]
 # Two sizes, so that code which assumed one batch size fails at the other; neither is 1, which
@@ -339,6 +353,7 @@ class _Recording(threading.local):
     got: list | None = None           # the compiled backward's outputs
     measured: dict | None = None      # output position -> _Measure
     seen: Callable | None = None      # takes each compiled output before it is let go
+    collect: dict | None = None       # output position -> the reference's gradient (_blame)
 
 
 _recording = _Recording()
@@ -347,8 +362,12 @@ _recording = _Recording()
 def _record(position: int, want: torch.Tensor) -> None:
     """The eager reference's gradient at ``position`` (Note [The eager reference compares each
     gradient as it is released]): measured against the compiled one's, then both let go."""
-    if _recording.measured is None or not cpu_noise.silenced():
+    if (_recording.measured is None and _recording.collect is None) or \
+            not cpu_noise.silenced():
         raise RuntimeError("dpfx's self-check ran its streamed reference outside the check")
+    if _recording.collect is not None:
+        _recording.collect[position] = want
+        return
     _recording.measured[position] = _measure(_recording.got[position], want)
     if _recording.seen is not None:
         _recording.seen(position, _recording.got[position])
@@ -424,10 +443,18 @@ class GraphCheck:
             served = _sizes_served(self.decisions)
             dims = self._tangent_dims() if self._grows(served) else None
             if dims is not None:    # Note [The second size grows the first]
-                with _isolated_rng(self.device):
-                    grown = self._run_grown(served[1], served[0], args, sizes, generator, dims)
-                with _isolated_rng(self.device):
-                    self._check_at(served[0], args, sizes, generator, grown)
+                start = generator.get_state()
+                try:
+                    with _isolated_rng(self.device):
+                        grown = self._run_grown(served[1], served[0], args, sizes, generator,
+                                                dims)
+                    with _isolated_rng(self.device):
+                        self._check_at(served[0], args, sizes, generator, grown)
+                except _GrownFailure as failure:
+                    # Note [The self-check blames only what it has shown]
+                    with _isolated_rng(self.device):
+                        error = self._blame(failure, args, sizes, start, dims)
+                    raise error from None
             else:
                 for b in served:
                     with _isolated_rng(self.device):
@@ -553,6 +580,11 @@ class GraphCheck:
             dims[k] = found[0] if found else None
         return dims
 
+    def _tangent_scale(self, large: int, small: int) -> float:
+        """Note [A mean's output gradients carry 1/B]: what the smaller size's output gradients
+        are the larger size's times, so that every shared example's gradient is the same."""
+        return large / small if self.release.mean else 1.0
+
     def _run_grown(self, large: int, small: int, args: list, sizes: dict, generator,
                    dims: dict) -> "_Grown":
         """The compiled forward and backward at the larger size; the smaller size's inputs,
@@ -568,14 +600,18 @@ class GraphCheck:
         grown = _Grown(fw_small, got, {}, large, at_large, self.release)
         # before the larger backward runs: it may reuse its saved tensors' buffers (donated)
         grown.small = _call(self.forward.compiled, fw_small, self.device)
-        self._check_rows(small, grown.small, grown, at_small)
+        mixed = self._mixed_rows(small, grown.small, grown.outputs, large, at_small, at_large)
+        grown.outputs = None
+        if mixed is not None:
+            raise _GrownFailure("forward", small, large, output=mixed)
         saved = _saved_by_backward_name(self.forward, got)
         del got
         bw_args, tangents = [], {}
+        scale = self._tangent_scale(large, small)
         for k, (name, meta) in enumerate(self.backward.inputs):
             value = saved[name] if name in saved else _random_like(meta, at_large, generator)
             if k in dims:
-                tangents[k] = _rows_from(value, dims[k], meta, at_small)
+                tangents[k] = _rows_from(value, dims[k], meta, at_small, scale)
             bw_args.append(value)
         del saved
         with cpu_noise.noiseless():
@@ -586,26 +622,78 @@ class GraphCheck:
                 grown.large[i] = released[i]
         return grown
 
-    def _check_rows(self, b: int, got: list, grown: "_Grown", sizes: dict) -> None:
-        """Every example's rows of the forward's outputs at the smaller size are those it has
-        at the larger, where an example was added before it: nothing mixes examples, at
-        either size, and no code assumed either size. Batch-free outputs are the same."""
-        for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, grown.outputs):
+    def _mixed_rows(self, b: int, got: list, outputs: list, large: int, at_small: dict,
+                    at_large: dict) -> str | None:
+        """The first forward output whose examples' rows at size ``b`` are not those they have
+        at ``large``, where an example was added before them (or, batch-free, not the same):
+        something mixes examples or assumed a batch size. None: every output agrees."""
+        for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, outputs):
             if not isinstance(x, torch.Tensor) or (layout is not None
                                                    and not isinstance(layout, BatchDim)):
                 continue
             if layout is not None:
-                x = _examples(x, layout, b, sizes)
-                y = _other_examples(y, layout, grown.size, grown.sizes)
+                x = _examples(x, layout, b, at_small)
+                y = _other_examples(y, layout, large, at_large)
             if not _close(x, y, 1e-4):
-                raise PrivacyError(
-                    f"dpfx's self-check of the compiled forward: adding an example before the "
-                    f"others changed {'their rows of' if layout is not None else 'the batch-free'} "
-                    f"output {name} (batch size {b} against {grown.size}). The code Inductor "
-                    f"generated mixes examples or assumed a batch size (a torch bug); dpfx "
-                    f"refuses to train with it. Use backend='eager' and report this with your "
-                    f"torch version.")
-        grown.outputs = None
+                return name
+        return None
+
+    # -- Note [The self-check blames only what it has shown] -------------------------------------
+    def _blame(self, failure: "_GrownFailure", args: list, sizes: dict, start,
+               dims: dict) -> PrivacyError:
+        """The grown experiment again on the same batches, run by the verified graphs
+        eagerly: the error names the compiled code only where the proven graph passes."""
+        generator = torch.Generator(device="cpu")
+        generator.set_state(start)
+        large, small = failure.large, failure.b
+        at_large = {**sizes, **{s: large for s in self.batch_symbols}}
+        at_small = {**sizes, **{s: small for s in self.batch_symbols}}
+        fw_large = [self._synthetic(name, meta, a, at_large, generator)
+                    for (name, meta), a in zip(self.forward.inputs, args)]
+        fw_small = [_rows_from(a, 0 if name in self.batch_inputs else None, meta, at_small)
+                    for (name, meta), a in zip(self.forward.inputs, fw_large)]
+        want_large = _call(self.forward.reference, fw_large, self.device, consume=True)
+        want_small = _call(self.forward.reference, fw_small, self.device, consume=True)
+        if failure.which == "forward":
+            mixed = self._mixed_rows(small, want_small, want_large, large, at_small, at_large)
+            return failure.error(reference_failed=mixed is not None)
+        scale = self._tangent_scale(large, small)
+        saved = _saved_by_backward_name(self.forward, want_large)
+        bw_large, tangents = [], {}
+        for k, (name, meta) in enumerate(self.backward.inputs):
+            value = saved[name] if name in saved else _random_like(meta, at_large, generator)
+            if k in dims:
+                tangents[k] = _rows_from(value, dims[k], meta, at_small, scale)
+            bw_large.append(value)
+        del saved, want_large
+        released_large = self._released_by_reference(bw_large)
+        saved = _saved_by_backward_name(self.forward, want_small)
+        bw_small = [saved[name] if name in saved else tangents[k] if k in tangents else
+                    _random_like(meta, at_small, generator)
+                    for k, (name, meta) in enumerate(self.backward.inputs)]
+        del saved, want_small
+        released_small = self._released_by_reference(bw_small)
+        d_large = float(large) if self.release.divisor is None else self.release.divisor
+        d_small = float(small) if self.release.divisor is None else self.release.divisor
+        gap = 0.0
+        for i in self.release.positions:
+            x, y = released_large.get(i), released_small.get(i)
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                gap += float(torch.dist(x.double() * d_large, y.double() * d_small)) ** 2
+        return failure.error(reference_moved=math.sqrt(gap))
+
+    def _released_by_reference(self, bw_args: list) -> dict:
+        """The verified backward's noiseless release, run eagerly: position -> gradient."""
+        with cpu_noise.noiseless():
+            _recording.collect = {}
+            try:
+                out = _call(self.backward.reference, bw_args, self.device, consume=True)
+                collected = _recording.collect
+            finally:
+                _recording.collect = None
+        released = {i: x for i, x in enumerate(out) if isinstance(x, torch.Tensor)}
+        released.update(collected)
+        return released
 
     def _synthetic(self, name, meta, real, sizes, generator):
         if isinstance(meta, torch.SymInt):
@@ -1033,11 +1121,13 @@ def _other_examples(t: torch.Tensor, layout: BatchDim, b: int, sizes: dict) -> t
 class Release:
     """What the compiled backward releases, for Note [The second size grows the first]: its
     gradient outputs' positions, D (None: the batch size, a mean without expected_batch_size;
-    1 for clipped sums and sums) and the most one example may move the sum of clipped
-    gradients: sqrt(sum_g C_g^2)."""
+    1 for clipped sums and sums), the most one example may move the sum of clipped gradients
+    (sqrt(sum_g C_g^2)), and whether the graph multiplies each example's gradient by the batch
+    size of the call (loss_reduction="mean": Note [A mean's output gradients carry 1/B])."""
     positions: frozenset
     divisor: float | None
     bound: float
+    mean: bool = False
 
 
 class _Grown:
@@ -1076,22 +1166,71 @@ class _Grown:
         moved = math.sqrt(self.gap)
         limit = self.release.bound * (1 + 1e-3) + 1e-4 * math.sqrt(self.norm)
         if self.large or not self.finite or not moved <= limit:
-            raise PrivacyError(
-                f"dpfx's self-check of the compiled backward: one example added to a batch of "
-                f"{b} moved the sum of clipped gradients by {moved:.6g}, more than the bound "
-                f"{self.release.bound:.6g}"
-                f"{' (or released what the smaller batch did not)' if self.large else ''}. The "
-                f"code Inductor generated mixes examples or assumed a batch size (a torch bug); "
-                f"dpfx refuses to train with it. Use backend='eager' and report this with your "
-                f"torch version.")
+            raise _GrownFailure("backward", b, self.size, moved=moved, limit=limit,
+                                bound=self.release.bound, unmatched=bool(self.large),
+                                finite=self.finite)
 
 
-def _rows_from(value, dim: int | None, meta, sizes: dict):
+# Note [The self-check blames only what it has shown]
+# The grown comparison runs compiled code only, so a failure there shows that the generated
+# code moved (or mixed) something, not whose fault it is. Before it refuses, the check runs the
+# same experiment on the same batches through the verified graphs eagerly. Where they pass, the
+# generated code is not the graph dpfx proved, and the error says so (a torch bug: the eager
+# backend runs the proven graph). Where they fail too, the fault is dpfx's own (its rewrite, or
+# this check's premise about the graph), and the error says that instead and does not send the
+# user to another backend. Either way dpfx refuses to train. The reference runs only on this
+# path. (tests/lower/test_selfcheck.py::test_a_grown_failure_blames_what_the_reference_shows)
+class _GrownFailure(Exception):
+    """What the grown comparison saw (Note [The second size grows the first])."""
+
+    def __init__(self, which: str, b: int, large: int, *, output: str | None = None,
+                 moved: float = math.nan, limit: float = math.nan, bound: float = math.nan,
+                 unmatched: bool = False, finite: bool = True):
+        super().__init__(which)
+        self.which, self.b, self.large, self.output = which, b, large, output
+        self.moved, self.limit, self.bound = moved, limit, bound
+        self.unmatched, self.finite = unmatched, finite
+
+    def error(self, reference_failed: bool | None = None,
+              reference_moved: float | None = None) -> PrivacyError:
+        if self.which == "forward":
+            seen = (f"dpfx's self-check of the compiled forward: adding an example before the "
+                    f"others changed the other examples' rows of output {self.output} (batch "
+                    f"size {self.b} against {self.large})")
+            ours = reference_failed
+            reference = "the verified graph, run eagerly on the same batches, changed them too" \
+                if ours else "the verified graph, run eagerly on the same batches, did not"
+        else:
+            what = (" and released a gradient the smaller batch did not" if self.unmatched
+                    else " and released a non-finite gradient" if not self.finite else "")
+            seen = (f"dpfx's self-check of the compiled backward: one example added to a batch "
+                    f"of {self.b} moved the sum of clipped gradients (noiseless, times D) by "
+                    f"{self.moved:.6g}{what}; one example may move it by at most its clip bound "
+                    f"{self.bound:.6g} (limit with rounding {self.limit:.6g})")
+            ours = reference_moved is not None and not reference_moved <= self.limit
+            reference = f"the verified graph, run eagerly on the same batches, moved it by " \
+                f"{reference_moved:.6g}"
+        if ours:
+            return PrivacyError(
+                f"{seen}; {reference}. So the fault is in dpfx (its rewrite of this model, or "
+                f"the self-check itself), not in the code torch generated. dpfx refuses to "
+                f"train. Please report it with the model, dpfx.explain(model)'s output and "
+                f"your torch version; DPFX_DUMP_DIR=dumps writes the graphs.")
+        return PrivacyError(
+            f"{seen}; {reference}. So the code Inductor generated is not the graph dpfx proved "
+            f"(it mixes examples or assumed a batch size: a torch bug), and dpfx refuses to "
+            f"train with it. backend='eager' runs the proven graph; please report this with "
+            f"your torch version (DPFX_DUMP_DIR=dumps writes the graphs).")
+
+
+def _rows_from(value, dim: int | None, meta, sizes: dict, scale: float = 1.0):
     """A larger size's value at the smaller size: its examples 1 on along ``dim`` (None: the
-    value itself), laid out as the graph was compiled for."""
+    value itself), times ``scale``, laid out as the graph was compiled for."""
     if not isinstance(value, torch.Tensor) or dim is None:
         return _concrete(meta, sizes) if isinstance(meta, torch.SymInt) else value
     rows = value.narrow(dim, 1, value.shape[dim] - 1).clone()
+    if scale != 1.0:
+        rows.mul_(scale)
     return _laid_out(rows, meta, sizes)
 
 

@@ -107,9 +107,41 @@ def test_code_wrong_at_the_larger_size_only_is_refused(monkeypatch, which, corru
     _miscompile_with_args(monkeypatch, which, _at_the_larger_size(corrupt))
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0)
-    with pytest.raises(dpfx.PrivacyError, match=match):
+    with pytest.raises(dpfx.PrivacyError, match=match) as refused:
         mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
+    # Note [The self-check blames only what it has shown]: the verified graph passes on the
+    # same batches, so the generated code is named
+    assert "did not" in str(refused.value) or "run eagerly on the same batches, moved it by" \
+        in str(refused.value)
+    assert "not the graph dpfx proved" in str(refused.value)
+    assert "fault is in dpfx" not in str(refused.value)
+
+
+def test_a_grown_failure_blames_what_the_reference_shows(monkeypatch):
+    """Note [The self-check blames only what it has shown]: with the grown comparison's own
+    premise broken (the smaller size's output gradients not given the mean's 1/B, Note [A
+    mean's output gradients carry 1/B]), the verified graph run eagerly moves the release as
+    much as the compiled code does, so the error names dpfx, not the code torch generated.
+    The same check with the premise intact passes at every one of these bounds
+    (tests/lower/test_selfcheck_sweep.py)."""
+    monkeypatch.setattr(dpfx.lower.selfcheck.GraphCheck, "_tangent_scale",
+                        lambda self, large, small: 1.0)
+    refused = []
+    for clip in (0.3, 1.0, 3.0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                              nn.Linear(32, 1))
+        dp = dpfx.compile(model, max_grad_norm=clip, noise_multiplier=0.0, self_check="always")
+        try:
+            F.mse_loss(dp(torch.randn(7, 10)), torch.randn(7, 1)).backward()
+        except dpfx.PrivacyError as e:
+            refused.append(str(e))
+            assert all(p.grad is None for p in model.parameters())
+    assert refused, "the broken premise was refused at no bound: nothing was planted"
+    for message in refused:
+        assert "one example added to a batch of 2 moved" in message, message
+        assert "the fault is in dpfx" in message and "torch bug" not in message, message
 
 
 def _spy_on_comparisons(monkeypatch) -> list:
