@@ -104,6 +104,9 @@ def symbolic_batch_error(e: Exception) -> CaptureError:
                f"the examples, a list with one entry per example, int(x.shape[0]). dpfx keeps "
                f"the batch symbolic so that one graph serves every batch size. Compute over the "
                f"whole batch with tensor ops instead.")
+        if any("range(" in str(frame) for frame in stack):
+            why += (" For an index over the rows, write torch.arange(len(y)) where the line "
+                    "has range(len(y)): it stays one tensor op of the batch size.")
     elif getattr(guard, "dpfx_on_data", False):
         # Note [A branch on the data is not a branch on the batch size]
         # A Python ``if`` on a tensor's value (``if torch.any(var < 0): raise``, ``.item()`` in

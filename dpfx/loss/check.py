@@ -235,11 +235,26 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
     return gm, {n: record_of.get(n.name) for n in gm.graph.nodes}, factors, taken
 
 
+# Note [An index that counts the rows]
+# ``-logp[torch.arange(len(y)), y].mean()`` (and ``logp[range(n), y]``) is the hand-written NLL
+# of many tutorials: row i reads its own row's entry at its own label. The plain loop records
+# the arange as a tensor built outside its tracking, and a tensor whose dim 0 is the batch's
+# would be read as per-example data, its values unknown; indexing the batch dim with it would
+# be refused (it could name any row). Its values are known at the step: the first index of a
+# ``__getitem__`` (the one into dim 0: an arange into a feature dim, whose length may equal B,
+# stays a constant), a 1-D integer tensor or a ``range`` holding exactly 0, 1, ..., k * B - 1,
+# is replayed as ``arange(k * B)`` of the symbolic batch, whose values the batch analysis proves to be each row's own number (Note [An
+# arange over the rows] in graph/batch.py), and the forward rule for indexing
+# (passes/indexing.py) then checks the op as it checks one in the model. The values are read
+# again at every step, and the verdict cache's key holds the reading, so a step whose index is
+# anything else is checked afresh. (tests/loss/test_loss_check.py::
+# test_an_index_that_counts_the_rows_is_each_examples_own)
 def run_calls(calls: list, placeholder: Callable, on_record: Callable,
               batch_size: Callable = None, sizes: dict | None = None, symbol=None) -> list:
     """Execute recorded calls: ("in", j) is placeholder j; (func, spec, leaves) a call whose
-    leaves are ("p", j) placeholders, ("r", call, leaf) earlier results, ("c", value), and
-    ("k", k, value) a size int that may be the batch size times k.
+    leaves are ("p", j) placeholders, ("r", call, leaf) earlier results, ("c", value),
+    ("k", k, value) a size int that may be the batch size times k, and ("a", k, dtype, device)
+    an index that counts the batch's k * B rows (Note [An index that counts the rows]).
 
     Note [Python numbers in the loss]
     A size int that is a multiple k of the step's batch size (``view(y.shape)``,
@@ -259,10 +274,19 @@ def run_calls(calls: list, placeholder: Callable, on_record: Callable,
         func, spec, descr = call
         results = [values[d[1]][d[2]] for d in descr if d[0] == "r"]
 
+        def leaf(j: int, d: tuple, taken: frozenset):
+            if d[0] == "p":
+                return placeholder(d[1], results)
+            if d[0] == "r":
+                return values[d[1]][d[2]]
+            if d[0] == "k":
+                return batch_size(d[1]) if j in taken else d[2]
+            if d[0] == "a":     # Note [An index that counts the rows]
+                return torch.arange(batch_size(d[1]), dtype=d[2], device=d[3])
+            return d[1]
+
         def run(taken: frozenset):
-            leaves = [placeholder(d[1], results) if d[0] == "p" else values[d[1]][d[2]]
-                      if d[0] == "r" else (batch_size(d[1]) if j in taken else d[2])
-                      if d[0] == "k" else d[1] for j, d in enumerate(descr)]
+            leaves = [leaf(j, d, taken) for j, d in enumerate(descr)]
             a, kw = unflatten(leaves, spec)
             return leaves, pytree.tree_leaves(REPLAYED_AS.get(func, func)(*a, **kw))
 
@@ -589,14 +613,18 @@ _BY_INDEX = "picks rows along the batch dim by index (example i would use anothe
 
 
 def _rows_by_index(gm: fx.GraphModule, an: BatchAnalysis) -> list[fx.Node]:
-    """Indexing ops whose index names the batch dim of a tensor with a proven layout."""
+    """Indexing ops whose index names the batch dim of a tensor with a proven layout, by
+    anything but each row's own number (an arange over the rows: ``logp[arange(B), y]``, whose
+    other indices the forward rule of passes/indexing.py, run by ``mixing_ops``, checks)."""
     found = []
     for node in gm.graph.nodes:
         if node.target in _INDEXING:
             src = an.layout(node.args[0]) if isinstance(node.args[0], fx.Node) else None
             idx = node.args[1]
             if isinstance(src, BatchDim) and src.dim < len(idx) and idx[src.dim] is not None:
-                found.append(node)
+                own = an.layout(idx[src.dim]) if isinstance(idx[src.dim], fx.Node) else None
+                if not (isinstance(own, BatchDim) and own.index_of is not None):
+                    found.append(node)
     return found
 
 

@@ -533,6 +533,13 @@ def _program(trace: Trace, index: int, leaf: int, full: bool = True
                 owner = d[3] if len(d) > 3 else t_rec
                 descr.append(("r", position[(id(owner), d[1])], d[2]))
                 key.append(descr[-1])
+            elif func is torch.Tensor.__getitem__ and pos == 1 and \
+                    (k_rows := _counts_the_rows(d, t_rec, batch)) is not None:
+                # Note [An index that counts the rows] (loss/check.py)
+                rows = t_rec.externals[d[1]] if d[0] == "e" else None
+                descr.append(("a", k_rows, torch.int64 if rows is None else rows.dtype,
+                              torch.device("cpu") if rows is None else rows.device))
+                key.append(descr[-1])
             elif d[0] == "e":
                 if (id(t_rec), d[1]) not in ext_pos:
                     t = t_rec.externals[d[1]]
@@ -913,6 +920,30 @@ def _line(loc) -> str:
         return "in the loss"
     text = linecache.getline(loc[0], loc[1]).strip()
     return f"{os.path.basename(loc[0])}:{loc[1]}" + (f" `{text}`" if text else "")
+
+
+def _counts_the_rows(d: tuple, t_rec, batch: int) -> int | None:
+    """k, where the leaf ``d`` (the first index of a ``__getitem__``: the one into dim 0) holds
+    0, 1, ..., k * B - 1 and was built outside dpfx's tracking (``torch.arange(len(y))``,
+    ``range(n)``); None otherwise."""
+    if not batch:
+        return None
+    if d[0] == "c" and isinstance(d[1], range):
+        r = d[1]
+        n = len(r)
+        return n // batch if r.start == 0 and r.step == 1 and n and n % batch == 0 else None
+    if d[0] != "e":
+        return None
+    t = t_rec.externals[d[1]]
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.requires_grad or \
+            t.dtype not in (torch.int64, torch.int32) or not t.numel() or \
+            t.numel() % batch or t.device.type == "meta":
+        return None
+    n = t.numel()
+    if not (int(t[0]) == 0 and int(t[-1]) == n - 1):
+        return None
+    return n // batch if torch.equal(t, torch.arange(n, dtype=t.dtype, device=t.device)) \
+        else None
 
 
 def _const_key(v):

@@ -625,3 +625,108 @@ def test_stacked_batch_means_in_the_steady_state(monkeypatch):
     monkeypatch.setattr(loss_steady, "lookup", lambda *a: None)
     for a, b in zip(steady, run()):
         assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# -- Note [An index that counts the rows] (dpfx/loss/check.py) ----------------------------------
+def _own_row_nll(o, y):
+    return -o.log_softmax(-1)[torch.arange(len(y)), y].mean()
+
+
+def _own_row_nll_range(o, y):
+    return -o.log_softmax(-1)[range(len(y)), y].mean()
+
+
+def _own_row_token_nll(o, y):
+    """The same over every position: the (B*T, V) rows indexed by arange(B*T)."""
+    logp = o.log_softmax(-1).reshape(-1, o.shape[-1])
+    return -logp[torch.arange(logp.shape[0]), y.reshape(-1)].mean()
+
+
+ROW_INDEX = {"arange": (_own_row_nll, False), "range": (_own_row_nll_range, False),
+             "tokens": (_own_row_token_nll, True)}
+
+
+class _PerPosition(nn.Module):
+    """(B, 3, 6) -> (B, 3, 4) logits, one row of logits per position."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n in sorted(ROW_INDEX)
+                                       for p in ("plain", "captured")
+                                       if (n, p) != ("range", "captured")])
+def test_an_index_that_counts_the_rows_is_each_examples_own(name, path):
+    """The hand-written NLL ``-logp[torch.arange(len(y)), y].mean()`` trains through Inductor
+    and equals the batch-of-one reference at B = 5, 1, 3 and 0, in the plain loop and as a
+    captured loss; each example's term is its own cross-entropy."""
+    from support.reference import loop_dp_sgd_grads
+    torch.manual_seed(0)
+    loss, tokens = ROW_INDEX[name]
+    model = _PerPosition() if tokens else _fc()[0]
+    g = torch.Generator().manual_seed(4)
+
+    def batch(b):
+        x = torch.randn(b, 3, 6, generator=g) if tokens else torch.randn(b, 6, generator=g)
+        y = torch.randint(0, 4, (b, 3) if tokens else (b,), generator=g)
+        return x, y
+
+    x, y = batch(5)
+    reference = lambda x, y, c: loop_dp_sgd_grads(  # noqa: E731
+        model, loss, (x,), y, max_grad_norm=c, expected_batch_size=4)
+    norms = torch.stack([sum(v[i].pow(2).sum() for v in _per_example(model, loss, x, y).values())
+                         for i in range(5)]).sqrt()
+    bound = float(norms.median())
+    dp = dpfx.compile(model, max_grad_norm=bound, noise_multiplier=0.0, expected_batch_size=4,
+                      loss=loss if path == "captured" else None)
+    for b in (5, 1, 3, 0):
+        if b != 5:
+            x, y = batch(b)
+        model.zero_grad(set_to_none=True)
+        if path == "captured":
+            dp.loss(x, y).backward()
+        else:
+            out = dp(x)
+            (loss(out, y) if b else out.sum() * 0.0).backward()
+        got = {k: p.grad.clone() for k, p in model.named_parameters()}
+        assert_close(got, reference(x, y, bound), rtol=1e-4, atol=1e-6)
+
+
+def test_a_range_index_in_a_captured_loss_names_torch_arange():
+    """A captured loss is traced with a symbolic batch, where ``range(len(y))`` would need the
+    batch size as a Python number: refused at capture, the fix named."""
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager",
+                      loss=_own_row_nll_range)
+    with pytest.raises(dpfx.CaptureError, match=r"write torch\.arange\(len\(y\)\)"):
+        dp.loss(x, y).backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _per_example(model, loss, x, y):
+    from support.reference import loop_example_grads
+    return loop_example_grads(model, loss, (x,), y)
+
+
+@pytest.mark.parametrize("index", ["reversed", "shifted", "reversed_range", "swapped_later"])
+def test_an_index_that_does_not_count_the_rows_is_refused(index):
+    """Row i reading another example's row is refused, also where the same program read
+    arange(B) at an earlier step (the verdict cache holds the reading, not the program alone)."""
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    rows = {"reversed": torch.arange(5).flip(0), "shifted": torch.tensor([1, 2, 3, 4, 0]),
+            "reversed_range": range(4, -1, -1), "swapped_later": torch.arange(5)}[index]
+    if index == "swapped_later":
+        for _ in range(2):      # the second step takes the cached verdict
+            (-dp(x).log_softmax(-1)[rows, y].mean()).backward()
+            model.zero_grad(set_to_none=True)
+        rows = torch.tensor([0, 1, 2, 4, 3])
+    # refused where the index is replayed as data (a coupling index), or, a reversed range
+    # being a Python constant of the batch's length, where it cannot be replayed at all
+    with pytest.raises(dpfx.PrivacyError, match=r"op (index|__getitem__)"):
+        (-dp(x).log_softmax(-1)[rows, y].mean()).backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -141,6 +141,8 @@ def _train_and_compare(name: str, place: str, reduction: str, expected: int | No
                       expected_batch_size=expected, self_check="always",
                       loss=loss_fn if captured else None)
     for b in SIZES:
+        if b == 0 and reduction == "mean" and expected is None:
+            continue    # D would be 0: refused, expected_batch_size named (tests/api)
         inputs, targets = first if b == SIZES[0] else make(b, g)
         model.zero_grad(set_to_none=True)
         if captured:
