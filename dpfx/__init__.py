@@ -13,8 +13,8 @@ from dpfx.api import DPModule, compile
 from dpfx.config import FixedSeedWarning
 from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                          save_checkpoint)
-from dpfx.errors import (CaptureError, DPFXError, OptionError, PeerError, PrivacyError,
-                         UnsupportedOpError)
+from dpfx.errors import (CaptureError, DPFXError, DPFXWarning, OptionError, PeerError,
+                         PrivacyError, UnsupportedOpError)
 from dpfx.report.explain import Report, explain
 from dpfx.loss.track import LossScaleWarning, track_batch
 from dpfx.lower.inductor import ComboKernelsWarning
@@ -27,7 +27,7 @@ from dpfx.report.validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
-    "DPFXError", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
+    "DPFXError", "DPFXWarning", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
     "OptionError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
     "per_user", "user_loader",
     "make_private", "make_private_with_epsilon",

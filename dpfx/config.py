@@ -5,7 +5,7 @@ import dataclasses
 import math
 import warnings
 
-from dpfx.errors import OptionError, PrivacyError
+from dpfx.errors import OptionError, PrivacyError, DPFXWarning
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
@@ -309,7 +309,7 @@ DPConfig.__setattr__ = _refuse_change
 DPConfig.__delattr__ = lambda self, name: _refuse_change(self, name, None)
 
 
-class FixedSeedWarning(UserWarning):
+class FixedSeedWarning(DPFXWarning):
     """A fixed ``seed=``: every run (and every model compiled with it) draws the same noise."""
 
 

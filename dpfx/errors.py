@@ -30,6 +30,12 @@ class CaptureError(DPFXError):
     """The model could not be captured as one graph (a graph break, an unsupported input)."""
 
 
+class DPFXWarning(UserWarning):
+    """Base class of every warning dpfx gives: something trains, but not as the user may think
+    (a fixed seed, a fallback rule, a changed loss scale, an unaccounted loop). The test suite
+    turns an unexpected one into a failure (pyproject.toml)."""
+
+
 class PeerError(DPFXError, RuntimeError):
     """A collective of the private step failed: a peer rank died, or stayed silent past the
     process group's timeout. The rank that raises took no step."""

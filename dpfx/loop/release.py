@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from dpfx.errors import PrivacyError
+from dpfx.errors import PrivacyError, DPFXWarning
 
 
 def check_loop_inputs(module, tensors: list) -> None:
@@ -41,7 +41,7 @@ def check_loop_inputs(module, tensors: list) -> None:
                 f"dpfx.compile again after changing requires_grad (and build a new DPOptimizer).")
 
 
-class UnaccountedTrainingWarning(UserWarning):
+class UnaccountedTrainingWarning(DPFXWarning):
     """A dpfx model trains in a plain transformers.Trainer: nothing counts epsilon."""
 
 

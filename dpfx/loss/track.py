@@ -53,12 +53,12 @@ import dpfx
 import torch.utils._pytree as pytree
 
 from dpfx.loss import check as loss_check, steady as loss_steady
-from dpfx.errors import PrivacyError
+from dpfx.errors import PrivacyError, DPFXWarning
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES, TWO_FORWARDS,
                             compiled_nodes)
 
 
-class LossScaleWarning(UserWarning):
+class LossScaleWarning(DPFXWarning):
     """dpfx changed the scale of the loss's gradient (loss/check.py)."""
 
 

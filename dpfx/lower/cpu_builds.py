@@ -39,6 +39,8 @@ import re
 import warnings
 from typing import Any
 
+from dpfx.errors import DPFXWarning
+
 _ENTRY = re.compile(r'^extern\s+"C"\s+void\s+kernel\(', re.MULTILINE)
 _DIRECTIVE = re.compile(r"^\s*#\s*(\w+)(.*)$")
 
@@ -219,7 +221,7 @@ class _Batch:
         return self.loaded[index]()
 
 
-class MergedBuildFailed(RuntimeWarning):
+class MergedBuildFailed(DPFXWarning, RuntimeWarning):
     """A merged unit did not build; its kernels were built one by one (the same code)."""
 
 

@@ -44,6 +44,7 @@ import dpfx
 from dpfx.lower import exact, fast
 from dpfx.lower.cpu_builds import merged_cpu_builds
 from dpfx.lower.warm import canonical_attributes
+from dpfx.errors import DPFXWarning
 
 
 def exact_patches(shape_env) -> list:
@@ -167,7 +168,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
         raise exact.assumption_error(cause.expr) from e
 
 
-class ComboKernelsWarning(UserWarning):
+class ComboKernelsWarning(DPFXWarning):
     """Inductor's combo kernels failed on a graph, which dpfx then lowered without them."""
 
 

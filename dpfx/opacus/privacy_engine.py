@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from dpfx import engine, privacy
 from dpfx.api import DPModule
+from dpfx.errors import DPFXWarning
 from dpfx.loop.optim import DPOptimizer
 from dpfx.opacus.validators.module_validator import ModuleValidator
 
@@ -85,7 +86,7 @@ class PrivacyEngine:
             warnings.warn("accountant='gdp': dpfx reports the PLD epsilon, an upper bound; "
                           "Opacus's GDP accountant is a central-limit approximation that can "
                           "report less (Note [Which accountant answers to which name] in "
-                          "dpfx/opacus/privacy_engine.py)", stacklevel=2)
+                          "dpfx/opacus/privacy_engine.py)", DPFXWarning, stacklevel=2)
         self.accountant = OpacusAccountant(accountant)
         self.secure_mode = secure_mode
         self.dataset = None
@@ -154,7 +155,7 @@ class PrivacyEngine:
         if len(self.accountant) > 0:
             warnings.warn("make_private_with_epsilon on an engine that has already counted "
                           "steps: sigma is calibrated for a fresh budget, so the run's total "
-                          "epsilon will exceed target_epsilon", stacklevel=2)
+                          "epsilon will exceed target_epsilon", DPFXWarning, stacklevel=2)
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got "
                             f"{type(data_loader).__name__}")
@@ -262,7 +263,8 @@ class PrivacyEngine:
                             f"{type(noise_generator).__name__}")
         if self.dataset is not None and self.dataset is not data_loader.dataset:
             warnings.warn("PrivacyEngine detected a new dataset object: its accountant counts "
-                          "one dataset; make a new PrivacyEngine for another", stacklevel=3)
+                          "one dataset; make a new PrivacyEngine for another", DPFXWarning,
+                          stacklevel=3)
         self.dataset = data_loader.dataset
 
         dp_kwargs = dict(kwargs)

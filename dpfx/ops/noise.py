@@ -38,6 +38,7 @@ import warnings
 
 import torch
 
+from dpfx.errors import DPFXWarning
 from dpfx.ops import native
 
 
@@ -47,9 +48,13 @@ def _library() -> ctypes.CDLL | None:
     return lib if lib is not None else _unavailable(native.why_unavailable())
 
 
+class SlowNoiseWarning(DPFXWarning, RuntimeWarning):
+    """dpfx's CPU noise kernel could not be built: noise comes from torch.randn (slower)."""
+
+
 def _unavailable(why: str) -> None:
     warnings.warn(f"dpfx: the fast CPU noise kernel is unavailable ({why}); noise comes from "
-                  f"torch.randn instead: the same distribution, slower", RuntimeWarning,
+                  f"torch.randn instead: the same distribution, slower", SlowNoiseWarning,
                   stacklevel=3)
     return None
 

@@ -24,11 +24,13 @@ import weakref
 
 import torch
 
+from dpfx.errors import DPFXWarning
+
 _SINKS: dict[int, "weakref.ref[NormStats]"] = {}
 _NEXT = itertools.count()
 
 
-class NonFiniteExampleWarning(UserWarning):
+class NonFiniteExampleWarning(DPFXWarning):
     """Some examples had a non-finite per-sample gradient norm and contributed nothing."""
 
 

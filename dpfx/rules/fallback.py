@@ -40,6 +40,7 @@ from torch.fx.node import map_arg
 
 from dpfx.rules.registry import Rule
 from dpfx.graph.batch import BatchDim, sym_expr
+from dpfx.errors import DPFXWarning
 
 aten = torch.ops.aten
 
@@ -55,7 +56,7 @@ CONTRACTIONS: dict = {
 }
 
 
-class FallbackWarning(UserWarning):
+class FallbackWarning(DPFXWarning):
     """A parameter's per-sample gradient comes from the vmap fallback, not from a rule."""
 
 
