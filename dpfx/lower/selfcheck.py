@@ -726,7 +726,35 @@ class GraphCheck:
                 a[0] = a[1] if a.dtype == torch.bool or not a.dtype.is_floating_point \
                     else a[0] + torch.randn(a[0].shape, generator=generator).to(a)
             changed.append(a)
-        again = _call(self.forward.compiled, changed, self.device, consume=True)
+        again = _call(self.forward.compiled, changed, self.device)
+        mixed = self._changed_by_example_0(b, got, again, sizes)
+        del again
+        if mixed is None:
+            return
+        # Note [The self-check blames only what it has shown]
+        name, layout = mixed
+        ours = self._changed_by_example_0(
+            b, _call(self.forward.reference, fw_args, self.device),
+            _call(self.forward.reference, changed, self.device, consume=True), sizes) is not None
+        seen = (f"dpfx's self-check of the compiled forward: changing example 0 changed "
+                f"{'other examples of' if layout is not None else 'the batch-free'} output "
+                f"{name} at batch size {b}")
+        if ours:
+            raise PrivacyError(
+                f"{seen}, and so did the verified graph, run eagerly on the same batches. So the "
+                f"fault is in dpfx (its rewrite of this model, or the self-check itself), not in "
+                f"the code torch generated. dpfx refuses to train. Please report it with the "
+                f"model, dpfx.explain(model)'s output and your torch version; DPFX_DUMP_DIR=dumps "
+                f"writes the graphs.")
+        raise PrivacyError(
+            f"{seen}, while the verified graph, run eagerly on the same batches, did not. So the "
+            f"code Inductor generated mixes examples (a torch bug), and dpfx refuses to train "
+            f"with it. backend='eager' runs the proven graph; please report this with your "
+            f"torch version (DPFX_DUMP_DIR=dumps writes the graphs).")
+
+    def _changed_by_example_0(self, b, got, again, sizes) -> tuple | None:
+        """(name, layout) of the first forward output whose other examples' rows (or, batch-free,
+        whose value) differ between ``got`` and ``again``, run with example 0 changed."""
         for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, again):
             if not isinstance(x, torch.Tensor) or (layout is not None
                                                    and not isinstance(layout, BatchDim)):
@@ -734,12 +762,8 @@ class GraphCheck:
             if layout is not None:
                 x, y = _other_examples(x, layout, b, sizes), _other_examples(y, layout, b, sizes)
             if not _close(x, y, 1e-5):
-                raise PrivacyError(
-                    f"dpfx's self-check of the compiled forward: changing example 0 changed "
-                    f"{'other examples of' if layout is not None else 'the batch-free'} output "
-                    f"{name} at batch size {b}. The code Inductor generated mixes examples "
-                    f"(a torch bug); dpfx refuses to train with it. Use backend='eager' and "
-                    f"report this with your torch version.")
+                return name, layout
+        return None
 
 
 # Note [A self-check is not repeated on code it has passed]

@@ -663,3 +663,59 @@ def test_a_gpu_graph_is_never_marked():
 def test_self_check_setting_is_validated():
     with pytest.raises(ValueError, match="self_check must be True, False or 'always'"):
         dpfx.compile(MLP(), max_grad_norm=1.0, noise_multiplier=1.0, self_check="sometimes")
+
+
+class _DropoutMLP(nn.Module):
+    """A random forward: its check runs the independence test, not the grown comparison."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def _reference_rolls_too(monkeypatch):
+    """The verified graph itself, run eagerly, mixes examples as the compiled one does: a fault
+    of dpfx's, not of the generated code."""
+    real = dpfx.lower.selfcheck.Half.reference
+
+    def reference(self):
+        graph = real.fget(self)
+        if not _is_forward(self):
+            return graph
+
+        def rolled(args):
+            return _roll_first_output(list(graph(args)))
+        return rolled
+
+    monkeypatch.setattr(dpfx.lower.selfcheck.Half, "reference", property(reference))
+
+
+def _is_forward(half) -> bool:
+    return not any(name.startswith("tangents") for name, _ in half.inputs)
+
+
+@pytest.mark.parametrize("model,planted,blamed", [
+    (MLP, "compiled", "not the graph dpfx proved"),
+    (MLP, "both", "the fault is in dpfx"),
+    (_DropoutMLP, "compiled", "mixes examples (a torch bug)"),
+    (_DropoutMLP, "both", "the fault is in dpfx"),
+], ids=["grown-generated", "grown-dpfx", "independence-generated", "independence-dpfx"])
+def test_a_forward_that_mixes_examples_is_blamed_on_what_mixed(monkeypatch, model, planted,
+                                                                 blamed):
+    """Note [The self-check blames only what it has shown], for the forward: code that mixes
+    examples is refused by the grown comparison (a deterministic forward) or by the change of
+    example 0 (a random one), and the error names the generated code only where the verified
+    graph, run eagerly on the same batches, keeps examples apart."""
+    _miscompile(monkeypatch, "forward", _roll_first_output)
+    if planted == "both":
+        _reference_rolls_too(monkeypatch)
+    net = model()
+    dp = dpfx.compile(net, max_grad_norm=1.0, noise_multiplier=0.0, self_check="always")
+    with pytest.raises(dpfx.PrivacyError, match="compiled forward") as refused:
+        mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    assert blamed in str(refused.value), str(refused.value)
+    assert ("torch bug" in str(refused.value)) == (planted == "compiled")
+    assert all(p.grad is None for p in net.parameters())
