@@ -102,6 +102,8 @@ class RunHistory:
             (line,) = ax.plot(xs, ys, marker="." if len(xs) <= 60 else None,
                               color="#c04040" if title == NOT_PRIVATE else "#3060a0")
             ax.set_title(title, fontsize=10)
+            if title == NOT_PRIVATE:
+                ax.set_ylim(-0.03, 1.03)
             ax.grid(alpha=0.3)
             drawn[title] = ([float(x) for x in line.get_xdata()],
                             [float(y) for y in line.get_ydata()])
