@@ -32,19 +32,25 @@ T = 64               # characters a training example: the unit of privacy
 
 class Progress:
     """Prints ``label: step i/n, t s, about r s left`` at the first step, every ``every``
-    seconds after it and at the last, flushed at once; ``extra()`` adds to the line."""
+    seconds after it and at the last, flushed at once; ``extra()`` adds to the line. The time
+    left is at the pace of the steps after the first (which may compile)."""
 
     def __init__(self, label: str, total: int, every: float = 10.0, extra=lambda: ""):
         self.label, self.total, self.every, self.extra = label, total, every, extra
         self.start = self.last = time.time()
+        self.first = None           # when the first step ended
 
     def __call__(self, done: int) -> None:
         now = time.time()
-        if done != 1 and done < self.total and now - self.last < self.every:
+        if done == 1:
+            self.first = now
+        elif done < self.total and now - self.last < self.every:
             return
         self.last, taken = now, now - self.start
-        print(f"{self.label}: step {done}/{self.total}, {taken:.0f} s, about "
-              f"{taken / done * (self.total - done):.0f} s left{self.extra()}", flush=True)
+        left = "" if done == 1 or self.first is None else \
+            f", about {(now - self.first) / (done - 1) * (self.total - done):.0f} s left"
+        print(f"{self.label}: step {done}/{self.total}, {taken:.0f} s{left}{self.extra()}",
+              flush=True)
 
 
 class ProgressLines(TrainerCallback):
