@@ -5,7 +5,7 @@
                                             gradient_accumulation_steps=8, num_train_epochs=3),
         train_dataset=train, eval_dataset=test, data_collator=collator,
         target_epsilon=8.0, target_delta=1e-5, max_grad_norm=1.0)
-    trainer.train()          # logs epsilon with the loss; checkpoints carry the accountant
+    trainer.train()          # epsilon logged with the loss and in the final metrics
 
 What changes against a plain Trainer, and nothing else (evaluation, logging, callbacks, LR
 schedules, saving stay Trainer's):
@@ -31,7 +31,8 @@ schedules, saving stay Trainer's):
 - with ``target_epsilon``, a resumed run noises the steps left of its plan so that all its
   steps together stay within the target, or refuses to train (Note [A resumed run keeps its
   budget]);
-- ``epsilon`` (at ``delta``) is logged with the loss at every logging step;
+- ``epsilon`` (at ``delta``) is logged with the loss at every logging step, and with
+  ``train_loss`` in the metrics ``train()`` logs and returns at its end;
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
@@ -388,7 +389,10 @@ class DPTrainer(Trainer):
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def log(self, logs: dict, *args, **kwargs) -> None:
-        if "loss" in logs:
+        """Epsilon beside the loss of every logging step and beside ``train_loss`` in the
+        metrics at the end of ``train()`` (the dict ``train()`` returns), so that a run shorter
+        than ``logging_steps`` reports it too."""
+        if "loss" in logs or "train_loss" in logs:
             logs["epsilon"] = self.get_epsilon()
             # Trainer's norm of the summed gradient before its own clip, which DPTrainer turns
             # off: not computed (0) and not what a DP run clips

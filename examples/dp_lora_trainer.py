@@ -8,6 +8,11 @@ scikit-learn's bundled datasets), then LoRA adapters are fine-tuned with DP-SGD 
 text (the other half), through transformers' Trainer with Poisson sampling, gradient
 accumulation as a virtual batch, and epsilon logged with the loss. It prints the private
 held-out perplexity before and after, and the epsilon spent.
+
+The public pre-training shows its progress as lines (``Progress``: the step, the time taken and
+the time left, at the first step, every 10 seconds and at the last), which a log file or a CI
+console shows as well as a terminal. The DP phase has Trainer's progress bar on a terminal;
+elsewhere the same lines, with the epsilon spent, and Trainer's logs every 5 steps.
 """
 import math
 import os
@@ -20,8 +25,48 @@ import torch
 import torch.nn.functional as F
 
 import dpfx.hf
+from transformers import TrainerCallback
 
 T = 64               # characters a training example: the unit of privacy
+
+
+class Progress:
+    """Prints ``label: step i/n, t s, about r s left`` at the first step, every ``every``
+    seconds after it and at the last, flushed at once; ``extra()`` adds to the line. The time
+    left is at the pace of the steps after the first (which may compile)."""
+
+    def __init__(self, label: str, total: int, every: float = 10.0, extra=lambda: ""):
+        self.label, self.total, self.every, self.extra = label, total, every, extra
+        self.start = self.last = time.time()
+        self.first = None           # when the first step ended
+
+    def __call__(self, done: int) -> None:
+        now = time.time()
+        if done == 1:
+            self.first = now
+        elif done < self.total and now - self.last < self.every:
+            return
+        self.last, taken = now, now - self.start
+        left = "" if done == 1 or self.first is None else \
+            f", about {(now - self.first) / (done - 1) * (self.total - done):.0f} s left"
+        print(f"{self.label}: step {done}/{self.total}, {taken:.0f} s{left}{self.extra()}",
+              flush=True)
+
+
+class ProgressLines(TrainerCallback):
+    """``Progress`` over Trainer's optimizer steps, with the epsilon spent so far."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print("DP fine-tuning: the first step compiles the private forward and backward ...",
+              flush=True)
+        self.progress = Progress("DP fine-tuning", state.max_steps,
+                                 extra=lambda: f", epsilon {self.trainer.get_epsilon():.2f}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.progress(state.global_step)
 
 
 def texts():
@@ -74,6 +119,7 @@ def main():
     start = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.stack([r["input_ids"] for r in pub])
+    progress = Progress("public pre-training", 400)
     for step in range(400):                                  # public pre-training, not private
         batch = ids[torch.randint(0, len(ids), (32,))]
         logits = model(input_ids=batch).logits
@@ -81,6 +127,7 @@ def main():
                         batch[:, 1:].reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
+        progress(step + 1)
     print(f"pre-trained on public text in {time.time() - start:.0f} s; private held-out "
           f"perplexity {perplexity(model, held_out):.2f}")
 
@@ -94,6 +141,8 @@ def main():
             disable_tqdm=not sys.stdout.isatty() and "DPFX_PROGRESS" not in os.environ)
         trainer = dpfx.hf.DPTrainer(model=model, args=args, train_dataset=train,
                                     target_epsilon=8.0, target_delta=1e-5, max_grad_norm=1.0)
+        if args.disable_tqdm:           # no bar: lines a log file shows too
+            trainer.add_callback(ProgressLines(trainer))
         print(f"DP fine-tuning of the LoRA adapters: sigma {trainer.noise_multiplier:.3f}, "
               f"q {trainer.sample_rate:.3f}, {trainer.planned_steps()} steps")
         start = time.time()

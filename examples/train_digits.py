@@ -3,14 +3,18 @@
     python examples/train_digits.py                       # CNN, epsilon 3, delta 1e-5
     python examples/train_digits.py --target-epsilon 1
     python examples/train_digits.py --non-private         # the same model and steps, no DP
+    python examples/train_digits.py --plot run.png        # epsilon and clipped fraction by step
 
 ``dpfx.make_private_with_epsilon`` wires it all: Poisson-sampled batches (dpfx.loop.data), noise
 calibrated to the target epsilon for the planned number of steps (dpfx.privacy, PLD accountant),
 the step compiled by dpfx through Inductor, and the accountant counting every optimizer step; the
-epsilon actually spent is reported from it. ``--max-physical-batch-size 64`` runs each Poisson
-batch as virtual batches; ``--secure-mode`` draws the noise from the OS CSPRNG. Under torchrun
-(``torchrun --nproc_per_node=2 examples/train_digits.py``) every rank samples its shard of the
-data, the clipped sums are all-reduced over gloo, and rank 0 adds the noise once.
+epsilon actually spent is reported from it, in the progress bar at the end of each epoch and at
+the end. ``--plot run.png`` records each step (``dpfx.report.RunHistory``, with
+``track_norms=True``) and draws epsilon and the clipped fraction against the step (the clipped
+fraction is computed from the raw data: not private). ``--max-physical-batch-size 64`` runs
+each Poisson batch as virtual batches; ``--secure-mode`` draws the noise from the OS CSPRNG.
+Under torchrun (``torchrun --nproc_per_node=2 examples/train_digits.py``) every rank samples its
+shard of the data, the clipped sums are all-reduced over gloo, and rank 0 adds the noise once.
 """
 from __future__ import annotations
 
@@ -77,7 +81,11 @@ def main() -> None:
                          "(virtual batches: noise once per logical step)")
     ap.add_argument("--secure-mode", action="store_true",
                     help="draw the noise from the OS CSPRNG (dpfx.loop.noise)")
+    ap.add_argument("--plot", metavar="PNG", default=None,
+                    help="write epsilon and the clipped fraction (not private) by step to PNG")
     args = ap.parse_args()
+    if args.plot and args.non_private:
+        ap.error("--plot draws a private run's epsilon and clipping: drop --non-private")
 
     distributed = "RANK" in os.environ and not args.non_private    # launched by torchrun
     if distributed:
@@ -108,7 +116,7 @@ def main() -> None:
             # one seeded sampler, or per-rank OS-seeded ones (a shared seed would correlate the
             # ranks' draws; Note [Distributed Poisson sampling])
             generator=None if distributed else generator,
-            max_physical_batch_size=args.max_physical_batch_size)
+            max_physical_batch_size=args.max_physical_batch_size, track_norms=bool(args.plot))
         step_model, opt, loader, accountant = private
         q, steps_per_epoch, sigma = private.sample_rate, private.steps_per_epoch, \
             private.noise_multiplier
@@ -118,6 +126,8 @@ def main() -> None:
               f"sigma={sigma:.3f}, C={args.max_grad_norm}, model={args.model}"
               + (f", {dist.get_world_size()} ranks" if distributed else ""))
 
+    history = dpfx.report.RunHistory(step_model, accountant, delta=args.delta) \
+        if args.plot and main_rank else None
     if main_rank:
         print("first step: compiling the private forward and backward ...", flush=True)
     start = time.perf_counter()
@@ -132,6 +142,8 @@ def main() -> None:
                 opt.step()
                 if not args.non_private and opt._open:   # no logical step yet (virtual batches)
                     continue
+            if history is not None:
+                history.record()
             if bar is None:
                 if main_rank:
                     print(f"first step done in {time.perf_counter() - start:.1f}s "
@@ -139,9 +151,11 @@ def main() -> None:
                 bar = tqdm(total=steps, initial=1, unit="step", disable=not main_rank)
             else:
                 bar.update()
-        if bar is not None:
+        if bar is not None and main_rank:
+            # epsilon after this epoch's steps, from the accountant (one PLD composition)
+            eps = {} if accountant is None else {"eps": f"{accountant.get_epsilon(args.delta):.2f}"}
             bar.set_postfix(loss=f"{loss.item():.3f}",
-                            test_acc=f"{accuracy(model, x_test, y_test):.3f}")
+                            test_acc=f"{accuracy(model, x_test, y_test):.3f}", **eps)
     bar.close()
     elapsed = time.perf_counter() - start
 
@@ -150,6 +164,9 @@ def main() -> None:
     if main_rank:
         print(f"test accuracy {acc:.4f}  epsilon {eps:.3f} at delta {args.delta}  "
               f"({steps} steps in {elapsed:.1f}s)")
+    if history is not None:
+        history.plot(args.plot)
+        print(f"wrote {args.plot}")
     if distributed:
         dist.destroy_process_group()
 

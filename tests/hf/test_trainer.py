@@ -262,6 +262,27 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
     assert again.get_epsilon() <= 4.0
 
 
+def test_dp_trainer_reports_epsilon_at_the_end_of_a_short_run(tmp_path):
+    """With Trainer's default logging_steps (500) a 2-step run logs no loss, and the metrics
+    ``train()`` returns and logs at its end still hold epsilon: the accountant's for the steps
+    taken. Eager backend: it checks what is logged, not gradients."""
+    torch.manual_seed(0)
+    defaults = transformers.TrainingArguments(output_dir=str(tmp_path))
+    trainer = hf.DPTrainer(
+        model=gpt2(), args=args(tmp_path, per_device_train_batch_size=2, max_steps=2,
+                                logging_steps=defaults.logging_steps),
+        train_dataset=lm_data(20), noise_multiplier=1.0, target_delta=1e-5,
+        dp_kwargs={"backend": "eager"})
+    with quiet():
+        metrics = trainer.train().metrics
+    want = dpfx.privacy.epsilon(noise_multiplier=1.0, sample_rate=trainer.sample_rate, steps=2,
+                                delta=1e-5)
+    assert trainer.accountant.steps == 2 and want > 0
+    assert not [e for e in trainer.state.log_history if "loss" in e]
+    assert metrics["epsilon"] == pytest.approx(want) and "train_loss" in metrics
+    assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(want)
+
+
 class _StopAt(transformers.TrainerCallback):
     def __init__(self, step):
         self.step = step

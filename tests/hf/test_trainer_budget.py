@@ -71,7 +71,7 @@ def test_resume_with_a_longer_plan_ends_at_or_below_the_target(four_steps, tmp_p
     assert eps <= TARGET and want <= TARGET * (1 + 1e-3)
     assert eps == pytest.approx(want, rel=2e-3)
     assert eps == pytest.approx(TARGET, rel=0.02)                # the budget is used, not wasted
-    logged = [e["epsilon"] for e in resumed.state.log_history if "epsilon" in e]
+    logged = [e["epsilon"] for e in resumed.state.log_history if "loss" in e]
     assert len(logged) == 8 and max(logged) <= TARGET       # the checkpoint's 4, then 4
 
 
