@@ -175,7 +175,16 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
     tensor's dim 0 is k times the step's batch size: ``F.cross_entropy(logits.view(-1, V),
     y.view(-1))`` pairs y's B*T rows with the logits' rows. Such a dim is taken as the batch
     flattened with each example's k rows together (``y.view(-1)`` of (B, T)). A first pass on
-    fake tensors finds these sizes; the second is traced."""
+    fake tensors finds these sizes; the second is traced.
+
+    Note [A unit's rows beside a tensor of one row per unit]
+    Under ``per_user`` the model's outputs hold k rows per user (dim 0 of k * U) and the user's
+    own mask holds one row per user, (U, k): ``per_example.view_as(mask)`` meets them in one
+    call, and no dim of the outputs is the mask's U. Where a call's tracked argument holds such
+    a merged dim (k * B, k > 1), a tensor whose dim 0 is the step's B carries the batch too,
+    one row per unit. Like every reading here it is the user's call at this step's B, and the
+    check proves the traced program per unit for every B; a constant that only collides with B
+    is read as one where this reading cannot be replayed (loss/track.py's collisions)."""
     from torch._inductor.decomposition import select_decomp_table
 
     env = ShapeEnv()
@@ -200,9 +209,11 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
                 sizes = [v.shape[d] for v in (() if j in not_batch else call_values)
                          if isinstance(v, torch.Tensor) and v.dim() and ph.shape
                          for d in range(v.dim())]
+                merged = False
                 for n in sizes:
                     size = sympy.sympify(sym_expr(n))
                     k = sympy.simplify(size / symbol)
+                    merged |= symbol in size.free_symbols and k.is_Integer and int(k) > 1
                     if symbol in size.free_symbols and k.is_Integer and int(k) * batch == \
                             ph.shape[0]:
                         factors[j] = int(k)
@@ -210,7 +221,13 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
                                                device=ph.device)
                         break
                 else:
-                    fakes[j] = torch.empty(ph.shape, dtype=ph.dtype, device=ph.device)
+                    if merged and ph.shape and ph.shape[0] == batch:
+                        # Note [A unit's rows beside a tensor of one row per unit]
+                        factors[j] = 1
+                        fakes[j] = torch.empty((sym_batch, *ph.shape[1:]), dtype=ph.dtype,
+                                               device=ph.device)
+                    else:
+                        fakes[j] = torch.empty(ph.shape, dtype=ph.dtype, device=ph.device)
             return fakes[j]
 
         def times_batch(k: int):

@@ -89,12 +89,26 @@ def _lstm():
 
 
 def _token_lm():
-    """A one-layer HF GPT-2 LM and its token-mean loss (the mean over the batch's tokens)."""
+    """A one-layer HF GPT-2 LM and its token-mean loss (the mean over the batch's tokens): each
+    example's term is its token sum (docs/losses.md), the reference's loss of one example."""
     model, lm_loss, make_batch = tiny_gpt2_lm()
 
     def make(b, g):
         return make_batch(b)
-    return model, lm_loss, make
+    return model, _TokenMean(lm_loss), make
+
+
+class _TokenMean:
+    """The batch's token mean for training, the example's token sum for the reference."""
+
+    def __init__(self, lm_loss):
+        self.lm_loss = lm_loss
+
+    def __call__(self, out, y):
+        return self.lm_loss(out, y)
+
+    def one(self, out, y):
+        return self.lm_loss(out, y) * y.numel()
 
 
 MODELS = {"regression": _regression, "classifier": _classifier, "conv_groupnorm": _conv_groupnorm,
@@ -134,7 +148,8 @@ def _train_and_compare(name: str, place: str, reduction: str, expected: int | No
     model, loss_fn, make = MODELS[name]()
     g = torch.Generator().manual_seed(1)
     first = make(SIZES[0], g)
-    norms = per_example_norms(loop_example_grads(model, loss_fn, *first))
+    one = getattr(loss_fn, "one", loss_fn)      # the loss of a batch of one example
+    norms = per_example_norms(loop_example_grads(model, one, *first))
     clip = _bound(norms, place)
     seen = _count_checks(monkeypatch)
     dp = dpfx.compile(model, max_grad_norm=clip, noise_multiplier=0.0, loss_reduction=reduction,
@@ -146,13 +161,13 @@ def _train_and_compare(name: str, place: str, reduction: str, expected: int | No
         inputs, targets = first if b == SIZES[0] else make(b, g)
         model.zero_grad(set_to_none=True)
         if captured:
-            loss = dp.loss(*inputs, targets)
+            loss = dp.loss(tuple(inputs), targets)
         else:
             out = dp(*inputs)
             loss = out.sum() * 0.0 if b == 0 else loss_fn(out, targets)
         loss.backward()
         got = {k: p.grad.clone() for k, p in model.named_parameters()}
-        want = loop_dp_sgd_grads(model, loss_fn, inputs, targets, max_grad_norm=clip,
+        want = loop_dp_sgd_grads(model, one, inputs, targets, max_grad_norm=clip,
                                  loss_reduction=reduction, expected_batch_size=expected)
         try:
             assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -198,8 +213,8 @@ def _user_batch(g, users=4):
     x = torch.randn(users, K, 10, generator=g)
     y = torch.randint(0, 4, (users, K), generator=g)
     mask = torch.ones(users, K)
-    mask[0, 1:] = 0.0
-    mask[2, 2] = 0.0
+    mask[0, 1:] = 0.0           # a user with one example, one with two, the others with k
+    mask[min(2, users - 1), 2] = 0.0
     return x, y, mask
 
 
