@@ -1,7 +1,8 @@
 """Noise once, on every rank, in every multi-rank path: one spawn of two gloo ranks runs them all.
 
-Each path trains NOISE_STEPS steps of empty batches at sigma > 0, so every release is the noise
-alone (the clipped sum of no example is 0), and every rank keeps what it released:
+Each path trains steps of empty batches at sigma > 0 (NOISE_STEPS; COUNT_STEPS under adaptive
+clipping), so every release is the noise alone (the clipped sum of no example is 0), and every
+rank keeps what it released:
 
 - replicated, through ``make_private`` (noise="optimizer", chosen because there are two ranks):
   rank 0 noises the all-reduced sum (Note [Noise once across ranks] in dpfx/loop/optim.py);
@@ -38,7 +39,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 C, D, LR, SIGMA = 0.3, 6, 0.5, 2.0
 SIGMA_B, ETA, QUANTILE = 3.0, 0.5, 0.5
-NOISE_STEPS = 150
+# A coordinate's std over NOISE_STEPS draws, and the count's over COUNT_STEPS, resolve sqrt(2)
+# (detectable_std_error): the count is one draw a step
+NOISE_STEPS, COUNT_STEPS = 150, 300
 PATHS = ["replicated", "sharded", "sharded_blocks", "adaptive_replicated", "adaptive_sharded"]
 
 
@@ -51,8 +54,8 @@ def _shard(model) -> None:
 
 
 def _noise(path: str) -> dict:
-    """NOISE_STEPS steps of empty batches on this rank: every step's gradient as this rank holds
-    it (its shard, when sharded), and the bound before every step."""
+    """Steps of empty batches on this rank: every step's gradient as this rank holds it (its
+    shard, when sharded), and the bound before every step."""
     torch.manual_seed(0)
     model = MLP(8, 16, 4)
     sharded = "sharded" in path
@@ -74,7 +77,7 @@ def _noise(path: str) -> dict:
     local = {n: [] for n, _ in named}
     bounds = []
     x, y = torch.randn(0, 8), torch.randn(0, 4)
-    for _ in range(NOISE_STEPS):
+    for _ in range(COUNT_STEPS if path.startswith("adaptive") else NOISE_STEPS):
         bounds.append(dp.adaptive_clip.bound if dp.adaptive_clip is not None else C)
         opt.zero_grad()
         ((dp(x) - y) ** 2).flatten(1).mean(1).mean().backward()
@@ -122,7 +125,8 @@ def _check_noised_once(released, path: str) -> None:
     # each step's std: sigma C_t / D, C_t the bound the step clipped to
     bounds = torch.tensor(ranks[0]["bounds"][:-1], dtype=torch.float64)
     std = _grad_noise_multiplier(path) * bounds / D
-    assert detectable_std_error(NOISE_STEPS) < 2 ** 0.5 - 1
+    steps = len(bounds)
+    assert steps >= NOISE_STEPS and detectable_std_error(steps) < 2 ** 0.5 - 1
 
     def scaled(draws):                       # (steps, ...) in units of each step's std
         return draws.double() / std.view(-1, *[1] * (draws.dim() - 1))
@@ -140,14 +144,14 @@ def _check_noised_once(released, path: str) -> None:
     # each rank's own coordinates, parameter by parameter
     for r, got in enumerate(ranks):
         for n, mine in got["local"].items():
-            assert detectable_std_error(mine[0].numel() * NOISE_STEPS) < 2 ** 0.5 - 1, n
+            assert detectable_std_error(mine[0].numel() * steps) < 2 ** 0.5 - 1, n
             assert_gaussian_scale(scaled(mine), 1.0, f"{path}: rank {r}'s coordinates of {n}")
     # every coordinate on its own, over the steps
     flat = scaled(torch.cat([g.flatten(1) for g in full.values()], 1))   # (steps, coordinates)
     assert_gaussian_scale(flat, 1.0, f"{path}: all coordinates")
     rms = flat.pow(2).mean(0).sqrt()
     worst = int((rms - 1).abs().argmax())
-    assert float((rms - 1).abs().max()) < Z * rms_standard_error(NOISE_STEPS), \
+    assert float((rms - 1).abs().max()) < Z * rms_standard_error(steps), \
         f"{path}: coordinate {worst}: std {float(rms[worst]):.3f} x sigma C / D"
     assert_uncorrelated(flat[:-1], flat[1:], f"{path}: consecutive steps")
     if "sharded" in path:      # one fixed seed, two ranks: independent streams
@@ -161,7 +165,7 @@ def _check_count_noised_once(released, path: str) -> None:
     bounds = released[0][path]["bounds"]
     z = torch.tensor([D * (-math.log(b / a) / ETA - 0.5 + QUANTILE)
                       for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.float64)
-    assert Z * rms_standard_error(NOISE_STEPS) < 2 ** 0.5 - 1
+    assert len(z) == COUNT_STEPS and detectable_std_error(len(z)) < 2 ** 0.5 - 1
     assert_gaussian_scale(z, SIGMA_B, f"{path}: the count's noise")
 
 
