@@ -5,7 +5,8 @@ clipping), so every release is the noise alone (the clipped sum of no example is
 rank keeps what it released:
 
 - replicated, through ``make_private`` (noise="optimizer", chosen because there are two ranks):
-  rank 0 noises the all-reduced sum (Note [Noise once across ranks] in dpfx/loop/optim.py);
+  rank 0 noises the all-reduced sum (Note [Noise once across ranks] in dpfx/loop/optim.py), and
+  every rank's accountant counts each global step once at the dataset's q;
 - sharded with ``fully_shard`` per layer, without and with ``blocks="auto"`` (fc1 and fc2 are
   blocks whose sums the backward reduce-scatters): each rank noises the shard it owns (Note
   [Sharded DP-SGD] in dpfx/loop/fsdp.py);
@@ -68,8 +69,9 @@ def _noise(path: str) -> dict:
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     if path == "replicated":
         data = torch.utils.data.TensorDataset(torch.randn(10 * D, 8), torch.randn(10 * D, 4))
-        dp, opt, _, _ = dpfx.make_private(model, sgd, data, batch_size=D, **settings)
+        dp, opt, _, accountant = dpfx.make_private(model, sgd, data, batch_size=D, **settings)
     else:
+        accountant = None
         dp = dpfx.compile(model, expected_batch_size=D,
                           blocks="auto" if path == "sharded_blocks" else None, **settings)
         opt = dpfx.DPOptimizer(sgd, dp)
@@ -92,7 +94,8 @@ def _noise(path: str) -> dict:
             if sharded else [],
             "shapes": {n: tuple(p.shape) for n, p in named},
             "local": {n: torch.stack(v) for n, v in local.items()},
-            "bounds": bounds}
+            "bounds": bounds,
+            "accounted": None if accountant is None else accountant.history}
 
 
 def _every_path() -> dict:
@@ -169,8 +172,10 @@ def _check_count_noised_once(released, path: str) -> None:
     assert_gaussian_scale(z, SIGMA_B, f"{path}: the count's noise")
 
 
-def test_replicated_noise_is_added_once(released):
+def test_replicated_noise_is_added_once_and_each_step_counted_once(released):
     _check_noised_once(released, "replicated")
+    for r in range(2):      # (sigma, q, steps): q of the whole dataset, each global step once
+        assert released[r]["replicated"]["accounted"] == [(SIGMA, D / (10 * D), NOISE_STEPS)], r
 
 
 @pytest.mark.parametrize("path", ["sharded", "sharded_blocks"])
