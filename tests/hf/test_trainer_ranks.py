@@ -120,7 +120,7 @@ def _rank(scenario: str, out: str, bound: float):
 def _noised_twin(out: str, rank: int, bound: float, clean: dict, batches: list) -> dict:
     """The sharded step again from the same model and batches at sigma SHARD_SIGMA: this rank's
     shard of the clean step's parameters minus the noisy one's is the noise it added, over D;
-    and the steps its accountant counted."""
+    and what its accountant counted."""
     torch.manual_seed(0)
     model = gpt2()
     _shard(model)
@@ -128,7 +128,8 @@ def _noised_twin(out: str, rank: int, bound: float, clean: dict, batches: list) 
                             SHARD_SIGMA)
     assert all(torch.equal(v, batches[0][k]) for k, v in trainer.batches[0].items())
     noisy = _local(model)
-    return {"noise": {n: clean[n] - noisy[n] for n in clean}, "steps": trainer.accountant.steps}
+    return {"noise": {n: clean[n] - noisy[n] for n in clean}, "steps": trainer.accountant.steps,
+            "epsilon": trainer.get_epsilon(), "delta": trainer.delta}
 
 
 def _noisy(out: str, rank: int) -> dict:
@@ -260,7 +261,7 @@ def test_sharded_step_is_the_clipped_reference_over_both_ranks(tmp_path):
     """GPT-2 sharded with fully_shard per block and at the root before DPTrainer: dpfx's sharded
     step (reduce-scatter, each rank noises its shard) equals the reference at sigma 0, and its
     twin at sigma > 0 differs from it on every rank's shard by noise of std sigma C / D (not 0:
-    a shard left unnoised; not sqrt(2) times that); Trainer checkpoints of the sharded model are
+    a shard left unnoised; not sqrt(2) times that), each rank counting the one step; Trainer checkpoints of the sharded model are
     refused first, naming per-rank dpfx.save_checkpoint, and that per-rank checkpoint of the
     trainer's model and optimizer saves and loads."""
     torch.manual_seed(0)
@@ -275,6 +276,8 @@ def test_sharded_step_is_the_clipped_reference_over_both_ranks(tmp_path):
     for rank, r in results.items():
         noise = r["noised"]["noise"]
         assert r["noised"]["steps"] == 1, (rank, r["noised"]["steps"])   # one global step
+        assert r["noised"]["epsilon"] == pytest.approx(dpfx.privacy.epsilon(
+            noise_multiplier=SHARD_SIGMA, sample_rate=Q, steps=1, delta=r["noised"]["delta"]))
         assert_gaussian_scale(torch.cat([d.flatten() for d in noise.values()]), std,
                               f"rank {rank}'s shard of the noisy step")
         for name, d in noise.items():       # each parameter whose shard resolves sqrt(2)

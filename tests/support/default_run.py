@@ -33,8 +33,6 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "test_sharded_blocks_equal_the_reference_on_the_union[llama-eager-2-mean]": 60,
     "tests/hf/test_trainer_budget.py::test_noise_for_steps_left_composes_the_segments": 27,
     "tests/hf/test_trainer_clipping.py::test_adaptive_bound_is_saved_and_resumed": 22,
-    "tests/loop/test_adaptive_ranks.py::"
-    "test_bound_and_parameters_equal_the_reference_on_the_union[replicated]": 19,
     "tests/lower/test_inductor_exact.py::test_exact_cold_and_warm_cache[MHAHead]": 60,
     "tests/lower/test_inductor_sweep.py::test_representative_families[encoder_layer_masked]": 56,
     "tests/lower/test_inductor_default.py::test_gpt2_tiny": 55,
