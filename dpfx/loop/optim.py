@@ -357,6 +357,9 @@ class DPOptimizer(torch.optim.Optimizer):
     # N(0, sigma_b^2) once to its own (the same draw in every row of a reduce-scatter, so that
     # every rank receives the same noised total), and every rank moves the bound from that total
     # after the gradient's release: the ranks' bounds stay equal, and the count is noised once.
+    # The gradient's noise is sigma_grad C_t, of the bound the step clipped to: the sharded step
+    # receives the count with its sums, so it reads the std before the bound moves (noised at
+    # C_{t+1}, a shrinking bound would leave the sums under-noised; tests/loop/test_noise_ranks.py).
     def _counts_to_send(self, count, examples: int, device) -> list:
         tail = []
         if self.dp_model.adaptive_clip is not None and not self._noised_in_graph:
@@ -419,6 +422,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self._named:
             return count
         device = self._named[0][1].device
+        std = self._noise_std()     # of C_t, the bound this step clipped to, before it moves
         tail = self._counts_to_send(count, model.examples, device)
         try:
             mine, counts = sharding.reduce_scatter(model.clipped_sums, torch.cat(tail), device)
@@ -428,7 +432,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._counts_received(counts[0] if len(tail) == 2 else None, examples)
         divisor = self._denominator(examples)
         for name in sharding.names:          # this rank's coordinates, in one order on every rank
-            self._add_noise(mine[name], self._noise_std())
+            self._add_noise(mine[name], std)
             mine[name] /= divisor
         sharding.write_grads(mine, self._gate.ledger)
         model.reset_clipped_sums()

@@ -7,9 +7,10 @@ union of the two ranks' batches, from a batch-of-one loop in this process (each 
 sum, clipped with a bound that bites, summed, divided by the global expected batch size D =
 q N): neither DDP's average (half of it) nor a sum of two ranks' divided sums. A replicated model
 (ranks initialized differently: rank 0's parameters are broadcast) through Inductor; a model
-sharded with ``fully_shard`` per block and at the root, eager. With sigma > 0 every rank counts
-each global step once and logs the one-process epsilon for (q, sigma, steps), and the ranks take
-the same steps. Unsupported launches are refused before the model changes.
+sharded with ``fully_shard`` per block and at the root, eager; the sharded step's twin at sigma > 0
+differs from it on each rank's shard by that rank's noise, std sigma C / D. With sigma > 0
+every rank counts each global step once and logs the one-process epsilon for (q, sigma, steps),
+and the ranks take the same steps. Unsupported launches are refused before the model changes.
 """
 import json
 import os
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 import dpfx
 from support import gloo_ranks
+from support.noise_stats import assert_gaussian_scale, assert_uncorrelated, detectable_std_error
 from support.reference import CLIP_EPS
 
 transformers = pytest.importorskip("transformers")
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 WORLD, N, PHYSICAL, ACCUMULATION = 2, 16, 2, 2
 Q = PHYSICAL * ACCUMULATION * WORLD / N          # 0.5: D = q N = 8 examples a global step
 TARGET, DELTA, NOISY_STEPS = 4.0, 1e-5, 2
+SHARD_SIGMA = 1.0       # the sharded step's noisy twin
 
 
 class _Recording(hf.DPTrainer):
@@ -68,7 +71,26 @@ def _full(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def _local(model) -> dict:
+    """This rank's shard of each parameter."""
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
 # -- what each rank runs -----------------------------------------------------------------------
+def _one_sgd_step(model, scenario: str, out: str, bound: float, sigma: float) -> _Recording:
+    """One optimizer step at lr 1 on this rank's Poisson batch (one seeded sampler)."""
+    trainer = _Recording(
+        model=model, args=args(out, per_device_train_batch_size=PHYSICAL,
+                               gradient_accumulation_steps=ACCUMULATION, max_steps=1, optim="sgd",
+                               learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0,
+                               warmup_steps=0),
+        train_dataset=lm_data(N, seed=1), max_grad_norm=bound, noise_multiplier=sigma,
+        sampler_generator=torch.Generator().manual_seed(3),
+        dp_kwargs={} if scenario == "replicated" else {"backend": "eager"})
+    trainer.train()
+    return trainer
+
+
 def _rank(scenario: str, out: str, bound: float):
     rank = _launched_by_torchrun()
     result = {}
@@ -78,15 +100,7 @@ def _rank(scenario: str, out: str, bound: float):
         _shard(model)
         result["refused"] = _refused_checkpoints(model, out)
     built = _full(model)
-    trainer = _Recording(
-        model=model, args=args(os.path.join(out, f"sgd{rank}"), per_device_train_batch_size=PHYSICAL,
-                               gradient_accumulation_steps=ACCUMULATION, max_steps=1, optim="sgd",
-                               learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0,
-                               warmup_steps=0),
-        train_dataset=lm_data(N, seed=1), max_grad_norm=bound, noise_multiplier=0.0,
-        sampler_generator=torch.Generator().manual_seed(3),
-        dp_kwargs={} if scenario == "replicated" else {"backend": "eager"})
-    trainer.train()
+    trainer = _one_sgd_step(model, scenario, os.path.join(out, f"sgd{rank}"), bound, 0.0)
     result.update(built=built, after=_full(model), batches=trainer.batches,
                   sample_rate=trainer.sample_rate, expected=trainer.model.dp_config.expected_batch_size,
                   sharded=trainer.model._sharding is not None,
@@ -94,12 +108,28 @@ def _rank(scenario: str, out: str, bound: float):
     if scenario == "replicated":
         result["noisy"] = _noisy(out, rank)
     else:       # the per-rank checkpoint the refusal names
+        result["noised"] = _noised_twin(out, rank, bound, _local(model), trainer.batches)
         dpfx.save_checkpoint(os.path.join(out, f"ckpt.rank{rank}.pt"), model=trainer.model,
                              optimizer=trainer.dp_optimizer)
         result["saved"] = dpfx.load_checkpoint(os.path.join(out, f"ckpt.rank{rank}.pt"),
                                                model=trainer.model,
                                                optimizer=trainer.dp_optimizer) == {}
     return result
+
+
+def _noised_twin(out: str, rank: int, bound: float, clean: dict, batches: list) -> dict:
+    """The sharded step again from the same model and batches at sigma SHARD_SIGMA: this rank's
+    shard of the clean step's parameters minus the noisy one's is the noise it added, over D;
+    and what its accountant counted."""
+    torch.manual_seed(0)
+    model = gpt2()
+    _shard(model)
+    trainer = _one_sgd_step(model, "sharded", os.path.join(out, f"noised{rank}"), bound,
+                            SHARD_SIGMA)
+    assert all(torch.equal(v, batches[0][k]) for k, v in trainer.batches[0].items())
+    noisy = _local(model)
+    return {"noise": {n: clean[n] - noisy[n] for n in clean}, "steps": trainer.accountant.steps,
+            "epsilon": trainer.get_epsilon(), "delta": trainer.delta}
 
 
 def _noisy(out: str, rank: int) -> dict:
@@ -229,9 +259,11 @@ def test_epsilon_counts_each_global_step_once(replicated):
 
 def test_sharded_step_is_the_clipped_reference_over_both_ranks(tmp_path):
     """GPT-2 sharded with fully_shard per block and at the root before DPTrainer: dpfx's sharded
-    step (reduce-scatter, each rank noises its shard) equals the reference; Trainer checkpoints of
-    the sharded model are refused first, naming per-rank dpfx.save_checkpoint, and that
-    per-rank checkpoint of the trainer's model and optimizer saves and loads."""
+    step (reduce-scatter, each rank noises its shard) equals the reference at sigma 0, and its
+    twin at sigma > 0 differs from it on every rank's shard by noise of std sigma C / D (not 0:
+    a shard left unnoised; not sqrt(2) times that), each rank counting the one step; Trainer checkpoints of the sharded model are
+    refused first, naming per-rank dpfx.save_checkpoint, and that per-rank checkpoint of the
+    trainer's model and optimizer saves and loads."""
     torch.manual_seed(0)
     reference = gpt2()
     bound = _bound(reference, lm_data(N, seed=1))
@@ -240,6 +272,20 @@ def test_sharded_step_is_the_clipped_reference_over_both_ranks(tmp_path):
         assert r["sharded"] and r["saved"]
         assert "save each rank's own shards with dpfx.save_checkpoint" in r["refused"], r["refused"]
     _check_one_step_is_the_reference(results, reference, bound)
+    std = SHARD_SIGMA * bound / round(Q * N)
+    for rank, r in results.items():
+        noise = r["noised"]["noise"]
+        assert r["noised"]["steps"] == 1, (rank, r["noised"]["steps"])   # one global step
+        assert r["noised"]["epsilon"] == pytest.approx(dpfx.privacy.epsilon(
+            noise_multiplier=SHARD_SIGMA, sample_rate=Q, steps=1, delta=r["noised"]["delta"]))
+        assert_gaussian_scale(torch.cat([d.flatten() for d in noise.values()]), std,
+                              f"rank {rank}'s shard of the noisy step")
+        for name, d in noise.items():       # each parameter whose shard resolves sqrt(2)
+            if detectable_std_error(d.numel()) < 2 ** 0.5 - 1:
+                assert_gaussian_scale(d, std, f"rank {rank}'s shard of {name}")
+    w = "transformer.h.0.mlp.c_fc.weight"       # rows 0-7 on rank 0, 8-15 on rank 1
+    assert_uncorrelated(results[0]["noised"]["noise"][w], results[1]["noised"]["noise"][w],
+                        "the two ranks' shards of " + w)
 
 
 # -- refusals ----------------------------------------------------------------------------------

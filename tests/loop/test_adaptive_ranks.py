@@ -5,9 +5,8 @@ At sigma = 0, replicated (all-reduce) and sharded with ``fully_shard`` (reduce-s
 step's bound and every parameter equal an independent reference over the union of the ranks'
 batches (per-example gradients by torch.func, each clipped at that step's C_t, the count of
 norms at most C_t, Andrew et al.'s update), with batch sizes that differ across ranks, an empty
-one among them. At sigma > 0 with empty batches the bound moves by the count's noise alone: the
-ranks hold the same bound after every step, and the noise read back from the update has std
-sigma_b, so it was added once (on two ranks it would be sqrt(2) sigma_b).
+one among them. At sigma > 0 the count and the gradient are each noised once, replicated and
+sharded: test_noise_ranks.py.
 """
 import math
 
@@ -18,14 +17,12 @@ import torch.distributed as dist
 import dpfx
 from support import gloo_ranks
 from support.models import MLP
-from support.noise_stats import Z, rms_standard_error
 from support.reference import per_example_grads, per_example_norms
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
 
 C0, D, LR, ETA, QUANTILE = 1.0, 6, 0.5, 0.5, 0.5
 SIZES = [(3, 2), (4, 0), (1, 5)]
-SIGMA, SIGMA_B, NOISE_STEPS = 1.0, 3.0, 150
 
 
 def _data(step: int, rank: int):
@@ -38,8 +35,8 @@ def _example_loss(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _train(mode: str, sigma: float, steps: int, empty: bool):
-    """This rank's run: (parameters after it, the bound after every step)."""
+def _train(mode: str):
+    """This rank's run at sigma 0: (parameters after it, the bound after every step)."""
     torch.manual_seed(0)
     model = MLP(8, 16, 4)
     if mode == "sharded":
@@ -47,16 +44,13 @@ def _train(mode: str, sigma: float, steps: int, empty: bool):
         fully_shard(model.fc1)
         fully_shard(model.fc2)
         fully_shard(model)
-    dp = dpfx.compile(model, max_grad_norm=C0, noise_multiplier=sigma, expected_batch_size=D,
+    dp = dpfx.compile(model, max_grad_norm=C0, noise_multiplier=0.0, expected_batch_size=D,
                       clipping="adaptive", target_quantile=QUANTILE, clip_lr=ETA,
-                      count_noise_multiplier=SIGMA_B if sigma else None, backend="eager",
-                      seed=11)
+                      backend="eager", seed=11)
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), dp)
     bounds = []
-    for step in range(steps):
-        x, y = _data(step % len(SIZES), dist.get_rank())
-        if empty:
-            x, y = x[:0], y[:0]
+    for step in range(len(SIZES)):
+        x, y = _data(step, dist.get_rank())
         opt.zero_grad()
         out = dp(x)
         per_example = ((out - y) ** 2).flatten(1).mean(1)
@@ -92,11 +86,22 @@ def _reference():
     return {n: p.detach() for n, p in model.named_parameters()}, bounds
 
 
-@pytest.mark.parametrize("mode", ["replicated", "sharded"])
-def test_bound_and_parameters_equal_the_reference_on_the_union(tmp_path, mode):
-    results, errors = gloo_ranks.spawn(tmp_path, 2, _train, mode, 0.0, len(SIZES), False,
+def _both() -> dict:
+    return {mode: _train(mode) for mode in ("replicated", "sharded")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both modes in one spawn: starting the ranks is most of the time."""
+    results, errors = gloo_ranks.spawn(tmp_path_factory.mktemp("adaptive"), 2, _both,
                                        deadline=300)
     assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_bound_and_parameters_equal_the_reference_on_the_union(runs, mode):
+    results = {rank: runs[rank][mode] for rank in runs}
     want_params, want_bounds = _reference()
     assert len(set(want_bounds)) == len(want_bounds), "the bound must move every step"
     for rank in range(2):
@@ -105,18 +110,3 @@ def test_bound_and_parameters_equal_the_reference_on_the_union(tmp_path, mode):
         for n in want_params:
             torch.testing.assert_close(params[n], want_params[n], rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {n}: {m}")
-
-
-def test_the_count_is_noised_once_across_ranks(tmp_path):
-    results, errors = gloo_ranks.spawn(tmp_path, 2, _train, "replicated", SIGMA, NOISE_STEPS,
-                                       True, deadline=300)
-    assert not errors, errors
-    bounds = results[0][1]
-    assert bounds == results[1][1], "the ranks' bounds differ"
-    # an empty batch's centered count is 0: log(C_{t+1} / C_t) = -eta (z / D + 1/2 - q)
-    previous = [C0] + bounds[:-1]
-    z = torch.tensor([D * (-math.log(b / a) / ETA - 0.5 + QUANTILE)
-                      for a, b in zip(previous, bounds)], dtype=torch.float64)
-    ratio = float(z.pow(2).mean().sqrt()) / SIGMA_B
-    assert abs(ratio - 1) < Z * rms_standard_error(NOISE_STEPS), ratio
-    assert Z * rms_standard_error(NOISE_STEPS) < 2 ** 0.5 - 1

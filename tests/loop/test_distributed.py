@@ -83,10 +83,9 @@ def _graph_noise_refusal() -> str:
 
 
 def _scenario(scenario: str):
-    if scenario == "exact":
-        return {case: _train(*case, sigma=0.0, steps=len(SIZES)) for case in CASES}
-    if scenario == "noise":
-        return {"noise": _train("auto", "mean", SIGMA, NOISE_STEPS, empty=True),
+    if scenario == "steps":         # the exact runs, the noisy one and the refusal: one spawn
+        return {**{case: _train(*case, sigma=0.0, steps=len(SIZES)) for case in CASES},
+                "noise": _train("auto", "mean", SIGMA, NOISE_STEPS, empty=True),
                 "graph_noise": _graph_noise_refusal()}
     torch.manual_seed(0)                                  # "mismatch"
     model = MLP(8, 16, 4)
@@ -101,6 +100,13 @@ def _scenario(scenario: str):
 
 def _spawn(tmp_path, scenario):
     return gloo_ranks.spawn(tmp_path, 2, _scenario, scenario, deadline=240, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    results, errors = _spawn(tmp_path_factory.mktemp("steps"), "steps")
+    assert not errors, errors
+    return results
 
 
 def _reference_run(reduction):
@@ -123,9 +129,8 @@ def _reference_run(reduction):
             {n: torch.stack(g) for n, g in grads.items()})
 
 
-def test_two_ranks_equal_the_reference_on_the_union(tmp_path):
-    results, errors = _spawn(tmp_path, "exact")
-    assert not errors, errors
+def test_two_ranks_equal_the_reference_on_the_union(steps):
+    results = steps
     for case in CASES:
         want_params, want_grads = _reference_run(case[1])
         for rank in range(2):
@@ -137,9 +142,8 @@ def test_two_ranks_equal_the_reference_on_the_union(tmp_path):
                 assert torch.equal(grads[n], results[0][case][1][n])  # same on every rank
 
 
-def test_noise_is_added_once_globally(tmp_path):
-    results, errors = _spawn(tmp_path, "noise")
-    assert not errors, errors
+def test_noise_is_added_once_globally(steps):
+    results = steps
     params, noise = results[0]["noise"]                # 60 steps of empty batches: pure noise
     for n in noise:                                    # identical on every rank
         assert torch.equal(noise[n], results[1]["noise"][1][n])

@@ -33,8 +33,6 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "test_sharded_blocks_equal_the_reference_on_the_union[llama-eager-2-mean]": 60,
     "tests/hf/test_trainer_budget.py::test_noise_for_steps_left_composes_the_segments": 27,
     "tests/hf/test_trainer_clipping.py::test_adaptive_bound_is_saved_and_resumed": 22,
-    "tests/loop/test_adaptive_ranks.py::"
-    "test_bound_and_parameters_equal_the_reference_on_the_union[replicated]": 19,
     "tests/lower/test_inductor_exact.py::test_exact_cold_and_warm_cache[MHAHead]": 60,
     "tests/lower/test_inductor_sweep.py::test_representative_families[encoder_layer_masked]": 56,
     "tests/lower/test_inductor_default.py::test_gpt2_tiny": 55,
@@ -100,19 +98,15 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/loss/test_hf_token_loss.py::test_token_loss_exact_through_inductor[llama]": 24,
     "tests/test_blocks.py::test_hf_blocks[llama-inductor]": 37,
     "tests/test_blocks.py::test_model_of_blocks_against_the_loop[inductor-sum-True]": 29,
-    # 2026-11-29: the eager twins of tests kept through Inductor, and the count's noise-once
-    # check (the gradients' noise-once test stays)
-    "tests/loop/test_adaptive_ranks.py::test_the_count_is_noised_once_across_ranks": 19,
+    # 2026-11-29: the eager twins of tests kept through Inductor
     "tests/test_blocks.py::test_model_of_blocks_against_the_loop[eager-sum-False]": 14,
     "tests/test_blocks.py::test_clipping_groups_that_split_blocks[eager]": 14,
     "tests/test_blocks.py::test_hf_blocks[llama-eager]": 13,
     # the same day's clean-clone run: tests whose path keeps another test in the default run
-    # (the one-graph sharded step: the adaptive sharded test and the DPTrainer's; 2 replicated
-    # ranks: the DPTrainer's; noise once: the replicated test; HF blocks through Inductor: two
-    # models stepped in turn against the loop; blocks eager: the planted-clip and refusal tests)
+    # (the one-graph sharded step: the adaptive sharded test and the DPTrainer's; HF blocks
+    # through Inductor: two models stepped in turn against the loop; blocks eager: the
+    # planted-clip and refusal tests)
     "tests/loop/test_fsdp.py::test_sharded_mlp_equals_the_reference_on_the_union[2-mean]": 34,
-    "tests/loop/test_fsdp.py::test_every_coordinate_is_noised_once[None]": 27,
-    "tests/loop/test_distributed.py::test_two_ranks_equal_the_reference_on_the_union": 22,
     "tests/test_blocks.py::test_hf_blocks[gpt2-inductor]": 22,
     "tests/test_blocks.py::test_model_of_blocks_against_the_loop[eager-mean-True]": 14,
     "tests/test_blocks.py::test_hf_blocks[gpt2-eager]": 10,
