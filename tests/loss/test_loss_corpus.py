@@ -348,6 +348,8 @@ def test_terms_on_their_own_scales():
         torch.autograd.grad(_apply(which, loss, dp(ids), d), list(model.parameters()))
 
 
+# the Python-number normalizer's first step is warned about, the second refused
+@pytest.mark.filterwarnings("ignore::dpfx.LossScaleWarning")
 def test_term_weights_follow_a_schedule_but_not_the_batch_size():
     """A weight annealed over steps (a VAE's KL warm-up) trains; a weight that is the batch size
     as a Python number (one term divided by len(y), the other not) is refused once the batch
