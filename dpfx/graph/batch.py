@@ -179,9 +179,10 @@ _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 # rows per example]) and cast no vote when a consumer inherits its layout (``_inherit``), so
 # ``mul(mask, h)`` is laid out as h is; the forward check skips them (an op over draws alone reads
 # no example). Their layout is marked ``drawn``, so a mask saved for the backward is a draw there
-# too (its ``mul(g, mask)`` is laid out as g is). Whatever reads a draw together with data is analysed as before: ``sort`` or an
-# index into the rows by a draw is not pointwise, gets no layout from the draw, and is refused
-# where it works along the rows (``h[randperm(n)]`` is not a draw at all).
+# too (its ``mul(g, mask)`` is laid out as g is). Whatever reads a draw together with data is
+# analysed as before: ``sort`` or an index into the rows by a draw is not pointwise, gets no
+# layout from the draw, and is refused where it works along the rows (``randint`` and
+# ``randperm`` are not draws here: their values are indices).
 # (tests/graph/test_random_draws.py)
 _DRAWS = {aten.rand.default, aten.randn.default, aten.rand_like.default,
           aten.randn_like.default, aten.bernoulli.p, aten.uniform.default}
@@ -395,9 +396,9 @@ class BatchAnalysis:
         if node.op != "call_function":
             return False
         ins = node.all_input_nodes
-        if _is_draw_op(node.target):
-            if node.target in _SHAPE_ONLY and isinstance(node.args[0], fx.Node):
-                ins = [a for a in ins if a is not node.args[0]]
+        if _is_draw_op(node.target):     # its sizes say only how many draws
+            ins = [a for a in ins if isinstance(a.meta.get("val"), torch.Tensor) and not (
+                node.target in _SHAPE_ONLY and a is node.args[0])]
         elif not (isinstance(node.target, torch._ops.OpOverload) and
                   torch.Tag.pointwise in node.target.tags and
                   any(a in self.draws for a in ins)):

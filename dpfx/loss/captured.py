@@ -17,7 +17,8 @@ ends. Before Inductor's aot_autograd sees the graph, ``capture_loss``:
 
 1. cuts the tail: what the loss computes outside the model (from the marked outputs, the
    targets, sizes of the batch); a tail that reads a parameter or another value of the model
-   is refused (a regularizer's gradient would reach p.grad unclipped);
+   is refused (a regularizer's gradient would reach p.grad unclipped: Note [A weight penalty is
+   the optimizer's]);
 2. replays it under ``make_fx`` with Inductor's decompositions on fake tensors with one batch
    symbol, each Python number that multiplies or divides a tensor as a scalar input (as the
    plain loop's check does), and proves it with the loss check's own proof
@@ -53,10 +54,11 @@ An empty batch takes the model's own graph (Note [An empty batch and the capture
 
 ``dp.loss`` returns a ``CapturedLoss``. Its backward (``loss.backward()``,
 ``torch.autograd.backward``, ``torch.autograd.grad``) sets the release flag the backward graph
-requires; a positive Python multiple of it (``loss / accum_steps``, Trainer's ``loss *= k``)
-is released the same, the multiple removed like every scalar after the batch reduction; any
-other use of it yields plain tensors, whose backward reaches dpfx's graph unreleased and is
-refused there. What runs per step beyond the graph: one type change of the loss and the flag.
+requires; a positive constant multiple of it plus a constant (``loss / accum_steps``,
+Trainer's ``loss *= k``, ``loss + 1.0``) is released the same (Note [Arithmetic that keeps the
+captured loss]); any other use of it yields plain tensors, whose backward reaches dpfx's graph
+unreleased and is refused there, naming what the loss went through. What runs per step beyond
+the graph: one type change of the loss and the flag.
 (tests/loss/test_loss_graph.py)
 """
 from __future__ import annotations
@@ -627,6 +629,17 @@ def _constant(other, name: str) -> float | str:
     return float(other.detach())
 
 
+# Note [A weight penalty is the optimizer's]
+# ``loss + lam * sum(p.pow(2).sum() ...)``: the penalty's gradient 2 lam p reads no example, but
+# autograd would accumulate it into p.grad beside the release, where the gate cannot tell it from
+# a gradient of the data (a penalty scaled by a statistic of the batch reads one, invisibly: the
+# statistic is a constant of the autograd graph). So the penalty is refused, in the captured
+# loss at its backward (``_needs_grad`` finds parameters and no dpfx forward in its autograd
+# graph), in the loss function at capture (``_stand_in``) and in the plain loop by the gate's
+# tensor hook, each naming the optimizer's weight decay, which is post-processing of the release:
+# SGD and Adam add ``weight_decay * p`` to the gradient they step on, the gradient of
+# weight_decay / 2 * ||p||^2, so weight_decay = 2 lam gives the release plus exactly 2 lam p.
+# (tests/loss/test_captured_arithmetic.py::test_weight_decay_is_the_penalty)
 def _needs_grad(other: torch.Tensor, name: str) -> str:
     """Why a term that needs a gradient cannot join the captured loss: the graph it reaches."""
     seen, todo, leaves, forwards = set(), [other.grad_fn], 0, 0
