@@ -536,17 +536,20 @@ class CapturedLoss(torch.Tensor):
             if func is _T.__repr__:
                 return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
             result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and result.requires_grad and \
-                not isinstance(result, CapturedLoss):
-            loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
-            if loss is None:
-                return result
-            k = _combined(func, args, kwargs, loss)
-            if isinstance(k, float):
-                result.__class__ = CapturedLoss     # fresh, or the loss itself (in place)
-                result._dpfx_loss = (loss._dpfx_loss[0], loss._dpfx_loss[1] * k)
-            else:
-                loss._dpfx_loss[0].gate.left_capture(f"{k} ({_user_line()})")
+        if not isinstance(result, torch.Tensor) or not result.requires_grad:
+            return result
+        loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
+        if loss is None or (result is loss and not _in_place(func)):
+            return result                           # .float(), .to(): the loss itself
+        backend, multiple = loss._dpfx_loss
+        k = _combined(func, args, kwargs, loss)
+        if isinstance(k, float):
+            result.__class__ = CapturedLoss         # fresh, or the loss itself (in place)
+            result._dpfx_loss = (backend, multiple * k)
+        else:
+            backend.gate.left_capture(f"{k} ({_user_line()})")
+            if result is loss:                      # changed in place: no longer the loss
+                result.__class__ = torch.Tensor
         return result
 
 
@@ -559,21 +562,27 @@ class CapturedLoss(torch.Tensor):
 # of the scales (a shift keeps it; ``c - loss`` negates it), and its backward releases exactly
 # what ``loss.backward()`` does; ``_release`` refuses a multiple that is not positive (a sign
 # would flip the release, which the plain loop keeps and the captured loss leaves to the loss
-# function). A constant is a Python number or a one-element tensor that needs no gradient, read
+# function). A constant is a Python number or a 0-d tensor that needs no gradient, read
 # with ``float`` when it is applied. Anything else (a tensor that needs a gradient, a weight per
-# example, another op on the loss) gives a plain tensor whose backward reaches dpfx's graph
-# unproven; what happened is told to the gate (``ReleaseGate.left_capture``), which names it in
-# its refusal. A term on the weights (``+ lam * sum(p.pow(2).sum() ...)``) is named with its fix,
+# example, another op on the loss, in place or not) gives a plain tensor whose backward reaches
+# dpfx's graph unproven; what happened is told to the gate (``ReleaseGate.left_capture``),
+# which names it in its refusal. A term on the weights (``+ lam * sum(p.pow(2).sum() ...)``) is named with its fix,
 # the optimizer's ``weight_decay = 2 * lam`` (Note [A weight penalty is the optimizer's]).
 # (tests/loss/test_captured_arithmetic.py)
 _T = torch.Tensor
-_NEGATIONS = {_T.__neg__, _T.neg, torch.neg}
+_NEGATIONS = {_T.__neg__, _T.neg, _T.neg_, torch.neg}
 _DIVISIONS = {_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div}
 _SCALING = {_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul} | _DIVISIONS
 _ADDITIONS = {_T.__add__, _T.__radd__, _T.__iadd__, _T.add, _T.add_, torch.add}
 _SUBTRACTIONS = {_T.__sub__, _T.__isub__, _T.sub, _T.sub_, torch.sub, torch.subtract}
 _REVERSED = {_T.__rsub__, torch.rsub}      # args[1] - alpha * args[0]
 _SAME = {_T.mean, _T.sum, torch.mean, torch.sum}
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (
+        name.startswith("__i") and name.endswith("__"))
 
 
 def _combined(func, args, kwargs, loss) -> float | str:
@@ -622,7 +631,7 @@ def _constant(other, name: str) -> float | str:
         return f"`{name}` of the captured loss with {type(other).__name__} {other!r}"
     if other.requires_grad:
         return _needs_grad(other, name)
-    if other.numel() != 1:
+    if other.dim() != 0:
         return (f"`{name}` of the captured loss with a tensor of shape {tuple(other.shape)}: a "
                 f"weight per example (or per row) changes each example's term; weight the "
                 f"examples inside the loss function, which dpfx proves")

@@ -128,3 +128,18 @@ def test_weight_decay_is_the_penalty():
     opt.step()
     got = {k: (before[k] - p.detach()) / 0.5 for k, p in model.named_parameters()}
     assert_close(got, {k: release[k] + penalty_grad[k] for k in before}, rtol=1e-4, atol=1e-6)
+
+
+def test_in_place_ops_keep_or_drop_the_loss():
+    """In place, a constant scale and shift keep the loss's multiple (a negation is refused as
+    such); another op in place makes it a plain tensor, refused naming the op; an op that
+    returns the loss itself (``.float()``) keeps it."""
+    model, dp, x, y = _setup(backend="eager")
+    dp.loss(x, y).float().add_(2.0).mul_(torch.tensor(3.0)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(dpfx.PrivacyError, match="multiplied by -1"):
+        dp.loss(x, y).neg_().backward()
+    with pytest.raises(dpfx.PrivacyError, match="`pow_` of the captured loss"):
+        dp.loss(x, y).pow_(2).backward()
+    assert all(p.grad is None for p in model.parameters())
