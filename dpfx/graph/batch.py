@@ -14,7 +14,8 @@ because ``(B, T) -> B*T`` and ``(T, B) -> T*B`` have the same size but opposite 
 
 ``data_dependent`` holds every node computed from the examples: batched nodes, the extra
 ``data_sources`` (the backward's tangents, which carry the loss even when batch-free), and all
-their descendants.
+their descendants. ``draws`` holds the batched tensors computed from random draws and constants
+alone (dropout's mask: Note [A random draw holds no example]).
 
 Three answers per tensor: ``None`` (batch-free), a ``BatchDim``, or an ``Ambiguous`` (batched, but
 the layout could not be proven). Rules refuse to fire on ``Ambiguous``; the forward check reports it.
@@ -43,6 +44,9 @@ class BatchDim:
     # over the rows]): "row", each element's position along ``dim``; "unit", the example (or
     # user) that owns the element; None, anything else. Not part of the layout's identity.
     index_of: str | None = dataclasses.field(default=None, compare=False)
+    # A random draw's layout (Note [A random draw holds no example]): it reads no example, so any
+    # layout describes it. Carried so that a draw saved for the backward stays one there.
+    drawn: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def is_plain(self) -> bool:
@@ -164,6 +168,35 @@ def _prod(exprs) -> sympy.Expr:
 _STRIDED = {aten.as_strided.default, aten.as_strided_scatter.default}
 
 
+# Note [A random draw holds no example]
+# Dropout draws its mask over the whole activation: ``inductor_random([k*U, d], seed, "rand")``
+# (or ``rand_like``, ``bernoulli.p``) then ``gt(mask, p)``, multiplied into the activation. The
+# draw reads sizes, a seed and its ``_like`` input's shape, never a value of the data, so it holds
+# no example's data and every layout of its batch dim describes it; without one a merged dim
+# (``per_user``'s k*U rows, a (B*T, d) view) is Ambiguous and the model is refused. A draw, and a
+# pointwise op whose tensor inputs are draws or batch-free values computed from no data (``gt``,
+# a cast), go in ``draws``: they take the batch-major layout (Note [A constant broadcast over k
+# rows per example]) and cast no vote when a consumer inherits its layout (``_inherit``), so
+# ``mul(mask, h)`` is laid out as h is; the forward check skips them (an op over draws alone reads
+# no example). Their layout is marked ``drawn``, so a mask saved for the backward is a draw there
+# too (its ``mul(g, mask)`` is laid out as g is). Whatever reads a draw together with data is
+# analysed as before: ``sort`` or an index into the rows by a draw is not pointwise, gets no
+# layout from the draw, and is refused where it works along the rows (``randint`` and
+# ``randperm`` are not draws here: their values are indices).
+# (tests/graph/test_random_draws.py)
+_DRAWS = {aten.rand.default, aten.randn.default, aten.rand_like.default,
+          aten.randn_like.default, aten.bernoulli.p, aten.uniform.default}
+_SHAPE_ONLY = {aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p,
+               aten.uniform.default}     # read their first input's shape, not its values
+
+
+def _is_draw_op(target) -> bool:
+    if target in _DRAWS:
+        return True
+    inductor_random = getattr(prims, "inductor_random", None)   # Inductor's replace_random
+    return inductor_random is not None and target is inductor_random.default
+
+
 # Note [Multi-output ops inherit per output]
 # A merged dim k*B is a batch layout like any other once a view proves it: HF OPT flattens its
 # hidden states (B, T, d) -> (B*T, d) before the last LayerNorm, augmentation multiplicity flattens
@@ -212,6 +245,7 @@ class BatchAnalysis:
         self._batched: dict[sympy.Expr, bool] = {}       # size expression -> has the batch
         self.layouts: dict[fx.Node, Any] = {}
         self.data_dependent: set[fx.Node] = set()
+        self.draws: set[fx.Node] = set()    # Note [A random draw holds no example]
         for node in graph.nodes:
             self.layouts[node] = self._transfer(node, seeds)
             if node in data_sources or self._batched_val(node.meta.get("val")) or any(
@@ -303,7 +337,14 @@ class BatchAnalysis:
         if not isinstance(val, torch.Tensor) or not self._batched_val(val):
             return None
         if node.op == "placeholder":
-            return seeds.get(node.name, self.from_shape(val))
+            seed = seeds.get(node.name, self.from_shape(val))
+            if isinstance(seed, BatchDim) and seed.drawn:
+                self.draws.add(node)
+            return seed
+        if self._draw(node):
+            self.draws.add(node)
+            lay = self._broadcast(val)
+            return dataclasses.replace(lay, drawn=True) if lay else self.from_shape(val)
         if node.target is operator.getitem:
             parent = self.layouts.get(node.args[0])
             if isinstance(parent, tuple) and isinstance(node.args[1], int):
@@ -348,6 +389,22 @@ class BatchAnalysis:
         if not _whole(k) or self.has_batch(k) or not k.is_Integer or int(k) < 1:
             return None
         return BatchDim(dims[0], sympy.Integer(1), k)
+
+    def _draw(self, node: fx.Node) -> bool:
+        """A random draw, or a pointwise op over draws and batch-free values computed from no
+        data (Note [A random draw holds no example])."""
+        if node.op != "call_function":
+            return False
+        ins = node.all_input_nodes
+        if _is_draw_op(node.target):     # its sizes say only how many draws
+            ins = [a for a in ins if isinstance(a.meta.get("val"), torch.Tensor) and not (
+                node.target in _SHAPE_ONLY and a is node.args[0])]
+        elif not (isinstance(node.target, torch._ops.OpOverload) and
+                  torch.Tag.pointwise in node.target.tags and
+                  any(a in self.draws for a in ins)):
+            return False
+        return all(a in self.draws or (not self.is_batched(a) and a not in self.data_dependent)
+                   for a in ins)
 
     # Note [An arange over the rows]
     # HF builds its padding mask by indexing the mask's rows with ``arange(batch)[:, None, None,
@@ -566,6 +623,8 @@ class BatchAnalysis:
         (d,) = out_dims
         candidates = set()
         for a in node.all_input_nodes:
+            if a in self.draws:
+                continue         # Note [A random draw holds no example]
             lay = self.layouts.get(a)
             if isinstance(lay, BatchDim) and isinstance(a.meta.get("val"), torch.Tensor):
                 in_size = self.shape(a.meta["val"])[lay.dim]

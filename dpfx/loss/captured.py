@@ -17,7 +17,8 @@ ends. Before Inductor's aot_autograd sees the graph, ``capture_loss``:
 
 1. cuts the tail: what the loss computes outside the model (from the marked outputs, the
    targets, sizes of the batch); a tail that reads a parameter or another value of the model
-   is refused (a regularizer's gradient would reach p.grad unclipped);
+   is refused (a regularizer's gradient would reach p.grad unclipped: Note [A weight penalty is
+   the optimizer's]);
 2. replays it under ``make_fx`` with Inductor's decompositions on fake tensors with one batch
    symbol, each Python number that multiplies or divides a tensor as a scalar input (as the
    plain loop's check does), and proves it with the loss check's own proof
@@ -53,16 +54,18 @@ An empty batch takes the model's own graph (Note [An empty batch and the capture
 
 ``dp.loss`` returns a ``CapturedLoss``. Its backward (``loss.backward()``,
 ``torch.autograd.backward``, ``torch.autograd.grad``) sets the release flag the backward graph
-requires; a positive Python multiple of it (``loss / accum_steps``, Trainer's ``loss *= k``)
-is released the same, the multiple removed like every scalar after the batch reduction; any
-other use of it yields plain tensors, whose backward reaches dpfx's graph unreleased and is
-refused there. What runs per step beyond the graph: one type change of the loss and the flag.
+requires; a positive constant multiple of it plus a constant (``loss / accum_steps``,
+Trainer's ``loss *= k``, ``loss + 1.0``) is released the same (Note [Arithmetic that keeps the
+captured loss]); any other use of it yields plain tensors, whose backward reaches dpfx's graph
+unreleased and is refused there, naming what the loss went through. What runs per step beyond
+the graph: one type change of the loss and the flag.
 (tests/loss/test_loss_graph.py)
 """
 from __future__ import annotations
 
 import itertools
 import operator
+import traceback
 
 import sympy
 import torch
@@ -301,8 +304,9 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
     if not is_mark and _reads_a_parameter(node):
         raise PrivacyError(
             f"the loss given to dpfx.compile(loss=...) reads the model's parameter or buffer "
-            f"{_source(node)}: a regularizer on the weights would reach p.grad unclipped. Add "
-            f"weight decay in the optimizer instead.")
+            f"{_source(node)}: a regularizer on the weights would reach p.grad unclipped. For "
+            f"lam * ||p||^2 use the optimizer's weight_decay = 2 * lam instead (torch.optim.SGD "
+            f"and Adam add weight_decay * p to the released gradient).")
     shape = [sym_expr(s) for s in val.shape]
     if not shape or shape[0] != batch_symbol or any(
             batch_symbol in s.free_symbols for s in shape[1:]):
@@ -520,8 +524,8 @@ def _shown(graph: fx.Graph, loss: fx.Node, scaled: fx.Node) -> fx.Node:
 
 # -- the release --------------------------------------------------------------------------------
 class CapturedLoss(torch.Tensor):
-    """The loss ``DPModule.loss`` returns: ``_dpfx_loss`` is (backend, the positive multiple of
-    the captured loss it is)."""
+    """The loss ``DPModule.loss`` returns: ``_dpfx_loss`` is (backend, the multiple of the
+    captured loss it is)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -532,36 +536,150 @@ class CapturedLoss(torch.Tensor):
             if func is _T.__repr__:
                 return func(args[0].as_subclass(torch.Tensor), *args[1:], **kwargs)
             result = func(*args, **kwargs)
-        if func in _SCALING and isinstance(result, torch.Tensor) and result.requires_grad:
-            loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
-            k = _multiple_of(func, args, loss)
-            if k is not None:
-                result.__class__ = CapturedLoss     # fresh, or the loss itself (in place)
-                result._dpfx_loss = (loss._dpfx_loss[0], loss._dpfx_loss[1] * k)
+        if not isinstance(result, torch.Tensor) or not result.requires_grad:
+            return result
+        loss = next((a for a in args[:2] if isinstance(a, CapturedLoss)), None)
+        if loss is None or (result is loss and not _in_place(func)):
+            return result                           # .float(), .to(): the loss itself
+        backend, multiple = loss._dpfx_loss
+        k = _combined(func, args, kwargs, loss)
+        if isinstance(k, float):
+            result.__class__ = CapturedLoss         # fresh, or the loss itself (in place)
+            result._dpfx_loss = (backend, multiple * k)
+        else:
+            backend.gate.left_capture(f"{k} ({_user_line()})")
+            if result is loss:                      # changed in place: no longer the loss
+                result.__class__ = torch.Tensor
         return result
 
 
+# Note [Arithmetic that keeps the captured loss]
+# The release is each example's gradient of its own term with every scalar after the batch
+# reduction removed (Note [The per-example term] in loss/check.py), so a constant the loss is
+# multiplied by (``loss / accum``, ``loss * torch.tensor(2.)``, Trainer's ``loss *= k``) changes
+# nothing released, as in the plain loop; a constant added (``loss + 1.0``, ``loss - c``) has no
+# gradient at all. The result of either stays a ``CapturedLoss`` whose multiple is the product
+# of the scales (a shift keeps it; ``c - loss`` negates it), and its backward releases exactly
+# what ``loss.backward()`` does; ``_release`` refuses a multiple that is not positive (a sign
+# would flip the release, which the plain loop keeps and the captured loss leaves to the loss
+# function). A constant is a Python number or a 0-d tensor that needs no gradient, read
+# with ``float`` when it is applied. Anything else (a tensor that needs a gradient, a weight per
+# example, another op on the loss, in place or not) gives a plain tensor whose backward reaches
+# dpfx's graph unproven; what happened is told to the gate (``ReleaseGate.left_capture``),
+# which names it in its refusal. A term on the weights (``+ lam * sum(p.pow(2).sum() ...)``) is named with its fix,
+# the optimizer's ``weight_decay = 2 * lam`` (Note [A weight penalty is the optimizer's]).
+# (tests/loss/test_captured_arithmetic.py)
 _T = torch.Tensor
-_NEGATIONS = {_T.__neg__, _T.neg, torch.neg}
+_NEGATIONS = {_T.__neg__, _T.neg, _T.neg_, torch.neg}
 _DIVISIONS = {_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div}
-_SCALING = {_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul} | _NEGATIONS | \
-    _DIVISIONS
+_SCALING = {_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul} | _DIVISIONS
+_ADDITIONS = {_T.__add__, _T.__radd__, _T.__iadd__, _T.add, _T.add_, torch.add}
+_SUBTRACTIONS = {_T.__sub__, _T.__isub__, _T.sub, _T.sub_, torch.sub, torch.subtract}
+_REVERSED = {_T.__rsub__, torch.rsub}      # args[1] - alpha * args[0]
+_SAME = {_T.mean, _T.sum, torch.mean, torch.sum}
 
 
-def _multiple_of(func, args, loss) -> float | None:
-    """The Python number ``func`` multiplies the captured ``loss`` by; None for anything else
-    (a product with a tensor, a number divided by the loss)."""
-    if loss is None:
-        return None
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (
+        name.startswith("__i") and name.endswith("__"))
+
+
+def _combined(func, args, kwargs, loss) -> float | str:
+    """The multiple of the captured ``loss`` that ``func(*args, **kwargs)`` is (Note [Arithmetic
+    that keeps the captured loss]), or what it did to the loss instead."""
+    name = getattr(func, "__name__", str(func))
     if func in _NEGATIONS:
         return -1.0
-    if len(args) != 2:
-        return None
-    other = args[1] if args[0] is loss else args[0]
-    if isinstance(other, bool) or not isinstance(other, (int, float)) or (
-            func in _DIVISIONS and (args[0] is not loss or other == 0)):
-        return None
-    return 1.0 / other if func in _DIVISIONS else float(other)
+    if func in _SAME and len(args) == 1 and not kwargs and loss.dim() == 0:
+        return 1.0       # Trainer's loss.mean() over devices, of the one loss
+    shift = func in _ADDITIONS | _SUBTRACTIONS | _REVERSED
+    if not (shift or func in _SCALING) or len(args) != 2:
+        return (f"`{name}` of the captured loss: only a constant multiple of it plus a constant "
+                f"is released. Build the whole objective inside the loss function")
+    first = args[0] is loss
+    other = args[1] if first else args[0]
+    if other is loss:
+        return (f"`{name}` of the captured loss with itself: write the objective inside the loss "
+                f"function")
+    c = _constant(other, name)
+    if isinstance(c, str):
+        return c
+    if shift:
+        alpha = kwargs.get("alpha", 1)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            return f"`{name}` with alpha={alpha!r}: use a Python number"
+        if func in _ADDITIONS:
+            return 1.0 if first else float(alpha)
+        if func in _SUBTRACTIONS:
+            return 1.0 if first else -float(alpha)
+        return -float(alpha) if first else 1.0
+    if func in _DIVISIONS:
+        if not first:
+            return "a constant divided by the captured loss: only a multiple of it is released"
+        if c == 0 or kwargs.get("rounding_mode") is not None:
+            return f"the captured loss divided by {c} (rounding {kwargs.get('rounding_mode')})"
+        return 1.0 / c
+    return c
+
+
+def _constant(other, name: str) -> float | str:
+    """``other`` as the constant it is, or why it is not one."""
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return float(other)
+    if not isinstance(other, torch.Tensor) or other.is_complex() or other.dtype == torch.bool:
+        return f"`{name}` of the captured loss with {type(other).__name__} {other!r}"
+    if other.requires_grad:
+        return _needs_grad(other, name)
+    if other.dim() != 0:
+        return (f"`{name}` of the captured loss with a tensor of shape {tuple(other.shape)}: a "
+                f"weight per example (or per row) changes each example's term; weight the "
+                f"examples inside the loss function, which dpfx proves")
+    return float(other.detach())
+
+
+# Note [A weight penalty is the optimizer's]
+# ``loss + lam * sum(p.pow(2).sum() ...)``: the penalty's gradient 2 lam p reads no example, but
+# autograd would accumulate it into p.grad beside the release, where the gate cannot tell it from
+# a gradient of the data (a penalty scaled by a statistic of the batch reads one, invisibly: the
+# statistic is a constant of the autograd graph). So the penalty is refused, in the captured
+# loss at its backward (``_needs_grad`` finds parameters and no dpfx forward in its autograd
+# graph), in the loss function at capture (``_stand_in``) and in the plain loop by the gate's
+# tensor hook, each naming the optimizer's weight decay, which is post-processing of the release:
+# SGD and Adam add ``weight_decay * p`` to the gradient they step on, the gradient of
+# weight_decay / 2 * ||p||^2, so weight_decay = 2 lam gives the release plus exactly 2 lam p.
+# (tests/loss/test_captured_arithmetic.py::test_weight_decay_is_the_penalty)
+def _needs_grad(other: torch.Tensor, name: str) -> str:
+    """Why a term that needs a gradient cannot join the captured loss: the graph it reaches."""
+    seen, todo, leaves, forwards = set(), [other.grad_fn], 0, 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kind = type(node).__name__
+        leaves += kind == "AccumulateGrad"
+        forwards += kind == "CompiledFunctionBackward"
+        todo.extend(n for n, _ in node.next_functions)
+    if leaves and not forwards:
+        return (f"`{name}` of the captured loss with a term computed from trainable tensors "
+                f"outside dpfx's forward (the model called directly, or a weight penalty such as "
+                f"lam * sum(p.pow(2).sum() for p in model.parameters())): its gradient would "
+                f"reach p.grad unclipped. For lam * "
+                f"||p||^2 use the optimizer's weight_decay = 2 * lam (torch.optim.SGD and Adam "
+                f"add weight_decay * p to the released gradient, the gradient of weight_decay / "
+                f"2 * ||p||^2); AdamW's decoupled decay is another rule")
+    return (f"`{name}` of the captured loss with a tensor that needs a gradient (another "
+            f"forward's output or loss, a tensor of yours): each forward is clipped on its own. "
+            f"Build the whole objective inside the loss function, from one forward")
+
+
+def _user_line() -> str:
+    """The caller's line outside dpfx and torch, for the refusal."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/dpfx/" not in frame.filename and "/torch/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "line unknown"
 
 
 def captured(loss: torch.Tensor, backend) -> CapturedLoss:

@@ -149,6 +149,7 @@ class ReleaseGate:
         self._pending = 0            # examples of the forward whose backward has not run yet
         self._examples = 0           # examples in the clipped sums
         self._sums: dict[str, torch.Tensor] = {}
+        self._left: str | None = None   # what took the last captured loss out of the release
         self.ledger = GradientLedger()
 
     # -- what others read --------------------------------------------------------------------
@@ -184,6 +185,13 @@ class ReleaseGate:
     # -- forward -----------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self._graph_ran = False
+        self._left = None
+
+    def left_capture(self, what: str) -> None:
+        """The captured loss of this forward went into arithmetic that is not a positive
+        constant multiple plus a constant (Note [Arithmetic that keeps the captured loss] in
+        loss/captured.py): named if its backward reaches the graph."""
+        self._left = what
 
     def graph_forward(self) -> None:
         """dpfx's compiled forward ran (called by its runner)."""
@@ -232,6 +240,10 @@ class ReleaseGate:
         """Run by the backward graph's runner before it writes anything: the loss was proven
         (loss/track.py), this forward's release hook ran (Note [One release per forward]), and
         no other forward's graph ran in this backward (Note [One forward per backward])."""
+        if not self._proven and self._left is not None:
+            raise PrivacyError(
+                f"the backward reached dpfx's graph from a loss dpfx did not check: {self._left}. "
+                f"dpfx's graph has written no gradient; zero the gradients before the next step.")
         if not self._proven:
             raise PrivacyError(
                 "the backward reached dpfx's graph from a loss dpfx did not check: the model's "
@@ -275,9 +287,12 @@ class ReleaseGate:
                 f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
                 f"produced: it is also used outside the dpfx-compiled module in this backward (a "
                 f"regularizer on the weight in the loss, or another module sharing it), and "
-                f"autograd would add that plain gradient to the clipped, noised one. Move that "
-                f"use into the compiled module's forward, or detach it. Gradients of this "
-                f"backward may be partly written: zero them before the next step.")
+                f"autograd would add that plain gradient to the clipped, noised one. For a "
+                f"weight penalty lam * ||p||^2 use the optimizer's weight_decay = 2 * lam "
+                f"instead (torch.optim.SGD and Adam add weight_decay * p to the released "
+                f"gradient); otherwise move that use into the compiled module's forward, or "
+                f"detach it. Gradients of this backward may be partly written: zero them before "
+                f"the next step.")
         if p is not None:
             self.ledger.before_accumulate(name, p)
 

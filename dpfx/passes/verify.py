@@ -127,8 +127,8 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
     """(node, reason) for every op that combines examples, except nodes tagged in ``skip``."""
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.meta.get("dpfx") in skip:
-            continue
+        if node.op != "call_function" or node.meta.get("dpfx") in skip or node in an.draws:
+            continue     # Note [A random draw holds no example] in graph/batch.py
         batched_in = [a for a in node.all_input_nodes if an.is_batched(a)]
         val = node.meta.get("val")
         if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):

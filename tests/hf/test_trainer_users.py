@@ -29,10 +29,18 @@ VOCAB, T, K = 37, 8, 3
 COUNTS = [1, 2, 4, 3, 5, 1, 2, 3]          # examples per user: fewer, as many and more than k
 
 
-def gpt2():
+# A dropout whose draws stay in the graph while its mask keeps every element (Note [A dropout
+# that keeps every element] in tests/loop/test_users.py)
+KEEPS_ALL = 1e-30
+
+
+def gpt2(dropout=0.0):
+    """A tiny GPT-2; ``dropout=None`` keeps GPT2Config's default dropouts (0.1)."""
+    drop = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout,
+                                           attn_pdrop=dropout)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
+        eos_token_id=0, **drop))
 
 
 def user_data(counts=COUNTS, seed=0):
@@ -126,9 +134,10 @@ def _trainer(tmp_path, data, model, bound, physical=2, accumulation=2, **kw):
 def test_user_level_step_is_the_clipped_per_user_reference(tmp_path, backend):
     """sigma 0, SGD at lr 1, 2 users per physical batch, accumulation 2 (4 users expected of
     8: q = 1/2, D = 4): the step is the sum over the sampled users of each user's clipped
-    summed gradient, over D; clipping bites on some users only."""
+    summed gradient, over D; clipping bites on some users only. Through Inductor the model
+    keeps its dropouts, at p = KEEPS_ALL: their masks are drawn over the k*U rows."""
     torch.manual_seed(0)
-    model, data = gpt2(), user_data()
+    model, data = gpt2(KEEPS_ALL if backend == "inductor" else 0.0), user_data()
     reference = copy.deepcopy(model)
     everyone = _user_grads(reference, _all_users(data))
     bound = sorted(_norm(g) for g in everyone)[len(everyone) // 2]
@@ -148,6 +157,25 @@ def test_user_level_step_is_the_clipped_per_user_reference(tmp_path, backend):
     for p, b, w in zip(model.parameters(), before, want):
         torch.testing.assert_close(b - p.detach(), w, rtol=2e-4, atol=1e-6)
     assert trainer.accountant.history == [(0.0, pytest.approx(0.5), 1)]
+
+
+def test_the_documented_snippet_trains_on_a_default_gpt2_config(tmp_path):
+    """docs/users.md's DPTrainer snippet on GPT2Config's default dropouts (0.1), through
+    Inductor: sigma 0, SGD at lr 1, every user sampled (q = 1, D = 4), sum of the users'
+    clipped gradients over D: the step moves the weights by at most U C / D."""
+    torch.manual_seed(0)
+    model, data = gpt2(None), user_data([1, 2, 4, 3])
+    assert model.config.resid_pdrop == model.config.attn_pdrop == 0.1
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer = hf.DPTrainer(
+        model=model, args=args(tmp_path, per_device_train_batch_size=4, max_steps=1),
+        train_dataset=data, user_column="user_id", max_examples_per_user=K, max_grad_norm=0.1,
+        noise_multiplier=0.0)
+    with quiet():
+        trainer.train()
+    step = before - torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert 0 < float(step.norm()) <= 0.1 * (1 + 1e-5)
+    assert trainer.privacy_unit == "user"
 
 
 def _all_users(data):

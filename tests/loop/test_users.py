@@ -182,6 +182,65 @@ def test_user_level_sweep_eager(counts, k, hidden, users, reduction, seed):
     assert private.model.compile_count == 2
 
 
+# Note [A dropout that keeps every element]
+# Dropout's mask is drawn inside the compiled graph, by Inductor's generator, so no eager reference
+# can draw the same one. At p = 1e-30 the draw and the comparison stay in the graph while the mask
+# keeps every element: a float32 uniform draw is 0 or at least 2**-24 (> p), and 1 / (1 - p) is
+# 1.0 in float32; the step must then equal the reference without dropout.
+KEEPS_ALL = 1e-30
+
+
+class DropoutNet(Net):
+    def __init__(self, p):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def _draws_in_forward(private) -> bool:
+    return "inductor_random" in private.model._dpfx_backend.stages.graphs["forward"]
+
+
+def test_dropout_under_per_user_equals_the_per_user_reference():
+    """Dropout draws its mask over the merged k*U rows (Note [A random draw holds no example] in
+    dpfx/graph/batch.py): through Inductor with the self-check on, the step at sigma 0 equals
+    the per-user clipped reference (Note [A dropout that keeps every element])."""
+    torch.manual_seed(0)
+    model = DropoutNet(KEEPS_ALL)
+    data, ids = user_data(COUNTS)
+    clip = user_bound(model, data, ids, K)
+    private = dpfx.make_private(
+        dpfx.per_user(model), torch.optim.SGD(model.parameters(), lr=0.0), data, batch_size=2,
+        user_ids=ids, max_examples_per_user=K, max_grad_norm=clip, noise_multiplier=0.0,
+        generator=torch.Generator().manual_seed(3))
+    sizes, norms = train_and_compare(model, private, ids, K, clip, "mean", steps=4,
+                                     tol={"rtol": 2e-4, "atol": 1e-6})
+    assert max(sizes) >= 2 and min(norms) < clip < max(norms), (sizes, norms)
+    assert _draws_in_forward(private)
+
+
+def test_dropout_under_per_user_trains_and_each_user_moves_the_step_by_at_most_C():
+    """At p = 0.1 (a real mask): sigma 0, sum over users, SGD at lr 1: the step is a sum of U
+    clipped user gradients, so its norm is at most U C, and it moves the weights."""
+    torch.manual_seed(0)
+    model, clip = DropoutNet(0.1), 0.05
+    data, ids = user_data(COUNTS)
+    private = dpfx.make_private(
+        dpfx.per_user(model), torch.optim.SGD(model.parameters(), lr=1.0), data,
+        batch_size=len(COUNTS), user_ids=ids, max_examples_per_user=K, max_grad_norm=clip,
+        noise_multiplier=0.0, loss_reduction="sum")
+    x, y, _, mask = next(iter(private.loader))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    private.optimizer.zero_grad()
+    user_loss("sum")(private.model(x), y, mask).backward()
+    private.optimizer.step()
+    step = before - torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert 0 < float(step.norm()) <= x.shape[0] * clip * (1 + 1e-5)
+    assert _draws_in_forward(private)
+
+
 def test_ops_that_mix_one_users_rows_are_accepted():
     """A model on (U, k, d) itself that centres each user's k rows: each user's gradient is that
     of its own loss on a batch of that one user, clipped as one."""
