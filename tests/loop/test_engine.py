@@ -127,6 +127,13 @@ def test_norm_stats_match_reference(backend):
     torch.testing.assert_close(dp.norm_stats.quantiles([0.5]),
                                torch.quantile(everything, torch.tensor([0.5])), rtol=1e-4,
                                atol=1e-5)
+    # printed, it reads as the numbers above
+    text = repr(dp.norm_stats)
+    median = float(torch.quantile(everything, 0.5))
+    assert text.startswith("NormStats(passes=3 (window 100), examples=10, clipped: last=")
+    assert f"total={100 * float((everything > 0.5).float().mean()):.1f}%" in text
+    assert f"group '' (every parameter): C=0.5, norms p10=" in text
+    assert f"p50={median:.4g}" in text and "object at" not in text
 
 
 def test_no_norm_stats_by_default():
