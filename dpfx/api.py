@@ -33,7 +33,7 @@ from dpfx.loss import track as loss_track
 from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
 from dpfx.capture.modules import check_modules, norm_layers
 from dpfx.loss.gate import ReleaseGate
-from dpfx.loop.release import check_loop_inputs, warn_if_plain_trainer
+from dpfx.loop.release import BatchSizes, check_loop_inputs, warn_if_plain_trainer
 
 
 class DPModule(torch.nn.Module):
@@ -64,7 +64,14 @@ class DPModule(torch.nn.Module):
         self._norm_layers = norm_layers(model)
         self._all_guarded = False
         self._compiles_seen = 0
+        # Note [Batch sizes far from expected_batch_size] in loop/release.py; with
+        # noise="optimizer" a release is a logical step, whose size DPOptimizer observes
+        self._batch_sizes = BatchSizes(config.expected_batch_size) if (
+            config.loss_reduction == "mean" and config.expected_batch_size is not None
+            and config.noise == "graph") else None
         object.__setattr__(self, "_entry_by_batch", {})
+        # Note [The model passed to dpfx.compile] in loss/gate.py
+        backend.gate.own((n, p) for n, p, trainable in self._trainable_at_compile if trainable)
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
@@ -304,6 +311,8 @@ class DPModule(torch.nn.Module):
             out = pytree.tree_map_only(torch.Tensor, functools.partial(
                 _real_rows, rows=batch, real=real), out)
         backend.gate.end_forward(training, real)
+        if training and self._batch_sizes is not None:
+            self._batch_sizes.observe(real)
         if backend.compiles != self._compiles_seen:
             self._after_capture()
         if training:

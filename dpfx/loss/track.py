@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 from dpfx.loss import check as loss_check, steady as loss_steady
 from dpfx.errors import PrivacyError
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES, TWO_FORWARDS,
-                            compiled_nodes)
+                            compiled_name, compiled_nodes)
 
 
 class LossScaleWarning(UserWarning):
@@ -778,6 +778,16 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
                 f"outside torch.compile.")
         if type(node).__name__ == "AccumulateGrad":
             if id(node.variable) not in trace.param_ids:
+                name = compiled_name(node.variable)
+                if name is not None:
+                    # Note [The model passed to dpfx.compile] in loss/gate.py
+                    raise PrivacyError(
+                        f"the loss ({_where()}) uses parameter '{name}' of the model given to "
+                        f"dpfx.compile directly: the model itself was called, not the module "
+                        f"dpfx.compile (or make_private) returned, so its gradient would be "
+                        f"neither clipped nor noised. Call the returned model: dp_model, "
+                        f"optimizer, loader, accountant = dpfx.make_private(model, ...); "
+                        f"loss = fn(dp_model(x), y). Nothing was released.")
                 raise PrivacyError(
                     f"the loss ({_where()}) uses a tensor that requires grad and is not a "
                     f"parameter of the dpfx-compiled model: its gradient would be neither "
