@@ -24,7 +24,8 @@ from dpfx import blocks as blocks_mod
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
-from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
+from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_while_capturing,
+                                 symbolic_batch_error)
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
 from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
@@ -288,7 +289,8 @@ class DPModule(torch.nn.Module):
         except torch._dynamo.exc.Unsupported as e:
             raise graph_break_error(e) from e
         except torch._dynamo.exc.TorchRuntimeError as e:
-            refusal = refusal_while_capturing(e)
+            refusal = refusal_while_capturing(e) or input_shape_error(
+                self._orig_mod, args, {k: v for k, v in kwargs.items() if k != TARGETS}, e)
             if refusal is None:
                 raise
             raise refusal from None
@@ -319,11 +321,11 @@ class DPModule(torch.nn.Module):
             if not self._all_guarded:
                 self._guard_gradients()
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
-            backend.gate.track(outputs, tensors)
+            release = backend.gate.track(outputs, tensors)
             if targets is not None:
                 return captured(out, backend)     # Note [The loss inside the graph]
             # Note [The loss inside the proof] in loss/track.py
-            out = track(out, backend, real, self._param_ids, tensors)
+            out = track(out, backend, real, self._param_ids, tensors, release)
         return out
 
     def _run_with_new_blocks(self, args, kwargs, targets, tensors):

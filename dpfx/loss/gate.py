@@ -44,6 +44,14 @@ one way to sum physical batches under one noise draw: ``signal_skip_step`` makes
 discards unstepped (noise="graph": the noisy gradient was in p.grad) is counted in the
 accountant all the same; with noise="optimizer" nothing was released and nothing is counted.
 
+A second ``loss.backward()`` without ``retain_graph`` would meet torch's "backward through the
+graph a second time" in the loss's own nodes, and with it, torch's error about donated buffers
+in the compiled function, before this hook: the loss tracker reads the forward's record
+(``track`` returns it) and raises dpfx's refusal first, before autograd runs
+(tests/loop/test_mis_setups.py::test_second_backward_is_named_first). ``backward(retain_graph=
+True)`` on a compiled backward that reuses its saved tensors' memory (donated buffers) is torch's
+refusal, at the first backward; ``proven`` names it as this rule.
+
 # Note [One forward per backward]
 Each backward graph clips the per-example gradients of its own forward. Two forwards that reach
 one backward (dp(a) + dp(b), a siamese net, two augmented views of each example) would be clipped
@@ -275,13 +283,16 @@ class ReleaseGate:
                 "to eager); the gradients would not be private")
         self._pending = batch
 
-    def track(self, outputs: list, inputs: list) -> None:
-        """Hook the backward of this forward's dpfx graph (Note [One release per forward])."""
+    def track(self, outputs: list, inputs: list) -> dict:
+        """Hook the backward of this forward's dpfx graph (Note [One release per forward]).
+        Returns the forward's release record: ``record["released"]`` once its backward ran."""
         stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
         nodes = compiled_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], stop)
-        hook = _release_hook(weakref.ref(self), {"released": False})
+        record = {"released": False}
+        hook = _release_hook(weakref.ref(self), record)
         for node in nodes:
             node.register_prehook(hook)
+        return record
 
     # -- the backward ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -290,6 +301,10 @@ class ReleaseGate:
         self._proven += 1
         try:
             yield
+        except RuntimeError as e:
+            if "donated buffers" not in str(e):
+                raise
+            raise RuntimeError(RETAINED_GRAPH) from None
         finally:
             self._proven -= 1
 
@@ -401,15 +416,24 @@ _PLAIN_GRADIENT = (
     "dpfx.public(model):`, which silences this warning. Said once per compiled model.")
 
 
+SECOND_BACKWARD = (
+    "a second backward of one dpfx forward (loss.backward() twice, with or without "
+    "retain_graph=True, or torch.autograd.grad then backward): every example of that batch would "
+    "be released again with fresh noise, 2*max_grad_norm in all, while one release is accounted. "
+    "Run a new forward for each backward. This backward has written nothing.")
+
+
+RETAINED_GRAPH = (
+    "backward(retain_graph=True) or create_graph=True: this model's compiled backward reuses the "
+    "memory of the tensors its forward saved, so its graph cannot be kept for another backward. "
+    "dpfx releases one forward by one backward anyway (a second is refused): call "
+    "loss.backward() without retain_graph, and run a new forward for each backward.")
+
+
 def _release_hook(gate_ref, state: dict):
     def hook(grad_outputs):
         if state["released"]:
-            raise PrivacyError(
-                "a second backward of one dpfx forward (backward(retain_graph=True) twice, or "
-                "torch.autograd.grad then backward): every example of that batch would be "
-                "released again with fresh noise, 2*max_grad_norm in all, while one release is "
-                "accounted. Run a new forward for each backward. This backward has written "
-                "nothing.")
+            raise PrivacyError(SECOND_BACKWARD)
         gate = gate_ref()
         if gate is not None:
             gate.open_release()
