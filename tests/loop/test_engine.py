@@ -194,6 +194,7 @@ def test_foreign_gradient_is_refused_at_step():
         opt.step()
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")   # empty batches: pure noise
 def test_optimizer_noise_std_and_seed():
     """DPOptimizer's noise: each parameter's slice (fc2.bias: 3 entries) and the pool have mean 0
     and std sigma*C/D within 5 standard errors (tests/support/noise_stats.py); the seed replays
@@ -293,6 +294,7 @@ def test_secure_standard_normal_statistics():
     assert not torch.equal(secure_standard_normal(8), secure_standard_normal(8))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")   # empty batches: pure noise
 def test_secure_mode_noise_and_refusals():
     model = MLP(8, 32, 4)
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=4.0, backend="eager",
