@@ -158,10 +158,6 @@ BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 # with a batch of dpfx's loader reaches the loss check, whose refusal names the parameter as the
 # model's own (loss/track.py); ``DPOptimizer.step()`` refuses a plain gradient in either case
 # (Note [Only dpfx's gradients reach a private step]). (tests/loop/test_mis_setups.py)
-class MissingZeroGradWarning(UserWarning):
-    """A release added to the gradient of an earlier optimizer step (no zero_grad() between)."""
-
-
 class PlainGradientWarning(UserWarning):
     """The model given to dpfx.compile trained outside dpfx: its parameters received gradients
     that are neither clipped nor noised."""
@@ -466,6 +462,10 @@ def second_backward_error(noise: str) -> PrivacyError:
         f"micro-batches into one step use virtual batches (make_private(..., "
         f"max_physical_batch_size=...) or dpfx.VirtualBatches), which noise the sum once and "
         f"account it as one logical batch. This backward has written nothing.")
+
+
+class MissingZeroGradWarning(UserWarning):
+    """A release added to the gradient of an earlier optimizer step (no zero_grad() between)."""
 
 
 class GradientLedger:

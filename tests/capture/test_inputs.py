@@ -272,6 +272,7 @@ def test_gradient_from_outside_the_graph_refused():
     assert model.spare.weight.grad is None and model.spare.bias.grad is None
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_second_use_outside_the_graph_refused(backend):
     """A parameter the graph reads and the loss uses as well: autograd would add the plain
