@@ -159,8 +159,9 @@ NO_META_TRACEBACK = _NoMetaTraceback()
 # mode (shapes only, no data, no gradient) on fake copies of the inputs, with a forward pre-hook
 # and hook on every module that keep the stack of modules entered and not left: when an op
 # raises, the innermost one is the layer. The error names it (path and type), what it expects
-# (its input size, where its type has one) and the shapes it got. If the fake run passes or
-# fails otherwise, dynamo's error stands. (tests/capture/test_inputs.py::
+# (its input size, where its type has one) and the shapes it got. If the fake run passes, or
+# fails on what fake tensors cannot do (a value read from the data, an op without a fake
+# kernel), dynamo's error stands. (tests/capture/test_inputs.py::
 # test_wrong_feature_size_is_named)
 def input_shape_error(model: torch.nn.Module, args: tuple, kwargs: dict,
                       e: Exception) -> CaptureError | None:
@@ -185,6 +186,8 @@ def input_shape_error(model: torch.nn.Module, args: tuple, kwargs: dict,
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
             model(*fake[0], **fake[1])
         return None
+    except _NOT_A_SHAPE:        # the fake run's own limits, not the input's size
+        return None
     except RuntimeError as failure:
         layer = next(((m, shapes) for m, shapes in reversed(entered) if m in names), None)
         if layer is None:
@@ -204,6 +207,13 @@ def input_shape_error(model: torch.nn.Module, args: tuple, kwargs: dict,
         for hook in hooks:
             hook.remove()
         FAKE_TENSOR_LOG.removeFilter(NO_META_TRACEBACK)
+
+
+_NOT_A_SHAPE = (torch._subclasses.fake_tensor.DataDependentOutputException,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                torch._subclasses.fake_tensor.UnsupportedOperatorException,
+                torch._subclasses.fake_tensor.UnsupportedFakeTensorException,
+                GuardOnDataDependentSymNode)
 
 
 def _shape(shape: tuple) -> str:

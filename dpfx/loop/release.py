@@ -95,9 +95,10 @@ def public(model: torch.nn.Module):
 # of n sizes has standard deviation at most sqrt(D / n). The sizes are tested at n = 8, 16, 32,
 # ... (a handful of tests over any run, so their false alarms do not add up): the warning needs
 # the mean more than 6 of those deviations from D *and* more than 20% away from it. A single
-# batch, small or empty, never warns; dpfx's own Poisson loader at any q is 6 deviations from
-# its mean with probability below 1e-6 per test (the Poisson tail at D = 1, n = 8). One integer
-# sum per release; the test itself runs at those n only. (tests/loop/test_mis_setups.py)
+# batch, small or empty, never warns. dpfx's own Poisson loader fails a test with probability
+# 1.2e-6 at worst (D = 1, n = 8, the Poisson tail, which bounds the binomial's), below 1.3e-7
+# from D = 2 or n = 16 on. One integer sum per release; the test itself runs at those n only.
+# (tests/loop/test_mis_setups.py)
 class BatchSizeWarning(UserWarning):
     """The batches are far from expected_batch_size, which divides the private gradient."""
 
