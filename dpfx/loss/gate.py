@@ -152,7 +152,9 @@ BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 # post-accumulate-grad hook that every trainable parameter carries from compile on
 # (``accumulated``) finds a gradient that no backward of dpfx's graph wrote. The first such
 # backward warns (``PlainGradientWarning``), once per compiled model; a private step costs
-# nothing more, since the check runs only on the plain branch. A deliberate public phase (pre-
+# nothing more, since the check runs only on the plain branch. A backward of another module
+# compiled over the same model (two dpfx.compile calls, one padded to buckets and one not) is
+# plain to this model's gate but private: it is not warned about. A deliberate public phase (pre-
 # training on public data before the private one) is declared with ``with dpfx.public(model):``
 # (loop/release.py), under which plain backwards are expected and nothing is said. The same slip
 # with a batch of dpfx's loader reaches the loss check, whose refusal names the parameter as the
@@ -165,17 +167,13 @@ class PlainGradientWarning(UserWarning):
 
 # each trainable parameter of a compiled model -> (its model's gate, its name), latest compile
 _COMPILED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GATES: "weakref.WeakSet[ReleaseGate]" = weakref.WeakSet()   # every live gate with parameters
 
 
 def gates_of(params) -> list["ReleaseGate"]:
-    """The gates of the compiled models that ``params`` belong to."""
-    gates = []
-    for p in params:
-        entry = _COMPILED.get(p)
-        gate = entry[0]() if entry is not None else None
-        if gate is not None and all(gate is not g for g in gates):
-            gates.append(gate)
-    return gates
+    """The gates of the compiled modules that ``params`` belong to (each dpfx.compile of it)."""
+    ids = {id(p) for p in params}
+    return [g for g in list(_GATES) if g._owned & ids]
 
 
 def compiled_name(t: torch.Tensor) -> str | None:
@@ -215,6 +213,7 @@ class ReleaseGate:
         self._public_phases = 0      # > 0 inside ``dpfx.public`` (Note [The model passed to
                                      # dpfx.compile])
         self._warned_plain = False   # PlainGradientWarning said once
+        self._owned: set[int] = set()   # ids of the model's trainable parameters
         self.ledger = GradientLedger()
 
     def own(self, named_params) -> None:
@@ -222,6 +221,13 @@ class ReleaseGate:
         dpfx.compile])."""
         for name, p in named_params:
             _COMPILED[p] = (weakref.ref(self), name)
+            self._owned.add(id(p))
+        _GATES.add(self)
+
+    def _elsewhere(self) -> bool:
+        """This backward ran the graph of another module compiled over the same parameters."""
+        task = torch._C._current_graph_task_id()
+        return any(g is not self and g._graph_task == task for g in _GATES)
 
     @contextlib.contextmanager
     def public(self):
@@ -375,7 +381,7 @@ class ReleaseGate:
             return
         if torch._C._current_graph_task_id() != self._graph_task:
             self.ledger.accumulated_plain(name, p)
-            if not self._public_phases and not self._warned_plain:
+            if not self._public_phases and not self._warned_plain and not self._elsewhere():
                 self._warned_plain = True
                 warn_at_caller(_PLAIN_GRADIENT.format(name=name), PlainGradientWarning)
             return

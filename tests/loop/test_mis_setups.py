@@ -96,6 +96,30 @@ def test_public_phase_is_silent(declared):
         _xent(model(x), y).backward()
 
 
+def test_two_modules_over_one_model():
+    """Two dpfx.compile calls over one model (one padded to buckets, one not): the backward of
+    either is private and says nothing to the other; dpfx.public(model) covers both."""
+    torch.manual_seed(0)
+    model = MLP()
+    padded = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, batch_buckets=(8,))
+    plain = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend="eager")
+    x, y = _data(6)
+    with _Silent(dpfx.PlainGradientWarning):
+        for dp in (padded, plain, padded):
+            model.zero_grad()
+            _xent(dp(x), y).backward()
+            assert_close({k: p.grad for k, p in model.named_parameters()},
+                         dp_sgd_grads(model, _xent, x, y, max_grad_norm=0.5), rtol=1e-4,
+                         atol=1e-6)
+        with dpfx.public(model):
+            model.zero_grad()
+            _xent(model(x), y).backward()
+    with pytest.warns(dpfx.PlainGradientWarning) as seen:
+        model.zero_grad()
+        _xent(model(x), y).backward()
+    assert len(seen) == 2       # once for each compiled module
+
+
 def test_make_private_names_the_returned_model():
     """Under make_private the same slip reaches the loss check, which names the parameter as
     the model's own and the fix (call the returned model), before anything is written."""
