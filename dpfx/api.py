@@ -24,7 +24,8 @@ from dpfx import blocks as blocks_mod
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
-from dpfx.capture.errors import graph_break_error, refusal_while_capturing, symbolic_batch_error
+from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_while_capturing,
+                                 symbolic_batch_error)
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
 from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
@@ -33,7 +34,7 @@ from dpfx.loss import track as loss_track
 from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
 from dpfx.capture.modules import check_modules, norm_layers
 from dpfx.loss.gate import ReleaseGate
-from dpfx.loop.release import check_loop_inputs, warn_if_plain_trainer
+from dpfx.loop.release import BatchSizes, check_loop_inputs, warn_if_plain_trainer
 
 
 class DPModule(torch.nn.Module):
@@ -64,7 +65,14 @@ class DPModule(torch.nn.Module):
         self._norm_layers = norm_layers(model)
         self._all_guarded = False
         self._compiles_seen = 0
+        # Note [Batch sizes far from expected_batch_size] in loop/release.py; with
+        # noise="optimizer" a release is a logical step, whose size DPOptimizer observes
+        self._batch_sizes = BatchSizes(config.expected_batch_size) if (
+            config.loss_reduction == "mean" and config.expected_batch_size is not None
+            and config.noise == "graph") else None
         object.__setattr__(self, "_entry_by_batch", {})
+        # Note [The model passed to dpfx.compile] in loss/gate.py
+        backend.gate.own((n, p) for n, p, trainable in self._trainable_at_compile if trainable)
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
@@ -281,7 +289,8 @@ class DPModule(torch.nn.Module):
         except torch._dynamo.exc.Unsupported as e:
             raise graph_break_error(e) from e
         except torch._dynamo.exc.TorchRuntimeError as e:
-            refusal = refusal_while_capturing(e)
+            refusal = refusal_while_capturing(e) or input_shape_error(
+                self._orig_mod, args, {k: v for k, v in kwargs.items() if k != TARGETS}, e)
             if refusal is None:
                 raise
             raise refusal from None
@@ -304,17 +313,19 @@ class DPModule(torch.nn.Module):
             out = pytree.tree_map_only(torch.Tensor, functools.partial(
                 _real_rows, rows=batch, real=real), out)
         backend.gate.end_forward(training, real)
+        if training and self._batch_sizes is not None:
+            self._batch_sizes.observe(real)
         if backend.compiles != self._compiles_seen:
             self._after_capture()
         if training:
             if not self._all_guarded:
                 self._guard_gradients()
             outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
-            backend.gate.track(outputs, tensors)
+            release = backend.gate.track(outputs, tensors)
             if targets is not None:
                 return captured(out, backend)     # Note [The loss inside the graph]
             # Note [The loss inside the proof] in loss/track.py
-            out = track(out, backend, real, self._param_ids, tensors)
+            out = track(out, backend, real, self._param_ids, tensors, release)
         return out
 
     def _run_with_new_blocks(self, args, kwargs, targets, tensors):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dpfx.capture import batch_branches
+from dpfx.capture.errors import FAKE_TENSOR_LOG, NO_META_TRACEBACK
 from dpfx.capture.traceable import ALL, Captured, Swaps
 
 
@@ -240,13 +241,18 @@ class DynamoSettings:
         config.fail_on_recompile_limit_hit = True
         config.ignore_logging_functions = _skipped_logging(self._old[2])
         config.allow_rnn = True
+        FAKE_TENSOR_LOG.addFilter(NO_META_TRACEBACK)     # Note [An op that fails on the
+                                                          # fake inputs] in capture/errors.py
         return self
 
     def __exit__(self, *exc):
         config = torch._dynamo.config
         (config.recompile_limit, config.fail_on_recompile_limit_hit,
          config.ignore_logging_functions, config.allow_rnn) = self._old
+        FAKE_TENSOR_LOG.removeFilter(NO_META_TRACEBACK)
         return False
+
+
 
 
 def _skipped_logging(current: set) -> set:

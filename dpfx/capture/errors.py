@@ -4,9 +4,12 @@ each with the lines of the model's code that led to it (read by one parser of dy
 "from user code:" text)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import sympy
+import torch
+import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpfx.errors import CaptureError, DPFXError
@@ -134,3 +137,103 @@ def symbolic_batch_error(e: Exception) -> CaptureError:
 
 def _is_condition(expr) -> bool:
     return bool(expr.is_Relational) or isinstance(expr, sympy.logic.boolalg.BooleanFunction)
+
+
+# Note [An op that fails on the fake inputs]
+# An op that cannot run on the captured inputs (a Linear(20, 64) fed [B, 21]) fails in its meta
+# kernel while dynamo traces; torch's fake-tensor mode logs the traceback at ERROR level (about
+# 20 lines) before dynamo raises it again as a TorchRuntimeError. The error is raised anyway, and
+# dpfx names it (``input_shape_error``): the log lines are dropped while dpfx captures
+# (capture/entry.py's DynamoSettings) and while it finds the layer, and only they.
+# (tests/capture/test_inputs.py::test_wrong_feature_size_is_named)
+class _NoMetaTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+NO_META_TRACEBACK = _NoMetaTraceback()
+
+
+# Note [Naming the layer an input does not fit]
+# An input of the wrong size (a Linear(20, 64) fed [B, 21]) fails while dynamo traces the model
+# on fake inputs, as a TorchRuntimeError about symbolic shapes (``[u0, 21] X [20, 64]``) inside
+# dpfx's entry. Only in that failure, the model runs once more, eagerly in torch's fake-tensor
+# mode (shapes only, no data, no gradient) on fake copies of the inputs, with a forward pre-hook
+# and hook on every module that keep the stack of modules entered and not left: when an op
+# raises, the innermost one is the layer. The error names it (path and type), what it expects
+# (its input size, where its type has one) and the shapes it got. If the fake run passes, or
+# fails on what fake tensors cannot do (a value read from the data, an op without a fake
+# kernel), dynamo's error stands. (tests/capture/test_inputs.py::
+# test_wrong_feature_size_is_named)
+def input_shape_error(model: torch.nn.Module, args: tuple, kwargs: dict,
+                      e: Exception) -> CaptureError | None:
+    if "when making fake tensor call" not in str(e):
+        return None
+    names = {m: n for n, m in model.named_modules()}
+    entered: list = []
+
+    def enter(module, inputs):
+        entered.append((module, [tuple(t.shape) for t in pytree.tree_leaves(inputs)
+                                 if isinstance(t, torch.Tensor)]))
+
+    def leave(module, inputs, output):
+        entered.pop()
+
+    hooks = (torch.nn.modules.module.register_module_forward_pre_hook(enter),
+             torch.nn.modules.module.register_module_forward_hook(leave))
+    FAKE_TENSOR_LOG.addFilter(NO_META_TRACEBACK)
+    try:
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+                torch.no_grad():
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake[0], **fake[1])
+        return None
+    except _NOT_A_SHAPE:        # the fake run's own limits, not the input's size
+        return None
+    except RuntimeError as failure:
+        layer = next(((m, shapes) for m, shapes in reversed(entered) if m in names), None)
+        if layer is None:
+            return None
+        module, shapes = layer
+        given = ", ".join(_shape(s) for s in shapes) or "no tensor"
+        name = f"layer '{names[module]}'" if names[module] else "the model"
+        expects = _expected_input(module)
+        return CaptureError(
+            f"the input of {name} ({type(module).__name__}) does not fit it: "
+            + (f"it expects {expects} and got {given}" if expects else f"it got {given}")
+            + f" ({str(failure).splitlines()[0].rstrip('.')}). Check the inputs' sizes against "
+            f"the model's ({module!r}).")
+    except Exception:
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        FAKE_TENSOR_LOG.removeFilter(NO_META_TRACEBACK)
+
+
+_NOT_A_SHAPE = (torch._subclasses.fake_tensor.DataDependentOutputException,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                torch._subclasses.fake_tensor.UnsupportedOperatorException,
+                torch._subclasses.fake_tensor.UnsupportedFakeTensorException,
+                GuardOnDataDependentSymNode)
+
+
+def _shape(shape: tuple) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _expected_input(module: torch.nn.Module) -> str | None:
+    """The input shape a layer's own settings fix, where its type has them."""
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return f"[B, {module.in_channels}, ...] ({module.in_channels} channels)"
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        return f"[..., {', '.join(str(d) for d in module.normalized_shape)}]"
+    if isinstance(module, torch.nn.GroupNorm):
+        return f"[B, {module.num_channels}, ...]"
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return f"[..., {module.embed_dim}]"
+    for size in ("in_features", "input_size", "in1_features"):
+        if isinstance(getattr(module, size, None), int):
+            return f"[..., {getattr(module, size)}]"
+    return None

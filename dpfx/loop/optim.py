@@ -60,16 +60,22 @@ import torch.distributed as dist
 
 from dpfx.backend import DPBackend
 from dpfx.ops.noise import add_noise_keyed
-from dpfx.errors import PrivacyError
+from dpfx.errors import DPFXWarning, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
 from dpfx.loop.noise import add_gaussian_, noise_generator, secure_gaussian
 from dpfx.privacy import Accountant
 from dpfx.loop.ranks import check_same_model, peer_error, rank_of, world_of
+from dpfx.loop.release import BatchSizes
+from dpfx.loss.gate import warn_at_caller
 
 # Set once at construction: changing them later would make the noise, the divisor or the
 # accountant disagree with the compiled model (Opacus users set optimizer.noise_multiplier).
 _FIXED_SETTINGS = {"noise_multiplier", "max_grad_norm", "expected_batch_size", "loss_reduction",
                    "sample_rate", "secure_mode"}
+
+
+class NoNoiseWarning(DPFXWarning):
+    """A DPOptimizer with noise_multiplier=0: the steps are not private (epsilon is infinite)."""
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -176,6 +182,16 @@ class DPOptimizer(torch.optim.Optimizer):
         # Note [One release per accounted step] in loss/gate.py: from now on a second backward
         # before step() is refused
         self._gate.attach(self, config.noise)
+        # Note [Batch sizes far from expected_batch_size] in loop/release.py: with
+        # noise="optimizer" the logical step is the release; on several ranks each sees a shard
+        self._batch_sizes = BatchSizes(config.expected_batch_size) if (
+            config.noise == "optimizer" and self.world <= 1 and config.loss_reduction == "mean"
+            and config.expected_batch_size is not None) else None
+        if config.noise_multiplier == 0:
+            warn_at_caller(
+                "noise_multiplier=0: no noise is added, so the steps are not differentially "
+                "private and epsilon is infinite, whatever else the accountant reports. Use it "
+                "to debug or to compare with non-private training only.", NoNoiseWarning)
 
     def __setattr__(self, name, value):
         if name in _FIXED_SETTINGS and "_gate" in self.__dict__:
@@ -262,10 +278,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
         examples, count = self.dp_model.examples, self._take_count()
+        if self._batch_sizes is not None:
+            self._batch_sizes.observe(examples)
         count = self._privatize(count)      # several ranks: the count goes with the sums
         self._adapt(count, examples)
         self._gate.close_step()
         self.original_optimizer.step()
+        self._gate.ledger.stepped()     # Note [Gradients kept across steps] in loss/gate.py
         self._open = False
         self.steps += 1
         self._account()

@@ -5,16 +5,24 @@ loop that accounts nothing.
                                # or unfrozen since compile
     loss.backward()            # the first release: warn_if_plain_trainer, when a plain
                                # transformers.Trainer drives the loop
+    with dpfx.public(model):   # a deliberate public phase: the model trained directly, without
+        pretrain(model)        # PlainGradientWarning
+    BatchSizes(D).observe(B)   # each release's batch size against expected_batch_size
 
 The state of a release (one per forward, one per optimizer step, only dpfx's gradients in a
 private step) has one owner, the release gate (loss/gate.py), and its Notes are there.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 import warnings
 
+import torch
+
 from dpfx.errors import PrivacyError, DPFXWarning
+from dpfx.loss.gate import gates_of, warn_at_caller
 
 
 def check_loop_inputs(module, tensors: list) -> None:
@@ -64,3 +72,66 @@ def warn_if_plain_trainer() -> None:
                 UnaccountedTrainingWarning, stacklevel=2)
             return
         frame = frame.f_back
+
+
+@contextlib.contextmanager
+def public(model: torch.nn.Module):
+    """A deliberate public phase of a compiled model (pre-training on public data): inside it,
+    ``model`` (or the module dpfx.compile returned for it) trains with plain gradients and no
+    ``PlainGradientWarning`` is raised (Note [The model passed to dpfx.compile] in loss/gate.py).
+    Nothing private changes: dpfx's own forward and backward still clip and noise, and
+    ``DPOptimizer.step()`` still refuses a plain gradient, so step the public phase with a torch
+    optimizer and ``zero_grad()`` before the private phase."""
+    with contextlib.ExitStack() as phases:
+        for gate in gates_of(model.parameters()):
+            phases.enter_context(gate.public())
+        yield
+
+
+# Note [Batch sizes far from expected_batch_size]
+# With loss_reduction="mean" and expected_batch_size=D the release is divided by D, whatever the
+# batch's size: batches of 32 under D=256 give gradients 8x too small, silently. Under Poisson
+# sampling a batch's size is Binomial(N, q) with mean D and variance D(1 - q) <= D, so the mean
+# of n sizes has standard deviation at most sqrt(D / n). The sizes are tested at n = 8, 16, 32,
+# ... (a handful of tests over any run, so their false alarms do not add up): the warning needs
+# the mean more than 6 of those deviations from D *and* more than 20% away from it. A single
+# batch, small or empty, never warns. dpfx's own Poisson loader fails a test with probability
+# 1.2e-6 at worst (D = 1, n = 8, the Poisson tail, which bounds the binomial's), below 1.3e-7
+# from D = 2 or n = 16 on. One integer sum per release; the test itself runs at those n only.
+# (tests/loop/test_mis_setups.py)
+class BatchSizeWarning(DPFXWarning):
+    """The batches are far from expected_batch_size, which divides the private gradient."""
+
+
+class BatchSizes:
+    """The sizes of the releases of one model, tested against D (Note [Batch sizes far from
+    expected_batch_size])."""
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.count = 0
+        self.total = 0
+        self._next_test = 8
+
+    def observe(self, size: int) -> None:
+        self.count += 1
+        self.total += size
+        if self.count == self._next_test:
+            self._next_test = 2 * self.count if self._test() else 0
+
+    def _test(self) -> bool:
+        """False once it has warned (no more tests)."""
+        mean, d = self.total / self.count, self.expected
+        std = math.sqrt(d / self.count)
+        if abs(mean - d) <= max(6 * std, 0.2 * d):
+            return True
+        warn_at_caller(
+            f"the batches are far from expected_batch_size={d}: {self.count} batches averaged "
+            f"{mean:.1f} examples, where Poisson sampling at that expected size gives {d} +- "
+            f"{std:.2g}. The private gradient is divided by expected_batch_size, not by the "
+            f"batch's size, so each step's gradient is {mean / d:.3g}x what a mean over the batch "
+            f"would give, and the noise is sized for batches of {d}. Pass expected_batch_size = "
+            f"q * N for the sampling rate q (dpfx.expected_batch_size(N, q)), and sample the "
+            f"batches with dpfx.poisson_loader(dataset, q), which that divisor and the "
+            f"accountant assume.", BatchSizeWarning)
+        return False

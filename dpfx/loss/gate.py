@@ -44,6 +44,14 @@ one way to sum physical batches under one noise draw: ``signal_skip_step`` makes
 discards unstepped (noise="graph": the noisy gradient was in p.grad) is counted in the
 accountant all the same; with noise="optimizer" nothing was released and nothing is counted.
 
+A second ``loss.backward()`` without ``retain_graph`` would meet torch's "backward through the
+graph a second time" in the loss's own nodes, and with it, torch's error about donated buffers
+in the compiled function, before this hook: the loss tracker reads the forward's record
+(``track`` returns it) and raises dpfx's refusal first, before autograd runs
+(tests/loop/test_mis_setups.py::test_second_backward_is_named_first). ``backward(retain_graph=
+True)`` on a compiled backward that reuses its saved tensors' memory (donated buffers) is torch's
+refusal, at the first backward; ``proven`` names it as this rule.
+
 # Note [One forward per backward]
 Each backward graph clips the per-example gradients of its own forward. Two forwards that reach
 one backward (dp(a) + dp(b), a siamese net, two augmented views of each example) would be clipped
@@ -104,12 +112,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
+import warnings
 import weakref
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from dpfx.errors import PrivacyError
+import dpfx
+from dpfx.errors import DPFXWarning, PrivacyError
 
 _COMPILED_NODE = "CompiledFunctionBackward"
 
@@ -132,6 +145,54 @@ BACKWARD_SIGNATURES = {f: inspect.signature(f) for f in BACKWARD_CALLS}
 BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 
 
+# Note [The model passed to dpfx.compile]
+# ``dp = dpfx.compile(model, ...)`` shares the model's parameters, and ``model`` itself still
+# trains: ``model(x).backward()`` and a torch optimizer give ordinary, non-private gradients. The
+# slip is silent unless dpfx says so, and dpfx sees it where it already looks: the
+# post-accumulate-grad hook that every trainable parameter carries from compile on
+# (``accumulated``) finds a gradient that no backward of dpfx's graph wrote. The first such
+# backward warns (``PlainGradientWarning``), once per compiled model; a private step costs
+# nothing more, since the check runs only on the plain branch. A backward of another module
+# compiled over the same model (two dpfx.compile calls, one padded to buckets and one not) is
+# plain to this model's gate but private: it is not warned about. A deliberate public phase (pre-
+# training on public data before the private one) is declared with ``with dpfx.public(model):``
+# (loop/release.py), under which plain backwards are expected and nothing is said. The same slip
+# with a batch of dpfx's loader reaches the loss check, whose refusal names the parameter as the
+# model's own (loss/track.py); ``DPOptimizer.step()`` refuses a plain gradient in either case
+# (Note [Only dpfx's gradients reach a private step]). (tests/loop/test_mis_setups.py)
+class PlainGradientWarning(DPFXWarning):
+    """The model given to dpfx.compile trained outside dpfx: its parameters received gradients
+    that are neither clipped nor noised."""
+
+
+# each trainable parameter of a compiled model -> (its model's gate, its name), latest compile
+_COMPILED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GATES: "weakref.WeakSet[ReleaseGate]" = weakref.WeakSet()   # every live gate with parameters
+
+
+def gates_of(params) -> list["ReleaseGate"]:
+    """The gates of the compiled modules that ``params`` belong to (each dpfx.compile of it)."""
+    ids = {id(p) for p in params}
+    return [g for g in list(_GATES) if g._owned & ids]
+
+
+def compiled_name(t: torch.Tensor) -> str | None:
+    """The parameter name of ``t`` in a model passed to dpfx.compile, else None."""
+    entry = _COMPILED.get(t)
+    return entry[1] if entry is not None and entry[0]() is not None else None
+
+
+def warn_at_caller(message: str, category: type) -> None:
+    """Warn at the first frame outside torch and dpfx (the user's line that led here)."""
+    level, f = 2, sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, f = level + 1, f.f_back
+    warnings.warn(message, category, stacklevel=level if f is not None else 3)
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(dpfx.__file__))
+
+
 class ReleaseGate:
     """The release state of one compiled model (module docstring)."""
 
@@ -150,7 +211,33 @@ class ReleaseGate:
         self._examples = 0           # examples in the clipped sums
         self._sums: dict[str, torch.Tensor] = {}
         self._left: str | None = None   # what took the last captured loss out of the release
+        self._public_phases = 0      # > 0 inside ``dpfx.public`` (Note [The model passed to
+                                     # dpfx.compile])
+        self._warned_plain = False   # PlainGradientWarning said once
+        self._owned: set[int] = set()   # ids of the model's trainable parameters
         self.ledger = GradientLedger()
+
+    def own(self, named_params) -> None:
+        """The trainable parameters of this gate's model (Note [The model passed to
+        dpfx.compile])."""
+        for name, p in named_params:
+            _COMPILED[p] = (weakref.ref(self), name)
+            self._owned.add(id(p))
+        _GATES.add(self)
+
+    def _elsewhere(self) -> bool:
+        """This backward ran the graph of another module compiled over the same parameters."""
+        task = torch._C._current_graph_task_id()
+        return any(g is not self and g._graph_task == task for g in _GATES)
+
+    @contextlib.contextmanager
+    def public(self):
+        """A deliberate public phase: plain backwards on the model are expected."""
+        self._public_phases += 1
+        try:
+            yield
+        finally:
+            self._public_phases -= 1
 
     # -- what others read --------------------------------------------------------------------
     @property
@@ -206,13 +293,16 @@ class ReleaseGate:
                 "to eager); the gradients would not be private")
         self._pending = batch
 
-    def track(self, outputs: list, inputs: list) -> None:
-        """Hook the backward of this forward's dpfx graph (Note [One release per forward])."""
+    def track(self, outputs: list, inputs: list) -> dict:
+        """Hook the backward of this forward's dpfx graph (Note [One release per forward]).
+        Returns the forward's release record: ``record["released"]`` once its backward ran."""
         stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
         nodes = compiled_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], stop)
-        hook = _release_hook(weakref.ref(self), {"released": False})
+        record = {"released": False}
+        hook = _release_hook(weakref.ref(self), record)
         for node in nodes:
             node.register_prehook(hook)
+        return record
 
     # -- the backward ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -221,6 +311,10 @@ class ReleaseGate:
         self._proven += 1
         try:
             yield
+        except RuntimeError as e:
+            if "donated buffers" not in str(e):
+                raise
+            raise RuntimeError(RETAINED_GRAPH) from None
         finally:
             self._proven -= 1
 
@@ -302,6 +396,9 @@ class ReleaseGate:
             return
         if torch._C._current_graph_task_id() != self._graph_task:
             self.ledger.accumulated_plain(name, p)
+            if not self._public_phases and not self._warned_plain and not self._elsewhere():
+                self._warned_plain = True
+                warn_at_caller(_PLAIN_GRADIENT.format(name=name), PlainGradientWarning)
             return
         if noise == "graph":
             self.ledger.released(name, p)
@@ -327,15 +424,33 @@ class ReleaseGate:
         self._unstepped = False
 
 
+_PLAIN_GRADIENT = (
+    "parameter '{name}' received a gradient from a backward that did not run through dpfx: "
+    "the model given to dpfx.compile was trained directly, so its gradients are neither clipped "
+    "nor noised and a torch optimizer would step them without privacy. Call the model "
+    "dpfx.compile returned (dp_model = dpfx.compile(model, ...); loss = fn(dp_model(x), y)). For "
+    "a deliberate public phase (pre-training on public data), run it inside `with "
+    "dpfx.public(model):`, which silences this warning. Said once per compiled model.")
+
+
+SECOND_BACKWARD = (
+    "a second backward of one dpfx forward (loss.backward() twice, with or without "
+    "retain_graph=True, or torch.autograd.grad then backward): every example of that batch would "
+    "be released again with fresh noise, 2*max_grad_norm in all, while one release is accounted. "
+    "Run a new forward for each backward. This backward has written nothing.")
+
+
+RETAINED_GRAPH = (
+    "backward(retain_graph=True) or create_graph=True: this model's compiled backward reuses the "
+    "memory of the tensors its forward saved, so its graph cannot be kept for another backward. "
+    "dpfx releases one forward by one backward anyway (a second is refused): call "
+    "loss.backward() without retain_graph, and run a new forward for each backward.")
+
+
 def _release_hook(gate_ref, state: dict):
     def hook(grad_outputs):
         if state["released"]:
-            raise PrivacyError(
-                "a second backward of one dpfx forward (backward(retain_graph=True) twice, or "
-                "torch.autograd.grad then backward): every example of that batch would be "
-                "released again with fresh noise, 2*max_grad_norm in all, while one release is "
-                "accounted. Run a new forward for each backward. This backward has written "
-                "nothing.")
+            raise PrivacyError(SECOND_BACKWARD)
         gate = gate_ref()
         if gate is not None:
             gate.open_release()
@@ -370,21 +485,33 @@ def second_backward_error(noise: str) -> PrivacyError:
         f"account it as one logical batch. This backward has written nothing.")
 
 
+class MissingZeroGradWarning(DPFXWarning):
+    """A release added to the gradient of an earlier optimizer step (no zero_grad() between)."""
+
+
 class GradientLedger:
     """Which tensor each parameter's p.grad was after autograd last accumulated into it, and
     whether it then held dpfx's release or a plain gradient (Note [Only dpfx's gradients reach a
     private step])."""
 
     def __init__(self):
-        self._grads: dict[str, tuple[weakref.ref, bool]] = {}   # name -> (p.grad, dpfx's?)
+        # name -> (p.grad, dpfx's?, the optimizer steps taken before it was written)
+        self._grads: dict[str, tuple[weakref.ref, bool, int]] = {}
+        self._steps = 0
+        self._warned_kept = False
 
     def released(self, name: str, p: torch.Tensor) -> None:
         """dpfx's backward accumulated its release into p.grad, or DPOptimizer wrote it."""
-        self._grads[name] = (weakref.ref(p.grad), True)
+        self._grads[name] = (weakref.ref(p.grad), True, self._steps)
 
     def accumulated_plain(self, name: str, p: torch.Tensor) -> None:
         """A backward that did not run dpfx's graph accumulated into p.grad."""
-        self._grads[name] = (weakref.ref(p.grad), False)
+        self._grads[name] = (weakref.ref(p.grad), False, self._steps)
+
+    def stepped(self) -> None:
+        """DPOptimizer's inner optimizer stepped the gradients (Note [Gradients kept across
+        steps])."""
+        self._steps += 1
 
     def vouches(self, name: str, grad: torch.Tensor | None) -> bool:
         entry = self._grads.get(name)
@@ -404,12 +531,36 @@ class GradientLedger:
     def before_accumulate(self, name: str, p: torch.Tensor) -> None:
         held = self._unvouched(name, p.grad)
         if held is None:
+            if p.grad is not None and not self._warned_kept:
+                self._check_kept(name, p.grad)
             return
         raise PrivacyError(
             f"parameter '{name}' already holds a gradient that is not dpfx's release: {held}; "
             f"dpfx's private gradient would be added to it. Call zero_grad() before the "
             f"private forward and backward. Gradients of this backward may be partly written: "
             f"zero them before the next step.")
+
+    # Note [Gradients kept across steps]
+    # Without zero_grad() between DPOptimizer.step() and the next backward, dpfx's release is
+    # added to the one already stepped, and every step applies the sum of all releases so far.
+    # That is post-processing of private releases (nothing leaks), but it is not DP-SGD's
+    # training, and nothing else would say so. The ledger knows which release p.grad holds and
+    # how many steps the inner optimizer has taken since it was written: a release written before
+    # the last step, not all zero, about to receive another, warns once. A p.grad set to None by
+    # zero_grad() is never read. (tests/loop/test_mis_setups.py)
+    def _check_kept(self, name: str, grad: torch.Tensor) -> None:
+        entry = self._grads.get(name)
+        if entry is None or entry[2] == self._steps or entry[0]() is not grad \
+                or not bool(grad.any()):
+            return
+        self._warned_kept = True
+        warn_at_caller(
+            f"parameter '{name}' still holds the gradient of the last optimizer step, and this "
+            f"backward adds to it: there was no zero_grad() between optimizer.step() and this "
+            f"backward, so gradients accumulate across steps and every step applies the sum of "
+            f"all releases so far. Call optimizer.zero_grad() before each forward (to sum "
+            f"micro-batches into one step, use virtual batches). Said once per compiled model.",
+            MissingZeroGradWarning)
 
     def check(self, named) -> None:
         """At ``DPOptimizer.step()``: every p.grad is None, all zero, or dpfx's release."""

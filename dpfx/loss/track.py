@@ -54,8 +54,8 @@ import torch.utils._pytree as pytree
 
 from dpfx.loss import check as loss_check, steady as loss_steady
 from dpfx.errors import PrivacyError, DPFXWarning
-from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES, TWO_FORWARDS,
-                            compiled_nodes)
+from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES,
+                            SECOND_BACKWARD, TWO_FORWARDS, compiled_name, compiled_nodes)
 
 
 class LossScaleWarning(DPFXWarning):
@@ -85,6 +85,7 @@ class Trace:
                                             # count (Note [A token mean's count] in loss_steady)
         self.poison: str | None = None
         self.released = False     # a loss of this forward's outputs was checked and released
+        self.release = None       # the gate's record of this forward's release (loss/gate.py)
 
     def external(self, t: torch.Tensor) -> int:
         i = self._external_ids.get(id(t))
@@ -116,12 +117,14 @@ class TrackedTensor(torch.Tensor):
         return _record(func, args, kwargs, result)
 
 
-def track(out: Any, backend, batch: int, param_ids: set[int], inputs=()) -> Any:
+def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
+          release: dict | None = None) -> Any:
     """``out`` with its tensors tracked, as one trace. An output that is a fresh tensor of the
     compiled graph is retyped in place (``as_subclass`` would put an alias node into every
     backward); one that is also an input or a parameter (a forward that returns it) is wrapped
     as an alias, so the caller's own tensor keeps its type."""
     trace = Trace(backend, batch, param_ids)
+    trace.release = release
     theirs = {id(t) for t in inputs}
 
     def wrap(t: torch.Tensor) -> torch.Tensor:
@@ -409,6 +412,8 @@ def _per_term_release(verdict, inputs: list, scale) -> tuple:
 
 def _verify(loss: TrackedTensor) -> float | tuple:
     trace, index, leaf = loss._dpfx
+    if trace.release is not None and trace.release["released"]:
+        raise PrivacyError(SECOND_BACKWARD)     # Note [One release per forward] in loss/gate.py
     if trace.poison:
         raise PrivacyError(trace.poison)
     _check_autograd(loss, trace)
@@ -785,6 +790,16 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
                 f"outside torch.compile.")
         if type(node).__name__ == "AccumulateGrad":
             if id(node.variable) not in trace.param_ids:
+                name = compiled_name(node.variable)
+                if name is not None:
+                    # Note [The model passed to dpfx.compile] in loss/gate.py
+                    raise PrivacyError(
+                        f"the loss ({_where()}) uses parameter '{name}' of the model given to "
+                        f"dpfx.compile directly: the model itself was called, not the module "
+                        f"dpfx.compile (or make_private) returned, so its gradient would be "
+                        f"neither clipped nor noised. Call the returned model: dp_model, "
+                        f"optimizer, loader, accountant = dpfx.make_private(model, ...); "
+                        f"loss = fn(dp_model(x), y). Nothing was released.")
                 raise PrivacyError(
                     f"the loss ({_where()}) uses a tensor that requires grad and is not a "
                     f"parameter of the dpfx-compiled model: its gradient would be neither "

@@ -62,6 +62,13 @@ def _observe_norms_fake(norms, sink):
     return torch.empty_like(norms)
 
 
+_SHOWN = (0.1, 0.5, 0.9, 0.99)    # the quantiles the repr shows
+
+
+def _pct(fraction: float) -> str:
+    return "n/a" if fraction != fraction else f"{100 * fraction:.1f}%"
+
+
 class NormStats:
     """The per-sample gradient norms of recent backward passes, by clipping group.
 
@@ -132,6 +139,25 @@ class NormStats:
         if allnorms.numel() == 0:
             return torch.full((len(qs),), float("nan"))
         return torch.quantile(allnorms, torch.tensor(list(qs), dtype=torch.float32))
+
+    def __repr__(self) -> str:
+        """What a user tuning C reads first: passes and examples seen, the clipped fractions
+        and, per group, its bound and the recent norms' quantiles."""
+        passes = max((len(d) for d in self._recent.values()), default=0)
+        head = (f"NormStats(passes={passes} (window {self.window}), examples={self.examples}, "
+                f"clipped: last={_pct(self.clipped_fraction)} "
+                f"total={_pct(self.total_clipped_fraction)}")
+        if self.non_finite:
+            head += f", non_finite={self.non_finite}"
+        rows = []
+        for key in self._keys:
+            name = repr(key) if key else "'' (every parameter)" if len(self._keys) == 1 \
+                else "'' (the other parameters)"
+            q = self.quantiles(_SHOWN, key).tolist()
+            norms = "none yet" if q[0] != q[0] else " ".join(
+                f"p{round(p * 100)}={v:.4g}" for p, v in zip(_SHOWN, q))
+            rows.append(f"\n  group {name}: C={self.bounds[key]:.4g}, norms {norms}")
+        return head + "".join(rows) + ")"
 
     def reset(self) -> None:
         for d in self._recent.values():

@@ -72,6 +72,59 @@ def test_inputs_of_different_batch_sizes_refused():
         dp(torch.randn(3, 6, 8), _mask(2))
 
 
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("case", ["linear", "conv", "captured loss"])
+def test_wrong_feature_size_is_named(case):
+    """An input that does not fit a layer (Note [Naming the layer an input does not fit] in
+    capture/errors.py): one error naming the layer's path and type, what it expects and the
+    shapes it got, without torch's fake-tensor traceback in the log; the model still trains on
+    inputs that fit afterwards."""
+    if case == "conv":
+        model, good, bad = _ConvNet(), torch.randn(4, 3, 6, 6), torch.randn(4, 1, 6, 6)
+        want = (r"the input of layer 'features.0' \(Conv2d\) does not fit it: it expects "
+                r"\[B, 3, \.\.\.\] \(3 channels\) and got \[4, 1, 6, 6\]")
+    else:
+        model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
+        good, bad = torch.randn(4, 20), torch.randn(4, 21)
+        want = (r"the input of layer '0' \(Linear\) does not fit it: it expects \[\.\.\., 20\] "
+                r"and got \[4, 21\] \(.*\[4, 21\]")
+    loss = (lambda out, y: F.cross_entropy(out, y)) if case == "captured loss" else None
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, loss=loss)
+    y = torch.tensor([0, 1, 1, 0])
+
+    def step(x):
+        return dp.loss(x, y) if loss else F.cross_entropy(dp(x), y)
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addHandler(handler)
+    try:
+        with pytest.raises(dpfx.CaptureError, match=want) as caught:
+            step(bad)
+        log.error("failed while attempting to run meta for %s", "an op outside dpfx")
+    finally:
+        log.removeHandler(handler)
+    assert "u0" not in str(caught.value) and caught.value.__cause__ is None
+    assert [r.getMessage() for r in logged] == [   # only dpfx's captures are quiet
+        "failed while attempting to run meta for an op outside dpfx"]
+    model.zero_grad()
+    step(good).backward()
+    assert_close({k: p.grad for k, p in model.named_parameters()},
+                 loop_dp_sgd_grads(model, F.cross_entropy, (good,), y, max_grad_norm=1.0),
+                 rtol=1e-4, atol=1e-6)
+
+
 def test_caller_tensors_untouched():
     """The batch marks live on the tensor only during the call; a later plain torch.compile of
     the same tensor sees none of them."""
@@ -219,6 +272,7 @@ def test_gradient_from_outside_the_graph_refused():
     assert model.spare.weight.grad is None and model.spare.bias.grad is None
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_second_use_outside_the_graph_refused(backend):
     """A parameter the graph reads and the loss uses as well: autograd would add the plain

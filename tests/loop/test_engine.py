@@ -127,6 +127,13 @@ def test_norm_stats_match_reference(backend):
     torch.testing.assert_close(dp.norm_stats.quantiles([0.5]),
                                torch.quantile(everything, torch.tensor([0.5])), rtol=1e-4,
                                atol=1e-5)
+    # printed, it reads as the numbers above
+    text = repr(dp.norm_stats)
+    median = float(torch.quantile(everything, 0.5))
+    assert text.startswith("NormStats(passes=3 (window 100), examples=10, clipped: last=")
+    assert f"total={100 * float((everything > 0.5).float().mean()):.1f}%" in text
+    assert f"group '' (every parameter): C=0.5, norms p10=" in text
+    assert f"p50={median:.4g}" in text and "object at" not in text
 
 
 def test_no_norm_stats_by_default():
@@ -187,6 +194,7 @@ def test_foreign_gradient_is_refused_at_step():
         opt.step()
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")   # empty batches: pure noise
 def test_optimizer_noise_std_and_seed():
     """DPOptimizer's noise: each parameter's slice (fc2.bias: 3 entries) and the pool have mean 0
     and std sigma*C/D within 5 standard errors (tests/support/noise_stats.py); the seed replays
@@ -286,6 +294,7 @@ def test_secure_standard_normal_statistics():
     assert not torch.equal(secure_standard_normal(8), secure_standard_normal(8))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")   # empty batches: pure noise
 def test_secure_mode_noise_and_refusals():
     model = MLP(8, 32, 4)
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=4.0, backend="eager",

@@ -87,6 +87,7 @@ def test_canary_moves_the_release_by_at_most_c():
 
 # -- one release per accounted step ---------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore::dpfx.MissingZeroGradWarning")   # backward after step()
 @pytest.mark.parametrize("noise", ["graph", "optimizer"])
 def test_second_backward_before_step_refused(noise):
     model = _linear()
@@ -141,6 +142,7 @@ def test_virtual_batches_still_accumulate():
 
 # -- only dpfx's gradients reach a private step ---------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("noise", ["graph", "optimizer"])
 def test_raw_model_gradient_refused_at_step(noise):
     model = _linear()
@@ -165,6 +167,7 @@ def test_raw_model_gradient_refused_at_step(noise):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("noise", ["graph", "optimizer"])
 def test_sharing_module_before_private_backward_refused(noise):
     """p.grad = raw + private: a module sharing the weight backwarded first, no zero_grad."""
@@ -283,6 +286,7 @@ def test_freezing_or_unfreezing_after_compile_refused(frozen_at_compile):
 
 # -- the same loop through Inductor ----------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 def test_loop_refusals_through_inductor():
     """Cases 2-6 once through the default backend: one compile, every refusal, then a clean
     step that matches the reference."""

@@ -122,6 +122,7 @@ def test_grad_scaler_unscale_reaches_the_step():
     _assert_stepped(model, before, {n: g / 8.0 for n, g in r.items()})
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 def test_plain_gradient_zeroed_in_place_is_gone():
     """A plain gradient zeroed in place (zero_grad(set_to_none=False)) carries nothing: the
     private backward accumulates into it and the step takes the release."""
@@ -189,6 +190,7 @@ _REFUSED = {"raw model after": (_raw_after, _PLAIN),
             "one backward call": (_one_backward_call, None)}     # refused at the backward
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("order, noise", [
     (order, noise) for order in _REFUSED for noise in ("graph", "optimizer")
     if not (noise == "optimizer" and order == "p.grad replaced out of place")])   # p.grad: None
@@ -237,6 +239,7 @@ def test_optimizer_noise_post_processing_in_the_inner_step_hook():
         _assert_stepped(model, before, {n: g * (0.05 / (total + 1e-6)) for n, g in seen.items()})
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 @pytest.mark.parametrize("after", [0, 1])
 def test_virtual_batches_refuse_a_plain_gradient(after):
     """A plain backward after a physical batch's: refused at the next physical backward, or at
@@ -257,6 +260,7 @@ def test_virtual_batches_refuse_a_plain_gradient(after):
 
 # -- the same through Inductor ---------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
 def test_post_processing_and_refusals_through_inductor():
     """One compile of the default backend: clip_grad_norm_ and weight decay step exactly; a plain
     backward after dpfx's and a replaced p.grad are refused with the parameters untouched."""
