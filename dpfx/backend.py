@@ -75,6 +75,8 @@ class DPBackend:
         self.adaptive_clip = AdaptiveClip(config.max_grad_norm, config.target_quantile,
                                           config.clip_lr, config.count_noise_multiplier) \
             if config.adaptive else None
+        if self.norm_stats is not None and self.adaptive_clip is not None:
+            self.norm_stats.follow(lambda: self.adaptive_clip.bound)
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
         # Note [A trusted warm start] in lower/warm.py: what a cache entry needs to run the code

@@ -78,8 +78,9 @@ class NormStats:
     """
 
     def __init__(self, bounds: dict[str, float], window: int = 100):
-        self.bounds = dict(bounds)
-        self._keys = list(self.bounds)
+        self._bounds = dict(bounds)
+        self._live = None           # adaptive clipping: reads C_t (``follow``)
+        self._keys = list(self._bounds)
         self.window = window
         self._recent: dict[str, collections.deque] = {
             k: collections.deque(maxlen=window) for k in self._keys}
@@ -92,6 +93,17 @@ class NormStats:
         # zero] in passes/clip_noise.py): the rows after them are not examples
         self.rows: int | None = None
 
+    @property
+    def bounds(self) -> dict[str, float]:
+        """Group key -> the C its examples are clipped to now: under adaptive clipping C_t, the
+        bound the next backward clips to, not the initial one."""
+        return {"": float(self._live())} if self._live is not None else dict(self._bounds)
+
+    def follow(self, bound) -> None:
+        """Adaptive clipping (one group): ``bound()`` is C_t, read at each pass, so a pass's
+        clipped share is against the bound that pass clipped to."""
+        self._live = bound
+
     def set_groups(self, keys: list[str]) -> None:
         """The groups the compiled graph reports, in its row order."""
         self._keys = list(keys)
@@ -100,9 +112,10 @@ class NormStats:
         if self.rows is not None:
             norms = norms[:, :self.rows]
         clipped = torch.zeros(norms.shape[1:], dtype=torch.bool, device=norms.device)
+        bounds = self.bounds
         for key, row in zip(self._keys, norms):
             self._recent[key].append(row)
-            clipped |= row > self.bounds[key]
+            clipped |= row > bounds[key]
         bad = int((~torch.isfinite(norms)).any(0).sum())
         if bad and not self.non_finite:
             warnings.warn(_NON_FINITE.format(n=bad), NonFiniteExampleWarning, stacklevel=3)

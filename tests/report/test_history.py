@@ -55,23 +55,31 @@ def test_the_figure_draws_epsilon_and_the_clipped_fraction_recorded(tmp_path):
 
 
 def test_the_figure_draws_the_adaptive_bound_after_each_step(tmp_path):
-    """The bound is read, not computed: the eager backend is enough to move it."""
+    """The bound is read, not computed; the clipped fraction of each step is against C_t, the
+    bound that step clipped to (not the initial max_grad_norm)."""
     torch.manual_seed(1)
     model = MLP()
-    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=1.0, clipping="adaptive",
-                      count_noise_multiplier=1.0, expected_batch_size=8, clip_lr=1.0,
-                      backend="eager")
+    batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(3)]
+    initial = bound_that_bites(per_example_norms(per_example_grads(model, mse, *batches[0])))
+    dp = dpfx.compile(model, max_grad_norm=initial, noise_multiplier=1.0, clipping="adaptive",
+                      count_noise_multiplier=1.0, expected_batch_size=16, clip_lr=3.0,
+                      target_quantile=0.9, track_norms=True)
     accountant = dpfx.privacy.Accountant()
     history = dpfx.report.RunHistory(dp, accountant, delta=1e-5)
-    opt, bounds = _optimizer(dp, model, accountant), []
-    for _ in range(3):
-        _step(opt, dp, torch.randn(8, 8), torch.randn(8, 4), history)
+    opt, bounds, want, at_initial = _optimizer(dp, model, accountant), [], [], []
+    for x, y in batches:
+        norms = per_example_norms(per_example_grads(model, mse, x, y))
+        want.append(float((norms > dp.adaptive_clip.bound).float().mean()))
+        at_initial.append(float((norms > initial).float().mean()))
+        _step(opt, dp, x, y, history)
         bounds.append(dp.adaptive_clip.bound)
     assert len(set(bounds)) == 3, "the bound must move"
+    assert want != at_initial, "C_t must clip another share than the initial bound would"
 
     drawn = history.plot(str(tmp_path / "run.png"), points=2)
-    assert list(drawn) == [EPSILON, "adaptive clipping bound C"]   # no track_norms
+    assert list(drawn) == [EPSILON, NOT_PRIVATE, "adaptive clipping bound C"]
     assert drawn["adaptive clipping bound C"] == ([1, 2, 3], pytest.approx(bounds))
+    assert drawn[NOT_PRIVATE] == ([1, 2, 3], pytest.approx(want))
     assert drawn[EPSILON][0] == [1, 3]                    # two points: the first and the last
 
 
