@@ -126,6 +126,7 @@ def test_block_ops_against_vmap(backend):
             p.requires_grad_(False)
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.LossScaleWarning")  # the loss's scale changed: expected
 @pytest.mark.parametrize("backend,reduction,tied", [
     ("eager", "sum", False), ("eager", "mean", True), ("inductor", "mean", False),
     ("inductor", "sum", True)])

@@ -603,7 +603,8 @@ class GraphCheck:
         mixed = self._mixed_rows(small, grown.small, grown.outputs, large, at_small, at_large)
         grown.outputs = None
         if mixed is not None:
-            raise _GrownFailure("forward", small, large, output=mixed)
+            raise _GrownFailure("forward", small, large, output=mixed[0],
+                                batch_free=mixed[1])
         saved = _saved_by_backward_name(self.forward, got)
         del got
         bw_args, tangents = [], {}
@@ -623,10 +624,11 @@ class GraphCheck:
         return grown
 
     def _mixed_rows(self, b: int, got: list, outputs: list, large: int, at_small: dict,
-                    at_large: dict) -> str | None:
-        """The first forward output whose examples' rows at size ``b`` are not those they have
-        at ``large``, where an example was added before them (or, batch-free, not the same):
-        something mixes examples or assumed a batch size. None: every output agrees."""
+                    at_large: dict) -> tuple | None:
+        """(name, batch-free?) of the first forward output whose examples' rows at size ``b``
+        are not those they have at ``large``, where an example was added before them (or,
+        batch-free, not the same): something mixes examples or assumed a batch size. None:
+        every output agrees."""
         for name, layout, x, y in zip(self.forward.outputs, self.layouts, got, outputs):
             if not isinstance(x, torch.Tensor) or (layout is not None
                                                    and not isinstance(layout, BatchDim)):
@@ -635,7 +637,7 @@ class GraphCheck:
                 x = _examples(x, layout, b, at_small)
                 y = _other_examples(y, layout, large, at_large)
             if not _close(x, y, 1e-4):
-                return name
+                return name, layout is None
         return None
 
     # -- Note [The self-check blames only what it has shown] -------------------------------------
@@ -1209,8 +1211,9 @@ class _GrownFailure(Exception):
 
     def __init__(self, which: str, b: int, large: int, *, output: str | None = None,
                  moved: float = math.nan, limit: float = math.nan, bound: float = math.nan,
-                 unmatched: bool = False, finite: bool = True):
+                 unmatched: bool = False, finite: bool = True, batch_free: bool = False):
         super().__init__(which)
+        self.batch_free = batch_free
         self.which, self.b, self.large, self.output = which, b, large, output
         self.moved, self.limit, self.bound = moved, limit, bound
         self.unmatched, self.finite = unmatched, finite
@@ -1218,9 +1221,10 @@ class _GrownFailure(Exception):
     def error(self, reference_failed: bool | None = None,
               reference_moved: float | None = None) -> PrivacyError:
         if self.which == "forward":
+            changed = f"the batch-free output {self.output}" if self.batch_free else \
+                f"the other examples' rows of output {self.output}"
             seen = (f"dpfx's self-check of the compiled forward: adding an example before the "
-                    f"others changed the other examples' rows of output {self.output} (batch "
-                    f"size {self.b} against {self.large})")
+                    f"others changed {changed} (batch size {self.b} against {self.large})")
             ours = reference_failed
             reference = "the verified graph, run eagerly on the same batches, changed them too" \
                 if ours else "the verified graph, run eagerly on the same batches, did not"

@@ -222,6 +222,7 @@ class TimeFirstEmbedding(nn.Module):
         return self.head(h.mean(0))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.LossScaleWarning")  # the loss's scale changed: expected
 def test_time_first_embedding():
     """Case 5: the embedding's index carries the batch in dim 1."""
     torch.manual_seed(0)

@@ -96,6 +96,7 @@ def check(model, loss_fn, x, y, backend="eager", expected=5, reference=None):
     return {pg.name: pg.rules for pg in dp._dpfx_backend.param_grads}
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.LossScaleWarning")  # the loss's scale changed: expected
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_gpt2(attn):
     """Every parameter has a rule: the tied wte gets ``embedding`` + ``mm`` (the head), wpe a

@@ -133,6 +133,7 @@ def test_unseeded_noise_is_not_predictable_from_torch_manual_seed():
     torch.testing.assert_close(model_init_draws, torch.rand(3))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")  # empty batches on purpose
 def test_empty_batch_gives_noise_over_expected_batch_size():
     """Poisson sampling yields empty batches; the step is then pure noise / D, on every
     parameter (fc2.bias: 4 entries)."""

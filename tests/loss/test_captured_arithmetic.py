@@ -49,6 +49,7 @@ NEUTRAL = {
 }
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.LossScaleWarning")  # the loss's scale changed: expected
 def test_a_constant_scale_or_shift_releases_the_reference():
     """Through Inductor: every idiom's backward gives the batch-of-one reference exactly, where
     the bound clips some examples and not others; the plain loop gives the same for the first

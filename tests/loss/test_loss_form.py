@@ -136,8 +136,10 @@ def test_captured_cross_entropy_through_inductor(batch):
         if y[i] == -100:
             continue
         model.zero_grad(set_to_none=True)
-        # each example's own term (Note [The per-example term] in dpfx/loss/check.py)
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        # each example's own term (Note [The per-example term] in dpfx/loss/check.py), on the
+        # model itself: a public use of it (Note [The model passed to dpfx.compile])
+        with dpfx.public(model):
+            F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
         gs = {k: p.grad.clone() for k, p in model.named_parameters()}
         norm = float(torch.sqrt(sum(g.pow(2).sum() for g in gs.values())))
         scale = min(1.0, 0.05 / (norm + 1e-6))

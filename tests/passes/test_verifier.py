@@ -376,6 +376,7 @@ def test_unknown_weight_gradient_op_is_refused():
             r"parameter 'w'.*dpfx_test.scale_weight_grad")
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")  # the model trained directly
 def test_model_stays_usable_after_an_error():
     model = CrossBatchMean()
     _refuse(model, torch.randn(5, 4), dpfx.PrivacyError, "batch")
