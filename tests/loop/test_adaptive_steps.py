@@ -12,6 +12,7 @@ from support.models import MLP, mse
 from support.noise_stats import assert_gaussian_scale, assert_noise_per_parameter
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")  # empty batches on purpose
 @pytest.mark.parametrize("noise", ["graph", "optimizer"])
 def test_the_gradient_noise_is_sigma_grad_c_t_and_the_count_noise_sigma_b(noise):
     """Empty batches, D = 8: p.grad is sigma_grad C_t / D times standard normals, at each step's
