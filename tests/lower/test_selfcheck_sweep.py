@@ -115,8 +115,22 @@ class _TokenMean:
         return self.lm_loss(out, y) * y.numel()
 
 
+def _token_lm_with_dropout():
+    """The same LM with its dropout layers in the graph (a random forward: the self-check's
+    independence test, not the grown comparison). p = 1e-30 keeps the draws while every mask
+    keeps every element (a float32 uniform is 0 or at least 2^-24) and 1/(1 - p) is 1.0, so the
+    step is still the reference's exactly."""
+    model, loss, make = _token_lm()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 1e-30
+    assert any(isinstance(m, nn.Dropout) for m in model.modules())
+    return model, loss, make
+
+
 MODELS = {"regression": _regression, "classifier": _classifier, "conv_groupnorm": _conv_groupnorm,
-          "attention": _attention, "lstm": _lstm, "token_lm": _token_lm}
+          "attention": _attention, "lstm": _lstm, "token_lm": _token_lm,
+          "token_lm_dropout": _token_lm_with_dropout}
 
 
 def _bound(norms: torch.Tensor, place: str) -> float:
