@@ -282,6 +282,13 @@ def _scales(node: fx.Node) -> bool:
         isinstance(a, fx.Node) and _is_tensor(a) for a in node.args[:2])
 
 
+# Note [A captured loss's other sizes are fixed]
+# The loss's tail is replayed on fake tensors with one symbol, the batch, and proven for every
+# value of it; its other sizes are the numbers of the call that captured it. When a later call
+# changes a size after the batch (a target of (B, T) with another T), dynamo captures again with
+# that dim symbolic, and a proof at one T would not be one for every T: the loss is refused,
+# naming the fixed-length padding or the plain loop, which checks each call's sizes. (A replay
+# with a symbol per such dim would lift this; tests/loss/test_refusals.py pins the refusal.)
 def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
     """The placeholder, batch factor and fake value that stand for ``node`` in the replay."""
     val = node.meta.get("example_value", node.meta.get("val"))
@@ -302,11 +309,19 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
             f"the loss given to dpfx.compile(loss=...) reads a value computed inside the model "
             f"({node.name}) besides the model's outputs; return it from the model")
     if not is_mark and _reads_a_parameter(node):
+        if _of_a_module(node) or val.requires_grad:
+            raise PrivacyError(
+                f"the loss given to dpfx.compile(loss=...) reads the model's parameter or buffer "
+                f"{_source(node)}: a regularizer on the weights would reach p.grad unclipped. "
+                f"For lam * ||p||^2 use the optimizer's weight_decay = 2 * lam instead "
+                f"(torch.optim.SGD and Adam add weight_decay * p to the released gradient).")
         raise PrivacyError(
-            f"the loss given to dpfx.compile(loss=...) reads the model's parameter or buffer "
-            f"{_source(node)}: a regularizer on the weights would reach p.grad unclipped. For "
-            f"lam * ||p||^2 use the optimizer's weight_decay = 2 * lam instead (torch.optim.SGD "
-            f"and Adam add weight_decay * p to the released gradient).")
+            f"the loss given to dpfx.compile(loss=...) reads the tensor {_source(node)} from "
+            f"outside its arguments (a global or a closure, such as class weights): dpfx cannot "
+            f"tell a constant of the training set from a statistic of the batch written there "
+            f"before the call (class weights from the batch's labels couple its examples). "
+            f"Compute this loss in the training loop instead (loss = fn(dp_model(x), y); "
+            f"loss.backward()), which takes such a tensor as a constant.")
     shape = [sym_expr(s) for s in val.shape]
     if not shape or shape[0] != batch_symbol or any(
             batch_symbol in s.free_symbols for s in shape[1:]):
@@ -314,6 +329,15 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
             f"the loss given to dpfx.compile(loss=...) reads {_source(node)} of shape "
             f"{tuple(val.shape)}: every tensor it reads must carry the batch in dim 0 and only "
             f"there (targets, masks and weights one row per example)")
+    if any(s.free_symbols for s in shape[1:]):
+        # Note [A captured loss's other sizes are fixed]
+        raise PrivacyError(
+            f"the loss given to dpfx.compile(loss=...) reads {_source(node)} of shape "
+            f"{tuple(val.shape)}, whose dims after the batch changed between calls (a sequence "
+            f"length that varies from batch to batch): a captured loss is proven for fixed "
+            f"sizes after the batch. Pad the batches to a fixed length (the padding ignored "
+            f"with ignore_index=-100 or a mask), or compute the loss in the training loop "
+            f"(loss = fn(dp_model(x), y); loss.backward()), which is checked at each size.")
     rest = [int(s) for s in shape[1:]]
     with mode:
         fake = torch.empty((sym_batch, *rest), dtype=val.dtype, device=val.device)
@@ -332,6 +356,13 @@ def _multiple(expr, symbol) -> int | None:
         return 0
     k = sympy.simplify(expr / symbol)
     return int(k) if k.is_Integer else None
+
+
+def _of_a_module(node: fx.Node) -> bool:
+    """Whether ``node``'s source is an attribute of a module (a parameter or a buffer)."""
+    name = _source(node)
+    return name.startswith("L['self']") or any(
+        part in name for part in ("_modules", "_parameters", "_buffers", "._orig_mod"))
 
 
 def _reads_a_parameter(node: fx.Node) -> bool:
