@@ -969,9 +969,9 @@ class _Measure:
         return math.inf if self.gap is None else self.gap / max(self.norm, 1e-30)
 
 
-def _measure(x: torch.Tensor, y: torch.Tensor) -> _Measure:
+def _measure(x: torch.Tensor | None, y: torch.Tensor) -> _Measure:
     n, size = y.numel(), y.element_size()
-    if x.shape != y.shape:
+    if not isinstance(x, torch.Tensor) or x.shape != y.shape:     # missing, or misshapen
         return _Measure(None, math.nan, math.nan, n, size)
     if x.is_floating_point() and x.element_size() >= 4 and y.dtype == x.dtype:
         gap, norm = _gap_and_norm(x, y)

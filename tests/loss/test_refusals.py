@@ -350,3 +350,30 @@ def test_a_global_tensor_in_a_captured_loss_is_named_as_such():
     assert_close({k: p.grad for k, p in model.named_parameters()},
                  loop_dp_sgd_grads(model, loss, (x,), y, max_grad_norm=1.0,
                                    loss_reduction="sum"), rtol=1e-4, atol=1e-6)
+
+
+def test_self_check_refuses_a_compiled_backward_that_drops_a_gradient(monkeypatch):
+    """S2's neighbour: a compiled backward that returns no gradient where the verified graph
+    has one is refused as a disagreement (it was an AttributeError inside the check)."""
+    real_lower = dpfx.backend.lower
+
+    def lower(gm, example_inputs, kwargs, backend):
+        compiled = real_lower(gm, example_inputs, kwargs, backend)
+        if not kwargs.get("is_backward"):
+            return compiled
+
+        def wrong(args):
+            outs = list(compiled(args))
+            first = next(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor))
+            outs[first] = None      # the planted bug: one gradient never returned
+            return outs
+
+        wrong._boxed_call = True
+        return wrong
+
+    monkeypatch.setattr(dpfx.backend, "lower", lower)
+    model = _mlp()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, self_check="always")
+    with pytest.raises(dpfx.PrivacyError, match="compiled backward graph disagrees"):
+        F.cross_entropy(dp(torch.randn(4, 8)), torch.randint(0, 4, (4,))).backward()
+    assert _untouched(model)
