@@ -458,12 +458,28 @@ def _verify(loss: TrackedTensor) -> float | tuple:
     if changed and not getattr(verdict, "warned", False):
         verdict.warned = True
         program = _program(trace, index, leaf)[0]
-        if not _arranged_scale(verdict, program["lines"], values, trace.batch, reduction):
-            warnings.warn(_scale_message(verdict, reduction, program), LossScaleWarning,
-                          stacklevel=4)
+        message = _scale_message(verdict, reduction, program)
+        if message not in _WARNED and \
+                not _arranged_scale(verdict, program["lines"], values, trace.batch, reduction):
+            _WARNED.add(message)
+            warnings.warn(message, LossScaleWarning, stacklevel=4)
     if steady:
         loss_steady.store(steady, verdict, program, values, trace)
     return factor
+
+
+# The scale warnings given, by their text. A loss is warned of once per process: its verdict
+# carries a flag too, but a batch size that keys the program apart (a batch of 1, whose rows
+# cannot be told from a broadcast) or a step off the steady path analyzes it afresh.
+_WARNED: set[str] = set()
+
+
+def forget() -> None:
+    """Drop every cached loss verdict, steady-state entry and given warning: the next loss is
+    analyzed, and warned of, as in a new process."""
+    _VERDICTS.clear()
+    loss_steady._STEADY.clear()
+    _WARNED.clear()
 
 
 # The verdicts, by the program's structure: at most _CACHE_SIZE keys, least recently used

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from dpfx.loss import steady as loss_steady, track as loss_track
+from dpfx.loss import track as loss_track
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -31,8 +31,7 @@ def dpfx_warnings() -> list[type]:
 
 def forget_verdicts():
     """A loss structure warns once per process: start from none proven."""
-    loss_track._VERDICTS.clear()
-    loss_steady._STEADY.clear()
+    loss_track.forget()
 
 
 def test_causal_lm_lora_recipe_with_accumulation_runs_without_warnings(tmp_path):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from dpfx.loss import check as loss_check
+from dpfx.loss import check as loss_check, track as loss_track
 from support.reference import assert_close, dp_sgd_grads, per_example_grads
 from support.sweep import examples, with_reductions
 
@@ -730,3 +730,35 @@ def test_an_index_that_does_not_count_the_rows_is_refused(index):
     with pytest.raises(dpfx.PrivacyError, match=r"op (index|__getitem__)"):
         (-dp(x).log_softmax(-1)[rows, y].mean()).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def _token_sum(out, y):
+    """An example's own term of a token mean: the sum over its non-ignored tokens."""
+    return F.cross_entropy(out.reshape(-1, 4), y.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("steady", [True, False])
+def test_a_scale_warning_comes_once_whatever_path_proves_the_loss(steady, monkeypatch):
+    """A loss is warned of once per process. A tensor written from dpfx's outputs that is alive
+    anywhere in the process turns the steady path off, and a batch of one keys the program apart
+    (its rows cannot be told from a broadcast): the loss is analyzed again, and still not warned
+    of again."""
+    loss_track.forget()
+    if not steady:
+        written = torch.zeros(1)
+        monkeypatch.setitem(loss_track._WRITTEN, id(written), written)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(5, 3, 6), torch.arange(15).reshape(5, 3) % 4
+    y[:2, 1:] = -100                        # two examples padded: the token count is the batch's
+    dp = dpfx.compile(model, max_grad_norm=0.1, noise_multiplier=0.0, backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for batch in (4, 1, 3):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(dp(x[:batch]).reshape(-1, 4), y[:batch].reshape(-1),
+                            ignore_index=-100).backward()
+            got = {k: p.grad for k, p in model.named_parameters()}
+            assert_close(got, dp_sgd_grads(model, _token_sum, x[:batch], y[:batch],
+                                           max_grad_norm=0.1), rtol=1e-4, atol=1e-6)
+    assert [w.category for w in seen] == [dpfx.LossScaleWarning]
