@@ -26,6 +26,7 @@ from dpfx.loop.release import BatchSizeWarning, public
 from dpfx.loss.gate import MissingZeroGradWarning, PlainGradientWarning
 from dpfx.loop.users import per_user, user_loader
 from dpfx.passes import Problem
+from dpfx.privacy.plan import Mechanism
 from dpfx.report.validate import validate
 
 __all__ = [
@@ -37,6 +38,6 @@ __all__ = [
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
     "public", "PlainGradientWarning", "MissingZeroGradWarning", "NoNoiseWarning",
-    "BatchSizeWarning",
+    "BatchSizeWarning", "Mechanism",
 ]
 __version__ = "0.1.0"
