@@ -731,7 +731,7 @@ class BlockCall:
 
     def __call__(self, *args, **kwargs):
         block = self.block
-        # Note [A block call's flattening]
+        # See Note [A block call's flattening]
         leaves = None
         if self.flat is not None and len(args) == self.flat[0] and tuple(kwargs) == self.flat[1]:
             leaves = [*args, *kwargs.values()]

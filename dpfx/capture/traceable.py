@@ -315,7 +315,7 @@ _SWAPS = [
     (rnn_utils, "pad_packed_sequence", rnn.pad_packed_sequence),
     *[(F, name, _reads_contiguous(getattr(F, name), name.startswith("adaptive_")))
       for name in _STRIDE_KEEPING],
-    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside ...]
+    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside the forward]
 ]
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 

@@ -426,7 +426,7 @@ class GraphCheck:
         finish_builds()     # Note [A graph's C++ builds run while the next graph lowers]
         generator = torch.Generator(device="cpu").manual_seed(0)
         sizes = _known_sizes(self.forward.inputs, args, self.batch_symbols)
-        # Note [A self-check is not repeated on code it has passed]
+        # See Note [A self-check is not repeated on code it has passed]
         passed = None if self.always else _passed_marker(self, sizes)
         if passed is not None and os.path.exists(passed):
             self.skipped = True
@@ -451,7 +451,7 @@ class GraphCheck:
                     with _isolated_rng(self.device):
                         self._check_at(served[0], args, sizes, generator, grown)
                 except _GrownFailure as failure:
-                    # Note [The self-check blames only what it has shown]
+                    # See Note [The self-check blames only what it has shown]
                     with _isolated_rng(self.device):
                         error = self._blame(failure, args, sizes, start, dims)
                     raise error from None
@@ -514,7 +514,7 @@ class GraphCheck:
         # Note [The self-check's backward runs without noise] (ops/noise.py)
         with cpu_noise.noiseless():
             got_bw = _call(self.backward.compiled, bw_args, self.device, consume=True)
-            # Note [The eager reference compares each gradient as it is released]
+            # See Note [The eager reference compares each gradient as it is released]
             _recording.got, _recording.measured = got_bw, {}
             _recording.seen = grown.account if grown is not None else None
             try:
@@ -733,7 +733,7 @@ class GraphCheck:
         del again
         if mixed is None:
             return
-        # Note [The self-check blames only what it has shown]
+        # See Note [The self-check blames only what it has shown]
         name, layout = mixed
         ours = self._changed_by_example_0(
             b, _call(self.forward.reference, fw_args, self.device),

@@ -128,7 +128,7 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
     # (C*K, P) patches per example
     chunk = _examples_per_chunk(batch, image.element_size() * out.shape[2] * groups
                                 * response.shape[2], image.device.type)
-    # Note [The per-sample conv2d product's orientation]
+    # See Note [The per-sample conv2d product's orientation]
     swapped = _TRANSPOSED_PRODUCT and image.device.type == "cpu" \
         and out.shape[1] < min(32, out.shape[2])
     scratch = out.new_empty(chunk * groups, out.shape[2], out.shape[1]) if swapped else None
