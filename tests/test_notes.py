@@ -8,7 +8,7 @@ that holds nothing but the title defines it, in a comment or a docstring::
 
 Every other mention points at it, and may wrap over lines: ``See Note [Noise added in place]``,
 ``(Note [Noise added in place] in ops/noise.py)``. Read from dpfx/ and tests/ (Python and C
-sources) and from docs/ (pointers only).
+sources) and from the packages' READMEs and docs/ (pointers only).
 """
 import bisect
 import os
@@ -85,7 +85,7 @@ def project() -> list[str]:
     """dpfx's sources, the tests (which point at dpfx's Notes and keep a few of their own) and the
     guides; this file's planted titles are not Notes."""
     tests = [p for p in files("tests", SOURCES) if os.path.abspath(p) != os.path.abspath(__file__)]
-    return files("dpfx", SOURCES) + tests + files("docs", (".md",))
+    return files("dpfx", SOURCES + (".md",)) + tests + files("docs", (".md",))
 
 
 def test_every_note_is_defined_once_and_every_pointer_resolves():
