@@ -152,8 +152,8 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
     if _is_model_output(out):
         # A Hugging Face ModelOutput, made afresh by each call: its values are replaced in
         # place (its __setitem__ keeps the attributes in step), in the order pytree visits them.
-        # Rebuilding it through pytree runs its dataclass constructor, 23 us a step on the
-        # 2-core machine.
+        # Rebuilding it through pytree would run its dataclass constructor, tens of
+        # microseconds a step.
         for key, value in list(out.items()):
             if isinstance(value, torch.Tensor):
                 out[key] = wrap(value)
