@@ -47,9 +47,12 @@ Without amplification the release is one Gaussian mechanism on the whole stream,
 inputs included (Denisov et al. 2022, "Improved differential privacy for SGD via optimal private
 linear operators on adaptive streams"): epsilon is that of ``GaussianDpEvent(sigma / sens)``, with
 sens the largest ||C u|| over participation patterns u allowed by the sampling (Choquette-Choo et
-al. 2023, "Multi-epoch matrix factorization mechanisms for private machine learning"). After t of
-the strategy's n steps only the leading t x t block of C has been released, and at most
-min(k, ceil(t / b)) participations can have happened. The accountant uses
+al. 2023, "Multi-epoch matrix factorization mechanisms for private machine learning"). With
+vector gradients the change is sum_j (C e_j) g_j^T over the participations j, ||g_j|| <= 1; its
+Frobenius norm is at most ||C u|| for the 0/1 pattern u when C^T C is entrywise nonnegative, and
+``Strategy.sensitivity`` must bound it otherwise. After t of the strategy's n steps only the
+leading t x t block of C has been released, and at most min(k, ceil(t / b)) participations can
+have happened. The accountant uses
 ``strategy.sensitivity(b, min(k, ceil(t / b)))``, the sensitivity of all n steps at that many
 participations: a pattern within the first t steps, padded with zeros, is a pattern of the n-step
 problem with as many participations, and the first t rows of C u are part of C u, so this bounds
@@ -162,20 +165,27 @@ def check_pair(strategy, sampling) -> None:
         f"MinSeparation(separation={b}, participations={math.ceil(strategy.steps / b)})")
 
 
-def _sensitivity(strategy, separation: int, participations: int) -> float:
+def _sensitivity(strategy, separation: int, participations: int, cache=None) -> float:
+    """``strategy.sensitivity``, checked, and kept in ``cache`` (a dict) when one is given: a
+    strategy's sensitivity can cost a search over participation patterns."""
+    if cache is not None and (separation, participations) in cache:
+        return cache[separation, participations]
     sens = float(strategy.sensitivity(separation, participations))
     if not (math.isfinite(sens) and sens > 0):
         raise ValueError(f"strategy {strategy.name!r}: sensitivity({separation}, "
                          f"{participations}) must be finite and > 0, got {sens!r}")
+    if cache is not None:
+        cache[separation, participations] = sens
     return sens
 
 
-def _event_fn(strategy, sampling, steps: int) -> Callable[[float], dp_accounting.DpEvent]:
+def _event_fn(strategy, sampling, steps: int,
+              cache=None) -> Callable[[float], dp_accounting.DpEvent]:
     """sigma -> the event of the first ``steps`` steps; the sensitivity is computed once."""
     if steps == 0:
         return lambda sigma: dp_accounting.NoOpDpEvent()
     if isinstance(sampling, CyclicPoisson):
-        sens = _sensitivity(strategy, sampling.parts, 1)          # the largest column norm
+        sens = _sensitivity(strategy, sampling.parts, 1, cache)   # the largest column norm
         rounds = math.ceil(steps / sampling.parts)
         return lambda sigma: dp_event(sigma / sens, sampling.part_rate, rounds)
     if isinstance(sampling, MinSeparation):
@@ -183,7 +193,7 @@ def _event_fn(strategy, sampling, steps: int) -> Callable[[float], dp_accounting
         k = min(sampling.participations, math.ceil(steps / b))
     else:                                                         # BallsInBins
         b, k = 1, math.ceil(steps / sampling.steps_per_epoch)
-    sens = _sensitivity(strategy, b, k)
+    sens = _sensitivity(strategy, b, k, cache)
     return lambda sigma: dp_accounting.GaussianDpEvent(sigma / sens)
 
 
@@ -244,10 +254,15 @@ class MatrixAccountant(Accountant):
     and names the strategy and the sampling; ``load_state_dict`` refuses another's.
     """
 
+    # Not Accountant's 1: a plain Accountant given this state would count its steps as DP-SGD's
+    # Poisson steps, which understates epsilon under cyclic Poisson sampling; it refuses it.
+    STATE_VERSION = "matrix-1"
+
     def __init__(self, strategy, sampling, accountant: str = "pld"):
         check_pair(strategy, sampling)
         super().__init__(accountant)
         self.strategy, self.sampling = strategy, sampling
+        self._sensitivities: dict = {}
 
     def step(self, *, noise_multiplier: float, sample_rate: float | None = None,
              n: int = 1) -> None:
@@ -274,16 +289,18 @@ class MatrixAccountant(Accountant):
         if sample_rate is None:
             return self.sampling.sample_rate if isinstance(self.sampling, CyclicPoisson) else 1.0
         q = _check_sample_rate(sample_rate)
-        if isinstance(self.sampling, CyclicPoisson) and \
-                not math.isclose(q, self.sampling.sample_rate, rel_tol=1e-9):
+        if not isinstance(self.sampling, CyclicPoisson):
+            return q
+        if not math.isclose(q, self.sampling.sample_rate, rel_tol=1e-9):
             raise ValueError(f"sample_rate={q} differs from the accountant's {self.sampling}; "
                              f"the sampler and the accountant must agree")
-        return q
+        return self.sampling.sample_rate
 
     def dp_event(self) -> dp_accounting.DpEvent:
         if not self._history:
             return dp_accounting.NoOpDpEvent()
-        return _event_fn(self.strategy, self.sampling, self.steps)(self._history[0][0])
+        event = _event_fn(self.strategy, self.sampling, self.steps, self._sensitivities)
+        return event(self._history[0][0])
 
     def _identity(self) -> dict:
         return _json({"strategy": {"name": self.strategy.name, "steps": self.strategy.steps,
