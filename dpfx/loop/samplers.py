@@ -11,7 +11,9 @@
 Both yield one sorted list of indices per step, like ``PoissonBatchSampler`` (loop/data.py), and
 take its ``generator``, ``rank``/``world_size`` and ``secure_mode``. Neither is a
 ``PoissonBatchSampler``: DP-SGD's Poisson accountant does not bound their epsilon. Account them
-with ``dpfx.privacy.matrix_accounting`` (``CyclicPoisson``, ``BallsInBins``, ``MinSeparation``).
+with ``dpfx.privacy.matrix_accounting``: ``MatrixAccountant(strategy, sampler.sampling)``
+(``CyclicPoisson`` or ``BallsInBins``; ``MinSeparation(parts, ...)`` also holds for the cyclic
+sampler, without amplification).
 
 # Note [Cyclic Poisson sampling]
 Each example is given one of ``parts`` (b) parts, uniformly and independently of the others, once
@@ -53,6 +55,7 @@ from torch.utils.data import Sampler
 
 from dpfx.loop.data import _check_count, _secure_mask, rank_generator
 from dpfx.privacy import _check_sample_rate
+from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
 __all__ = ["CyclicPoissonSampler", "BallsInBinsSampler"]
 
@@ -141,6 +144,11 @@ class CyclicPoissonSampler(_RankedSampler):
         """The inclusion probability of an example in a step of its part: sample_rate * parts."""
         return self.sample_rate * self.parts
 
+    @property
+    def sampling(self) -> CyclicPoisson:
+        """What ``MatrixAccountant`` is told about this sampler."""
+        return CyclicPoisson(self.parts, self.sample_rate)
+
     def __len__(self) -> int:
         return self.steps
 
@@ -165,6 +173,11 @@ class BallsInBinsSampler(_RankedSampler):
         self.steps_per_epoch = _check_count(steps_per_epoch, "steps_per_epoch", 1)
         self.epochs = 1 if epochs is None else _check_count(epochs, "epochs", 0)
         self.steps = self.steps_per_epoch * self.epochs
+
+    @property
+    def sampling(self) -> BallsInBins:
+        """What ``MatrixAccountant`` is told about this sampler."""
+        return BallsInBins(self.steps_per_epoch)
 
     def __len__(self) -> int:
         return self.steps

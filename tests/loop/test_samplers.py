@@ -7,6 +7,7 @@ import torch
 
 from dpfx.loop.data import PoissonBatchSampler
 from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler
+from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
 
 def _g(seed=0):
@@ -31,6 +32,7 @@ def test_cyclic_poisson_rates():
     n, q, parts, steps = 1000, 0.02, 4, 400
     sampler = CyclicPoissonSampler(n, q, parts, steps=steps, generator=_g())
     assert not isinstance(sampler, PoissonBatchSampler)     # not DP-SGD's Poisson accounting
+    assert sampler.sampling == CyclicPoisson(parts, q)
     assert sorted(torch.cat(sampler.partition).tolist()) == list(range(n))
     sizes = torch.tensor([len(p) for p in sampler.partition], dtype=torch.float64)
     assert (sizes - n / parts).abs().max() < 5 * math.sqrt(n * (1 / parts) * (1 - 1 / parts))
@@ -114,6 +116,7 @@ def test_balls_in_bins_once_per_epoch(secure):
                                  generator=None if secure else _g(2))
     batches = list(sampler)
     assert len(sampler) == len(batches) == per_epoch * epochs
+    assert sampler.sampling == BallsInBins(per_epoch)
     position = torch.zeros(per_epoch)
     for e in range(epochs):
         epoch = batches[e * per_epoch:(e + 1) * per_epoch]
