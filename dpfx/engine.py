@@ -45,6 +45,7 @@ from dpfx.config import AUTOMATIC_GAMMA
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, plan_loader
 from dpfx.loop.data import VirtualBatches
+from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler
 from dpfx.loop.users import group_by_user, user_loader
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.ranks import rank_of, world_of
@@ -288,6 +289,7 @@ def _generators(model, loader) -> dict[str, torch.Generator]:
         found["graph_noise"] = model._dpfx_backend._generator
     loader = loader.loader if isinstance(loader, VirtualBatches) else loader
     sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, PoissonBatchSampler) and sampler.generator is not None:
+    if isinstance(sampler, (PoissonBatchSampler, CyclicPoissonSampler, BallsInBinsSampler)) \
+            and sampler.generator is not None:
         found["sampler"] = sampler.generator
     return found

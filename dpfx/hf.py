@@ -180,8 +180,11 @@ class DPTrainer(Trainer):
         self.plan = privacy_plan.make(
             sample_rate=self.sample_rate, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, target_delta=self.delta,
-            steps=self.planned_steps(args), accountant=accountant, mechanism=mechanism,
-            sampler=sampler, steps_name="max_steps or num_train_epochs")
+            steps=args.max_steps if args.max_steps > 0 else None,
+            epochs=None if args.max_steps > 0 else args.num_train_epochs,
+            accountant=accountant, mechanism=mechanism, sampler=sampler,
+            steps_name="max_steps or num_train_epochs")
+        self.steps_per_epoch = self.plan.steps_per_epoch     # a pass of the plan's sampler
         if self.plan.sampler != "poisson" and (self.users is not None or self.world > 1):
             raise ValueError(f"sampler={self.plan.sampler!r} samples examples on one process: "
                              f"user-level DP and several processes sample by Poisson sampling "

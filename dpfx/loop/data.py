@@ -238,17 +238,13 @@ def plan_loader(plan, dataset: Dataset, *, steps: int | None = None,
                               rank=rank, world_size=world_size, secure_mode=secure_mode,
                               **dataloader_kwargs)
     from dpfx.loop import samplers
-    if world_size > 1 or secure_mode:
-        raise ValueError(f"sampler={plan.sampler!r} runs on one process from a seeded "
-                         f"generator: several ranks and secure_mode sample by Poisson "
-                         f"sampling (sampler='poisson', the Gaussian mechanism)")
     n = _size(dataset, dataloader_kwargs)
+    ranked = dict(generator=generator, rank=rank, world_size=world_size, secure_mode=secure_mode)
     if plan.sampler == "cyclic_poisson":
-        sampler = samplers.CyclicPoissonSampler(n, plan.sample_rate, plan.parts, steps=steps,
-                                                generator=generator)
+        sampler = samplers.CyclicPoissonSampler(n, plan.sample_rate, plan.parts,
+                                                steps=plan.steps_per_epoch, **ranked)
     else:
-        sampler = samplers.BallsInBinsSampler(n, plan.steps_per_epoch, epochs=1,
-                                              generator=generator)
+        sampler = samplers.BallsInBinsSampler(n, plan.steps_per_epoch, epochs=1, **ranked)
     return _loader(dataset, sampler, dataloader_kwargs)
 
 

@@ -146,48 +146,55 @@ class Plan:
 
 def make(*, sample_rate: float, noise_multiplier: float | None = None,
          target_epsilon: float | None = None, target_delta: float | None = None,
-         steps: int | None = None, epochs: int | None = None, accountant: str = "pld",
-         mechanism=None,
-         sampler: str | None = None, steps_name: str = "steps") -> Plan:
+         steps: int | None = None, epochs: float | None = None, accountant: str = "pld",
+         mechanism=None, sampler: str | None = None, steps_name: str = "steps") -> Plan:
     """The plan of a run whose examples (or users) are each sampled at ``sample_rate``.
 
-    Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
-    ``steps``, the run's planned optimizer steps, or ``epochs`` of 1/q steps each). A correlated ``mechanism`` needs ``steps``:
-    its strategy is built for them. ``steps_name`` is what the entry point calls the steps in
-    its errors ("epochs", "max_steps")."""
+    Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta``), and
+    the run's length as ``steps`` (optimizer steps) or ``epochs`` (passes of the loader: 1/q
+    steps each, under cyclic Poisson the whole cycles of parts that cover 1/q). A correlated
+    ``mechanism`` needs the length: its strategy is built for it. ``steps_name`` is what the
+    entry point calls the length in its errors ("epochs", "max_steps")."""
     q = privacy._check_sample_rate(sample_rate)
     accountant = privacy._check_accountant(accountant)
     steps_per_epoch = max(1, round(1 / q))
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon")
-    if steps is None and epochs is not None:
-        steps = epochs * steps_per_epoch
     if steps is not None:
         steps = privacy._check_steps(steps)
     mech = mechanism_option(mechanism)
     sampler = _sampler(sampler, mech)
+
+    def length(per_pass: int) -> int | None:
+        return steps if steps is not None or epochs is None else math.ceil(epochs * per_pass)
+
     if not mech.correlated and sampler == "poisson":
         if target_epsilon is not None:
             noise_multiplier = privacy.noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
-                steps=steps, accountant=accountant)
+                steps=length(steps_per_epoch), accountant=accountant)
         return Plan(privacy._check_noise_multiplier(noise_multiplier), q, steps_per_epoch,
-                    steps, accountant, mech, sampler)
-    if not steps:
+                    length(steps_per_epoch), accountant, mech, sampler)
+    if not length(steps_per_epoch):
         raise ValueError(f"mechanism {mech.name!r} with sampler {sampler!r} is planned for the "
                          f"run's number of steps: give {steps_name}")
+
     def planned(bands: int | None) -> Plan:
         from dpfx.privacy import matrix_accounting
-        strategy = _strategy(mech, steps, q, sampler, bands)
         parts = _parts(mech, sampler, q, bands)
-        sampling = _sampling(sampler, strategy, parts, q, steps, steps_per_epoch)
+        # a pass of cyclic Poisson is whole cycles of parts, so that the next pass continues
+        # the cycle (Note [Cyclic Poisson sampling] in loop/samplers.py)
+        per_pass = parts * math.ceil(steps_per_epoch / parts) if parts else steps_per_epoch
+        n = length(per_pass)
+        strategy = _strategy(mech, n, q, sampler, bands)
+        sampling = _sampling(sampler, strategy, parts, q, n, per_pass)
         matrix_accounting.check_pair(strategy, sampling)
         sigma = noise_multiplier
         if target_epsilon is not None:
             sigma = matrix_accounting.matrix_noise_multiplier(
-                target_epsilon, target_delta, strategy, sampling, steps, accountant)
-        return Plan(privacy._check_noise_multiplier(sigma), q, steps_per_epoch, steps,
-                    accountant, mech, sampler, parts, strategy, sampling)
+                target_epsilon, target_delta, strategy, sampling, n, accountant)
+        return Plan(privacy._check_noise_multiplier(sigma), q, per_pass, n, accountant, mech,
+                    sampler, parts, strategy, sampling)
 
     if mech.name in _BANDED and mech.bands is None:
         if target_epsilon is None:
@@ -195,7 +202,7 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
                              f"noise_multiplier (the epsilon changes with them): give "
                              f"dpfx.Mechanism({mech.name!r}, bands=b), or target_epsilon to "
                              f"have them chosen (Note [Choosing the bands] in privacy/plan.py)")
-        return _least_error([planned(b) for b in _band_candidates(steps, q)])
+        return _least_error([planned(b) for b in _band_candidates(length(steps_per_epoch), q)])
     return planned(mech.bands)
 
 
