@@ -44,6 +44,11 @@ per parameter, in float64) and the step uses max(v_t - s_t, gamma (1 - beta2^t))
 which is max(v_hat - Phi_bar, gamma); for a constant Phi, s_t = Phi (1 - beta2^t) and this is the
 paper's update. (Correlated noise makes g_t depend on earlier noise that n_t is correlated with,
 so E[g~_t^2] - E[g_t^2] - Phi_t = 2 E[g_t n_t] need not vanish; the correction neglects it.)
+Where the noise dominates, v_hat - Phi_bar is about 0 and the step is about lr m_hat / sqrt(gamma):
+``gamma`` (default 1e-8, the order of the authors' published settings, 1e-9 to 7e-9) is tuned
+with lr, relative to Phi. Opake's AdamW-BC (Chooi et al. 2025, "DP-AdamW") keeps the same mean of
+Phi but uses the uncorrected v_hat where v_hat - Phi_bar <= 0, which bounds those steps by
+Adam's; the two agree elsewhere (tests/loop/test_adambc.py pins Opake 0.16.1's numbers).
 
 # Note [No AMSGrad]
 AMSGrad divides by the running maximum of v_hat. With the noise's variance subtracted, that
@@ -60,6 +65,8 @@ import torch
 
 
 class DPAdamBC(torch.optim.Optimizer):
+    """Bias-corrected DP-Adam(W); set ``dp_noise_variance`` (or let DPOptimizer) before a step."""
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  gamma: float = 1e-8, eps: float = 0.0, weight_decay: float = 0.0,
                  decoupled_weight_decay: bool = False, amsgrad: bool = False):
@@ -68,6 +75,12 @@ class DPAdamBC(torch.optim.Optimizer):
         _check_group(defaults)
         self.dp_noise_variance: float | None = None
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict:     # pickle and deepcopy keep Phi with the moments
+        return {**super().__getstate__(), "dp_noise_variance": self.dp_noise_variance}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({"dp_noise_variance": None, **state})
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**getattr(self, "defaults", {}), **param_group})

@@ -189,6 +189,7 @@ def test_state_dict_round_trip_and_resume():
     steps(resumed, opt2, grads[3:], phis[3:])
     for a, b in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+    assert copy.deepcopy(opt2).dp_noise_variance == phis[-1]
 
     adam = torch.optim.Adam(first.parameters())
     _run(first, adam, grads[:1])
