@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import numpy as np
 import torch
@@ -58,6 +59,19 @@ _F64 = torch.float64
 _BRUTE_FORCE_PATTERNS = 20000
 
 
+def _integer(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` as an int in low .. high, or a ValueError naming the argument."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low or (high is not None and
+                                                                      number > high):
+        bound = f"an integer >= {low}" if high is None else f"an integer in {low} .. {high}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return number
+
+
 def participation_schema(steps: int, min_separation: int | None,
                          participations: int | None) -> tuple[int, int]:
     """(separation b, participations k) of a (k, b)-min-sep schema, k capped at what fits in steps.
@@ -65,10 +79,10 @@ def participation_schema(steps: int, min_separation: int | None,
     Neither given: one participation. Only ``participations``: b = steps // participations.
     Only ``min_separation``: as many participations as fit, ceil(steps / b).
     """
-    if min_separation is not None and (not isinstance(min_separation, int) or min_separation < 1):
-        raise ValueError(f"min_separation must be an integer >= 1, got {min_separation!r}")
-    if participations is not None and (not isinstance(participations, int) or participations < 1):
-        raise ValueError(f"participations must be an integer >= 1, got {participations!r}")
+    if min_separation is not None:
+        min_separation = _integer("min_separation", min_separation, 1)
+    if participations is not None:
+        participations = _integer("participations", participations, 1)
     if min_separation is None and participations is None:
         return steps, 1
     if min_separation is None:
@@ -122,13 +136,15 @@ class Strategy:
             return strategy_fit.series_inverse(c, self.steps)
         return self.form.inverse_matrix(self.steps)
 
+    @functools.cached_property
+    def _variances(self) -> torch.Tensor:
+        if self.column() is not None:
+            return torch.cumsum(self._noise ** 2, 0)
+        return (self._noise ** 2).sum(1)
+
     def noise_variance(self, t: int) -> float:
         """sum_j (C^{-1})[t, j]^2, the per-coordinate variance of w_t (t = 0 .. steps - 1)."""
-        if not isinstance(t, int) or not 0 <= t < self.steps:
-            raise ValueError(f"t must be a step in 0 .. {self.steps - 1}, got {t!r}")
-        if self.column() is not None:
-            return float((self._noise[:t + 1] ** 2).sum())
-        return float((self._noise[t, :t + 1] ** 2).sum())
+        return float(self._variances[_integer("t", t, 0, self.steps - 1)])
 
     def prefix_error(self) -> float:
         """||A C^{-1}||_F^2: the total squared error of the n prefix sums per unit of noise."""
@@ -143,7 +159,7 @@ class Strategy:
 
         Exact when C^T C decides the worst pattern: then it is the earliest one, (0, b, 2b, ...).
         That holds when, for i <= j, X = C^T C has X[i, j] >= 0, X[i, j] >= X[i, j + 1] and
-        X[i, j] >= X[i + 1, j + 1] wherever j - i >= b (and X[i, i] >= X[i + 1, i + 1}): map the
+        X[i, j] >= X[i + 1, j + 1] wherever j - i >= b (and X[i, i] >= X[i + 1, i + 1]): map the
         p-th participation i_p to e_p = (p - 1) b <= i_p; every term X[i_p, i_q] can only grow.
         For a Toeplitz C that is implied by c_j >= 0 for all j and c_j >= c_{j+1} for j >= b
         (every BandMF with bands <= b, BSR, and every BLT made here). Otherwise the exact value by
@@ -200,9 +216,6 @@ class Strategy:
                 f"recursion={type(self.form).__name__}, state_vectors={self.state_vectors})")
 
 
-def _check_steps(steps) -> None:
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
 
 
 def _toeplitz(name: str, steps: int, c: torch.Tensor, **options) -> Strategy:
@@ -212,16 +225,15 @@ def _toeplitz(name: str, steps: int, c: torch.Tensor, **options) -> Strategy:
 
 def gaussian(steps: int) -> Strategy:
     """C = I: independent noise at every step (DP-SGD)."""
-    _check_steps(steps)
+    steps = _integer("steps", steps, 1)
     return Strategy("gaussian", steps, ToeplitzRecursion((1.0,)))
 
 
 def bsr(steps: int, bands: int | None = None) -> Strategy:
     """Banded square root (Kalinin & Lampert 2024): c_j = binom(2j, j) / 4^j, the coefficients of
     (1 - x)^(-1/2), for j < bands (all steps when None). Not banded, C C = A; no optimization."""
-    _check_steps(steps)
-    bands = steps if bands is None else bands
-    _check_bands(bands, steps)
+    steps = _integer("steps", steps, 1)
+    bands = _integer("bands", steps if bands is None else bands, 1, steps)
     return _toeplitz("bsr", steps, strategy_fit.sqrt_coefficients(bands), bands=bands)
 
 
@@ -233,8 +245,8 @@ def bandmf(steps: int, bands: int, *, participations: int | None = None) -> Stra
     column norm and the optimum does not depend on k; otherwise the objective uses the min-sep
     sensitivity of the earliest pattern.
     """
-    _check_steps(steps)
-    _check_bands(bands, steps)
+    steps = _integer("steps", steps, 1)
+    bands = _integer("bands", bands, 1, steps)
     b, k = participation_schema(steps, None, participations)
     if bands == 1:
         return _toeplitz("bandmf", steps, torch.ones(1, dtype=_F64), bands=1,
@@ -245,18 +257,24 @@ def bandmf(steps: int, bands: int, *, participations: int | None = None) -> Stra
 
 def blt(steps: int, buffers: int = 4, *, min_separation: int | None = None,
         participations: int | None = None) -> Strategy:
-    """Optimized buffered linear Toeplitz C with ``buffers`` buffers (Dvijotham et al. 2024;
+    """Optimized buffered linear Toeplitz C with at most ``buffers`` buffers (Dvijotham et al. 2024;
     McMahan et al. 2024), for the (participations, min_separation)-min-sep schema
-    (``participation_schema``; neither given: one participation)."""
-    _check_steps(steps)
-    if not isinstance(buffers, int) or buffers < 1:
-        raise ValueError(f"buffers must be an integer >= 1, got {buffers!r} (buffers=0 is "
-                         f"gaussian(steps))")
+    (``participation_schema``; neither given: one participation). At most steps - 1 buffers are
+    used, and a buffer the optimum gives no weight is dropped (``state_vectors`` says how many
+    remain); when none remains, as when an example may take part in every step, C = I and the
+    recursion is ``ToeplitzRecursion((1.0,))``."""
+    steps = _integer("steps", steps, 1)
+    buffers = _integer("buffers", buffers, 1)
     b, k = participation_schema(steps, min_separation, participations)
-    scale, theta, omega = strategy_fit.fit_blt(steps, buffers, b, k)
-    return Strategy("blt", steps, BLTRecursion(scale, theta, omega),
-                    (("buffers", buffers), ("min_separation", min_separation),
-                     ("participations", participations)))
+    options = (("buffers", buffers), ("min_separation", min_separation),
+               ("participations", participations))
+    # n steps leave n - 1 coefficients to shape; buffers without weight are dropped by the fit
+    theta = ()
+    if steps > 1:
+        scale, theta, omega = strategy_fit.fit_blt(steps, min(buffers, steps - 1), b, k)
+    if not theta:
+        return Strategy("blt", steps, ToeplitzRecursion((1.0,)), options)
+    return Strategy("blt", steps, BLTRecursion(scale, theta, omega), options)
 
 
 def from_matrix(matrix) -> Strategy:
@@ -306,11 +324,6 @@ def max_pattern_norm2(gram: torch.Tensor, min_separation: int, participations: i
 
     extend([], 0.0)
     return best
-
-
-def _check_bands(bands, steps: int) -> None:
-    if not isinstance(bands, int) or not 1 <= bands <= steps:
-        raise ValueError(f"bands must be an integer in 1 .. steps={steps}, got {bands!r}")
 
 
 def _earliest_is_worst(x: torch.Tensor, b: int) -> bool:

@@ -122,15 +122,28 @@ def fit_banded(steps: int, bands: int, separation: int, participations: int) -> 
     """c_0 = 1, c_1 .. c_{bands-1} of the banded Toeplitz C minimizing ||A C^{-1}||_F^2 sens^2.
 
     Starts from the square root's coefficients (BSR), as JAX-Privacy's optimize_banded_toeplitz.
+    With one participation, or bands <= separation, sens^2 is the column norm^2 (times k) whatever
+    the signs, and c is free. Otherwise the earliest pattern's sensitivity is the true one only for
+    nonnegative, nonincreasing c (``Strategy.sensitivity``), so c is searched there:
+    c_j = c_{j-1} * sigmoid(x_j).
     """
     one = torch.ones(1, dtype=_F64)
+    start = sqrt_coefficients(bands)
+    free = participations == 1 or bands <= separation
+
+    def column(x):
+        if free:
+            return torch.cat([one, x])
+        return torch.cat([one, torch.cumprod(torch.sigmoid(x), 0)])
 
     def loss(x):
-        c = torch.cat([one, x])
+        c = column(x)
         return prefix_error(series_inverse(c, steps), steps) * _sensitivity2(
             c, steps, separation, participations)
 
-    return torch.cat([one, _minimize(loss, sqrt_coefficients(bands)[1:], 300)])
+    ratio = start[1:] / start[:-1]
+    x = _minimize(loss, start[1:] if free else torch.log(ratio / (1 - ratio)), 300)
+    return column(x).detach()
 
 
 def _blt_columns(x: torch.Tensor, buffers: int, n: int):
@@ -170,8 +183,8 @@ def fit_blt(steps: int, buffers: int, separation: int,
             participations: int) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
     """(scale, theta, omega) of the BLT C minimizing ||A C^{-1}||_F^2 sens^2, max column norm 1.
 
-    A buffer whose weight omega_i is below 1e-9 of the total is dropped (it would hold a state
-    vector for nothing); theta is in (0, 1) and omega > 0.
+    A buffer whose weight omega_i is below 1e-9 (of c_0 = 1) is dropped: it would hold a state
+    vector for nothing. theta is in [0, 1) and omega > 0; no buffer left means C = I.
     """
     def loss(x):
         r, c, _, _ = _blt_columns(x, buffers, steps)
@@ -182,7 +195,7 @@ def fit_blt(steps: int, buffers: int, separation: int,
         _, _, s, v = _blt_columns(x, buffers, steps)
         theta, q = torch.linalg.eigh(s)
         omega = (q.T @ v) ** 2
-    keep = omega > 1e-9 * omega.sum()
+    keep = omega > 1e-9
     theta, omega = theta[keep].clamp(max=math.nextafter(1.0, 0.0)), omega[keep]
     order = torch.argsort(theta, descending=True)
     theta, omega = theta[order], omega[order]
