@@ -18,13 +18,16 @@ sensitivity, ||A C^{-1}||_F^2 * sens(C)^2 (A the lower-triangular ones matrix, t
 first t updates), which is what the model's iterates see (Choquette-Choo et al. 2023, "Amplified
 banded matrix factorization"; McMahan et al. 2024, "Don't use tree aggregation, use BLTs").
 
-    strategy   runtime state (vectors per parameter)   objective
-    gaussian   0                                       none (C = I, DP-SGD)
-    bandmf     bands - 1                               optimized: error * column norm^2
-                                                       (* participations, bands <= separation)
-    bsr        bands - 1 (steps - 1 when not banded)   none: (1 - x)^(-1/2) truncated to bands
-    blt        buffers                                 optimized: error * min-sep sensitivity^2
-    matrix     t at step t (every earlier w)           the user's own C
+    strategy   runtime state, vectors per parameter   objective
+    gaussian   0                                      none (C = I, DP-SGD)
+    bandmf     bands - 1                              optimized: error * column norm^2
+                                                      (* participations, bands <= separation)
+    bsr        bands - 1 (steps - 1 unbanded)         none: (1 - x)^(-1/2) truncated to bands
+    blt        buffers (fewer if one has no weight)   optimized: error * min-sep sensitivity^2
+    matrix     t at step t (every earlier w)          none: the user's own C
+
+Each step costs the runtime one (Toeplitz, dense) or two (BLT) multiply-adds per state vector and
+parameter.
 
 # Note [Toeplitz arithmetic in O(n log n)]
 The optimizers never form an n x n matrix: a lower-triangular Toeplitz C is its first column c,
@@ -35,8 +38,8 @@ generation for streaming differential privacy"): C^{-1} has generating function
 R(x) = 1 - sum_i w_i x / (1 - h_i x) with h_i in (0, 1), w_i >= 0 and rho = sum_i w_i / (1 - h_i) < 1.
 Then R has no zero in the closed unit disc, C = 1 / R = sum_m (1 - R)^m has nonnegative
 coefficients, and its state-space form has the matrix diag(h) + 1 w^T, similar to the symmetric
-diag(h) + v v^T (v = sqrt(w)): C is a BLT whose theta are that matrix's eigenvalues (in (0, 1), by
-interlacing and R(1) > 0) and whose omega_i = (q_i . v)^2 > 0. So every point of the search space
+diag(h) + v v^T (v = sqrt(w)): C is a BLT whose theta are that matrix's eigenvalues (in [0, 1),
+by interlacing and R(1) > 0) and whose omega_i = (q_i . v)^2 > 0. So every point of the search space
 is a valid BLT with nonnegative, nonincreasing coefficients, the condition under which the min-sep
 sensitivity below is exact (test_strategies.py::test_sensitivity_matches_brute_force).
 """
@@ -208,14 +211,15 @@ class Strategy:
         else:
             raise ValueError(f"unknown strategy form {f['kind']!r} in the state dict "
                              f"(expected 'toeplitz', 'blt' or 'dense')")
-        return cls(d["name"], int(d["steps"]), form, tuple(d.get("options", {}).items()))
+        steps = _integer("steps", d["steps"], 1)
+        if isinstance(form, DenseRecursion) and len(form.rows) != steps:
+            raise ValueError(f"the state dict's matrix has {len(form.rows)} rows for {steps} steps")
+        return cls(d["name"], steps, form, tuple(d.get("options", {}).items()))
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v}" for k, v in self.options)
         return (f"Strategy({self.name!r}, steps={self.steps}{opts}, "
                 f"recursion={type(self.form).__name__}, state_vectors={self.state_vectors})")
-
-
 
 
 def _toeplitz(name: str, steps: int, c: torch.Tensor, **options) -> Strategy:

@@ -1,7 +1,7 @@
 """Toeplitz arithmetic and the optimizers behind ``strategies.bandmf`` and ``strategies.blt``.
 
     from dpfx.privacy import strategy_fit
-    c = strategy_fit.fit_banded(steps=1000, bands=8, min_separation=1000, participations=1)
+    c = strategy_fit.fit_banded(steps=1000, bands=8, separation=1000, participations=1)
     r = strategy_fit.series_inverse(c, 1000)          # C^{-1}'s first column, O(n log n)
     strategy_fit.prefix_error(r, 1000)                 # ||A C^{-1}||_F^2
 

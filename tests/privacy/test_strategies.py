@@ -220,6 +220,8 @@ def test_sensitivity_bounds_are_upper_bounds(monkeypatch):
     n = 9
     m = strategies.from_matrix(_random_lower(n, 3))
     exact = _brute_force(m.matrix(), 2, 3)
+    x = m.matrix().T @ m.matrix()
+    assert not strategies._earliest_is_worst(x, 2)             # no structure to rely on
     assert m.sensitivity(2, 3) == pytest.approx(exact, rel=1e-12)      # exhaustive search
     monkeypatch.setattr(strategies, "_BRUTE_FORCE_PATTERNS", 0)
     assert m.sensitivity(2, 3) >= exact
