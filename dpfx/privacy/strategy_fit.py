@@ -99,7 +99,7 @@ def _lbfgs(loss, x0: torch.Tensor, max_iter: int) -> torch.Tensor:
     with torch.no_grad():
         scale = float(loss(x0))
     opt = torch.optim.LBFGS([x], lr=1.0, max_iter=max_iter, history_size=20,
-                            tolerance_grad=1e-10, tolerance_change=1e-13,
+                            tolerance_grad=1e-10, tolerance_change=1e-10,
                             line_search_fn="strong_wolfe")
 
     def closure():
@@ -124,26 +124,30 @@ def fit_banded(steps: int, bands: int, separation: int, participations: int) -> 
     Starts from the square root's coefficients (BSR), as JAX-Privacy's optimize_banded_toeplitz.
     With one participation, or bands <= separation, sens^2 is the column norm^2 (times k) whatever
     the signs, and c is free. Otherwise the earliest pattern's sensitivity is the true one only for
-    nonnegative, nonincreasing c (``Strategy.sensitivity``), so c is searched there:
-    c_j = c_{j-1} * sigmoid(x_j).
+    nonnegative, nonincreasing c (``Strategy.sensitivity``), so c is searched there (as sums of
+    squared decrements), from the one-participation optimum made nonincreasing.
     """
     one = torch.ones(1, dtype=_F64)
-    start = sqrt_coefficients(bands)
-    free = participations == 1 or bands <= separation
 
-    def column(x):
-        if free:
-            return torch.cat([one, x])
-        return torch.cat([one, torch.cumprod(torch.sigmoid(x), 0)])
+    def free_loss(x):
+        c = torch.cat([one, x])
+        return prefix_error(series_inverse(c, steps), steps) * _sensitivity2(c, steps, steps, 1)
+
+    start = torch.cat([one, _minimize(free_loss, sqrt_coefficients(bands)[1:], 300)])
+    if participations == 1 or bands <= separation:
+        return start
+
+    def column(x):                      # c_j = sum_{i >= j} x_i^2: nonnegative, nonincreasing
+        return torch.flip(torch.cumsum(torch.flip(x ** 2, [0]), 0), [0])
 
     def loss(x):
         c = column(x)
         return prefix_error(series_inverse(c, steps), steps) * _sensitivity2(
             c, steps, separation, participations)
 
-    ratio = start[1:] / start[:-1]
-    x = _minimize(loss, start[1:] if free else torch.log(ratio / (1 - ratio)), 300)
-    return column(x).detach()
+    start = torch.cummin(start.clamp(min=0), 0).values
+    c = column(_minimize(loss, torch.cat([start[:-1] - start[1:], start[-1:]]).sqrt(), 300))
+    return (c / c[0]).detach()
 
 
 def _blt_columns(x: torch.Tensor, buffers: int, n: int):

@@ -129,7 +129,8 @@ def test_bandmf_one_band_is_dpsgd_and_more_bands_help():
 JAX_BANDMF = {(64, 4): 3.240593597021358, (256, 8): 4.547659956663348}
 JAX_BLT = {(64, 2, 1, 1): 2.1799141577128873, (256, 3, 1, 1): 2.6172395310404633,
            (256, 3, 32, 8): 9.219303161187188}
-JAX_BLT_SLOW = {(1024, 4, 1, 1): 3.057366694870827}
+JAX_BLT_SLOW = {(1024, 4, 1, 1): 3.057366694870827, (2000, 4, 100, 20): 21.373966851926063,
+                (10000, 4, 1, 1): 3.7841670451026124}
 
 
 def _dense_error(s, b, k):
@@ -156,7 +157,7 @@ def test_blt_matches_jax_privacy(setting):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(JAX_BLT_SLOW))
-def test_blt_matches_jax_privacy_at_1024_steps(setting):
+def test_blt_matches_jax_privacy_at_longer_horizons(setting):
     _check_blt(setting, JAX_BLT_SLOW[setting])
 
 
@@ -168,9 +169,9 @@ def _check_blt(setting, reference):
     assert all(0 <= t < 1 for t in rec.theta) and all(w > 0 for w in rec.omega)
     col = s.column()
     assert bool((col >= 0).all()) and bool((col[1:] <= col[:-1]).all())
-    ours = _dense_error(s, b, k)
-    assert ours == pytest.approx(strategies.expected_error(s, min_separation=b, participations=k),
-                                 rel=1e-10)
+    ours = strategies.expected_error(s, min_separation=b, participations=k)
+    if n <= 1024:
+        assert ours == pytest.approx(_dense_error(s, b, k), rel=1e-10)
     assert reference * 0.98 <= ours <= reference * 1.02
 
 
