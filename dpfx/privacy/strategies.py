@@ -173,7 +173,7 @@ class Strategy:
         b, k = participation_schema(self.steps, min_separation, participations)
         c = self.column()
         if c is not None:
-            if bool((c >= 0).all()) and bool((c[b:-1] >= c[b + 1:]).all()):
+            if self._nonincreasing_from(c, b):
                 return math.sqrt(float(strategy_fit.earliest_pattern_norm2(c, b, k)))
             if self.steps > 2048:
                 return math.sqrt(_toeplitz_bound(c, b, k))
@@ -187,6 +187,16 @@ class Strategy:
             return math.sqrt(max_pattern_norm2(x, b, k))
         top = x.abs().topk(min(k, self.steps), dim=1).values.sum(1).max()
         return math.sqrt(k * float(top))
+
+    def _nonincreasing_from(self, c: torch.Tensor, b: int) -> bool:
+        """c_j >= 0 for all j and c_j >= c_{j+1} for j >= b (>= 1). For a BLT read from its
+        parameters (scale > 0, theta in [0, 1), omega >= 0 make c_1, c_2, .. nonincreasing), since
+        rounding in omega . theta^j may break a tie between equal coefficients by an ulp."""
+        f = self.form
+        if isinstance(f, BLTRecursion):
+            return (f.scale > 0 and all(0 <= t < 1 for t in f.theta)
+                    and all(w >= 0 for w in f.omega))
+        return bool((c >= 0).all()) and bool((c[b:-1] >= c[b + 1:]).all())
 
     def state_dict(self) -> dict:
         f = self.form

@@ -151,8 +151,8 @@ def fit_banded(steps: int, bands: int, separation: int, participations: int) -> 
 
 
 def _blt_columns(x: torch.Tensor, buffers: int, n: int):
-    """(r, c, h, v): the first columns of C^{-1} and C (c_0 = 1) for the unconstrained x, with
-    C^{-1}'s decays h and v = sqrt(w) (Note [Toeplitz arithmetic in O(n log n)] in strategies.py).
+    """(r, c, S, v): the first columns of C^{-1} and C (c_0 = 1) for the unconstrained x, with
+    S and v = sqrt(w) below (Note [Toeplitz arithmetic in O(n log n)] in strategies.py).
 
     C^{-1}: h = sigmoid, w = rho * softmax * (1 - h), so sum w / (1 - h) = rho = sigmoid < 1.
     C = 1 / R: c_j = v^T S^{j-1} v with S = diag(h) + v v^T (||S|| < 1), by repeated squaring.
@@ -200,7 +200,7 @@ def fit_blt(steps: int, buffers: int, separation: int,
         theta, q = torch.linalg.eigh(s)
         omega = (q.T @ v) ** 2
     keep = omega > 1e-9
-    theta, omega = theta[keep].clamp(max=math.nextafter(1.0, 0.0)), omega[keep]
+    theta, omega = theta[keep].clamp(0.0, math.nextafter(1.0, 0.0)), omega[keep]
     order = torch.argsort(theta, descending=True)
     theta, omega = theta[order], omega[order]
     j = torch.arange(steps - 1, dtype=_F64)

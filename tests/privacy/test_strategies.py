@@ -204,7 +204,11 @@ def _brute_force(c, b, k):
 
 def test_sensitivity_matches_brute_force(every_kind):
     n = N
-    cases = every_kind + [strategies.from_matrix(_random_lower(n, 2, positive=True))]
+    steep = BLTRecursion(1.0, (0.9, 0.3), (0.8, 0.7))          # c_1 > c_0: decided from c_1 on
+    steep = BLTRecursion(1 / float(torch.linalg.vector_norm(steep.matrix(n)[:, 0])), steep.theta,
+                         steep.omega)
+    cases = every_kind + [strategies.from_matrix(_random_lower(n, 2, positive=True)),
+                          strategies.Strategy("blt", n, steep)]
     for s in cases:
         c = s.matrix()
         for b, k in [(1, 1), (1, 3), (2, 2), (3, 4), (4, 10), (7, 2)]:
