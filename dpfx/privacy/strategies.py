@@ -294,7 +294,10 @@ def blt(steps: int, buffers: int = 4, *, min_separation: int | None = None,
 def from_matrix(matrix) -> Strategy:
     """A user's own lower-triangular C (tensor, array or nested lists), normalized to max column
     norm 1. The runtime keeps every earlier noise vector (``DenseRecursion``)."""
-    m = torch.as_tensor(np.asarray(matrix, dtype=np.float64), dtype=_F64)
+    if isinstance(matrix, torch.Tensor):
+        m = matrix.detach().to(device="cpu", dtype=_F64)
+    else:
+        m = torch.as_tensor(np.asarray(matrix, dtype=np.float64), dtype=_F64)
     if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] < 1:
         raise ValueError(f"matrix must be a square n x n matrix (n >= 1), got shape "
                          f"{tuple(m.shape)}")

@@ -268,6 +268,15 @@ def test_blt_where_every_step_may_participate_is_dpsgd():
     assert strategies.blt(3, 4).state_vectors <= 2
 
 
+def test_from_matrix_takes_tensors_arrays_and_lists():
+    c = _random_lower(4, 5)
+    ref = strategies.from_matrix(c).matrix()
+    assert torch.linalg.vector_norm(ref, dim=0).max().item() == pytest.approx(1.0, abs=1e-15)
+    torch.testing.assert_close(ref * c.norm(dim=0).max(), c, rtol=1e-15, atol=0)
+    for same in (c.clone().requires_grad_(True), c.numpy(), c.tolist()):
+        assert torch.equal(strategies.from_matrix(same).matrix(), ref)
+
+
 def test_optimizers_are_deterministic():
     a, b = strategies.blt(96, 3), strategies.blt(96, 3)
     assert a.state_dict() == b.state_dict()
