@@ -35,7 +35,8 @@ its inverse is the power series 1 / c(x) (Newton's iteration r <- r (2 - c r), p
 and A C^{-1} is Toeplitz with first column cumsum(r), so ||A C^{-1}||_F^2 = sum_j (n - j) b_j^2.
 A BLT is optimized through its inverse (Dvijotham et al. 2024, "Efficient and near-optimal noise
 generation for streaming differential privacy"): C^{-1} has generating function
-R(x) = 1 - sum_i w_i x / (1 - h_i x) with h_i in (0, 1), w_i >= 0 and rho = sum_i w_i / (1 - h_i) < 1.
+R(x) = 1 - sum_i w_i x / (1 - h_i x) with h_i in (0, 1), w_i >= 0 and
+rho = sum_i w_i / (1 - h_i) < 1.
 Then R has no zero in the closed unit disc, C = 1 / R = sum_m (1 - R)^m has nonnegative
 coefficients, and its state-space form has the matrix diag(h) + 1 w^T, similar to the symmetric
 diag(h) + v v^T (v = sqrt(w)): C is a BLT whose theta are that matrix's eigenvalues (in [0, 1),
@@ -79,8 +80,10 @@ def participation_schema(steps: int, min_separation: int | None,
                          participations: int | None) -> tuple[int, int]:
     """(separation b, participations k) of a (k, b)-min-sep schema, k capped at what fits in steps.
 
-    Neither given: one participation. Only ``participations``: b = steps // participations.
-    Only ``min_separation``: as many participations as fit, ceil(steps / b).
+    Neither given: one participation. Only ``participations`` k: the widest separation at which
+    k participations fit, b = (steps - 1) // (k - 1) (cyclic sampling over p parts, with
+    k = ceil(steps / p), gives b >= p). Only ``min_separation``: as many participations as fit,
+    ceil(steps / b).
     """
     if min_separation is not None:
         min_separation = _integer("min_separation", min_separation, 1)
@@ -92,7 +95,7 @@ def participation_schema(steps: int, min_separation: int | None,
         if participations > steps:
             raise ValueError(f"participations={participations} exceeds steps={steps}: an example "
                              f"takes part in at most one batch per step")
-        min_separation = steps // participations
+        min_separation = steps if participations == 1 else (steps - 1) // (participations - 1)
     fits = -(-steps // min_separation)
     return min_separation, fits if participations is None else min(participations, fits)
 
@@ -119,6 +122,21 @@ class Strategy:
         if isinstance(self.form, BLTRecursion):
             return len(self.form.theta)
         return self.steps - 1
+
+    @property
+    def bands(self) -> int:
+        """C's bandwidth: C[i, j] = 0 whenever i - j >= bands (``steps`` when C is not banded;
+        1 for the identity). Amplification by cyclic Poisson sampling needs bands <= parts."""
+        f = self.form
+        if isinstance(f, ToeplitzRecursion):
+            nonzero = [j for j, c in enumerate(f.coeffs[:self.steps]) if c != 0]
+            return nonzero[-1] + 1
+        if isinstance(f, BLTRecursion):
+            if not any(w != 0 for w in f.omega):
+                return 1
+            return min(self.steps, 2 if all(t == 0 for t in f.theta) else self.steps)
+        return 1 + max(t - next(j for j, c in enumerate(row) if c != 0)
+                       for t, row in enumerate(f.rows[:self.steps]))
 
     def column(self) -> torch.Tensor | None:
         """C's first column c_0 .. c_{n-1} when C is Toeplitz (None for a dense C)."""
@@ -157,8 +175,8 @@ class Strategy:
 
     def sensitivity(self, min_separation: int | None = None,
                     participations: int | None = None) -> float:
-        """max ||C u||_2 over u in {0,1}^n with at most ``participations`` ones >= ``min_separation``
-        apart (neither given: one participation, which is 1).
+        """max ||C u||_2 over u in {0,1}^n with at most ``participations`` ones, any two at least
+        ``min_separation`` apart (``participation_schema``; neither given: one participation, 1).
 
         Exact when C^T C decides the worst pattern: then it is the earliest one, (0, b, 2b, ...).
         That holds when, for i <= j, X = C^T C has X[i, j] >= 0, X[i, j] >= X[i, j + 1] and
@@ -254,10 +272,11 @@ def bsr(steps: int, bands: int | None = None) -> Strategy:
 def bandmf(steps: int, bands: int, *, participations: int | None = None) -> Strategy:
     """Optimized banded Toeplitz C (Choquette-Choo et al. 2023; JAX-Privacy's banded Toeplitz).
 
-    With ``participations`` k the schema is (k, steps // k)-min-sep. When bands <= steps // k
-    (the case amplification by cyclic Poisson sampling needs) the sensitivity is sqrt(k) times the
-    column norm and the optimum does not depend on k; otherwise the objective uses the min-sep
-    sensitivity of the earliest pattern.
+    With ``participations`` k the schema is (k, b)-min-sep, b = (steps - 1) // (k - 1)
+    (``participation_schema``; cyclic Poisson over `bands` parts gives b >= bands). When
+    bands <= b (the case amplification by cyclic Poisson sampling needs) the sensitivity is
+    sqrt(k) times the column norm and the optimum does not depend on k; otherwise the objective
+    uses the min-sep sensitivity of the earliest pattern.
     """
     steps = _integer("steps", steps, 1)
     bands = _integer("bands", bands, 1, steps)
@@ -319,7 +338,8 @@ def from_matrix(matrix) -> Strategy:
 def expected_error(strategy: Strategy, *, min_separation: int | None = None,
                    participations: int | None = None) -> float:
     """RMSE of the n prefix sums per unit of sigma * S at equal privacy under the min-sep schema:
-    sqrt(||A C^{-1}||_F^2 / n) * sensitivity (one participation by default; gaussian: sqrt((n+1)/2))."""
+    sqrt(||A C^{-1}||_F^2 / n) * sensitivity (one participation by default; for gaussian
+    sqrt((n + 1) / 2))."""
     sens = strategy.sensitivity(min_separation, participations)
     return math.sqrt(strategy.prefix_error() / strategy.steps) * sens
 

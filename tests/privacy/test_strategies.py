@@ -217,7 +217,7 @@ def test_sensitivity_matches_brute_force(every_kind):
     assert strategies.gaussian(n).sensitivity(2, 3) == pytest.approx(math.sqrt(3))
     assert strategies.bsr(n).sensitivity() == pytest.approx(1.0)
     assert strategies.bsr(n).sensitivity(min_separation=4) == strategies.bsr(n).sensitivity(4, 3)
-    assert strategies.bsr(n).sensitivity(participations=2) == strategies.bsr(n).sensitivity(5, 2)
+    assert strategies.bsr(n).sensitivity(participations=2) == strategies.bsr(n).sensitivity(9, 2)
 
 
 def test_sensitivity_bounds_are_upper_bounds(monkeypatch):
@@ -245,6 +245,27 @@ def test_bandmf_with_more_bands_than_the_separation():
     assert ours <= strategies.expected_error(plain, min_separation=6, participations=k) + 1e-9
     assert ours < strategies.expected_error(strategies.gaussian(n), min_separation=6,
                                             participations=k)
+
+
+def test_bands_and_participation_schema():
+    n = 10
+    assert [s.bands for s in (strategies.gaussian(n), strategies.bandmf(n, 3), strategies.bsr(n),
+                              strategies.bsr(n, 4), strategies.blt(n, 2))] == [1, 3, n, 4, n]
+    lower = torch.eye(n, dtype=F64)
+    lower[7, 4] = 0.5                                   # one entry on the fourth diagonal
+    assert strategies.from_matrix(lower).bands == 4
+    for s in (strategies.gaussian(n), strategies.bandmf(n, 3), strategies.from_matrix(lower)):
+        c = s.matrix()
+        i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+        assert bool((c[(i - j) >= s.bands] == 0).all())
+        assert bool((c[(i - j) == s.bands - 1] != 0).any())
+    # cyclic sampling over 8 parts in 100 steps: 13 participations, >= 8 apart
+    assert strategies.participation_schema(100, None, 13) == (8, 13)
+    assert strategies.participation_schema(100, 8, None) == (8, 13)
+    assert strategies.participation_schema(100, None, None) == (100, 1)
+    assert strategies.participation_schema(100, 30, 7) == (30, 4)
+    same = strategies.bandmf(100, 8, participations=13)    # bands <= separation: k changes nothing
+    assert same.state_dict()["form"] == strategies.bandmf(100, 8).state_dict()["form"]
 
 
 def test_state_dict_round_trips_exactly(every_kind):
@@ -292,7 +313,7 @@ def test_invalid_arguments_name_themselves():
            (lambda: strategies.blt(10, 2, min_separation=0), "min_separation"),
            (lambda: strategies.blt(10, 2, participations=11), "participations"),
            (lambda: strategies.from_matrix(torch.ones(3, 3)), r"lower triangular: matrix\[0, 1\]"),
-           (lambda: strategies.from_matrix(torch.diag(torch.tensor([1.0, 0.0]))), "zero on its diag"),
+           (lambda: strategies.from_matrix(torch.diag(torch.tensor([1.0, 0.0]))), "zero on its"),
            (lambda: strategies.from_matrix(torch.ones(2, 3)), "square"),
            (lambda: strategies.gaussian(4).noise_variance(4), "t must"),
            (lambda: strategies.gaussian(4).sensitivity(0, 1), "min_separation")]
