@@ -2,6 +2,7 @@
 
     python benchmarks/utility.py                         # writes benchmarks/latest/utility.md
     python benchmarks/utility.py --seeds 1 --out benchmarks/out/utility.md   # a quick look
+    python benchmarks/utility.py --compare adam     # DP-Adam against DP-AdamBC: utility_adam.md
 
 Every run trains at epsilon 3, delta 1e-5: sigma is calibrated by ``dpfx.privacy.noise_multiplier``
 (PLD) for the run's sample rate and steps, and the epsilon in the table is the accountant's after
@@ -24,6 +25,18 @@ from the OS's CSPRNG, unseeded). The methods, all through ``dpfx.make_private``:
   stronger: it bounds what the run reveals about all k examples of a user together, where the
   example-level row's epsilon is per example (a user's k examples could cost up to k times more
   under group privacy). The example-level row is the best flat C's.
+
+``--compare adam`` trains the digits task at epsilon 2 and 8 (delta 1e-5, sigma calibrated as
+above) with flat C = ``ADAM_C`` (the best flat C of the clipping table) and an Adam-family inner
+optimizer instead of SGD: **DP-Adam** (``torch.optim.Adam``, eps 1e-8) and **DP-AdamBC**
+(``dpfx.DPAdamBC``, gamma ``ADAMBC_GAMMA``, eps 0: Tang et al. 2024), both betas (0.9, 0.999), no
+weight decay. DP-AdamBC's ``dp_noise_variance`` is set to (sigma C / D)^2 from
+``DPAdamBC.gaussian_noise_variance``. Each method's learning rate is tuned over its own grid
+(``ADAM_GRIDS``: DP-Adam ~ DP-SGD with step lr / sqrt(Phi), so its good rates are about
+sqrt(Phi) times SGD's; DP-AdamBC's are near non-private Adam's), on the test split as above;
+the table shows each method's best rate and every run below it, and for DP-AdamBC the fraction
+of coordinates whose corrected second moment v_hat - Phi is below gamma after the last step
+(mean over seeds): there the step is lr * m_hat / sqrt(gamma), set by the floor, not the data.
 
 Tasks (no download):
 
@@ -67,6 +80,9 @@ from dpfx import privacy  # noqa: E402
 import train_digits  # noqa: E402  (the example's model and split)
 
 EPSILON, DELTA = 3.0, 1e-5
+ADAM_EPSILONS, ADAM_C, ADAMBC_GAMMA = (2.0, 8.0), 0.3, 1e-8
+ADAM_GRIDS = {"adam": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "adambc": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)}
+ADAM_NAMES = {"adam": "DP-Adam", "adambc": "DP-AdamBC"}
 TEXT_PACKAGES = ("asyncio", "email", "unittest", "multiprocessing", "xml", "importlib",
                  "logging", "http")
 BUCKETS, WORDS = 4096, 48
@@ -136,7 +152,16 @@ TASKS = {"digits": dict(data=digits, lr=4.0), "docstrings": dict(data=docstrings
 
 
 # -- one run ----------------------------------------------------------------------------------
-def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | None = None) -> dict:
+def _optimizer(method: str, params, lr: float) -> torch.optim.Optimizer:
+    if method == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if method == "adambc":
+        return dpfx.DPAdamBC(params, lr=lr, gamma=ADAMBC_GAMMA)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | None = None,
+        epsilon: float = EPSILON, method: str = "sgd", lr: float | None = None) -> dict:
     """One training run; returns its test accuracy and epsilon."""
     torch.manual_seed(seed)
     train, (x_test, y_test), model = TASKS[task]["data"](seed)
@@ -152,18 +177,21 @@ def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | Non
         units, batch = math.ceil(n / users), args.batch_size // users
     q = batch / units
     steps = args.epochs * max(1, round(1 / q))
-    sigma = privacy.noise_multiplier(target_epsilon=EPSILON, target_delta=DELTA, sample_rate=q,
+    sigma = privacy.noise_multiplier(target_epsilon=epsilon, target_delta=DELTA, sample_rate=q,
                                      steps=steps)
     extra = {}
     if clipping == "adaptive":
         extra = dict(target_quantile=0.5, clip_lr=0.2, count_noise_multiplier=batch / 20)
     elif clipping == "automatic":
         extra = dict(clipping_gamma=0.01)
+    inner = _optimizer(method, model.parameters(), lr or TASKS[task]["lr"])
     private = dpfx.make_private(
-        dpfx.per_user(model) if users else model,
-        torch.optim.SGD(model.parameters(), lr=TASKS[task]["lr"]), train, batch_size=batch,
+        dpfx.per_user(model) if users else model, inner, train, batch_size=batch,
         max_grad_norm=c, noise_multiplier=sigma, clipping=clipping, backend=args.backend,
         generator=generator, user_ids=user_ids, max_examples_per_user=users, **extra)
+    if method == "adambc":      # the noise's per-coordinate variance in p.grad, every step
+        inner.dp_noise_variance = dpfx.DPAdamBC.gaussian_noise_variance(
+            sigma, c, private.model.dp_config.expected_batch_size)
     for _ in range(args.epochs):
         for batch_data in private.loader:
             private.optimizer.zero_grad(set_to_none=True)
@@ -184,7 +212,23 @@ def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | Non
                steps=steps, n=n, test=len(y_test))
     if clipping == "adaptive":
         out["final_bound"] = private.model.adaptive_clip.bound
+    if method == "adambc":
+        out["floored"] = _floored(inner)
     return out
+
+
+def _floored(opt) -> float:
+    """DP-AdamBC after its last step: the fraction of coordinates whose corrected second moment
+    v_hat - Phi_bar is below the floor gamma (their step is lr * m_hat / sqrt(gamma))."""
+    below = total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            s = opt.state[p]
+            corrected = (s["exp_avg_sq"] - s["noise_variance_sum"]) \
+                / (1 - group["betas"][1] ** s["step"].item())
+            below += int((corrected < group["gamma"]).sum())
+            total += corrected.numel()
+    return below / total
 
 
 def repeat(task, args, label, **kw) -> dict:
@@ -196,6 +240,8 @@ def repeat(task, args, label, **kw) -> dict:
                n=runs[0]["n"], test=runs[0]["test"])
     if "final_bound" in runs[0]:
         row["bounds"] = [r["final_bound"] for r in runs]
+    if "floored" in runs[0]:
+        row["floored"] = statistics.fmean(r["floored"] for r in runs)
     print(f"  {task} {label}: {row['mean']:.4f} +- {row['std']:.4f} (eps {row['epsilon']:.3f})",
           flush=True)
     return row
@@ -212,6 +258,20 @@ def task_rows(task: str, args) -> dict:
                   users=args.k)
     return dict(grid=grid, best=grid[best_i], best_c=best_c, adaptive=adaptive,
                 automatic=automatic, user=user)
+
+
+def adam_rows(task: str, args) -> dict:
+    """{epsilon: {method: {"grid": rows, "best": row, "lr": best lr}}} for --compare adam."""
+    out = {}
+    for eps in ADAM_EPSILONS:
+        out[eps] = {}
+        for method, grid in ADAM_GRIDS.items():
+            rows = [repeat(task, args, f"eps {eps:g}, {ADAM_NAMES[method]} lr={lr:g}",
+                           clipping="flat", c=ADAM_C, epsilon=eps, method=method, lr=lr)
+                    for lr in grid]
+            best = max(range(len(rows)), key=lambda i: rows[i]["mean"])
+            out[eps][method] = dict(grid=rows, best=rows[best], lr=grid[best])
+    return out
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -275,9 +335,52 @@ def report(results: dict, args, minutes: float, commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_adam(results: dict, args, minutes: float, commit: str) -> str:
+    lines = [
+        "# DP-Adam against DP-AdamBC",
+        "",
+        f"`python benchmarks/utility.py {' '.join(sys.argv[1:])}` ({minutes:.1f} min); "
+        f"{datetime.date.today().isoformat()}, commit {commit}, {_machine()}, threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}, backend {args.backend}. Method: "
+        f"the script's docstring (``--compare adam``).",
+        "",
+        f"Test accuracy, mean ± std over {args.seeds} seeds, each method at its best learning "
+        f"rate of its grid; flat C = {ADAM_C:g}, {args.epochs} epochs, expected batch "
+        f"{args.batch_size}, DP-AdamBC gamma {ADAMBC_GAMMA:g}; epsilon at delta {DELTA:g} (PLD).",
+        "",
+    ]
+    for task, by_eps in results.items():
+        lines += [f"| {task}: epsilon | DP-Adam (best lr) | DP-AdamBC (best lr) | sigma | steps "
+                  f"| Phi = (sigma C / D)^2 | DP-AdamBC: coordinates floored at the end |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for eps, r in by_eps.items():
+            adam, bc = r["adam"], r["adambc"]
+            phi = dpfx.DPAdamBC.gaussian_noise_variance(adam["best"]["sigma"], ADAM_C,
+                                                        args.batch_size)
+            lines.append(f"| {adam['best']['epsilon']:.3f} | {_cell(adam['best'])} "
+                         f"(lr {adam['lr']:g}) | {_cell(bc['best'])} (lr {bc['lr']:g}) "
+                         f"| {adam['best']['sigma']:.3f} | {adam['best']['steps']} | {phi:.2e} "
+                         f"| {bc['best']['floored']:.1%} |")
+        lines += ["", "Every run:", "",
+                  "| task | run | accuracy per seed | mean ± std | epsilon | floored |",
+                  "|---|---|---|---:|---:|---:|"]
+        for eps, r in by_eps.items():
+            for method in ADAM_GRIDS:
+                for row in r[method]["grid"]:
+                    accs = ", ".join(f"{a:.3f}" for a in row["accs"])
+                    floored = f"{row['floored']:.1%}" if "floored" in row else ""
+                    lines.append(f"| {task} | {row['label']} | {accs} | {_cell(row)} "
+                                 f"| {row['epsilon']:.3f} | {floored} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
+    ap.add_argument("--compare", choices=["clipping", "adam"], default="clipping",
+                    help="clipping: the clipping choices and user-level DP at epsilon 3 (both "
+                         "tasks by default); adam: DP-Adam against DP-AdamBC (digits by default)")
+    ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=256)
@@ -285,16 +388,22 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="examples per synthetic user")
     ap.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "latest", "utility.md"))
+    ap.add_argument("--out", default=None, help="default benchmarks/latest/utility.md, "
+                    "utility_adam.md with --compare adam")
     args = ap.parse_args()
+    adam = args.compare == "adam"
+    args.tasks = args.tasks or (["digits"] if adam else list(TASKS))
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "latest",
+                                        "utility_adam.md" if adam else "utility.md")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     start, commit = time.perf_counter(), _commit()
     results = {}
     for task in args.tasks:
         print(f"{task}:", flush=True)
-        results[task] = task_rows(task, args)
-    text = report(results, args, (time.perf_counter() - start) / 60, commit)
+        results[task] = adam_rows(task, args) if adam else task_rows(task, args)
+    text = (report_adam if adam else report)(results, args, (time.perf_counter() - start) / 60,
+                                             commit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

@@ -21,22 +21,24 @@ from dpfx.lower.inductor import ComboKernelsWarning
 from dpfx.capture.modules import replace_batchnorm
 from dpfx.loop.data import VirtualBatches, expected_batch_size, poisson_loader, split_batch
 from dpfx.loop.optim import DPOptimizer
+from dpfx.loop.adambc import DPAdamBC
 from dpfx.loop.optim import NoNoiseWarning
 from dpfx.loop.release import BatchSizeWarning, public
 from dpfx.loss.gate import MissingZeroGradWarning, PlainGradientWarning
 from dpfx.loop.users import per_user, user_loader
 from dpfx.passes import Problem
+from dpfx.privacy.plan import Mechanism
 from dpfx.report.validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
-    "DPFXError", "DPFXWarning", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer",
+    "DPFXError", "DPFXWarning", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer", "DPAdamBC",
     "OptionError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
     "per_user", "user_loader",
     "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
     "public", "PlainGradientWarning", "MissingZeroGradWarning", "NoNoiseWarning",
-    "BatchSizeWarning",
+    "BatchSizeWarning", "Mechanism",
 ]
 __version__ = "0.1.0"

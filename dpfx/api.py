@@ -55,11 +55,11 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_loss_fn", loss)
         object.__setattr__(self, "_blocks_pending", blocks)   # compiled at the first call
         object.__setattr__(self, "_blocks", [])
-        # Note [Every gradient a parameter receives is dpfx's]
+        # See Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
         self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
-        # Note [The steady-state call]
+        # See Note [The steady-state call]
         self._params = [p for _, p, _ in self._trainable_at_compile]
         self._param_ids = {id(p) for p in self._params}
         self._norm_layers = norm_layers(model)
@@ -140,7 +140,7 @@ class DPModule(torch.nn.Module):
 
     # Note [The steady-state call]
     # Every training step pays for this method, and on a small model its Python is as long as
-    # the compiled forward (0.5 ms against 0.4 ms on the 2-core machine for the MLP).
+    # the compiled forward.
     # What does not change between steps is read once: the parameters, their ids for the loss
     # check, the normalization layers the mixing check looks at, which batch size routes to
     # which compiled entry, whether every trainable parameter has its gradient guard. Those
@@ -222,7 +222,7 @@ class DPModule(torch.nn.Module):
             check_inputs(tensors)
         batch = _check_batch(tensors)
         if not all(t.is_contiguous() for t in tensors):
-            # Note [Inputs enter row-major]
+            # See Note [Inputs enter row-major]
             args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major, (args, kwargs))
             tensors = _tensor_leaves(args, kwargs)
         if batch == 0:

@@ -286,11 +286,10 @@ class DPBackend:
                 replace_random_passes(gm)
             gm.recompile()
         # Note [Noise from ATen's generator on CPU]
-        # Inductor's fused Philox randn costs ~15x ATen's torch.randn on CPU (22 ms vs 1.4 ms for
-        # 300k numbers on 2 cores), and ATen's is single-threaded MT19937. On CPU the graph's
-        # noise is dpfx::standard_normal (ops/noise.py: Philox + Box-Muller on every core, 0.31
-        # ms for 300k), an extern kernel for Inductor; fallback_random keeps any other random op
-        # on ATen's kernels.
+        # Inductor's fused Philox randn is about 15 times slower than ATen's torch.randn on CPU,
+        # and ATen's is single-threaded MT19937. On CPU the graph's noise is
+        # dpfx::standard_normal (ops/noise.py: Philox + Box-Muller on every core), an extern
+        # kernel for Inductor; fallback_random keeps any other random op on ATen's kernels.
         check = self._checks.get(kwargs.get("graph_id"))
         reference = Half.of(gm, None) if check is not None else None
         adaptive = self.last_backward.adaptive
@@ -536,7 +535,7 @@ def _check_zero_tangents(args, positions: list[int]) -> None:
 # tensor the model reads from elsewhere, a closure's cell (a causal mask built once and captured
 # by a lambda: ``lambda x, mem: layer(x, mem, tgt_mask=causal)``), a global, an attribute that is
 # not a registered buffer, reaches dynamo's graph as an input too, with the same size on every
-# call; it used to be taken for a batch input and refused as "specialized". dynamo names where
+# call; taken for a batch input, it would be refused as "specialized". dynamo names where
 # each graph input comes from (its grapharg's source): those not read from the call's own
 # arguments are constants to the graph, like buffers, the same on every call whatever the batch
 # (dynamo guards on them). An input without a recorded source stays a batch input.

@@ -535,8 +535,8 @@ def _storage(t: torch.Tensor) -> int:
 
 # Note [A block op's shapes come from its graphs' metadata]
 # A block op's fake implementation is asked for its outputs by dynamo, the joint trace and
-# Inductor's lowering at every block call. Running the block's graph on fake tensors there made
-# twelve GPT-2 layers' backward lowering 19 s, against 6.6 s for two; and the ops' fake calls
+# Inductor's lowering at every block call. Running the block's graph on fake tensors there would
+# make the model's lowering grow with its depth, several times over; and the ops' fake calls
 # have no saved activations to run part A's graph on (Note [A block's own tensors stay out of
 # the model's graph] in ops/blocks.py). Each output's shape and strides are polynomials in the
 # block's batch symbol, read from its graph once, so a fake call evaluates them at the call's
@@ -731,7 +731,7 @@ class BlockCall:
 
     def __call__(self, *args, **kwargs):
         block = self.block
-        # Note [A block call's flattening]
+        # See Note [A block call's flattening]
         leaves = None
         if self.flat is not None and len(args) == self.flat[0] and tuple(kwargs) == self.flat[1]:
             leaves = [*args, *kwargs.values()]
@@ -791,9 +791,9 @@ def install(block: torch.nn.Module, key: str, out, leaves: list, spec=None) -> N
 
 
 # Note [A block call's flattening]
-# The model's capture traces each block call's Python once per layer, and dynamo traced
-# pytree's flattening of the call's arguments at about 0.14 s a call (1.7 s of a 12-layer GPT-2's
-# 7 s of dynamo). A call whose positional arguments and keyword values are each a leaf (a tensor
+# The model's capture traces each block call's Python once per layer, and dynamo's trace of
+# pytree's flattening of the call's arguments costs about a quarter of its time on a deep model.
+# A call whose positional arguments and keyword values are each a leaf (a tensor
 # or a constant, no container) has those values, in that order, as its leaves: the example call
 # the block was installed with tells whether it is such a call, and how many positional
 # arguments and which keywords (in order) it had. A call with that count and those keywords

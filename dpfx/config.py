@@ -11,7 +11,8 @@ LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
 STRATEGIES = ("auto", "materialize", "ghost")
 NOISE_MODES = ("graph", "optimizer")
-# Note [Clip functions]: "flat" and "per_layer" clip to min(1, C / (||g|| + CLIP_EPS)) (one group,
+# Note [Clip functions]
+# "flat" and "per_layer" clip to min(1, C / (||g|| + CLIP_EPS)) (one group,
 # or one per name prefix); "automatic" scales every example by C / (||g|| + gamma) (Bu et al.
 # 2022, "Automatic clipping"), which never exceeds C either: ||g|| C / (||g|| + gamma) < C;
 # "adaptive" clips as "flat" to a bound C_t that the graph reads as an input at every step and

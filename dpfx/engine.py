@@ -40,10 +40,12 @@ from torch.utils.data import DataLoader, Dataset
 from dpfx.privacy import checkpoint as checkpoint_file
 from dpfx.loop import fsdp
 from dpfx import privacy
+from dpfx.privacy import plan as privacy_plan
 from dpfx.config import AUTOMATIC_GAMMA
 from dpfx.api import DPModule, compile as dp_compile
-from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, poisson_loader
+from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, plan_loader
 from dpfx.loop.data import VirtualBatches
+from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler
 from dpfx.loop.users import group_by_user, user_loader
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.ranks import rank_of, world_of
@@ -81,8 +83,9 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
                  clipping: str | None = None, clipping_gamma: float = AUTOMATIC_GAMMA,
                  target_quantile: float = 0.5, clip_lr: float = 0.2,
-                 count_noise_multiplier: float | None = None, user_ids=None, max_examples_per_user: int | None = None,
-                 **loader_kwargs) -> PrivateTraining:
+                 count_noise_multiplier: float | None = None, user_ids=None,
+                 max_examples_per_user: int | None = None, mechanism=None,
+                 sampler: str | None = None, **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
 
     ``data``: a map-style dataset, or a DataLoader whose dataset, batch size and loading options
@@ -105,9 +108,14 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     expected number of users per step and q = batch_size / users, up to k examples per user
     come in (users, k, ...) batches with a (users, k) mask, each user's summed gradient is
     clipped, and epsilon is per user.
+    ``mechanism``: the noise, "gaussian" (DP-SGD, the default), "bandmf", "bsr", "blt" or a
+    ``dpfx.Mechanism`` with its bands or buffers: correlated noise across steps, which needs
+    ``epochs`` (its strategy is built for the run's steps) and adds the noise at the optimizer.
+    ``sampler``: "poisson" (the default for DP-SGD), "cyclic_poisson" (the default for the
+    others) or "balls_in_bins" (Note [Noise mechanisms] in privacy/plan.py).
     """
     acc = accountant if isinstance(accountant, privacy.Accountant) \
-        else privacy.Accountant(accountant)
+        else privacy._check_accountant(accountant)
     if secure_mode and generator is not None:
         raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
                          "make them replayable (Note [Secure sampling] in loop/data.py)")
@@ -136,30 +144,35 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise ValueError(f"batch_size must be an int in [1, {unit} = {units}], got "
                              f"{batch_size!r}")
         sample_rate = batch_size / units
-    q = privacy._check_sample_rate(sample_rate)
-    steps_per_epoch = max(1, round(1 / q))
-
-    if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier or target_epsilon")
-    if target_epsilon is not None:
-        if target_delta is None or epochs is None:
-            raise ValueError("target_epsilon needs target_delta and epochs (the number of "
-                             "passes the budget must cover)")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
-        noise_multiplier = privacy.noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
-            steps=epochs * steps_per_epoch, accountant=acc.accountant)
-    privacy._check_noise_multiplier(noise_multiplier)
+    if noise_multiplier is None and target_epsilon is not None \
+            and (target_delta is None or epochs is None):
+        raise ValueError("target_epsilon needs target_delta and epochs (the number of "
+                         "passes the budget must cover)")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                               or epochs < 1):
+        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    plan = privacy_plan.make(
+        sample_rate=sample_rate, noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+        accountant=acc.accountant if isinstance(acc, privacy.Accountant) else acc,
+        mechanism=mechanism, sampler=sampler, steps_name="epochs")
+    acc = plan.check_accountant(acc) if isinstance(acc, privacy.Accountant) else plan.accountant()
+    q, noise_multiplier, steps_per_epoch = \
+        plan.sample_rate, plan.noise_multiplier, plan.steps_per_epoch
 
     world = world_of(process_group)
     needs_optimizer = (max_physical_batch_size is not None or secure_mode or world > 1
-                       or fsdp.units(module))
+                       or fsdp.units(module) or plan.strategy is not None)
     if noise is None:
         noise = "optimizer" if needs_optimizer else "graph"
     elif noise == "graph" and needs_optimizer:
-        raise ValueError("noise='graph' cannot serve virtual batches, secure_mode or several "
-                         "ranks: they add the noise once at the optimizer (noise='optimizer')")
+        raise ValueError("noise='graph' cannot serve virtual batches, secure_mode, several "
+                         "ranks or a correlated mechanism: they add the noise once at the "
+                         "optimizer (noise='optimizer')")
+    if users is not None and plan.sampler != "poisson":
+        raise ValueError(f"sampler={plan.sampler!r} samples examples; user-level DP "
+                         f"(user_ids=) samples users by Poisson sampling: use the Gaussian "
+                         f"mechanism with sampler='poisson'")
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(units, q), seed=seed,
@@ -169,11 +182,14 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
-                               ledger=ledger)
+                               ledger=ledger, **({} if plan.strategy is None
+                                                 else {"mechanism": plan.strategy}))
     sampling = dict(steps=steps_per_epoch, generator=generator, secure_mode=secure_mode,
                     rank=rank_of(process_group) if world > 1 else 0, world_size=world)
-    loader = poisson_loader(data, q, **sampling, **loader_kwargs) if users is None else \
-        user_loader(data, users, max_examples_per_user, q, **sampling, **loader_kwargs)
+    if users is not None:
+        loader = user_loader(data, users, max_examples_per_user, q, **sampling, **loader_kwargs)
+    else:
+        loader = plan_loader(plan, data, **sampling, **loader_kwargs)
     if max_physical_batch_size is not None:
         loader = VirtualBatches(loader, max_physical_batch_size, dp_optimizer)
     return PrivateTraining(dp_model, dp_optimizer, loader, acc, noise_multiplier, q,
@@ -273,6 +289,7 @@ def _generators(model, loader) -> dict[str, torch.Generator]:
         found["graph_noise"] = model._dpfx_backend._generator
     loader = loader.loader if isinstance(loader, VirtualBatches) else loader
     sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, PoissonBatchSampler) and sampler.generator is not None:
+    if isinstance(sampler, (PoissonBatchSampler, CyclicPoissonSampler, BallsInBinsSampler)) \
+            and sampler.generator is not None:
         found["sampler"] = sampler.generator
     return found

@@ -70,11 +70,12 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpfx import privacy
+from dpfx.privacy import plan as privacy_plan
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.hf_ranks import broadcast_from_rank0, check_launch
 from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_train_loader
 from dpfx.loop import fsdp
-from dpfx.loop.data import expected_batch_size, poisson_loader
+from dpfx.loop.data import expected_batch_size, plan_loader
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig
 from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
@@ -115,7 +116,9 @@ class DPTrainer(Trainer):
     [DPTrainer over several processes] in hf_ranks.py. ``user_column`` (a train_dataset column
     naming each example's user) or ``user_ids`` (one id per example), with
     ``max_examples_per_user``: user-level DP, the batch sizes counting users (Note [DPTrainer at
-    the user level] in hf_users.py)."""
+    the user level] in hf_users.py). ``mechanism`` and ``sampler``: the noise and the sampling,
+    as ``dpfx.make_private``'s (Note [Noise mechanisms] in privacy/plan.py); a correlated
+    mechanism is built for the planned steps (``max_steps``, or ``num_train_epochs``)."""
 
     accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
 
@@ -128,7 +131,8 @@ class DPTrainer(Trainer):
                  user_column: str | None = None, user_ids=None,
                  max_examples_per_user: int | None = None, clipping: str | None = None,
                  clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
-                 clip_lr: float = 0.2, count_noise_multiplier: float | None = None, **kwargs):
+                 clip_lr: float = 0.2, count_noise_multiplier: float | None = None,
+                 mechanism=None, sampler: str | None = None, **kwargs):
         if model is None:
             raise ValueError("DPTrainer needs the model (model_init is not supported: the "
                              "compiled model and the accountant are made once)")
@@ -168,20 +172,25 @@ class DPTrainer(Trainer):
                              f"{args.gradient_accumulation_steps} accumulation steps x "
                              f"{self.world} processes = {logical}) exceeds the {n} training "
                              f"{self.privacy_unit}s")
+        self.delta = privacy._check_delta(target_delta if target_delta is not None
+                                          else 1 / (10 * n))
         self.sample_rate = privacy._check_sample_rate(logical / n)
         self.steps_per_epoch = max(1, round(1 / self.sample_rate))
         self.physical_batch_size = physical
-        self.delta = privacy._check_delta(target_delta if target_delta is not None
-                                          else 1 / (10 * n))
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        self.plan = privacy_plan.make(
+            sample_rate=self.sample_rate, noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon, target_delta=self.delta,
+            steps=args.max_steps if args.max_steps > 0 else None,
+            epochs=None if args.max_steps > 0 else args.num_train_epochs,
+            accountant=accountant, mechanism=mechanism, sampler=sampler,
+            steps_name="max_steps or num_train_epochs")
+        self.steps_per_epoch = self.plan.steps_per_epoch     # a pass of the plan's sampler
+        if self.plan.sampler != "poisson" and (self.users is not None or self.world > 1):
+            raise ValueError(f"sampler={self.plan.sampler!r} samples examples on one process: "
+                             f"user-level DP and several processes sample by Poisson sampling "
+                             f"(the Gaussian mechanism, sampler='poisson')")
         self.target_epsilon = target_epsilon
-        if target_epsilon is not None:
-            noise_multiplier = privacy.noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=self.delta,
-                sample_rate=self.sample_rate, steps=self.planned_steps(args),
-                accountant=accountant)
-        self.noise_multiplier = privacy._check_noise_multiplier(noise_multiplier)
+        self.noise_multiplier = self.plan.noise_multiplier
         clip_options = dict(clipping=clipping, clipping_gamma=clipping_gamma,
                             target_quantile=target_quantile, clip_lr=clip_lr,
                             count_noise_multiplier=count_noise_multiplier)
@@ -191,7 +200,7 @@ class DPTrainer(Trainer):
                              "would make them replayable")
         self.secure_mode = secure_mode
         self.sampler_generator = sampler_generator   # mixed with the rank by the sampler
-        self.accountant = privacy.Accountant(accountant)
+        self.accountant = self.plan.accountant()
         checkpointing = _checkpointing_fields(args)
         if self.world > 1 and not fsdp.units(model):
             broadcast_from_rank0(model, args.device)
@@ -255,7 +264,10 @@ class DPTrainer(Trainer):
     # fits, training is refused with the epsilon already spent.
     # (tests/hf/test_trainer_budget.py)
     def _fit_noise_to_budget(self, checkpoint) -> None:
-        if self.target_epsilon is None:
+        if self.target_epsilon is None or self.plan.strategy is not None \
+                or self.plan.sampler != "poisson":
+            # a correlated mechanism's strategy and accountant are built for the planned steps
+            # and one sigma: the checkpoint's accountant refuses another plan when loaded
             return
         taken = 0
         if isinstance(checkpoint, str):
@@ -328,10 +340,10 @@ class DPTrainer(Trainer):
                 collate_fn=collator, column=self.user_column, steps=self.steps_per_epoch,
                 secure_mode=self.secure_mode, generator=self.sampler_generator, rank=self.rank,
                 world_size=self.world, num_workers=self.args.dataloader_num_workers)
-        return poisson_loader(dataset, self.sample_rate, steps=self.steps_per_epoch,
-                              secure_mode=self.secure_mode, collate_fn=collator,
-                              generator=self.sampler_generator, rank=self.rank,
-                              world_size=self.world, num_workers=self.args.dataloader_num_workers)
+        return plan_loader(self.plan, dataset, steps=self.steps_per_epoch,
+                           secure_mode=self.secure_mode, collate_fn=collator,
+                           generator=self.sampler_generator, rank=self.rank,
+                           world_size=self.world, num_workers=self.args.dataloader_num_workers)
 
     def _wrap_model(self, model, training=True, dataloader=None):
         """Over several processes, the compiled model prepared as for evaluation (device
@@ -346,9 +358,11 @@ class DPTrainer(Trainer):
         if not isinstance(optimizer, DPOptimizer):
             if self.ledger is not None:
                 os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
+            mechanism = {} if self.plan.strategy is None else {"mechanism": self.plan.strategy}
             self.dp_optimizer = DPOptimizer(optimizer, self.model, accountant=self.accountant,
                                             sample_rate=self.sample_rate,
-                                            secure_mode=self.secure_mode, ledger=self.ledger)
+                                            secure_mode=self.secure_mode, ledger=self.ledger,
+                                            **mechanism)
             self.optimizer = self.dp_optimizer
         return self.optimizer
 

@@ -127,8 +127,8 @@ def run(model: torch.nn.Module, batch: tuple, canary: tuple, *, max_grad_norm: f
     noise and the canary's sampling reproducible (tests); ``compile_kwargs`` go to
     ``dpfx.compile`` (``backend="eager"`` for speed, ``strategy``). ``threads`` sets torch's
     intra-op threads for the audit only: 1 is fastest for small models on a busy machine (idle
-    OpenMP threads spin; measured 2.4 ms a step with 1 thread against 120 ms with 2 on two
-    cores shared with other jobs). ``model`` is not modified."""
+    OpenMP threads spin: on cores shared with other jobs, two threads can take fifty times one
+    thread's step). ``model`` is not modified."""
     if threads is None:
         return _run(model, batch, canary, max_grad_norm, noise_multiplier, trials, delta,
                     sample_rate, confidence, control, loss_fn, seed, compile_kwargs)

@@ -81,7 +81,7 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # guards pass, that is exactly when it captures; a steady-state call runs the cached code from
 # C and never calls it. So dpfx wraps the callback of its own entry (``CaptureSettings``) and
 # sets these up inside it, where they are in place for every capture and cost a steady-state
-# step nothing (they were 15-25 us per call on the 2-core machine, several times that in a
+# step nothing (set up per call they cost tens of microseconds, several times that in a
 # training loop, where the kernels between two calls evict the interpreter's caches). The
 # wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
 # (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What
@@ -138,19 +138,17 @@ class CaptureSettings:
 # more once torch, sympy and a model are loaded) when the objects surviving its younger
 # collections reach a quarter of those the last full one kept. A capture makes that many: a
 # warm first step (dynamo's trace, aot_autograd's joint trace and partition, dpfx's passes, the
-# proof and the self-check; Inductor's cache serving the kernels) of the MLP 784-1024-1024-10
-# made 1 full collection of 515k objects, 0.25-0.43 s of its 0.95-1.46 s (the AMD EPYC). While
+# proof and the self-check; Inductor's cache serving the kernels) of a small MLP makes a full
+# collection of the whole heap, a third of its time. While
 # dpfx captures, the objects that existed before it are frozen (``gc.freeze``: moved to the
 # permanent generation, which no collection reads), and put back in the oldest generation
 # after (``gc.unfreeze``): a collection during the capture reads only what the capture made.
-# The warm first step then made none: 0.77-0.78 s. Nothing is lost: reference counting still
-# frees everything; cyclic garbage among the frozen objects is collected by the first full
-# collection after the capture. A cold compile's collections read mostly what it made, so they
-# stay: GPT-2 d=256 and GPT-2 small spent as long in them with the heap frozen, at the same peak
-# RSS (1.05-1.06 against 1.06 GB, 2.38 against 2.34 GB). Measured and not taken, for that:
-# freezing again after each full collection of the capture (GPT-2 small: 3.2 -> 1.6 s in them)
-# or no full collection during it (1.3 s), both +6-7% peak RSS (2.48, 2.51 GB): the cyclic
-# garbage made early in the compile stays until it ends.
+# The warm first step then makes none. Nothing is lost: reference counting still frees
+# everything; cyclic garbage among the frozen objects is collected by the first full collection
+# after the capture. A cold compile's collections read mostly what it made, so they stay (as long
+# with the heap frozen, at the same peak RSS). Freezing again after each full collection of the
+# capture, or no full collection during it, would keep the cyclic garbage made early in the
+# compile until it ends, at a higher peak RSS (BENCHMARKS.md, "Levers in the code").
 # The heap is left alone where the process froze objects itself (``gc.get_freeze_count()``:
 # unfreezing would hand back the process's objects too), where the collector is off, inside
 # another capture, and on the collectors whose heap is not the generational one of CPython

@@ -315,7 +315,7 @@ _SWAPS = [
     (rnn_utils, "pad_packed_sequence", rnn.pad_packed_sequence),
     *[(F, name, _reads_contiguous(getattr(F, name), name.startswith("adaptive_")))
       for name in _STRIDE_KEEPING],
-    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside ...]
+    requires_grad_skip.SWAP,    # dynamo's own setattr: Note [Setting requires_grad inside the forward]
 ]
 _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 
@@ -333,10 +333,9 @@ class Swaps:
     code of each function it inlined: a swap whose attribute the guards read must be in place
     (else they fail and dynamo captures again), and no other one changes what runs. Each setattr
     costs, and one on ``torch.Tensor`` also clears the interpreter's attribute caches for every
-    tensor method looked up after it. Swapping all 29 around each call, dpfx's forward call
-    took 0.09-0.10 ms more than torch.compile's on the MLP 64-512-512-10 at B = 64 (2 cores),
-    0.06-0.09 ms swapping F.linear alone; 0.15-0.19 against 0.12-0.15 ms on a tiny HF GPT-2
-    (benchmarks/latest/kernels_swaps.md). So after each capture a dpfx entry swaps what the
+    tensor method looked up after it: swapping all of them around each call would be most of
+    dpfx's forward call's overhead over torch.compile's on a small model (BENCHMARKS.md, "Levers
+    in the code"). So after each capture a dpfx entry swaps what the
     guards of its cached graphs name (capture/entry.py, ``steady_swaps``), once they are seen to
     pass with only those for the call that captured, and all of them otherwise."""
 

@@ -89,10 +89,11 @@ def _plain(expr: sympy.Expr) -> sympy.Expr:
 
 # Note [Size arithmetic is memoized]
 # A graph asks the same few size questions over and over (every view of a (B, T, d) activation
-# compares B*T with B*T), and sympy's simplify costs a millisecond each: it was most of the batch
-# analysis, which runs four times per compile (forward, backward, after stacking, in the proof).
-# Sizes are polynomials in the size symbols almost always, where expand decides equality exactly;
-# simplify remains for the rest (quotients, floor divisions). Answers are cached per expression.
+# compares B*T with B*T), and sympy's simplify costs a millisecond each: it would be most of the
+# batch analysis, which runs four times per compile (forward, backward, after stacking, in the
+# proof). Sizes are polynomials in the size symbols almost always, where expand decides equality
+# exactly; simplify remains for the rest (quotients, floor divisions). Answers are cached per
+# expression.
 @functools.lru_cache(maxsize=4096)
 def _whole(expr: sympy.Expr) -> bool:
     """True if ``expr`` is a polynomial with integer coefficients (a valid size), not a fraction."""
@@ -203,8 +204,8 @@ def _is_draw_op(target) -> bool:
 # (B, K, C, H, W) -> (B*K, C, H, W) before a convolution and a GroupNorm. Single-output ops
 # already inherit BatchDim(0, inner=T) from the input dim of the same size (``_inherit``); the
 # ops that return tuples (native_layer_norm's (out, mean, rstd), native_group_norm, their
-# backwards, convolution_backward, max_pool2d_with_indices) now do the same for each output,
-# where they used to read the shape, which can only say "B" or "mixes the batch with other dims".
+# backwards, convolution_backward, max_pool2d_with_indices) do the same for each output, rather
+# than read the shape, which can only say "B" or "mixes the batch with other dims".
 # Inheriting says where the rows are, not that the op keeps them apart: that is the forward
 # check's (mixing_ops in verify.py), which refuses an op working along the batch's dim, whether
 # the op names the dim or, like a LayerNorm, a GroupNorm, a convolution or a pooling, reads
@@ -261,13 +262,11 @@ class BatchAnalysis:
     # -- queries ---------------------------------------------------------------------------------
     # Note [Shapes are read once]
     # Every transfer function reads its output's shape and its inputs' as sympy expressions, so a
-    # value read by many nodes was converted once per reader (a warm start of the LSTM: 62,245
-    # shapes and 125,763 sizes converted over 4,189 node transfers in its five analyses). A fake
-    # tensor's sizes do not change, so each value's are converted once per analysis, keyed by the
-    # value itself (held, so that its id is not reused); every call gets its own list. Whether a
-    # size expression holds the batch is remembered likewise. The first step's batch-analysis
-    # phase halved (benchmarks/latest/first_step_shapes_once.md: LSTM 0.31 -> 0.16 s warm, 0.38
-    # -> 0.20 cold; GPT-2 small 0.53 -> 0.29, 0.32 -> 0.14), within the spread of the whole step.
+    # value read by many nodes would be converted once per reader (a recurrent model's analyses
+    # convert each shape about fifteen times). A fake tensor's sizes do not change, so each
+    # value's are converted once per analysis, keyed by the value itself (held, so that its id is
+    # not reused); every call gets its own list. Whether a size expression holds the batch is
+    # remembered likewise. That halves the batch analysis (BENCHMARKS.md, "Levers in the code").
     def shape(self, val: torch.Tensor) -> list[sympy.Expr]:
         hit = self._shapes.get(id(val))
         if hit is None or hit[0] is not val:

@@ -101,7 +101,7 @@ class Emitter:
         """``fresh``: a new node even where an equal one exists (a copy that must be its own)."""
         if op is aten.permute.default and list(args[1]) == list(range(len(args[1]))):
             return args[0]
-        # Note [Emitted nodes are shared]
+        # See Note [Emitted nodes are shared]
         key = None if fresh else _pure_key(op, args, kwargs, tag)
         if key is not None and key in self._emitted:
             return self._emitted[key]

@@ -222,19 +222,48 @@ def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = 
     wrapped in ``EmptyBatchCollate``; other keyword arguments (``num_workers``, ``pin_memory``,
     ...) go to ``DataLoader``, except those that choose batches, which would defeat the sampling.
     """
+    sampler = PoissonBatchSampler(_size(dataset, dataloader_kwargs), sample_rate, steps=steps,
+                                  generator=generator, rank=rank, world_size=world_size,
+                                  secure_mode=secure_mode)
+    return _loader(dataset, sampler, dataloader_kwargs)
+
+
+def plan_loader(plan, dataset: Dataset, *, steps: int | None = None,
+                generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
+                secure_mode: bool = False, **dataloader_kwargs) -> DataLoader:
+    """The loader of a privacy plan (privacy/plan.py): ``poisson_loader`` for plain Poisson
+    sampling, else the plan's sampler (loop/samplers.py) with the same collation and tracking."""
+    if plan.sampler == "poisson":
+        return poisson_loader(dataset, plan.sample_rate, steps=steps, generator=generator,
+                              rank=rank, world_size=world_size, secure_mode=secure_mode,
+                              **dataloader_kwargs)
+    from dpfx.loop import samplers
+    n = _size(dataset, dataloader_kwargs)
+    ranked = dict(generator=generator, rank=rank, world_size=world_size, secure_mode=secure_mode)
+    if plan.sampler == "cyclic_poisson":
+        sampler = samplers.CyclicPoissonSampler(n, plan.sample_rate, plan.parts,
+                                                steps=plan.steps_per_epoch, **ranked)
+    else:
+        sampler = samplers.BallsInBinsSampler(n, plan.steps_per_epoch, epochs=1, **ranked)
+    return _loader(dataset, sampler, dataloader_kwargs)
+
+
+def _size(dataset: Dataset, dataloader_kwargs: dict) -> int:
     clash = [k for k in _OWN_ARGS if k in dataloader_kwargs]
     if clash:
-        raise ValueError(f"poisson_loader chooses batches itself (sample_rate, steps); do not "
-                         f"pass {', '.join(clash)}")
+        raise ValueError(f"the private loader chooses batches itself (sample_rate, steps); do "
+                         f"not pass {', '.join(clash)}")
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
         raise ValueError("dataset must be a map-style dataset with __len__ and __getitem__; "
-                         f"Poisson sampling needs random access, got {type(dataset).__name__}")
+                         f"private sampling needs random access, got {type(dataset).__name__}")
     if len(dataset) == 0:
         raise ValueError("dataset is empty: nothing to sample")
+    return len(dataset)
+
+
+def _loader(dataset: Dataset, batch_sampler, dataloader_kwargs: dict) -> DataLoader:
     collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator,
-                                  rank=rank, world_size=world_size, secure_mode=secure_mode)
-    return PoissonLoader(dataset, batch_sampler=sampler,
+    return PoissonLoader(dataset, batch_sampler=batch_sampler,
                          collate_fn=EmptyBatchCollate(dataset[0], collate_fn), **dataloader_kwargs)
 
 

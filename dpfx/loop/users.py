@@ -50,7 +50,7 @@ symbolic; with a mask from elsewhere write ``.view(-1, k)``.
 # Note [The model sees U * k rows]
 ``per_user(model)`` flattens every tensor input from (U, k, ...) to (U * k, ...), runs the
 model, and views every tensor output back to (U, k, ...). The merged dim U * k is a batch dim
-with k rows per unit (docs/ARCHITECTURE.md, "Merged batch dims"): ops that read across the rows
+with k rows per unit (dpfx/graph/README.md, "Merged batch dims"): ops that read across the rows
 of one user are proven per user and accepted, ops that read across users are refused with a
 PrivacyError. The wrapper registers the model as its child ``module``, so parameter names gain
 the prefix ``module.`` (per-layer clipping bounds are keyed so); the parameters are the model's.

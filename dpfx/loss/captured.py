@@ -330,7 +330,7 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
             f"{tuple(val.shape)}: every tensor it reads must carry the batch in dim 0 and only "
             f"there (targets, masks and weights one row per example)")
     if any(s.free_symbols for s in shape[1:]):
-        # Note [A captured loss's other sizes are fixed]
+        # See Note [A captured loss's other sizes are fixed]
         raise PrivacyError(
             f"the loss given to dpfx.compile(loss=...) reads {_source(node)} of shape "
             f"{tuple(val.shape)}, whose dims after the batch changed between calls (a sequence "

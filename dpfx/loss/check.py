@@ -222,7 +222,7 @@ def replay(calls: list, placeholders: list[Placeholder], loss_ref: tuple, batch:
                         break
                 else:
                     if merged and ph.shape and ph.shape[0] == batch:
-                        # Note [A unit's rows beside a tensor of one row per unit]
+                        # See Note [A unit's rows beside a tensor of one row per unit]
                         factors[j] = 1
                         fakes[j] = torch.empty((sym_batch, *ph.shape[1:]), dtype=ph.dtype,
                                                device=ph.device)
@@ -570,7 +570,7 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
                 return walk(a, scale, norms + ((b, -1 if divide else 1),))
             return walk(a, scale, norms)                # a tensor constant: a weight
         if t is aten.cat.default:
-            # Note [A stack of batch sums]
+            # See Note [A stack of batch sums]
             for part in node.args[0]:
                 walk(part, scale, norms)
             return

@@ -143,6 +143,8 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
                 # (get_gradient_edge's own checks cost more than the rest of the wrapping)
                 trace.outputs[len(trace.records) - 1] = (
                     tracked.detach(), _GradientEdge(grad_fn, tracked.output_nr))
+            else:       # no gradient history (a mask, ids): a constant of each term
+                trace.outputs[len(trace.records) - 1] = (tracked.detach(), None)
         return tracked
 
     if isinstance(out, torch.Tensor):
@@ -150,8 +152,8 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
     if _is_model_output(out):
         # A Hugging Face ModelOutput, made afresh by each call: its values are replaced in
         # place (its __setitem__ keeps the attributes in step), in the order pytree visits them.
-        # Rebuilding it through pytree runs its dataclass constructor, 23 us a step on the
-        # 2-core machine.
+        # Rebuilding it through pytree would run its dataclass constructor, tens of
+        # microseconds a step.
         for key, value in list(out.items()):
             if isinstance(value, torch.Tensor):
                 out[key] = wrap(value)
@@ -390,13 +392,11 @@ def _per_term_release(verdict, inputs: list, scale) -> tuple:
     with torch._C.DisableTorchFunctionSubclass():
         for v in inputs:
             if isinstance(v, _Output):
-                value, edge = v.trace.outputs.get(v.record, (None, None))
-                if value is None:
-                    raise PrivacyError("the loss's terms need their own scales, and one of the "
-                                       "outputs it reads has no gradient history")
-                value = value.detach().requires_grad_()
-                leaves.append(value)
-                edges.append(edge)
+                value, edge = v.trace.outputs[v.record]
+                if edge is not None:
+                    value = value.detach().requires_grad_()
+                    leaves.append(value)
+                    edges.append(edge)
                 values.append(value)
             elif isinstance(v, bool) or not isinstance(v, (int, float)):
                 values.append(v.as_subclass(torch.Tensor) if isinstance(v, TrackedTensor) else v)
@@ -781,7 +781,8 @@ def _check_autograd(loss: TrackedTensor, trace: Trace) -> None:
     # The walk stops at the tracked outputs' own autograd edges (node, output number): an
     # output retyped in place has the compiled function's node as its grad_fn, and another
     # output of that node (a weight the forward stored on a module) must still be found.
-    stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()}
+    stops = {(edge.node, edge.output_nr) for _, edge in trace.outputs.values()
+             if edge is not None}
     with torch._C.DisableTorchFunctionSubclass():
         stack, seen = [(loss.grad_fn, loss.output_nr)], set()
     while stack:

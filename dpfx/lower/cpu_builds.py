@@ -7,9 +7,9 @@
 Inductor's C++ backend gives every fused kernel of a graph its own shared library: the
 generated module calls ``async_compile.cpp_pybinding(argtypes, source)`` once per kernel, and
 each call is one g++ run on one translation unit with Python bindings appended. A run costs about
-0.55 s before its first line of kernel code (most of it loading the precompiled header) and
-about 0.6 ms a line after that (2-core AMD EPYC, 2026-11-27): HF GPT-2 at d=256 ran 31 builds of
-110 to 1,700 lines for dpfx's two graphs, 24 s of g++ for about 8,000 lines.
+half a second before its first line of kernel code (most of it loading the precompiled header),
+more than most kernels' own lines cost, and dpfx's graphs have dozens of kernels (figures:
+BENCHMARKS.md, "Levers in the code").
 
 Under ``merged_cpu_builds`` (dpfx's lowering only), ``cpp_pybinding`` defers: the module's
 kernels are collected until the module's ``async_compile.wait``, which starts their builds and
@@ -27,7 +27,7 @@ conversion as Inductor's) and one module init are appended. Each kernel is compi
 own text, less its ``#include`` lines and its entry's ``extern "C"``, with the same flags: what
 it computes does not change, only how many g++ runs there are. A kernel whose source has
 any other file-level preprocessor line, or not exactly one ``extern "C" void kernel(``, is
-built on its own as before; so is everything when Inductor compiles in-process (one compile
+built on its own; so is everything when Inductor compiles in-process (one compile
 thread), where the module expects each kernel at once. A unit g++ refuses is rebuilt kernel by
 kernel, with a ``MergedBuildFailed`` warning: the same code, only more builds.
 (tests/lower/test_inductor.py::test_merged_cpu_builds)
@@ -281,10 +281,10 @@ def merged_cpu_builds():
 
 
 # Note [A graph's C++ builds run while the next graph lowers]
-# A generated module waits for its kernels' builds when it is loaded, so g++ ran while nothing
-# else did: a 12-layer GPT-2 with blocks waited on five graphs' builds one after another (the
-# block's forward, part A and part B, the model's forward and backward, 1.5 to 2.9 s each), while
-# the lowering of the next graph, Python on one core, could have run beside them. Under
+# A generated module waits for its kernels' builds when it is loaded, so g++ would run while
+# nothing else does: a model with blocks would wait on five graphs' builds one after another (the
+# block's forward, part A and part B, the model's forward and backward), while the lowering of
+# the next graph, Python on one core, could run beside them. Under
 # ``merged_cpu_builds`` a module's ``async_compile.wait`` therefore starts its units' builds and
 # puts a stand-in in each kernel's place, which waits for the kernel at its first call and puts
 # it in the module in its own place: the builds run while dpfx rewrites, proves and lowers the
@@ -293,12 +293,10 @@ def merged_cpu_builds():
 # is rebuilt kernel by kernel at that first call (``MergedBuildFailed``). Builds overlap only
 # Python: before anything computes (the self-check's runs, a kernel's first call) every build
 # started is waited for (``finish_builds``): torch's kernels run on OpenMP threads, one a core,
-# that wait at their barriers by spinning, and g++ would take cores from them mid-kernel. On a
-# 12-layer GPT-2 with blocks the first step went from 36.0 to 31.3-33.9 s (regional
-# torch.compile 27.3-29.5 s in the same runs); the one-graph path is unchanged (86.5 against
-# 87.0 s in one run: its backward's builds, the largest, have no graph after them to overlap,
-# and are waited for in its self-check instead of its lowering).
-# (benchmarks/latest/first_step_blocks_handles.md)
+# that wait at their barriers by spinning, and g++ would take cores from them mid-kernel. A
+# model compiled as one graph gains nothing: its backward's builds, the largest, have no graph
+# after them to overlap, and are waited for in its self-check instead of its lowering (figures:
+# BENCHMARKS.md, "Levers in the code").
 _STARTED: list[_Batch] = []     # batches whose builds started and were not all waited for
 
 

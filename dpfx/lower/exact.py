@@ -122,23 +122,19 @@ def unchecked(e: BaseException) -> UncheckedAssumption | None:
 
 # Note [Inductor lowers the fake values dpfx proved]
 # Inductor's ``codegen_and_compile`` opens by propagating fake values through the whole graph again
-# (``additional_fake_tensor_prop``): 0.63 s of GPT-2 d=256's cold first step, each node on the
-# unbacked batch's symbolic shapes. A graph dpfx hands over already
-# carries every node's fake value: aot_autograd's, those dpfx's emitter computed for the nodes
-# it added, and a warm start's rebuilt ones (Note [A warm start without the joint trace] in
-# lower/warm.py); the proof read exactly these. During dpfx's lowering, where every placeholder's value
-# has the shape, strides and dtype of the compile's example input and every other node has a
-# value (but an op without outputs, such as a runtime assert, which propagation gives none),
-# Inductor lowers those values instead of recomputing them: what it lowers is then what was
-# proved. Any other graph is propagated as Inductor does. The values are the ones the
-# propagation gives: the test suite propagates again on the side in every lowering of a dpfx
-# graph, compares every node's shape, strides and dtype, and lowers the kept values
-# (tests/conftest.py), and
-# tests/lower/test_lowering_patches.py compares the generated code. Cold first steps (the AMD EPYC,
-# 2026-11-28, one run each, benchmarks/latest/first_step_fake_values_kept.md): GPT-2 small 46.2 ->
-# 44.8 s (its two lowerings 18.7 -> 16.7 s), GPT-2 d=256 16.1 -> 15.4 s. A warm start hits
-# Inductor's FX-graph cache before the propagation. Set for dpfx's lowering only, and restored
-# after.
+# (``additional_fake_tensor_prop``), each node on the unbacked batch's symbolic shapes, a noticeable
+# part of a cold first step. A graph dpfx hands over already carries every node's fake value:
+# aot_autograd's, those dpfx's emitter computed for the nodes it added, and a warm start's rebuilt
+# ones (Note [A warm start without the joint trace] in lower/warm.py); the proof read exactly these.
+# During dpfx's lowering, where every placeholder's value has the shape, strides and dtype of the
+# compile's example input and every other node has a value (but an op without outputs, such as a
+# runtime assert, which propagation gives none), Inductor lowers those values instead of recomputing
+# them: what it lowers is then what was proved. Any other graph is propagated as Inductor does. The
+# values are the ones the propagation gives: the test suite propagates again on the side in every
+# lowering of a dpfx graph, compares every node's shape, strides and dtype, and lowers the kept
+# values (tests/conftest.py), and tests/lower/test_lowering_patches.py compares the generated code
+# (figures: BENCHMARKS.md, "First step, cold"). A warm start hits Inductor's FX-graph cache before
+# the propagation. Set for dpfx's lowering only, and restored after.
 _CHECK_KEPT_VALUES = False    # tests: propagate anyway and require the same values
 
 

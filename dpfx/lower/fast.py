@@ -5,9 +5,10 @@
         compiled = compile_fx_inner(gm, example_inputs)        # (lower/inductor.py)
 
 None of them changes a computed value: each takes a shortcut to an answer Inductor would have
-given (tests/lower/test_lowering_patches.py compares the code with and without the compile-time ones)
-or, for ``shared_sums_stored``, stores a value once where that lets buffers die. Each says in its
-Note what it saved and on which torch it was measured; any can be dropped when torch changes, at
+given (tests/lower/test_lowering_patches.py compares the code with and without the compile-time
+ones) or, for ``shared_sums_stored``, stores a value once where that lets buffers die. Each Note
+says what its patch saves and why; TORCH_VERSIONS names the torch it was written for, and
+BENCHMARKS.md ("Levers in the code") what it measured. Any can be dropped when torch changes, at
 that cost. One more lives in lower/cpu_builds.py (one C++ build per compile worker), and
 ``optimization_hints_once`` is entered around dpfx's whole capture (backend.py).
 """
@@ -28,21 +29,19 @@ TORCH_VERSIONS = {"smaller_cpu_kernel_groups": "2.13", "polynomial_vector_stride
 
 
 # Note [CPU kernel groups of at most 100 arguments]
-# Inductor's C++ backend writes consecutive fused kernels into one C++ function until an extern
-# call (a GEMM) intervenes or the function's arguments exceed
-# ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (500). A captured backward alternates GEMMs and
-# small kernels; dpfx's tail after the last GEMM does not: every parameter's per-sample norm
-# (a ghost norm's Gram product, a reduction over [B]), the norms' sum, the clip factor and the
-# clip-scaled operands. On GPT-2 small (148 parameters) that became one function of 8,900
-# lines with 200 parallel loops, which g++ -O3 compiled in 8.9 s, alone, after every other
-# kernel had finished. dpfx lowers with a limit of 100: the same loops in five functions of
-# 1.3-1.5 s each, compiled in parallel while Inductor generates the rest. GPT-2 small's first
-# step took 56.4 against 60.4 s (benchmarks/first_step.py; limits of 50 and 200 did as well as
-# 100); GPT-2 at d=256 and the GroupNorm ResNet, whose tails are shorter, did not move. Each
-# function opens its own parallel region, a few microseconds a step; steady steps did not
-# move. The limit is a class attribute Inductor reads while generating code, so it is set for
-# dpfx's lowering only and restored after; it changes how the kernels are grouped, not what
-# they compute. Inductor's FX-graph cache keys do not hold it; dpfx's source digest does.
+# Inductor's C++ backend writes consecutive fused kernels into one C++ function until an extern call
+# (a GEMM) intervenes or the function's arguments exceed ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM``
+# (500). A captured backward alternates GEMMs and small kernels; dpfx's tail after the last GEMM
+# does not: every parameter's per-sample norm (a ghost norm's Gram product, a reduction over [B]),
+# the norms' sum, the clip factor and the clip-scaled operands. On a model with many parameters that
+# is one function of thousands of lines and hundreds of parallel loops, which g++ compiles alone,
+# after every other kernel has finished. dpfx lowers with a limit of 100: the same loops in several
+# functions, compiled in parallel while Inductor generates the rest (limits of 50 and 200 do as
+# well; models with short tails are unaffected). Each function opens its own parallel region, a few
+# microseconds a step, within a steady step's noise. The limit is a class attribute Inductor reads
+# while generating code, so it is set for dpfx's lowering only and restored after; it changes how
+# the kernels are grouped, not what they compute. Inductor's FX-graph cache keys do not hold it;
+# dpfx's source digest does.
 KERNEL_GROUP_ARGS = 100
 
 
@@ -65,20 +64,15 @@ def smaller_cpu_kernel_groups():
 # rewrites the index's FloorDiv and ModularIndexing terms for a vector of ``vec_length`` lanes,
 # then runs ``sympy.simplify`` on the index and on ``index(var + 1) - index(var)``. The full
 # ``simplify`` (a search over rewrites) is slow on indices that hold the unbacked batch
-# (``512*d0 + d1 + 8192*u0 + 384``), and dpfx's graphs hold many: on the LSTM classifier at
-# B = 256 the 8,774 calls took 3.4-3.8 s of a 38 s cold first step (torch.compile's 8,041 on
-# its static batch: 1.9 s). An index that is a polynomial in its symbols (no FloorDiv,
+# (``512*d0 + d1 + 8192*u0 + 384``), and dpfx's graphs hold many, called thousands of times in
+# one lowering. An index that is a polynomial in its symbols (no FloorDiv,
 # ModularIndexing or other functions: the usual affine index of a contiguous or strided
 # tensor) has nothing for the first step to rewrite, and its stride along ``var`` is the
 # polynomial ``index(var + 1) - index(var)``, which ``sympy.expand`` puts in canonical form:
 # a constant stride comes out as the same Integer, a symbolic one as an equal expression.
-# Any other index goes to Inductor's function. The LSTM's calls took 0.2 s instead. Cold first
-# steps (benchmarks/first_step.py, two runs each, the 2-core AMD EPYC, 2026-11-27): the ResNet
-# at B = 256 18.94 -> 18.06 s, GPT-2 d=256 22.96 -> 21.69 s; the LSTM's did not move (32.04,
-# 32.00): its lowering ends sooner and waits longer on g++, which bounds it on two cores; nor
-# did GPT-2 small's (58.87 against 59.17 s, one run each).
-# Checked on every call of those three first steps: the same stride expression as Inductor's
-# every time, so the same generated code (tests/lower/test_lowering_patches.py compares the code
+# Any other index goes to Inductor's function. Where g++ bounds the first step, the lowering
+# ending sooner only waits longer for it. The same stride expression as Inductor's, so the
+# same generated code (tests/lower/test_lowering_patches.py compares the code
 # too). Set for dpfx's lowering only, and restored after.
 @contextlib.contextmanager
 def polynomial_vector_strides():
@@ -116,15 +110,12 @@ def _polynomial_strides(inductors):
 # Every op of every kernel body Inductor generates asks ``DtypePropagationOpsHandler()`` for its
 # output dtype. The class is a singleton, but its ``__init__`` runs on each call and rebuilds
 # the whole rule table: some 200 ``setattr`` of ``functools.partial`` objects and a ``dir()``
-# check, 65 us a call on the 2-core AMD EPYC. GPT-2 small's two graphs make 16,690 such calls
-# (about 1.1 s of its lowering); dpfx's larger backward makes most of them. During dpfx's
+# check, tens of microseconds a call, and a large model's two graphs make thousands of calls
+# (dpfx's larger backward most of them). During dpfx's
 # lowering the table is built again only when Inductor's rule registries differ from those it
 # was last built from (a rule registered or replaced since); otherwise the call returns the
-# singleton as it is, with the same attributes: 2 us a call. With both notes' patches GPT-2
-# small's cold first step took 56.6 and 57.6 s against 57.9 and 58.2 s without (its backward's
-# lowering 20.6 and 20.7 against 21.5 and 22.5 s; benchmarks/first_step.py, alternated, the AMD
-# EPYC, 2026-11-27; in a noisier hour 57.1 and 67.8 against 65.3 and 69.4 s), GPT-2 d=256's
-# 20.5 and 19.5 against 19.9 and 22.1 s. Set for dpfx's lowering only, and restored after.
+# singleton as it is, with the same attributes. Set for dpfx's lowering only, and restored
+# after.
 # (tests/lower/test_lowering_patches.py: the same generated code, the table rebuilt when a rule
 # changes)
 @contextlib.contextmanager
@@ -156,16 +147,16 @@ def dtype_rules_once():
 
 # Note [Fusion refusals kept across Inductor's fusion rounds]
 # Inductor's scheduler fuses in up to ten rounds; each round asks ``can_fuse`` of every pair of
-# nodes that use one buffer (up to 64 pairs per node). dpfx's clip coefficient, a [B] buffer,
-# is read by a kernel per parameter (GPT-2 small: 199 nodes), and each reads it at its own index,
-# so no pair shares a dependency and every one is refused "no shared data", round after round:
-# GPT-2 small's lowering asked 48,003 times, 23,352 of them again for a pair of unchanged nodes
-# refused the round before (1.3 of 2.7 s). That refusal is a function of the pair alone: the
-# checks before it (streams, node kinds, order, templates, devices) and the shared-data score it
-# tests (exact dependencies, buffer overlap, nested and mixed-order reductions, speculative loop
-# reordering, rolled back on a refusal) read the two nodes and Inductor's settings, never which
-# other nodes have fused; and those checks only refuse, but for a template's multi-output
-# fusion, itself a function of the pair. A node changes only by fusing (a new node) or by
+# nodes that use one buffer (up to 64 pairs per node). dpfx's clip coefficient, a [B] buffer, is
+# read by a kernel per parameter, and each reads it at its own index, so no pair shares a dependency
+# and every one is refused "no shared data", round after round: about half of the questions are
+# asked again of a pair of unchanged nodes refused the round before. That refusal is a function of
+# the pair alone: the checks before it (streams, node kinds, order, templates, devices) and the
+# shared-data score it tests (exact dependencies, buffer overlap, nested and mixed-order reductions,
+# speculative loop reordering, rolled back on a refusal) read the two nodes and Inductor's settings,
+# never which other nodes have fused; and those checks only refuse, but for a template's
+# multi-output fusion, itself a function of the pair. A node changes only by fusing (a new node) or
+# by
 # pruning (a new ``read_writes``). So during dpfx's lowering a plain or fused node pair refused
 # for no shared data is refused again at once while both nodes and both ``read_writes`` objects
 # are the ones it was refused with; every other question goes to Inductor. The same fusions,
@@ -219,24 +210,19 @@ def fusion_refusals_kept():
 
 # Note [A shared sum stored so that its inputs die]
 # Inductor computes a pointwise value read by several kernels inside each of them unless it reads
-# more than four buffers (``realize_reads_threshold``): every buffer it reads then lives until
-# the last of those kernels. A ResNet's downsampling block sums the input gradients of its two
-# convolutions (the 3x3 and the 1x1 shortcut read one activation), and the block before reads
-# that sum, through the ReLU's mask, in its GroupNorm backward and again through its identity
-# shortcut, kernels apart: both gradients were held through a whole block. In the GroupNorm
-# ResNet's backward at B = 256 (9 convolutions, 32x32 images) three such 16.8 MB gradients were
-# alive at dpfx's step peak (torch.compile's graph holds such a pair too, but its peak comes
-# earlier). During dpfx's lowering a pointwise node with several readers is stored as a buffer
-# where that lets at least two buffers of its size and dtype die at its kernel: buffers whose
-# every reader is the node or a single-reader pointwise node inlined into it. It then holds one
-# buffer where it held two or more, and its readers load it instead of computing it each from
-# two or more loads, so neither the bytes held nor the loads grow (a buffer read only inside one
-# fused kernel is not written at all: Inductor drops it); the values are the same (the same
-# expression, computed once). The GroupNorm ResNet at B = 256 (the AMD EPYC, 2026-11-28,
-# benchmarks/latest/step_ab_shared_sums.md): step memory 216.0 -> 205.2 MB (1.26 -> 1.19x
-# torch.compile's 171.9), the step 3-6% faster (20 interleaved rounds, both orders); HF Llama's
-# four residual sums are stored, its step and memory unchanged. Set for dpfx's lowering only,
-# and restored after; dpfx's source digest keys Inductor's FX-graph cache.
+# more than four buffers (``realize_reads_threshold``): every buffer it reads then lives until the
+# last of those kernels. A ResNet's downsampling block sums the input gradients of its two
+# convolutions (the 3x3 and the 1x1 shortcut read one activation), and the block before reads that
+# sum, through the ReLU's mask, in its GroupNorm backward and again through its identity shortcut,
+# kernels apart: both gradients are held through a whole block, at dpfx's step peak on a GroupNorm
+# ResNet (torch.compile's graph holds such a pair too, but its peak comes earlier). During dpfx's
+# lowering a pointwise node with several readers is stored as a buffer where that lets at least two
+# buffers of its size and dtype die at its kernel: buffers whose every reader is the node or a
+# single-reader pointwise node inlined into it. It then holds one buffer where it held two or more,
+# and its readers load it instead of computing it each from two or more loads, so neither the bytes
+# held nor the loads grow (a buffer read only inside one fused kernel is not written at all:
+# Inductor drops it); the values are the same (the same expression, computed once). Set for dpfx's
+# lowering only, and restored after; dpfx's source digest keys Inductor's FX-graph cache.
 # (tests/lower/test_lowering_memory.py)
 @contextlib.contextmanager
 def shared_sums_stored():
@@ -301,8 +287,8 @@ def _numel(t: torch.Tensor):
 # parallel depth, memory planning) by an "optimization hint" of each size expression: a value
 # for it, with the unbacked batch at Inductor's fallback (8192). For an expression that holds the
 # unbacked batch, torch 2.13's ``_optimization_hint_base`` expands, factors and substitutes it
-# with sympy on every call, though the expressions repeat: GPT-2 small's capture asked 17,246
-# times for 96 distinct expressions, 1.2-1.4 s of its first step. During dpfx's capture each
+# with sympy on every call, though the expressions repeat (a large model's capture asks
+# thousands of times for about a hundred distinct ones). During dpfx's capture each
 # answer is kept, keyed by everything the function reads: the expression, the fallback (and
 # Inductor's configured one, read when none is given), the shape environment and its version
 # (the key torch keeps its own caches by: replacements, divisibility, runtime asserts), and each

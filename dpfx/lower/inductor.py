@@ -65,10 +65,9 @@ INDUCTOR_PATCHES = {"layout_optimization": False}
 
 # Note [Combo kernels on the GPU]
 # A GPU step of dpfx is bound by the host launching kernels: every parameter adds its own small
-# reductions (its per-example gradient, its norm, its clipped sum), about 30 us of host time each
-# on an H100's host. Inductor's combo kernels put independent kernels into one launch: on an
-# H200, dpfx's GPT-2 (d=256, B=16) step went from 432 to 287 launches and 11.8 to 9.1 ms, and the
-# MLP at B=1024 from 48 to 34 and 3.13 to 2.41 ms (BENCHMARKS.md). Triton only: the C++ backend
+# reductions (its per-example gradient, its norm, its clipped sum), each tens of microseconds of
+# host time. Inductor's combo kernels put independent kernels into one launch, a third fewer
+# launches and a shorter step (BENCHMARKS.md, "On a GPU"). Triton only: the C++ backend
 # has no combo kernels. They are off in torch by default; should Inductor fail to lower a graph
 # with them, ``lower`` warns (ComboKernelsWarning) and lowers the same graph without them.
 GPU_PATCHES = {"combo_kernels": True}

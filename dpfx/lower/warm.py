@@ -2,9 +2,9 @@
 AOTAutogradCache's entries.
 
 # Note [A warm start without the joint trace]
-A user's second run of a script found Inductor's code in its cache, but dpfx still traced the
-joint graph on the unbacked batch and partitioned it (aot_autograd: 8.2 of GPT-2 small's 17.7 s
-warm first step), which torch.compile skips through AOTAutogradCache. That cache hands back the
+A user's second run of a script finds Inductor's code in its cache, but tracing the joint graph
+on the unbacked batch and partitioning it (aot_autograd) would still be about half of its warm
+first step; torch.compile skips both through AOTAutogradCache. That cache hands back the
 inner compiler's results without calling it (Note [No caches that skip the inner compiler] in
 backend.py), so dpfx takes part in it this way, on CPU:
 
@@ -67,15 +67,14 @@ reduction misses.
 
 The forward and its backward are trusted together: the backward of a rebuilt forward is rebuilt;
 a trusted forward whose backward cannot be is a miss of the pair. Not trusted, and so rebuilt
-as before: a graph holding a block's kernels or a norm sink (state of the process that compiled
+as above: a graph holding a block's kernels or a norm sink (state of the process that compiled
 it), graphs whose self-check depends on non-batch sizes read at run time, ``self_check="always"``,
 ``dpfx.validate``, and every compile under ``DPFX_REPROVE=1`` (for auditors; the test suite sets
 it, and tests/lower/test_warm_start.py runs both paths).
 
-The rebuild costs loading the graphs, propagating fake values through them and the cache's key:
-GPT-2 small's warm aot_autograd phase 8.7 -> 4.1 s, its warm first step 18.1 -> 13.5 s
-(benchmarks/latest/first_step_warm_aot_cache.md); with entries that hold no derived fake value,
-3.4 -> 2.4 s (first_step_warm_lean_entries.md). (tests/lower/test_warm_start.py)
+The rebuild costs loading the graphs, propagating fake values through them and the cache's key,
+about half of the joint trace it replaces (BENCHMARKS.md, "Warm start").
+(tests/lower/test_warm_start.py)
 """
 from __future__ import annotations
 
@@ -151,9 +150,8 @@ def snapshot(gm: fx.GraphModule) -> bytes | None:
     # A rebuild computes every node's fake value again from the graph's inputs, so the entry
     # keeps only the inputs' (the backward's tangents take their traced layouts from them).
     # Pickling a fake tensor writes its sizes, strides and symbolic expressions, and loading it
-    # builds a tensor in the fake mode: GPT-2 small's graphs (881 and 1542 nodes) pickled in
-    # 0.20 and 0.40-0.62 s with every node's, 0.10 and 0.22 s without, and loaded in 0.38 and
-    # 0.78 s against 0.18 and 0.15 s (one process, each form loaded three times).
+    # builds a tensor in the fake mode, which about doubles both the writing and the loading
+    # (BENCHMARKS.md, "Levers in the code").
     set_aside = {node: {k: node.meta.pop(k) for k in _DERIVED if k in node.meta}
                  for node in gm.graph.nodes if node.op != "placeholder"}
     try:
@@ -170,11 +168,11 @@ def snapshot(gm: fx.GraphModule) -> bytes | None:
 # GraphPickler registers ``slice`` as a pytree node while it writes or reads a graph and removes
 # it after. Dynamo guards code that flattens a pytree (a block call's arguments, a Hugging Face
 # output) on the version of pytree's registry dict, which any change bumps: every snapshot and
-# every warm load made every other compiled model in the process fail its guards. Two models
-# with blocks then recompiled each other at every step, each recompile's load failing the
-# other's guard again (9 s steps instead of 0.2 s; tests/test_blocks.py::test_two_models_with_blocks_do_not_recompile_each_other). The pickler
-# therefore works on copies of the registry, and the registry objects dynamo reads are put back
-# unchanged.
+# every warm load would make every other compiled model in the process fail its guards, and two
+# models with blocks would recompile each other at every step, each recompile's load failing the
+# other's guard again (tests/test_blocks.py::test_two_models_with_blocks_do_not_recompile_each_
+# other). The pickler therefore works on copies of the registry, and the registry objects dynamo
+# reads are put back unchanged.
 _REGISTRIES = ("SUPPORTED_NODES", "SUPPORTED_SERIALIZED_TYPES",
                "SERIALIZED_TYPE_TO_PYTHON_TYPE", "CONSTANT_NODES")
 

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpfx import engine, privacy
+from dpfx.privacy import plan as privacy_plan
 from dpfx.api import DPModule
 from dpfx.errors import DPFXWarning
 from dpfx.loop.optim import DPOptimizer
@@ -161,10 +162,11 @@ class PrivacyEngine:
                             f"{type(data_loader).__name__}")
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
-        sigma = privacy.noise_multiplier(
+        sigma = privacy_plan.make(
+            sample_rate=1 / len(data_loader),
             target_epsilon=target_epsilon, target_delta=target_delta,
-            sample_rate=1 / len(data_loader), steps=epochs * len(data_loader),
-            accountant=self.accountant.accountant)
+            steps=epochs * len(data_loader), accountant=self.accountant.accountant,
+            steps_name="epochs").noise_multiplier
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
 

@@ -32,11 +32,11 @@ loaded without its blocks).
 
 # Note [A block's own tensors stay out of the model's graph]
 What a block's forward saves for its backward (a dozen activations of a decoder layer), and the
-book-keeping operands its part A makes for part B, are read by the block's own ops alone. Had
-they been outputs of the ops, every one would be a tensor the model's capture traces through
-dynamo, the joint trace and Inductor's lowering at each block call (each with symbolic shapes,
-whose arithmetic is most of the cost): with them, a 12-layer GPT-2's model graph took 10.2 s
-to trace jointly and had 782 backward nodes; with handles, 2.0-2.9 s and 458.
+book-keeping operands its part A makes for part B, are read by the block's own ops alone. As
+outputs of the ops, every one would be a tensor the model's capture traces through dynamo, the
+joint trace and Inductor's lowering at each block call (each with symbolic shapes, whose
+arithmetic is most of the cost): several times the joint trace's time, and more backward nodes
+(BENCHMARKS.md, "Levers in the code").
 So the op keeps them in ``_HELD`` and returns a handle in their place: a one-element int64
 tensor of zeros (equal in every run, so the self-check's comparisons and its independence test
 pass over it), keyed by its storage. The entry lives exactly as long as the handle: a finalizer

@@ -20,24 +20,19 @@ aten = torch.ops.aten
 
 
 # Note [Patches by dpfx::im2col]
-# Inductor compiles the unfold views above into a gather whose innermost loop runs over the output
-# positions of one row (8 on the benchmark CNN's conv2) with masked 16-lane vectors and int64
-# index arithmetic for the padding: 4-6x slower than ATen's im2col kernel on the benchmark CNN's
-# three inputs at B=32 (0.8 vs 0.2 ms, 3.2 vs 0.8 ms, 1.9 vs 0.4 ms, one process, interleaved).
-# So 2-D convolutions (the shape im2col covers) take their patches from ``dpfx::im2col``, an
-# opaque op that Inductor calls as an extern kernel; 1-D/3-D and transposed convolutions keep the
-# views. On CPU the op runs dpfx's own kernel (csrc/im2col.c, via ops/native.py): ATen's loops over
-# the examples serially and over each row's positions with a bounds test per pixel, while ours
-# splits the image planes across threads, lays each plane out once as its zero-padded stride
+# Inductor compiles the unfold views above into a gather whose innermost loop runs over one row's
+# output positions with masked vectors and int64 index arithmetic for the padding, several times
+# slower than an im2col kernel. So 2-D convolutions (the shape im2col covers) take their patches
+# from ``dpfx::im2col``, an opaque op that Inductor calls as an extern kernel; 1-D/3-D and
+# transposed convolutions keep the views. On CPU the op runs dpfx's own kernel (csrc/im2col.c, via
+# ops/native.py): ATen's loops over the examples serially and tests bounds at every pixel, while
+# dpfx's splits the image planes across threads, lays each plane out once as its zero-padded stride
 # phases, and copies every kernel tap's window from one phase without tests or per-pixel index
-# arithmetic (benchmarks/im2col.py, the benchmark CNN's inputs at B=32, 2 threads, AVX2 machine:
-# ATen 0.25, 0.56, 0.34 ms; dpfx's first kernel, which copied each output row from the image
-# with two divisions per row, 0.09, 0.40, 0.38 ms; this one 0.03, 0.11, 0.10 ms; whole CNN
-# steps 7.69 -> 7.10 ms, im2col.py --step). Every output is a copy or a zero, so it equals
-# ATen's bit for bit (tests/rules/test_rule_convolution.py compares them over random geometry); other
-# dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps example i's
-# image to example i's patches only: the batch analysis carries dim 0 through it, and the
-# self-check compares the compiled graph with eager execution as for every other op.
+# arithmetic (figures: BENCHMARKS.md, "Levers in the code"). Every output is a copy or a zero, so it
+# equals ATen's bit for bit (tests/rules/test_rule_convolution.py compares them over random
+# geometry); other dtypes, devices and ranks, or no C compiler, run ATen's kernel. The op maps
+# example i's image to example i's patches only: the batch analysis carries dim 0 through it, and
+# the self-check compares the compiled graph with eager execution as for every other op.
 _LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
 _LIBRARY.define("im2col(Tensor image, int[] kernel, int[] dilation, int[] padding, int[] stride)"
                 " -> Tensor")
@@ -83,31 +78,19 @@ def _im2col_shape(image, kernel, dilation, padding, stride) -> list:
 
 
 # Note [Per-sample conv2d gradients in chunks of examples]
-# The materialized 2-D form used to build every example's patches, then take one bmm: the
-# patches hold B * C_img * K * P values, the kernel size times the input's, next to the per-sample
-# gradients they produce (72 MiB of patches for a 3x3 conv 64 -> 128 on 32x32 images at B = 32).
+# Building every example's patches, then taking one bmm, holds B * C_img * K * P values of
+# patches, the kernel size times the input, beside the per-sample gradients they produce.
 # ``dpfx::conv2d_per_sample_grad`` fuses the two: it unfolds chunks of whole examples of at most
 # _CHUNK_BYTES of patches (at least one example; equal chunks) and writes each chunk's products
-# straight into the (B*groups, C_resp/g, C_img/g*K) output, so the patches no longer grow with B
-# and each chunk is read back while still in cache. Measured (benchmarks/conv_product.py, 2
-# threads, AVX2 machine, three runs): that layer 68.6-80.8 -> 36.4-48.9 ms with 1-4 MiB chunks,
-# 64 -> 64 channels on 16x16 at B = 64 (36 MiB of patches) 19.5-30.6 -> 13.1-18.7 ms; 16 MiB
-# chunks were slower. 1 MiB on CPU, because the op's inputs stay alive until it returns where
-# the two ops it replaces freed the image after the unfold: on the benchmark CNN (conv2: 2.2 MiB
-# of patches at B = 32) one 4 MiB chunk raised the step's memory peak from 6.3 to 6.9 MB, three
-# 1 MiB chunks leave it where it was. Small layers (one chunk) pay about 10 us of op dispatch.
-# But a chunk of one or two examples leaves each bmm a GEMM or two to split between the threads,
-# and a chunk's own Python: at B = 256 the ResNet's 16 -> 16 layers on 32x32 images (576 KiB of
-# patches an example) took 16.2 ms each in chunks of 1 example, 14.3 in chunks of 4 and 13.0 in
-# chunks of 8. So on CPU a chunk holds at least _CHUNK_MIN_EXAMPLES = 8 examples while their
-# patches stay under _CHUNK_BYTES_MAX = 4 MiB: 7 for those layers. Larger examples keep their
-# 1 MiB chunks: with 8 MiB allowed, a 64 -> 128 layer on 32x32 images at B = 32 (2.25 MiB an
-# example) took 37.4 ms in chunks of 3 against 34.2 one by one (benchmarks/conv_product.py).
-# The ResNet's step at B = 256 (benchmarks/step_ab.py conv_chunks, the 2-core AMD EPYC,
-# 2026-11-27), median ms over 30, 30 and 60 interleaved rounds: 311.5 -> 302.9, 306.1 -> 301.1,
-# 349.9 -> 332.8 (8 MiB allowed: 303.5 -> 282.1, 307.6 -> 293.8); its step memory 216.0 MB
-# both (its peak is an input gradient's). The benchmark CNN, whose chunks already held 11 or
-# more examples, does not change (9.32 against 9.63 ms, 5.7 MB both).
+# straight into the (B*groups, C_resp/g, C_img/g*K) output, so the patches do not grow with B
+# and each chunk is read back while still in cache. On CPU a chunk is 1 MiB: the op's inputs
+# stay alive until it returns, where the two ops it replaces freed the image after the unfold,
+# so a larger chunk raises the step's memory peak, and a chunk far larger than the caches is
+# slower. A chunk of one or two examples leaves each bmm too few GEMMs to share between the
+# threads, so a chunk holds at least _CHUNK_MIN_EXAMPLES examples while their patches stay under
+# _CHUNK_BYTES_MAX; larger examples keep their 1 MiB chunks (a few of them in one larger chunk
+# ran slower than one by one). A small layer (one chunk) pays one op dispatch. Figures:
+# BENCHMARKS.md, "Levers in the code".
 # Example i's output reads example i's image and response only (the batch analysis carries dim
 # 0 through it as through bmm; the self-check compares the compiled graph with eager).
 # (tests/rules/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks,
@@ -128,7 +111,7 @@ def _conv2d_per_sample_grad(response, image, kernel, dilation, padding, stride, 
     # (C*K, P) patches per example
     chunk = _examples_per_chunk(batch, image.element_size() * out.shape[2] * groups
                                 * response.shape[2], image.device.type)
-    # Note [The per-sample conv2d product's orientation]
+    # See Note [The per-sample conv2d product's orientation]
     swapped = _TRANSPOSED_PRODUCT and image.device.type == "cpu" \
         and out.shape[1] < min(32, out.shape[2])
     scratch = out.new_empty(chunk * groups, out.shape[2], out.shape[1]) if swapped else None
@@ -161,18 +144,17 @@ def _examples_per_chunk(batch: int, per_example: int, device_type: str) -> int:
 
 # Note [The per-sample conv2d product's orientation]
 # Example i's product is G_i U_i^T: the response G_i (C_resp, P) against the patches U_i (C*K, P),
-# contracted over the P positions. With few output channels, MKL's batched GEMM runs that shape
-# far below the machine's peak (C_resp = 16, P = 1024, C*K = 144: 80 GFLOP/s on the 2-core Intel
-# Xeon); the transposed product U_i G_i^T, the same flops as (C*K, P) x (P, C_resp), runs at about
-# 120. So where C_resp < 32 and C_resp < C*K each chunk's products are taken transposed into a
-# scratch buffer of one chunk, still in cache, and dpfx's transpose kernel (csrc/transpose.c)
-# writes them back into the output, whose layout does not change: the graph's consumers (the
-# norm, the clipped sum) read it as before. Returning the transposed layout instead made those
-# Inductor kernels read across strides (the ResNet's step 251 -> 287 ms); with wider responses
-# the transposed form was no faster (32 channels) or slower (64: 18.1 -> 19.6 ms at 8x8).
-# The ResNet's nine products at B = 256 (benchmarks/conv_product.py --orientation): 78.1 -> 65.3
-# ms; its whole step 242 -> 225 ms (interleaved, 12 rounds). The values are the same products up
-# to the GEMM's rounding. CPU only: the measurements are MKL's; accelerators keep one orientation.
+# contracted over the P positions. With few output channels MKL's batched GEMM runs that shape
+# far below the machine's peak, and the transposed product U_i G_i^T, the same flops as
+# (C*K, P) x (P, C_resp), runs faster. So where C_resp < 32 and C_resp < C*K each chunk's
+# products are taken transposed into a scratch buffer of one chunk, still in cache, and dpfx's
+# transpose kernel (csrc/transpose.c) writes them back into the output, whose layout does not
+# change: the graph's consumers (the norm, the clipped sum) read it as before. Returning the
+# transposed layout would make those Inductor kernels read across strides, which costs more than
+# the product saves; wider responses keep one orientation, where the transposed form is no
+# faster. The values are the same products up to the GEMM's rounding. CPU only: the choice
+# follows MKL's kernels; accelerators keep one orientation. Figures: BENCHMARKS.md, "Levers in
+# the code".
 # (tests/rules/test_rule_convolution.py::test_per_sample_conv2d_grad_in_chunks)
 _TRANSPOSED_PRODUCT = True     # benchmarks/conv_product.py --orientation switches it off
 
@@ -204,29 +186,23 @@ def _conv2d_per_sample_grad_fake(response, image, kernel, dilation, padding, str
 # Note [Conv2d input gradients in channels-last]
 # dpfx's graphs keep a convolution's tensors in NCHW: with the batch unbacked, torch traces a
 # convolution of a channels-last tensor as returning a contiguous one while the kernel returns
-# channels-last (so such inputs are refused, passes/__init__.py), and Inductor's layout
-# optimization miscompiles then (lower/inductor.py). On CPU, ATen's oneDNN convolution_backward with
-# NCHW operands converts them to channels-last, computes, and converts its result back through
-# an extra copy: for the benchmark CNN's conv2 input gradient (B=32, 64 -> 32 channels, 8x8 ->
-# 16x16) the call holds 3.15 MB at its peak against 1.22 MB with channels-last operands
-# (benchmarks/conv_layout.py), and it was the whole DP step's memory peak.
-# ``dpfx::conv2d_input_grad`` computes the same gradient as the transposed convolution of the
-# output gradient (which needs the input's shape only) with the output gradient converted to
-# channels-last first, one copy of the smaller tensor, and returns it in NCHW: 2.10 MB at its
-# peak there, in the same time (0.8 ms; the step's peak fell from 6.62 to 5.71 MB). The two
-# layout changes are dpfx's transpose kernel (csrc/transpose.c: tiles of each example's (C, H*W)
-# matrix across threads) rather than ATen's copies, which took 0.38 ms of the op's 1.15 ms on
-# conv2 inside a profiled step (whole CNN steps 0.1-0.3 ms faster in four interleaved runs:
-# benchmarks/conv_layout.py --step, im2col.py --step). Returning the channels-last result
-# instead was tried: it saves the last copy, but the GroupNorm backward
-# kernel Inductor fuses after it reads it across the channel stride, and that kernel went from
-# 0.23 to 1.24 ms on the benchmark CNN, more than the convolution saved. The result is always
-# contiguous, as its fake kernel says (a kernel that already returns NCHW, as ATen's slow
-# paths for some geometries and dtypes do, costs no copy). ``compile_backward`` routes the
-# input-gradient-only convolution_backward calls of 2-D float32 CPU convolutions through it
-# (``_input_gradients_channels_last``). Example i's gradient reads example i's output gradient
-# only, as for the op it replaces: the batch analysis carries dim 0 through it and the
-# self-check compares the compiled graph with eager execution.
+# channels-last (so such inputs are refused, passes/__init__.py), and Inductor's layout optimization
+# miscompiles then (lower/inductor.py). On CPU, ATen's oneDNN convolution_backward with NCHW
+# operands converts them to channels-last, computes, and converts its result back through an extra
+# copy, which makes an input gradient a DP step's memory peak on small CNNs.
+# ``dpfx::conv2d_input_grad`` computes the same gradient as the transposed convolution of the output
+# gradient (which needs the input's shape only) with the output gradient converted to channels-last
+# first, one copy of the smaller tensor, and returns it in NCHW: a lower peak in the same time. The
+# two layout changes are dpfx's transpose kernel (csrc/transpose.c: tiles of each example's (C, H*W)
+# matrix across threads), faster than ATen's copies. The result is NCHW rather than channels-last:
+# that would save the last copy, but the GroupNorm backward kernel Inductor fuses after it would
+# read it across the channel stride, which costs more than the copy. Figures: BENCHMARKS.md, "Levers
+# in the code". The result is always contiguous, as its fake kernel says (a kernel that already
+# returns NCHW, as ATen's slow paths for some geometries and dtypes do, costs no copy).
+# ``compile_backward`` routes the input-gradient-only convolution_backward calls of 2-D float32 CPU
+# convolutions through it (``_input_gradients_channels_last``). Example i's gradient reads example
+# i's output gradient only, as for the op it replaces: the batch analysis carries dim 0 through it
+# and the self-check compares the compiled graph with eager execution.
 # (tests/rules/test_rule_convolution.py::test_conv2d_input_grad_*)
 _LIBRARY.define("conv2d_input_grad(Tensor grad_output, Tensor input, Tensor weight, "
                 "int[] stride, int[] padding, int[] dilation, int groups) -> Tensor")

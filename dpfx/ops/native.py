@@ -22,8 +22,8 @@ import tempfile
 
 _SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.c")))
 # -mprefer-vector-width=256: with -march=native GCC tunes some AVX2 CPUs (AMD Zen 1) for 128-bit
-# vectors, and the Box-Muller loop then calls libmvec's SSE logf/cosf: 1.28M normals took 4.7 ms
-# on 2 Zen 1 cores, 3.0 ms with 256-bit vectors (the same values). Where 512-bit registers exist
+# vectors, and the Box-Muller loop then calls libmvec's SSE logf/cosf, about 1.5 times slower
+# than with 256-bit vectors (the same values). Where 512-bit registers exist
 # the noise kernel uses them regardless (Philox through intrinsics, Box-Muller by a pragma in
 # csrc/philox_normal.c).
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-ffast-math", "-fopenmp",

@@ -5,15 +5,13 @@
     z = philox_normal(n, key)                             # the kernel, explicit 64-bit key
 
 DP-SGD draws one Gaussian per parameter per step. ATen's CPU ``randn`` runs MT19937 on one
-thread, and on the benchmark models it was the largest single cost of a DP step (1.3 ms of a
-5 ms MLP step; most of the step of a 1.3M-parameter embedding model). Inductor's own CPU Philox
+thread, which would make the noise the largest single cost of a small model's DP step, and most
+of the step of a model whose parameters are mostly one embedding table. Inductor's own CPU Philox
 is slower still (Note [Noise from ATen's generator on CPU] in backend.py). The kernel in
 ``csrc/philox_normal.c`` is counter-based, so its blocks are independent: it vectorizes (16 lanes
 on AVX-512, 8 on AVX2) and splits across threads, and its output for a key does not depend on
 the thread count (and the Philox words are the same integers on every instruction-set path).
-Measured on the 2-core benchmark machine: 0.31 ms for 300k samples (ATen 1.22 ms) and 1.25 ms
-for 1.28M (ATen 5.1 ms) with AVX2 Philox; the AVX-512 Philox path takes 301k samples from
-0.20 to 0.15 ms on 2 threads (0.38 to 0.27 ms on 1), bit-identical output.
+Its speed against ATen's: BENCHMARKS.md ("The noise"; "Levers in the code").
 
 # Note [Where the noise key comes from]
 ``dpfx::standard_normal`` draws its 64-bit Philox key from torch's default CPU generator, one
@@ -100,7 +98,7 @@ def gaussian(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
 # Note [The noise op is a plain library op]
 # The op is defined with torch.library.Library and one CompositeExplicitAutograd kernel rather
 # than @custom_op: a custom_op runs Python autograd, backend-select and redispatch layers before
-# the kernel, about 10 us a call against 3 us (the graph calls it once a step). It takes no
+# the kernel, about three times the call's cost (the graph calls it once a step). It takes no
 # tensor, so one kernel serves every dispatch key; register_fake gives its shape to fake tensors.
 _LIBRARY = torch.library.Library("dpfx", "FRAGMENT")
 _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
@@ -114,7 +112,7 @@ _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
 # everything Inductor's code computes (norms, clip factors, clipped sums) adds up to at most
 # B C / D: with a 2048 x 2048 weight a release off by a whole example's C / D passed
 # (tests/lower/test_selfcheck.py::test_noise_does_not_hide_a_wrong_clipped_sum); on GPT-2 small, at
-# sigma 1, the tolerance was 3 C / D for an MLP weight and 12 C / D for the embedding. So the
+# sigma 1, the tolerance would be 3 C / D for an MLP weight and 12 C / D for the embedding. So the
 # check's graph runs take place under ``noiseless()``, in which both noise ops add zero: the
 # call, its scale and its division still run, and the comparison sees the clipped sums alone.
 # The flag is thread-local: a training step on another thread while a model's first call

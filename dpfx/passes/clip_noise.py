@@ -125,7 +125,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
         groups[config.group_of(pg.name)].append(pg)
     groups = {key: members for key, members in groups.items() if members}
 
-    # Note [Vector parameters' per-sample gradients stacked]
+    # See Note [Vector parameters' per-sample gradients stacked]
     # (adaptive clipping: the noise std is a node, sigma_grad * C_t; the sliced draw takes it)
     # (a padded batch's mean without expected_batch_size divides by a tensor, real_examples:
     # add_noise_ takes its divisor as a size)

@@ -198,8 +198,9 @@ def reconcile(ledger: PrivacyLedger, accountant: Accountant, max_grad_norm) -> N
     check_same_run(ledger, accountant)
     mine, theirs = accountant.history, ledger.history
     if ledger.steps > accountant.steps:
-        accountant.load_state_dict({"version": Accountant.STATE_VERSION,
-                                    "accountant": accountant.accountant,
+        # the accountant's own state with the ledger's steps: a MatrixAccountant keeps its
+        # strategy and sampling
+        accountant.load_state_dict({**accountant.state_dict(),
                                     "history": [list(p) for p in theirs]})
     elif accountant.steps > ledger.steps:
         for sigma, q, n in _difference(theirs, mine):

@@ -29,6 +29,8 @@ not without a budget of its own. (tests/report/test_history.py)
 """
 from __future__ import annotations
 
+import copy
+
 import math
 
 from dpfx.privacy import Accountant
@@ -69,7 +71,7 @@ class RunHistory:
         chosen = _spread(len(self.steps), points)
         values = []
         for i in chosen:
-            accountant = Accountant()
+            accountant = copy.copy(self.accountant)     # its kind: a MatrixAccountant too
             accountant.load_state_dict(self._accounts[i])
             values.append(accountant.get_epsilon(self.delta))
         return [self.steps[i] for i in chosen], values

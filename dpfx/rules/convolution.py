@@ -221,7 +221,7 @@ def _unfolded(ctx, args: ConvArgs):
     patches = ctx.emit(aten.view.default, patches,
                        [batch, g, c_img, *positions, *args.kernel])
     # Positions last: the copy reads rows of the image, and bmm takes the transposed operand
-    # as strides (2.2-2.9 -> 1.7-1.8 ms of bmm per step on the benchmark CNN, 1 thread).
+    # as strides, a faster bmm than the transposed copy's.
     perm = [0, 1, 2, *range(3 + n, 3 + 2 * n), *range(3, 3 + n)]
     patches = ctx.emit(aten.permute.default, patches, perm)
     patches = ctx.emit(aten.reshape.default, patches,
@@ -328,11 +328,10 @@ def cost_convolution(node, ctx) -> dict:
 # A convolution's per-sample product (B*groups small bmm's over P positions) and the
 # book-keeping product (one convolution_backward over B*P) cost the same flops, so the ghost form
 # adds its Gram matrices' flops and saves only the (B, *weight.shape) tensor's memory traffic.
-# That pays where P is small against the channels (late layers), not where the image is large.
-# Measured on the benchmark CNN (benchmarks/models.py, 1 thread, B=64, median ms): all convs
-# materialized 55.5; conv2 (P=64, 32->64) and conv3 (P=16, 64->64) ghost 56.8; conv3 ghost only
-# 36.5. So under "auto" the ghost form is offered only where the Gram flops are at most the
-# per-sample product's (conv3 here); strategy="ghost" takes it everywhere.
+# That pays where P is small against the channels (late layers), not where the image is large
+# (figures: BENCHMARKS.md, "Levers in the code"). So under "auto" the ghost form is offered only
+# where the Gram flops are at most the per-sample product's; strategy="ghost" takes it
+# everywhere.
 # (tests/rules/test_rule_convolution.py::test_auto_takes_the_ghost_where_it_pays)
 def check_ghost_convolution(node, ctx) -> str | None:
     if node.args[1] == BIAS:

@@ -125,40 +125,6 @@ def test_in_place_write_into_an_untracked_tensor_that_requires_grad_is_refused()
     assert _untouched(model)
 
 
-V, T, K = 5, 4, 3
-
-
-class _WithMask(nn.Module):
-    """Token logits, class logits and a mask computed from the ids (no gradient history)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(11, 8)
-        self.tok = nn.Linear(8, V)
-        self.cls = nn.Linear(8, K)
-
-    def forward(self, ids):
-        h = torch.tanh(self.emb(ids))
-        return self.tok(h), self.cls(h.mean(1)), (ids > 0).float()
-
-
-def test_per_term_loss_reading_an_output_without_gradient_history_is_refused():
-    """T7: a token mean plus a mean over examples weighted by a mask the model returned."""
-    model = _WithMask()
-    dp = _plain(model)
-    ids = torch.randint(0, 11, (3, T))
-    tokens, labels = torch.randint(0, V, (3, T)), torch.randint(0, K, (3,))
-    tokens[0, :2] = -100
-    tok, cls, mask = dp(ids)
-    loss = F.cross_entropy(tok.reshape(-1, V), tokens.view(-1), ignore_index=-100) + (
-        F.cross_entropy(cls, labels, reduction="none") * mask[:, 0]).mean()
-    with pytest.raises(dpfx.PrivacyError,
-                       match="one of the outputs it reads has no gradient history"):
-        loss.backward()
-    assert _untouched(model)
-
-
 @torch.library.custom_op("dpfx_refusals::label_weight", mutates_args=())
 def _label_weight(y: torch.Tensor) -> torch.Tensor:
     """A custom op with no fake implementation: it runs, but cannot be replayed symbolically."""

@@ -19,9 +19,9 @@
 #include <immintrin.h>
 #endif
 /* Where AVX-512 exists, GCC vectorizes this file's loops (Box-Muller) 512 bits wide, not at the
- * 256 bits native.py asks for everywhere else: on a 2-core Xeon, 10M in-place samples on one
- * thread take 0.78 against 1.24 ns each. The normals move by a few ulps (-ffast-math contracts
- * the polynomials differently at each width); the Philox words do not change. */
+ * 256 bits native.py asks for everywhere else: a third less time a sample. The normals move by
+ * a few ulps (-ffast-math contracts the polynomials differently at each width); the Philox
+ * words do not change. */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("prefer-vector-width=512")
 #endif
@@ -261,8 +261,8 @@ void dpfx_philox_normal(float *restrict out, int64_t n, uint64_t key, int thread
  * Philox counters (b_lo, b_hi, t, 0): the third counter word names the tensor, so every tensor
  * has a stream of its own and no two share a counter. The work is one list of (tensor, tile)
  * tasks handed out dynamically, so a bias of ten entries costs no parallel region of its own and
- * thirty of them do not leave one thread all of a large table's tiles (a static split by count
- * did: 236 against 145 us for thirty 16-entry biases and 301k entries on 2 threads); as for
+ * thirty of them do not leave one thread all of a large table's tiles (as a static split by
+ * count would); as for
  * dpfx_philox_normal, the output does not depend on the thread count. */
 #define DEFINE_ADD_NOISE(T, NAME)                                                        \
 void NAME(T *const *xs, const int64_t *sizes, int64_t count, uint64_t key, double std,   \
