@@ -53,6 +53,7 @@ def _run_recursion(rec, z):
             u = z[t] - sum(rec.omega[i] * s[i] for i in range(len(rec.theta)))
             w[t], u_prev = u / rec.scale, u
     else:
+        assert isinstance(rec, DenseRecursion)
         for t in range(n):
             row = rec.rows[t]
             w[t] = (z[t] - sum(row[j] * w[j] for j in range(t))) / row[t]
