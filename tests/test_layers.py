@@ -24,7 +24,8 @@ LAYERS = [
        graph graph.batch graph.emit graph.printer graph.tags
        ops ops.blocks ops.conv ops.loss ops.native ops.noise ops.norms
        privacy privacy.adaptive privacy.budget privacy.checkpoint privacy.durable privacy.ledger
-       privacy.recursion privacy.strategies privacy.matrix_accounting privacy.plan""",
+       privacy.recursion privacy.strategies privacy.strategy_fit privacy.matrix_accounting
+       privacy.plan""",
     # 1 rules
     """rules rules.block rules.convolution rules.embedding rules.fallback rules.lift rules.linear
        rules.reduction rules.registry""",
