@@ -43,9 +43,9 @@ from dpfx import privacy
 from dpfx.privacy import plan as privacy_plan
 from dpfx.config import AUTOMATIC_GAMMA
 from dpfx.api import DPModule, compile as dp_compile
-from dpfx.loop.data import PoissonBatchSampler, expected_batch_size, plan_loader
+from dpfx.loop.data import PoissonBatchSampler, expected_batch_size
 from dpfx.loop.data import VirtualBatches
-from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler
+from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler, plan_loader
 from dpfx.loop.users import group_by_user, user_loader
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.ranks import rank_of, world_of

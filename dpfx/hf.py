@@ -75,7 +75,8 @@ from dpfx.api import DPModule, compile as dp_compile
 from dpfx.hf_ranks import broadcast_from_rank0, check_launch
 from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_train_loader
 from dpfx.loop import fsdp
-from dpfx.loop.data import expected_batch_size, plan_loader
+from dpfx.loop.data import expected_batch_size
+from dpfx.loop.samplers import plan_loader
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig
 from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack

@@ -228,26 +228,6 @@ def poisson_loader(dataset: Dataset, sample_rate: float, *, steps: int | None = 
     return _loader(dataset, sampler, dataloader_kwargs)
 
 
-def plan_loader(plan, dataset: Dataset, *, steps: int | None = None,
-                generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
-                secure_mode: bool = False, **dataloader_kwargs) -> DataLoader:
-    """The loader of a privacy plan (privacy/plan.py): ``poisson_loader`` for plain Poisson
-    sampling, else the plan's sampler (loop/samplers.py) with the same collation and tracking."""
-    if plan.sampler == "poisson":
-        return poisson_loader(dataset, plan.sample_rate, steps=steps, generator=generator,
-                              rank=rank, world_size=world_size, secure_mode=secure_mode,
-                              **dataloader_kwargs)
-    from dpfx.loop import samplers
-    n = _size(dataset, dataloader_kwargs)
-    ranked = dict(generator=generator, rank=rank, world_size=world_size, secure_mode=secure_mode)
-    if plan.sampler == "cyclic_poisson":
-        sampler = samplers.CyclicPoissonSampler(n, plan.sample_rate, plan.parts,
-                                                steps=plan.steps_per_epoch, **ranked)
-    else:
-        sampler = samplers.BallsInBinsSampler(n, plan.steps_per_epoch, epochs=1, **ranked)
-    return _loader(dataset, sampler, dataloader_kwargs)
-
-
 def _size(dataset: Dataset, dataloader_kwargs: dict) -> int:
     clash = [k for k in _OWN_ARGS if k in dataloader_kwargs]
     if clash:

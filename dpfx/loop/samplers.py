@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from dpfx.loop.data import _check_count, _secure_mask, rank_generator
+from dpfx.loop.data import _check_count, _loader, _secure_mask, _size, poisson_loader, rank_generator
 from dpfx.privacy import _check_sample_rate
 from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
@@ -204,3 +204,22 @@ class BallsInBinsSampler(_RankedSampler):
                 break
             draws[bad] = np.frombuffer(os.urandom(8 * len(bad)), dtype=np.uint64)
         return torch.from_numpy((draws % np.uint64(s)).astype(np.int64))
+
+
+def plan_loader(plan, dataset: Dataset, *, steps: int | None = None,
+                generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
+                secure_mode: bool = False, **dataloader_kwargs) -> DataLoader:
+    """The loader of a privacy plan (privacy/plan.py): ``poisson_loader`` for plain Poisson
+    sampling, else the plan's sampler (this module) with the same collation and tracking."""
+    if plan.sampler == "poisson":
+        return poisson_loader(dataset, plan.sample_rate, steps=steps, generator=generator,
+                              rank=rank, world_size=world_size, secure_mode=secure_mode,
+                              **dataloader_kwargs)
+    n = _size(dataset, dataloader_kwargs)
+    ranked = dict(generator=generator, rank=rank, world_size=world_size, secure_mode=secure_mode)
+    if plan.sampler == "cyclic_poisson":
+        sampler = CyclicPoissonSampler(n, plan.sample_rate, plan.parts,
+                                                steps=plan.steps_per_epoch, **ranked)
+    else:
+        sampler = BallsInBinsSampler(n, plan.steps_per_epoch, epochs=1, **ranked)
+    return _loader(dataset, sampler, dataloader_kwargs)

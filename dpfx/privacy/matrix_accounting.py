@@ -291,12 +291,9 @@ class MatrixAccountant(Accountant):
         q = _check_sample_rate(sample_rate)
         if not isinstance(self.sampling, CyclicPoisson):
             return q
-        overall = self.sampling.sample_rate / self.sampling.parts  # the loader's q, as DPOptimizer has it
-        if not (math.isclose(q, self.sampling.sample_rate, rel_tol=1e-9)
-                or math.isclose(q, overall, rel_tol=1e-9)):
-            raise ValueError(f"sample_rate={q} is neither the rate of a part under "
-                             f"{self.sampling} nor the overall rate {overall}; the sampler and "
-                             f"the accountant must agree")
+        if not math.isclose(q, self.sampling.sample_rate, rel_tol=1e-9):
+            raise ValueError(f"sample_rate={q} differs from the accountant's {self.sampling}; "
+                             f"the sampler and the accountant must agree")
         return self.sampling.sample_rate
 
     def dp_event(self) -> dp_accounting.DpEvent:

@@ -257,7 +257,7 @@ def _sampling(sampler: str, strategy, parts, q: float, steps: int, steps_per_epo
         raise ValueError(f"cyclic Poisson over {parts} parts samples each part at "
                          f"{parts} x {q:.6g} > 1: use at most {_most_parts(q)} bands")
     if getattr(strategy, "bands", None) is not None and strategy.bands <= parts:
-        return ma.CyclicPoisson(parts, q * parts)
+        return ma.CyclicPoisson(parts, q)
     return ma.MinSeparation(parts, math.ceil(steps / parts))
 
 

@@ -78,3 +78,66 @@ def test_only_the_plan_calibrates_sigma():
             if re.search(pattern, text):
                 callers.setdefault(rel, []).append(pattern)
     assert callers == {}, callers
+
+
+# -- correlated noise ------------------------------------------------------------------------------
+def test_a_banded_mechanism_is_sampled_by_cyclic_poisson_over_its_bands():
+    """BandMF with b bands over b parts: each participation a Poisson-sampled Gaussian at the
+    part's rate q * b, ceil(n / b) of them (Choquette-Choo et al. 2023), computed here with
+    dpfx.privacy.epsilon, which composes dp_accounting's events itself."""
+    p = privacy_plan.make(sample_rate=1 / 40, noise_multiplier=1.5,
+                          mechanism=dpfx.Mechanism("bandmf", bands=4), epochs=2)
+    assert (p.sampler, p.parts, p.steps_per_epoch, p.steps) == ("cyclic_poisson", 4, 40, 80)
+    assert p.strategy.name == "bandmf" and p.strategy.steps == 80 and p.strategy.bands == 4
+    acc = p.accountant()
+    acc.step(noise_multiplier=1.5, sample_rate=1 / 40, n=80)
+    want = privacy.epsilon(noise_multiplier=1.5, sample_rate=4 / 40, steps=20, delta=1e-5)
+    assert abs(acc.get_epsilon(1e-5) - want) <= 1e-9 * want
+
+
+def test_a_pass_of_cyclic_poisson_is_whole_cycles():
+    p = privacy_plan.make(sample_rate=1 / 10, noise_multiplier=1.0,
+                          mechanism=dpfx.Mechanism("bsr", bands=4), epochs=3)
+    assert p.steps_per_epoch == 12 and p.steps == 36 and p.parts == 4
+
+
+def test_the_chosen_bands_lose_to_no_other_candidate():
+    """Note [Choosing the bands]: the least sigma^2 times expected error at the target."""
+    from dpfx.privacy import strategies
+
+    p = privacy_plan.make(sample_rate=1 / 16, target_epsilon=4.0, target_delta=1e-5,
+                          mechanism="bandmf", epochs=2)
+    assert p.epsilon(1e-5) <= 4.0
+    dpsgd = privacy_plan.make(sample_rate=1 / 16, target_epsilon=4.0, target_delta=1e-5,
+                              mechanism=dpfx.Mechanism("bandmf", bands=1), epochs=2)
+
+    def score(plan):
+        return plan.noise_multiplier ** 2 * strategies.expected_error(plan.strategy) ** 2
+    assert score(p) <= score(dpsgd) * (1 + 1e-9)
+
+
+def test_an_unbanded_strategy_is_accounted_without_amplification():
+    from dpfx.privacy import matrix_accounting as ma
+
+    p = privacy_plan.make(sample_rate=1 / 8, noise_multiplier=2.0, mechanism="blt", epochs=3)
+    assert isinstance(p.sampling, ma.MinSeparation)
+    assert (p.sampling.separation, p.sampling.participations) == (8, 3)
+    b = privacy_plan.make(sample_rate=1 / 8, noise_multiplier=2.0, mechanism="blt", epochs=3,
+                          sampler="balls_in_bins")
+    assert isinstance(b.sampling, ma.BallsInBins)
+    # adjacent participations cost more than ones an epoch apart
+    assert b.epsilon(1e-5) >= p.epsilon(1e-5)
+
+
+def test_too_many_bands_for_the_rate_are_refused():
+    with pytest.raises(ValueError, match="use at most 4 bands"):
+        privacy_plan.make(sample_rate=0.25, noise_multiplier=1.0, epochs=2,
+                          mechanism=dpfx.Mechanism("bandmf", bands=5))
+
+
+def test_a_users_accountant_must_count_the_plan():
+    p = privacy_plan.make(sample_rate=1 / 8, noise_multiplier=1.0, epochs=1,
+                          mechanism=dpfx.Mechanism("bandmf", bands=2))
+    with pytest.raises(ValueError, match="cannot count steps of mechanism 'bandmf'"):
+        p.check_accountant(privacy.Accountant())
+    assert p.check_accountant(p.accountant()) is not None
