@@ -3,6 +3,7 @@
     python benchmarks/utility.py                         # writes benchmarks/latest/utility.md
     python benchmarks/utility.py --seeds 1 --out benchmarks/out/utility.md   # a quick look
     python benchmarks/utility.py --compare adam     # DP-Adam against DP-AdamBC: utility_adam.md
+    python benchmarks/utility.py --compare mechanism   # correlated noise: utility_mechanism.md
 
 Every run trains at epsilon 3, delta 1e-5: sigma is calibrated by ``dpfx.privacy.noise_multiplier``
 (PLD) for the run's sample rate and steps, and the epsilon in the table is the accountant's after
@@ -37,6 +38,14 @@ sqrt(Phi) times SGD's; DP-AdamBC's are near non-private Adam's), on the test spl
 the table shows each method's best rate and every run below it, and for DP-AdamBC the fraction
 of coordinates whose corrected second moment v_hat - Phi is below gamma after the last step
 (mean over seeds): there the step is lr * m_hat / sqrt(gamma), set by the floor, not the data.
+
+``--compare mechanism`` trains the digits task at epsilon 2 and 8 with flat C = ``ADAM_C`` and
+SGD, each noise mechanism planned by ``make_private(target_epsilon=, epochs=, mechanism=)`` (the
+plan calibrates sigma for the mechanism and its sampler, privacy/plan.py): **DP-SGD** (Gaussian,
+Poisson sampling), **BandMF** (bands chosen by the plan for the least expected error, cyclic
+Poisson over the bands) and **BLT** (4 buffers, cyclic Poisson over 1/q parts, accounted
+without amplification). Each learning rate of ``MECH_LRS`` is run and the best kept (on the
+test split, as above).
 
 Tasks (no download):
 
@@ -83,6 +92,8 @@ EPSILON, DELTA = 3.0, 1e-5
 ADAM_EPSILONS, ADAM_C, ADAMBC_GAMMA = (2.0, 8.0), 0.3, 1e-8
 ADAM_GRIDS = {"adam": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "adambc": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)}
 ADAM_NAMES = {"adam": "DP-Adam", "adambc": "DP-AdamBC"}
+MECH_NAMES = {"gaussian": "DP-SGD", "bandmf": "BandMF", "blt": "BLT"}
+MECH_LRS = (1.0, 2.0, 4.0)
 TEXT_PACKAGES = ("asyncio", "email", "unittest", "multiprocessing", "xml", "importlib",
                  "logging", "http")
 BUCKETS, WORDS = 4096, 48
@@ -161,7 +172,8 @@ def _optimizer(method: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | None = None,
-        epsilon: float = EPSILON, method: str = "sgd", lr: float | None = None) -> dict:
+        epsilon: float = EPSILON, method: str = "sgd", lr: float | None = None,
+        mechanism: str | None = None) -> dict:
     """One training run; returns its test accuracy and epsilon."""
     torch.manual_seed(seed)
     train, (x_test, y_test), model = TASKS[task]["data"](seed)
@@ -177,8 +189,12 @@ def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | Non
         units, batch = math.ceil(n / users), args.batch_size // users
     q = batch / units
     steps = args.epochs * max(1, round(1 / q))
-    sigma = privacy.noise_multiplier(target_epsilon=epsilon, target_delta=DELTA, sample_rate=q,
-                                     steps=steps)
+    if mechanism is None:
+        budget = dict(noise_multiplier=privacy.noise_multiplier(
+            target_epsilon=epsilon, target_delta=DELTA, sample_rate=q, steps=steps))
+    else:       # the plan calibrates sigma for the mechanism and its sampler
+        budget = dict(target_epsilon=epsilon, target_delta=DELTA, epochs=args.epochs,
+                      mechanism=mechanism)
     extra = {}
     if clipping == "adaptive":
         extra = dict(target_quantile=0.5, clip_lr=0.2, count_noise_multiplier=batch / 20)
@@ -187,8 +203,10 @@ def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | Non
     inner = _optimizer(method, model.parameters(), lr or TASKS[task]["lr"])
     private = dpfx.make_private(
         dpfx.per_user(model) if users else model, inner, train, batch_size=batch,
-        max_grad_norm=c, noise_multiplier=sigma, clipping=clipping, backend=args.backend,
-        generator=generator, user_ids=user_ids, max_examples_per_user=users, **extra)
+        max_grad_norm=c, clipping=clipping, backend=args.backend, generator=generator,
+        user_ids=user_ids, max_examples_per_user=users, **budget, **extra)
+    sigma = private.noise_multiplier
+    steps = args.epochs * private.steps_per_epoch
     if method == "adambc":      # the noise's per-coordinate variance in p.grad, every step
         inner.dp_noise_variance = dpfx.DPAdamBC.gaussian_noise_variance(
             sigma, c, private.model.dp_config.expected_batch_size)
@@ -271,6 +289,20 @@ def adam_rows(task: str, args) -> dict:
                     for lr in grid]
             best = max(range(len(rows)), key=lambda i: rows[i]["mean"])
             out[eps][method] = dict(grid=rows, best=rows[best], lr=grid[best])
+    return out
+
+
+def mechanism_rows(task: str, args) -> dict:
+    """{epsilon: {mechanism: {"grid": rows, "best": row, "lr": best lr}}} for --compare
+    mechanism."""
+    out = {}
+    for eps in ADAM_EPSILONS:
+        out[eps] = {}
+        for mech, name in MECH_NAMES.items():
+            rows = [repeat(task, args, f"eps {eps:g}, {name} lr={lr:g}", clipping="flat",
+                           c=ADAM_C, epsilon=eps, lr=lr, mechanism=mech) for lr in MECH_LRS]
+            best = max(range(len(rows)), key=lambda i: rows[i]["mean"])
+            out[eps][mech] = dict(grid=rows, best=rows[best], lr=MECH_LRS[best])
     return out
 
 
@@ -375,11 +407,47 @@ def report_adam(results: dict, args, minutes: float, commit: str) -> str:
     return "\n".join(lines)
 
 
+def report_mechanism(results: dict, args, minutes: float, commit: str) -> str:
+    lines = [
+        "# Correlated noise against DP-SGD",
+        "",
+        f"`python benchmarks/utility.py {' '.join(sys.argv[1:])}` ({minutes:.1f} min); "
+        f"{datetime.date.today().isoformat()}, commit {commit}, {_machine()}, threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}, backend {args.backend}. Method: "
+        f"the script's docstring (``--compare mechanism``).",
+        "",
+        f"Test accuracy, mean ± std over {args.seeds} seeds, each mechanism at its best learning "
+        f"rate of {MECH_LRS}; SGD, flat C = {ADAM_C:g}, {args.epochs} epochs, expected batch "
+        f"{args.batch_size}; epsilon at delta {DELTA:g} (PLD) after the run; sigma as planned.",
+        "",
+    ]
+    for task, by_eps in results.items():
+        lines += [f"| {task}: target epsilon | "
+                  + " | ".join(f"{n} (lr, sigma, steps)" for n in MECH_NAMES.values()) + " |",
+                  "|---:|" + "---:|" * len(MECH_NAMES)]
+        for eps, r in by_eps.items():
+            cells = [f"{_cell(r[m]['best'])} ({r[m]['lr']:g}, {r[m]['best']['sigma']:.3f}, "
+                     f"{r[m]['best']['steps']})" for m in MECH_NAMES]
+            lines.append(f"| {eps:g} | " + " | ".join(cells) + " |")
+        lines += ["", "Every run:", "",
+                  "| task | run | accuracy per seed | mean ± std | epsilon |",
+                  "|---|---|---|---:|---:|"]
+        for eps, r in by_eps.items():
+            for mech in MECH_NAMES:
+                for row in r[mech]["grid"]:
+                    accs = ", ".join(f"{a:.3f}" for a in row["accs"])
+                    lines.append(f"| {task} | {row['label']} | {accs} | {_cell(row)} "
+                                 f"| {row['epsilon']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compare", choices=["clipping", "adam"], default="clipping",
+    ap.add_argument("--compare", choices=["clipping", "adam", "mechanism"], default="clipping",
                     help="clipping: the clipping choices and user-level DP at epsilon 3 (both "
-                         "tasks by default); adam: DP-Adam against DP-AdamBC (digits by default)")
+                         "tasks by default); adam: DP-Adam against DP-AdamBC; mechanism: "
+                         "correlated noise against DP-SGD (digits by default)")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=10)
@@ -389,21 +457,22 @@ def main() -> None:
     ap.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="default benchmarks/latest/utility.md, "
-                    "utility_adam.md with --compare adam")
+                    "utility_adam.md or utility_mechanism.md by --compare")
     args = ap.parse_args()
-    adam = args.compare == "adam"
-    args.tasks = args.tasks or (["digits"] if adam else list(TASKS))
-    args.out = args.out or os.path.join(ROOT, "benchmarks", "latest",
-                                        "utility_adam.md" if adam else "utility.md")
+    rows, write, name = {"clipping": (task_rows, report, "utility.md"),
+                         "adam": (adam_rows, report_adam, "utility_adam.md"),
+                         "mechanism": (mechanism_rows, report_mechanism,
+                                       "utility_mechanism.md")}[args.compare]
+    args.tasks = args.tasks or (list(TASKS) if args.compare == "clipping" else ["digits"])
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "latest", name)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     start, commit = time.perf_counter(), _commit()
     results = {}
     for task in args.tasks:
         print(f"{task}:", flush=True)
-        results[task] = adam_rows(task, args) if adam else task_rows(task, args)
-    text = (report_adam if adam else report)(results, args, (time.perf_counter() - start) / 60,
-                                             commit)
+        results[task] = rows(task, args)
+    text = write(results, args, (time.perf_counter() - start) / 60, commit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
