@@ -73,3 +73,27 @@ def gaussian(steps: int) -> StandIn:
 
 
 ALL = {"toeplitz3": toeplitz3, "blt2": blt, "dense": dense}
+
+
+def assert_covariance(noise: torch.Tensor, expected: torch.Tensor, what: str, z: float = 5.0):
+    """``noise``: (steps, coordinates), every column an independent draw of N(0, expected). Each
+    entry of the empirical steps x steps covariance within ``z`` standard errors of
+    ``expected``, the standard error of a Gaussian's product x_s x_t over n columns being
+    sqrt((S_ss S_tt + S_st^2) / n)."""
+    x = noise.to(torch.float64)
+    n = x.shape[1]
+    empirical = x @ x.T / n
+    diag = expected.diagonal()
+    se = ((diag[:, None] * diag[None, :] + expected ** 2) / n).sqrt()
+    off = (empirical - expected).abs() / se
+    worst = divmod(int(off.argmax()), expected.shape[0])
+    assert float(off.max()) < z, (
+        f"{what}: covariance of steps {worst} is {float(empirical[worst]):.4g}, expected "
+        f"{float(expected[worst]):.4g} ({float(off.max()):.1f} standard errors off)")
+
+
+def release_covariance(mechanism: StandIn, steps: int, std: float) -> torch.Tensor:
+    """std^2 C^{-1} C^{-T} over the first ``steps`` steps: the covariance across steps of one
+    coordinate's noise, std * (C^{-1} z)_t."""
+    inv = mechanism.rec.inverse_matrix(mechanism.steps)[:steps, :]
+    return std ** 2 * inv @ inv.T
