@@ -17,6 +17,10 @@ Its only input is z: ``step`` receives no gradient, no parameter and no clipped 
 is made of noise by construction (Note [The state is noise only]); ``NoiseCheck`` below checks
 the releases against the dense C^{-1} at run time.
 
+Beside the state: ``NoiseCheck``, the run-time check of the releases, and the checks a
+``DPOptimizer(mechanism=)`` makes of its options (``check_mechanism``) and of a checkpoint it
+resumes (``check_resume``).
+
 Cost per step and per parameter: the window's vectors in float32 (4 (k - 1) bytes for k bands,
 4 d bytes for d buffers, 4 t bytes at step t for a dense strategy) and one multiply-add per
 vector of the window.
@@ -87,8 +91,7 @@ class CorrelatedNoise:
             if recursion.scale <= 0 or len(recursion.theta) != len(recursion.omega):
                 raise ValueError(f"BLT strategy: scale must be positive and theta, omega of one "
                                  f"length, got {recursion}")
-            self._theta = torch.tensor(recursion.theta, dtype=torch.float64)
-            self._omega = torch.tensor(recursion.omega, dtype=torch.float64)
+            self._theta = torch.tensor(recursion.theta, dtype=dtype)
             self.window = len(recursion.theta)
         else:
             if len(recursion.rows) < self.steps:
@@ -131,23 +134,32 @@ class CorrelatedNoise:
         self.t += 1
         return w
 
+    # Note [The state's step as elementwise passes]
+    # Each step is a few elementwise passes over the coordinates: for k bands, w = z / c_0 -
+    # sum_j (c_j / c_0) w_{t-j} (k - 1 multiply-adds) and a copy into the ring; for d buffers,
+    # u = z - sum_i omega_i s_i (d multiply-adds), s_i = theta_i s_i + u (one fused pass over the
+    # buffers) and w = u / scale. Writing the sums as a matrix-vector product over the [window,
+    # numel] buffers (torch.addmv) was 4-10x slower on the CPU (1M coordinates, 4 vectors).
     def _toeplitz(self, z: torch.Tensor) -> torch.Tensor:
         c, t, k1 = self._coeffs, self.t, self.window
-        acc = z.clone()
+        w = torch.mul(z, 1.0 / c[0])
         for j in range(1, min(t, k1) + 1):      # w_{t-j} sits at ring slot (t - j) mod (k - 1)
-            acc.sub_(self._buffers[(t - j) % k1], alpha=c[j])
-        w = acc.div_(c[0])
+            w.sub_(self._buffers[(t - j) % k1], alpha=c[j] / c[0])
         if k1:
             self._buffers[t % k1].copy_(w)
         return w
 
     def _blt(self, z: torch.Tensor) -> torch.Tensor:
         s = self._buffers                        # s_{i,t}: theta_i s_{i,t-1} + u_{t-1}
-        omega = self._omega.to(device=s.device, dtype=s.dtype)
-        theta = self._theta.to(device=s.device, dtype=s.dtype)
-        u = z - omega @ s if s.shape[0] else z.clone()
-        s.mul_(theta[:, None]).add_(u)          # s_{i,t+1}
-        return u / self.recursion.scale
+        u = z.clone()
+        if self.t:                               # s_{i,0} = 0
+            for i, omega in enumerate(self.recursion.omega):
+                u.sub_(s[i], alpha=float(omega))
+        if self.window:
+            if self._theta.device != s.device or self._theta.dtype != s.dtype:
+                self._theta = self._theta.to(device=s.device, dtype=s.dtype)
+            torch.addcmul(u, s, self._theta[:, None], out=s)     # s_{i,t+1}
+        return u.div_(self.recursion.scale)
 
     def _dense_step(self, z: torch.Tensor) -> torch.Tensor:
         row = self.recursion.rows[self.t]
@@ -316,3 +328,79 @@ class NoiseCheck:
         self._index = state["index"]
         self._draws = [] if state["draws"] is None else list(state["draws"].unbind(0))
         self._seen = {d.numpy().tobytes(): t for t, d in enumerate(self._draws)}
+
+
+def check_mechanism(mechanism, config, check_noise_every) -> None:
+    """A correlated-noise strategy (``mechanism=``) needs the optimizer's noise and a noise scale
+    fixed for the run; ``check_noise_every`` needs a strategy to check."""
+    if check_noise_every is not None and mechanism is None:
+        raise ValueError("check_noise_every checks correlated noise against its strategy: give "
+                         "mechanism= too (Gaussian noise has no state to check)")
+    if mechanism is None:
+        return
+    missing = [a for a in ("name", "steps", "recursion", "noise_variance", "state_dict")
+               if not hasattr(mechanism, a)]
+    if missing:
+        raise TypeError(f"mechanism must be a correlated-noise strategy "
+                        f"(dpfx.privacy.strategies), got {type(mechanism).__name__} without "
+                        f"{', '.join(missing)}")
+    if config.noise != "optimizer":
+        raise ValueError(
+            f"mechanism='{mechanism.name}' adds noise correlated across steps, which only the "
+            f"optimizer can do: compile the model with dpfx.compile(..., noise='optimizer') "
+            f"(it has noise='{config.noise}')")
+    if config.adaptive:
+        raise ValueError(
+            f"mechanism='{mechanism.name}' with clipping='adaptive': the strategy's accounting "
+            f"needs one noise scale sigma * S for every step, and adaptive clipping moves S "
+            f"each step (and releases a noised count the strategy does not account). Compile "
+            f"with a fixed max_grad_norm, or use mechanism=None")
+
+
+def check_resume(mechanism, state: dict, *, holds_state: bool, checked: bool, ledger) -> None:
+    """Before a DPOptimizer loads ``state``: its correlated noise continues this optimizer's
+    strategy at the checkpoint's step, and no release came after the checkpoint."""
+    mine = None if mechanism is None else mechanism.state_dict()
+    if state.get("mechanism") != mine:
+        raise ValueError(
+            f"the checkpoint's noise mechanism ({_strategy_name(state.get('mechanism'))}) is not "
+            f"this DPOptimizer's ({_strategy_name(mine)}): a correlated-noise run resumes with "
+            f"the strategy it started with (the same mechanism=), and a Gaussian run with "
+            f"mechanism=None")
+    if mechanism is None:
+        return
+    steps = int(state.get("steps", 0))
+    saved = state.get("correlated")
+    if holds_state and (saved is None or int(saved.get("t", -1)) != steps):
+        raise ValueError(
+            f"the checkpoint's correlated noise state is at step "
+            f"{None if saved is None else saved.get('t')} and its optimizer at step {steps}; it "
+            f"was not saved by this rank's DPOptimizer.state_dict() (under several ranks rank 0 "
+            f"holds the state: load each rank's own checkpoint, saved on the same rank)")
+    if checked and state.get("noise_check") is None:
+        raise ValueError("check_noise_every: the checkpoint has no record of its earlier noise "
+                         "draws (it was saved without the check), so the check could not "
+                         "recompute this run's noise; resume without check_noise_every")
+    # Note [A release after the checkpoint]
+    # With Gaussian noise a release after the last checkpoint is one more composed step, which
+    # the accountant takes from the ledger. With correlated noise the steps after the
+    # checkpoint drew noise that the checkpoint's state does not hold; resuming from it would
+    # release those rows of the strategy again with other noise, a second, partial run of the
+    # mechanism that the strategy's accounting does not cover. So a ledger ahead of the
+    # checkpoint is refused (tests/loop/test_correlated_optimizer.py).
+    if ledger is not None and ledger.steps > steps:
+        raise ValueError(
+            f"the privacy ledger records {ledger.steps} releases and the checkpoint was saved "
+            f"after {steps}: the releases in between used correlated noise this checkpoint's "
+            f"state does not hold, and resuming here would release steps {steps + 1}.. of the "
+            f"'{mechanism.name}' strategy a second time, which its accounting does not cover. "
+            f"Resume from a checkpoint saved at step {ledger.steps}, or start a new run")
+
+
+
+def _strategy_name(state) -> str:
+    if state is None:
+        return "Gaussian, none"
+    if isinstance(state, dict):
+        return f"'{state.get('name')}', {state.get('steps')} steps"
+    return repr(state)

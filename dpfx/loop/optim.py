@@ -21,6 +21,14 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
   the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
   step] in loss/gate.py).
+* with ``mechanism=`` (a correlated-noise strategy, dpfx.privacy.strategies; noise="optimizer"):
+  the noise of step t is sigma * S * w_t, w = C^{-1} z over fresh N(0, I) draws z_t, from a state
+  of earlier noise only (loop/correlated.py, Note [Correlated noise where it is drawn]); the
+  state goes into ``state_dict()``, and step n + 1 of an n-step strategy is refused.
+  ``check_noise_every=N`` checks the releases against the dense C^{-1} (Note [Checking the
+  releases] in loop/correlated.py). Every step sets ``noise_variance``, the variance of each
+  coordinate of the noise in p.grad, (sigma * S / D)^2 times Var(w_t) (1 for Gaussian noise), and
+  the inner optimizer's ``dp_noise_variance`` when it has one (a bias-corrected Adam reads it).
 * with ``ledger=`` (a path or a ``dpfx.privacy.ledger.PrivacyLedger``): before either of the above
   touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
   counts it (Note [Write-ahead privacy ledger] in privacy/ledger.py).
@@ -62,7 +70,7 @@ from dpfx.backend import DPBackend
 from dpfx.ops.noise import add_noise_keyed
 from dpfx.errors import DPFXWarning, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
-from dpfx.loop.correlated import CorrelatedNoise, NoiseCheck
+from dpfx.loop.correlated import CorrelatedNoise, NoiseCheck, check_mechanism, check_resume
 from dpfx.loop.noise import (add_gaussian_, gaussian, noise_generator, secure_gaussian,
                              secure_standard_normal)
 from dpfx.privacy import Accountant
@@ -109,7 +117,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if secure_mode and config.seed is not None:
             raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
                              "subtracted. Compile without seed=")
-        _check_mechanism(mechanism, config, check_noise_every)
+        check_mechanism(mechanism, config, check_noise_every)
         self.world = world_of(process_group)
         if self.world > 1 and config.noise != "optimizer":
             raise ValueError("distributed training adds the noise once across ranks, at step(): "
@@ -637,78 +645,9 @@ class DPOptimizer(torch.optim.Optimizer):
             saved = Accountant()
             saved.load_state_dict(state["accountant"])
             check_same_run(self.privacy_ledger, saved)
-        self._check_loadable_mechanism(state)
-
-    def _check_loadable_mechanism(self, state: dict) -> None:
-        """The checkpoint's correlated noise continues this optimizer's strategy, at its step."""
-        mine = None if self.mechanism is None else self.mechanism.state_dict()
-        if state.get("mechanism") != mine:
-            theirs = state.get("mechanism")
-            raise ValueError(
-                f"the checkpoint's noise mechanism ({_strategy_name(theirs)}) is not this "
-                f"DPOptimizer's ({_strategy_name(mine)}): a correlated-noise run resumes with "
-                f"the strategy it started with (the same mechanism=), and a Gaussian run "
-                f"with mechanism=None")
-        if self.mechanism is None:
-            return
-        steps = int(state.get("steps", 0))
-        if self._correlated is not None:
-            saved = state.get("correlated")
-            if saved is None or int(saved.get("t", -1)) != steps:
-                raise ValueError(
-                    f"the checkpoint's correlated noise state is at step "
-                    f"{None if saved is None else saved.get('t')} and its optimizer at step "
-                    f"{steps}; it was not saved by this rank's DPOptimizer.state_dict() (under "
-                    f"several ranks rank 0 holds the state: load each rank's own checkpoint, "
-                    f"saved on the same rank)")
-        if self._check is not None and state.get("noise_check") is None:
-            raise ValueError("check_noise_every: the checkpoint has no record of its earlier "
-                             "noise draws (it was saved without the check), so the check could "
-                             "not recompute this run's noise; resume without check_noise_every")
-        if self.privacy_ledger is not None and self.privacy_ledger.steps > steps:
-            raise ValueError(
-                f"the privacy ledger records {self.privacy_ledger.steps} releases and the "
-                f"checkpoint was saved after {steps}: the releases in between used correlated "
-                f"noise this checkpoint's state does not hold, and resuming here would release "
-                f"steps {steps + 1}.. of the '{self.mechanism.name}' strategy a second time, "
-                f"which its accounting does not cover. Resume from a checkpoint saved at step "
-                f"{self.privacy_ledger.steps} (save one at every step that matters), or start "
-                f"a new run")
+        check_resume(self.mechanism, state, holds_state=self._correlated is not None,
+                     checked=self._check is not None, ledger=self.privacy_ledger)
 
     def _noise_device(self) -> torch.device:
         return self._named[0][1].device if self._named else torch.device("cpu")
 
-
-def _check_mechanism(mechanism, config, check_noise_every) -> None:
-    """A correlated-noise strategy (``mechanism=``) needs the optimizer's noise and a noise scale
-    fixed for the run; ``check_noise_every`` needs a strategy to check."""
-    if check_noise_every is not None and mechanism is None:
-        raise ValueError("check_noise_every checks correlated noise against its strategy: give "
-                         "mechanism= too (Gaussian noise has no state to check)")
-    if mechanism is None:
-        return
-    missing = [a for a in ("name", "steps", "recursion", "noise_variance", "state_dict")
-               if not hasattr(mechanism, a)]
-    if missing:
-        raise TypeError(f"mechanism must be a correlated-noise strategy "
-                        f"(dpfx.privacy.strategies), got {type(mechanism).__name__} without "
-                        f"{', '.join(missing)}")
-    if config.noise != "optimizer":
-        raise ValueError(
-            f"mechanism='{mechanism.name}' adds noise correlated across steps, which only the "
-            f"optimizer can do: compile the model with dpfx.compile(..., noise='optimizer') "
-            f"(it has noise='{config.noise}')")
-    if config.adaptive:
-        raise ValueError(
-            f"mechanism='{mechanism.name}' with clipping='adaptive': the strategy's accounting "
-            f"needs one noise scale sigma * S for every step, and adaptive clipping moves S "
-            f"each step (and releases a noised count the strategy does not account). Compile "
-            f"with a fixed max_grad_norm, or use mechanism=None")
-
-
-def _strategy_name(state) -> str:
-    if state is None:
-        return "Gaussian, none"
-    if isinstance(state, dict):
-        return f"'{state.get('name')}', {state.get('steps')} steps"
-    return repr(state)

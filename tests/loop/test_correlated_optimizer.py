@@ -98,10 +98,10 @@ def test_released_noise_has_the_strategy_covariance(kind):
     assert opt.noise_variance == pytest.approx(float(diag[-1]), rel=1e-9)
 
 
-def _run(model, dp, mechanism, x, y, steps, state=None):
+def _run(model, dp, mechanism, x, y, steps, checkpoint=None):
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp, mechanism=mechanism)
-    if state is not None:
-        opt.load_state_dict(state)
+    if checkpoint is not None:
+        dpfx.load_checkpoint(checkpoint, model=dp, optimizer=opt)
     grads = []
     for t in range(steps):
         _step(dp, opt, x[t], y[t])
@@ -110,8 +110,9 @@ def _run(model, dp, mechanism, x, y, steps, state=None):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_resumed_run_continues_the_same_noise(kind):
-    """2 steps, save, load into a fresh model and optimizer, 2 more: the 4 steps of one run."""
+def test_a_resumed_run_continues_the_same_noise(kind, tmp_path):
+    """2 steps, save a checkpoint (dpfx.save_checkpoint: the model and the state in one atomic
+    file), load it into a fresh model and optimizer, 2 more: the 4 steps of one run."""
     mechanism = mf_strategy.ALL[kind](6)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, 4, generator=g)
@@ -127,11 +128,11 @@ def test_a_resumed_run_continues_the_same_noise(kind):
     _, whole = _run(model, dp, mechanism, x, y, 4)
     model, dp = fresh()
     opt, first = _run(model, dp, mechanism, x, y, 2)
-    state, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    state = opt.state_dict()
     assert state["correlated"]["t"] == 2 and state["mechanism"] == mechanism.state_dict()
+    dpfx.save_checkpoint(tmp_path / "run.ckpt", model=dp, optimizer=opt)
     model, dp = fresh()
-    model.load_state_dict(weights)
-    opt, rest = _run(model, dp, mechanism, x[2:], y[2:], 2, state=state)
+    opt, rest = _run(model, dp, mechanism, x[2:], y[2:], 2, checkpoint=tmp_path / "run.ckpt")
     assert opt._correlated.t == 4
     for t, (a, b) in enumerate(zip(whole, first + rest)):
         for k in a:
