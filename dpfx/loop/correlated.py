@@ -239,7 +239,11 @@ class CorrelatedNoise:
 #
 # A mismatch beyond 1e-4 of the terms' magnitude (float32 rounding and the state's drift are below
 # 1e-6, Note [The correlation state is kept in float32]) is a ``PrivacyError``; the step stops
-# before the parameters move. Cost: m numbers a step, and at a checked step t a t x t matrix
+# before the parameters move. It is a guard against faults, not the proof: a state that let
+# through less than 1e-4 of the terms' magnitude, or acted only between checked steps without
+# changing a later checked one, would pass; the proof is the construction (Note [The state is
+# noise only]), and a fault in the recursion shows at the next checked step since every later
+# w depends on the state. Cost: m numbers a step, and at a checked step t a t x t matrix
 # (8 t^2 bytes, for a moment) and its solve: set N so that checks stay rare in long runs.
 # The planted faults it catches: tests/loop/test_correlated_check.py.
 

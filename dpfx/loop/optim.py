@@ -327,6 +327,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"there, and nothing was released. Build the strategy for the run's full number "
                 f"of steps (its steps=), or start a new run with a new strategy and count both "
                 f"runs' epsilon together")
+        if self.mechanism is not None and self.privacy_ledger is not None and \
+                self.privacy_ledger.steps != self.steps:
+            raise PrivacyError(
+                f"the privacy ledger records {self.privacy_ledger.steps} releases and this "
+                f"optimizer is at step {self.steps} of the '{self.mechanism.name}' strategy: "
+                f"release t of the strategy must be the ledger's record t + 1. Load the run's "
+                f"checkpoint (dpfx.load_checkpoint) before stepping, or give a new run a new "
+                f"ledger path")
         if self._correlated is not None and self._correlated.t != self.steps:
             raise PrivacyError(
                 f"the correlated noise state of the '{self.mechanism.name}' strategy is at step "

@@ -293,3 +293,9 @@ def test_a_ledger_ahead_of_the_checkpoint_is_refused(tmp_path):
     resumed = optimizer()
     with pytest.raises(ValueError, match="ledger records 2 releases.*saved after 1"):
         resumed.load_state_dict(state)
+    # nor can the strategy start again from its first step under the same ledger
+    opt.zero_grad()
+    mse(dp(torch.randn(6, 8)), torch.randn(6, 4)).backward()
+    with pytest.raises(PrivacyError, match="ledger records 2 releases.*step 0 of the 'bandmf'"):
+        resumed.step()
+    assert resumed.privacy_ledger.steps == 2
