@@ -175,11 +175,6 @@ class CorrelatedNoise:
     def _numel(self) -> int:
         return self._buffers.shape[1]
 
-    def noise_variance(self, t: int | None = None) -> float:
-        """Var(w_t) per coordinate, sum_j (C^{-1})[t, j]^2 (this state's own, for tests)."""
-        t = self.t if t is None else t
-        return float(self.recursion.inverse_matrix(t + 1)[t].pow(2).sum())
-
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The step counter and the noise buffers (Note [The correlation state is secret])."""
