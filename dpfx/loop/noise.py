@@ -92,4 +92,4 @@ def gaussian(n: int, std: float, generator: torch.Generator | None, dtype=torch.
         z = torch.randn(n, generator=generator, device=generator.device, dtype=torch.float32)
         return z.mul_(std).to(dtype=dtype, device=device)
     z = cpu_noise.gaussian(n, generator)
-    return (z * std).to(dtype=dtype, device=device)
+    return (z if std == 1.0 else z * std).to(dtype=dtype, device=device)

@@ -21,6 +21,14 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   ``step()``; the inner optimizer's step pre-hooks see the noised p.grad, so post-processing of
   the release (``clip_grad_norm_``) goes there (Note [Only dpfx's gradients reach a private
   step] in loss/gate.py).
+* with ``mechanism=`` (a correlated-noise strategy, dpfx.privacy.strategies; noise="optimizer"):
+  the noise of step t is sigma * S * w_t, w = C^{-1} z over fresh N(0, I) draws z_t, from a state
+  of earlier noise only (loop/correlated.py, Note [Correlated noise where it is drawn]); the
+  state goes into ``state_dict()``, and step n + 1 of an n-step strategy is refused.
+  ``check_noise_every=N`` checks the releases against the dense C^{-1} (Note [Checking the
+  releases] in loop/correlated.py). Every step sets ``noise_variance``, the variance of each
+  coordinate of the noise in p.grad, (sigma * S / D)^2 times Var(w_t) (1 for Gaussian noise), and
+  the inner optimizer's ``dp_noise_variance`` when it has one (a bias-corrected Adam reads it).
 * with ``ledger=`` (a path or a ``dpfx.privacy.ledger.PrivacyLedger``): before either of the above
   touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
   counts it (Note [Write-ahead privacy ledger] in privacy/ledger.py).
@@ -62,7 +70,9 @@ from dpfx.backend import DPBackend
 from dpfx.ops.noise import add_noise_keyed
 from dpfx.errors import DPFXWarning, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
-from dpfx.loop.noise import add_gaussian_, noise_generator, secure_gaussian
+from dpfx.loop.correlated import CorrelatedNoise, NoiseCheck, check_mechanism, check_resume
+from dpfx.loop.noise import (add_gaussian_, gaussian, noise_generator, secure_gaussian,
+                             secure_standard_normal)
 from dpfx.privacy import Accountant
 from dpfx.loop.ranks import check_same_model, peer_error, rank_of, world_of
 from dpfx.loop.release import BatchSizes
@@ -71,7 +81,7 @@ from dpfx.loss.gate import warn_at_caller
 # Set once at construction: changing them later would make the noise, the divisor or the
 # accountant disagree with the compiled model (Opacus users set optimizer.noise_multiplier).
 _FIXED_SETTINGS = {"noise_multiplier", "max_grad_norm", "expected_batch_size", "loss_reduction",
-                   "sample_rate", "secure_mode"}
+                   "sample_rate", "secure_mode", "mechanism"}
 
 
 class NoNoiseWarning(DPFXWarning):
@@ -81,7 +91,8 @@ class NoNoiseWarning(DPFXWarning):
 class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, dp_model, *,
                  accountant: Accountant | None = None, sample_rate: float | None = None,
-                 secure_mode: bool = False, process_group=None, ledger=None):
+                 secure_mode: bool = False, process_group=None, ledger=None, mechanism=None,
+                 check_noise_every: int | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -106,6 +117,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if secure_mode and config.seed is not None:
             raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
                              "subtracted. Compile without seed=")
+        check_mechanism(mechanism, config, check_noise_every)
         self.world = world_of(process_group)
         if self.world > 1 and config.noise != "optimizer":
             raise ValueError("distributed training adds the noise once across ranks, at step(): "
@@ -150,7 +162,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate = sample_rate
         self.secure_mode = secure_mode
         self.process_group = process_group
+        self.mechanism = mechanism
         self.steps = 0
+        self.noise_variance = None      # of each coordinate of the last step's p.grad
+        self._divisor = None
         # Note [Write-ahead privacy ledger] in privacy/ledger.py. Rank 0 keeps it: every rank takes the
         # same steps, and rank 0 adds the noise.
         self.privacy_ledger = None
@@ -176,6 +191,15 @@ class DPOptimizer(torch.optim.Optimizer):
                 seed = sharding.seed(seed)
             device = self._named[0][1].device if self._named else torch.device("cpu")
             self._generator = noise_generator(device).manual_seed(seed)
+        # Note [Correlated noise where it is drawn]
+        self._correlated = self._check = None
+        if mechanism is not None and (sharding is not None or self.world <= 1
+                                      or rank_of(process_group) == 0):
+            recursion = mechanism.recursion()
+            self._correlated = CorrelatedNoise(recursion, mechanism.steps, name=mechanism.name)
+            if check_noise_every is not None:
+                self._check = NoiseCheck(recursion, name=mechanism.name,
+                                         window=self._correlated.window, every=check_noise_every)
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._gate = dp_model._dpfx_backend.gate
@@ -274,21 +298,65 @@ class DPOptimizer(torch.optim.Optimizer):
             self._open = True
             self._gate.close_step()
             return loss
+        self._check_strategy_left()
         # Note [Only dpfx's gradients reach a private step] in loss/gate.py
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
         examples, count = self.dp_model.examples, self._take_count()
         if self._batch_sizes is not None:
             self._batch_sizes.observe(examples)
+        std, self._divisor = self._noise_std(), None   # of the bound this step clips to
         count = self._privatize(count)      # several ranks: the count goes with the sums
         self._adapt(count, examples)
         self._gate.close_step()
+        self._set_noise_variance(std, examples)
         self.original_optimizer.step()
         self._gate.ledger.stepped()     # Note [Gradients kept across steps] in loss/gate.py
         self._open = False
         self.steps += 1
         self._account()
         return loss
+
+    def _check_strategy_left(self) -> None:
+        """A correlated-noise strategy for n steps releases n steps, refused before the ledger
+        records step n + 1 (every rank refuses alike: they count the same steps)."""
+        if self.mechanism is not None and self.steps >= self.mechanism.steps:
+            raise PrivacyError(
+                f"the '{self.mechanism.name}' strategy was built for {self.mechanism.steps} "
+                f"steps and this is step {self.steps + 1}: its noise and its accounting end "
+                f"there, and nothing was released. Build the strategy for the run's full number "
+                f"of steps (its steps=), or start a new run with a new strategy and count both "
+                f"runs' epsilon together")
+        if self.mechanism is not None and self.privacy_ledger is not None and \
+                self.privacy_ledger.steps != self.steps:
+            raise PrivacyError(
+                f"the privacy ledger records {self.privacy_ledger.steps} releases and this "
+                f"optimizer is at step {self.steps} of the '{self.mechanism.name}' strategy: "
+                f"release t of the strategy must be the ledger's record t + 1. Load the run's "
+                f"checkpoint (dpfx.load_checkpoint) before stepping, or give a new run a new "
+                f"ledger path")
+        if self._correlated is not None and self._correlated.t != self.steps:
+            raise PrivacyError(
+                f"the correlated noise state of the '{self.mechanism.name}' strategy is at step "
+                f"{self._correlated.t} and the optimizer at step {self.steps}: a release's noise "
+                f"was drawn without its step being taken (an error inside step()). Resume from "
+                f"the last checkpoint")
+
+    def _set_noise_variance(self, std: float, examples: int) -> None:
+        """The variance of each coordinate of the noise in this step's p.grad: (sigma S / D)^2,
+        times Var(w_t) under a correlated-noise strategy; given to an inner optimizer that
+        reads ``dp_noise_variance`` (a bias-corrected Adam) before it steps."""
+        divisor = self._divisor
+        if divisor is None:             # noise="graph": the graph divided
+            config = self.dp_model.dp_config
+            divisor = 1.0 if config.loss_reduction == "sum" else float(
+                config.expected_batch_size or examples or 1)
+        variance = (std / divisor) ** 2
+        if self.mechanism is not None:
+            variance *= float(self.mechanism.noise_variance(self.steps))
+        self.noise_variance = variance
+        if hasattr(self.original_optimizer, "dp_noise_variance"):
+            self.original_optimizer.dp_noise_variance = variance
 
     def _write_ahead(self) -> None:
         if self.privacy_ledger is not None:
@@ -336,7 +404,7 @@ class DPOptimizer(torch.optim.Optimizer):
         sums = model.clipped_sums
         if not self._named:
             return count
-        if self.world <= 1 and self._write_in_place(sums, config):
+        if self.world <= 1 and self.mechanism is None and self._write_in_place(sums, config):
             model.reset_clipped_sums()
             return count
         device = self._named[0][1].device
@@ -351,7 +419,7 @@ class DPOptimizer(torch.optim.Optimizer):
             for n, p in self._named] + tail)
         flat = both[:both.numel() - sum(t.numel() for t in tail)]
         if self.world <= 1 or rank_of(self.process_group) == 0:
-            self._add_noise(flat, self._noise_std())
+            self._add_release_noise(flat, self._noise_std())
         if self.world > 1:
             try:
                 dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -450,12 +518,43 @@ class DPOptimizer(torch.optim.Optimizer):
         examples = int(round(float(counts[-1])))
         self._counts_received(counts[0] if len(tail) == 2 else None, examples)
         divisor = self._denominator(examples)
+        if self.mechanism is not None:       # one state over this rank's coordinates
+            flat = torch.cat([mine[name] for name in sharding.names])
+            self._add_release_noise(flat, std)
+            for name, part in zip(sharding.names, flat.split(
+                    [mine[name].numel() for name in sharding.names])):
+                mine[name] = part
         for name in sharding.names:          # this rank's coordinates, in one order on every rank
-            self._add_noise(mine[name], std)
+            if self.mechanism is None:
+                self._add_noise(mine[name], std)
             mine[name] /= divisor
         sharding.write_grads(mine, self._gate.ledger)
         model.reset_clipped_sums()
         return None
+
+    # Note [Correlated noise where it is drawn]
+    # With a correlated-noise strategy (``mechanism=``) step t adds std * w_t, w_t = (C^{-1} z)_t,
+    # to the clipped sum (loop/correlated.py), z_t drawn from the same sources as the Gaussian
+    # noise (the generator's Philox stream, or secure_mode's CSPRNG). The state lives where the
+    # noise is drawn: on rank 0 under replicated ranks (Note [Noise once across ranks]), so the
+    # other ranks hold none; on every rank under sharding, over the coordinates the rank owns
+    # (its padded shards end to end, Note [Sharded DP-SGD] in loop/fsdp.py), so it is sharded
+    # like the gradients and each coordinate's noise sequence is drawn and correlated once.
+    # The flat buffer is used (not the in-place kernel) since w_t is needed as a vector.
+    def _add_release_noise(self, flat: torch.Tensor, std: float) -> None:
+        if self.mechanism is None:
+            self._add_noise(flat, std)
+            return
+        t = self._correlated.t
+        z = secure_standard_normal(flat.numel()).to(flat.device) if self.secure_mode else \
+            gaussian(flat.numel(), 1.0, self._generator, device=flat.device)
+        if self._check is not None:
+            self._check.before(t, z, flat)
+        w = self._correlated.step(z)
+        if std:
+            flat.add_(w.to(flat.dtype), alpha=std)
+        if self._check is not None:
+            self._check.after(t, flat, std)
 
     def _add_noise(self, flat: torch.Tensor, std: float) -> None:
         if std == 0:
@@ -466,6 +565,10 @@ class DPOptimizer(torch.optim.Optimizer):
             add_gaussian_(flat, std, self._generator)
 
     def _denominator(self, examples: int) -> float:
+        self._divisor = self._divide_by(examples)
+        return self._divisor
+
+    def _divide_by(self, examples: int) -> float:
         config = self.dp_model.dp_config
         if config.loss_reduction == "sum":
             return 1.0
@@ -490,7 +593,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 "generator_device": None if self._generator is None else
                 self._generator.device.type,
                 "adaptive_clip": None if self.dp_model.adaptive_clip is None else
-                self.dp_model.adaptive_clip.state_dict()}
+                self.dp_model.adaptive_clip.state_dict(),
+                # Note [The correlation state is secret] in loop/correlated.py
+                "mechanism": None if self.mechanism is None else self.mechanism.state_dict(),
+                "correlated": None if self._correlated is None else
+                self._correlated.state_dict(),
+                "noise_check": None if self._check is None else self._check.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._check_loadable(state)
@@ -505,6 +613,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps = int(state.get("steps", 0))
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
+        if self._correlated is not None:
+            self._correlated.load_state_dict(state["correlated"], device=self._noise_device())
+        if self._check is not None:
+            self._check.load_state_dict(state["noise_check"])
 
     def _share_count(self) -> None:
         """Under torch.distributed, every rank's accountant takes rank 0's, which the privacy
@@ -541,3 +653,9 @@ class DPOptimizer(torch.optim.Optimizer):
             saved = Accountant()
             saved.load_state_dict(state["accountant"])
             check_same_run(self.privacy_ledger, saved)
+        check_resume(self.mechanism, state, holds_state=self._correlated is not None,
+                     checked=self._check is not None, ledger=self.privacy_ledger)
+
+    def _noise_device(self) -> torch.device:
+        return self._named[0][1].device if self._named else torch.device("cpu")
+
