@@ -152,7 +152,7 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
 
     Give exactly one of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta``), and
     the run's length as ``steps`` (optimizer steps) or ``epochs`` (passes of the loader: 1/q
-    steps each, under cyclic Poisson the whole cycles of parts that cover 1/q). A correlated
+    steps each, under cyclic Poisson the whole cycles of parts nearest 1/q). A correlated
     ``mechanism`` needs the length: its strategy is built for it. ``steps_name`` is what the
     entry point calls the length in its errors ("epochs", "max_steps")."""
     q = privacy._check_sample_rate(sample_rate)
@@ -183,8 +183,9 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
         from dpfx.privacy import matrix_accounting
         parts = _parts(mech, sampler, q, bands)
         # a pass of cyclic Poisson is whole cycles of parts, so that the next pass continues
-        # the cycle (Note [Cyclic Poisson sampling] in loop/samplers.py)
-        per_pass = parts * math.ceil(steps_per_epoch / parts) if parts else steps_per_epoch
+        # the cycle (Note [Cyclic Poisson sampling] in loop/samplers.py): the number of cycles
+        # nearest to 1/q steps
+        per_pass = parts * max(1, round(steps_per_epoch / parts)) if parts else steps_per_epoch
         n = length(per_pass)
         strategy = _strategy(mech, n, q, sampler, bands)
         sampling = _sampling(sampler, strategy, parts, q, n, per_pass)

@@ -98,7 +98,7 @@ def test_a_banded_mechanism_is_sampled_by_cyclic_poisson_over_its_bands():
 def test_a_pass_of_cyclic_poisson_is_whole_cycles():
     p = privacy_plan.make(sample_rate=1 / 10, noise_multiplier=1.0,
                           mechanism=dpfx.Mechanism("bsr", bands=4), epochs=3)
-    assert p.steps_per_epoch == 12 and p.steps == 36 and p.parts == 4
+    assert p.steps_per_epoch == 8 and p.steps == 24 and p.parts == 4    # 2 cycles ~ 1/q
 
 
 def test_the_chosen_bands_lose_to_no_other_candidate():
