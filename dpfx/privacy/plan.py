@@ -236,7 +236,11 @@ def _strategy(mech: Mechanism, steps: int, q: float, sampler: str, bands: int | 
         every = separation if cyclic else max(1, round(1 / q))
         return strategies.blt(steps, mech.buffers or 4, min_separation=separation,
                               participations=math.ceil(steps / every))
-    return strategies.from_matrix(mech.matrix)
+    strategy = strategies.from_matrix(mech.matrix)
+    if strategy.steps != steps:
+        raise ValueError(f"mechanism 'matrix': the strategy matrix has {strategy.steps} rows and "
+                         f"the run plans {steps} steps: give a {steps} x {steps} matrix")
+    return strategy
 
 
 def _parts(mech: Mechanism, sampler: str, q: float, bands: int | None):

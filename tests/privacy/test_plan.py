@@ -141,3 +141,18 @@ def test_a_users_accountant_must_count_the_plan():
     with pytest.raises(ValueError, match="cannot count steps of mechanism 'bandmf'"):
         p.check_accountant(privacy.Accountant())
     assert p.check_accountant(p.accountant()) is not None
+
+
+def test_a_strategy_of_ones_own_is_planned_for_its_steps():
+    import torch
+
+    eye = torch.eye(16, dtype=torch.float64)
+    p = privacy_plan.make(sample_rate=1 / 8, noise_multiplier=1.0, epochs=2,
+                          mechanism=dpfx.Mechanism("matrix", matrix=eye))
+    assert p.strategy.steps == 16 and p.parts == 8
+    # the identity under cyclic Poisson over 8 parts: DP-SGD at rate 1, one step per epoch
+    want = privacy.epsilon(noise_multiplier=1.0, sample_rate=1.0, steps=2, delta=1e-5)
+    assert abs(p.epsilon(1e-5) - want) <= 1e-9 * want
+    with pytest.raises(ValueError, match="16 rows and the run plans 24 steps"):
+        privacy_plan.make(sample_rate=1 / 8, noise_multiplier=1.0, epochs=3,
+                          mechanism=dpfx.Mechanism("matrix", matrix=eye))
