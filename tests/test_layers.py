@@ -23,7 +23,7 @@ LAYERS = [
     ["dpfx.backend", "dpfx.blocks"],
     ["dpfx.loop"],
     ["dpfx.api", "dpfx.engine"],
-    ["dpfx.hf", "dpfx.report", "dpfx.audit", "dpfx.opacus", "dpfx"],
+    ["dpfx.hf", "dpfx.trl", "dpfx.report", "dpfx.audit", "dpfx.opacus", "dpfx"],
 ]
 
 
