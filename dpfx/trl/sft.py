@@ -53,6 +53,7 @@ class DPSFTTrainer(PrivateTRL, trl.SFTTrainer, DPTrainerUnderTRL):
     (Note [The SFT loss, per example]); packing is refused (Note [Packing is refused])."""
 
     def check_trl_options(self, model, args, trl_kwargs: dict) -> None:
+        super().check_trl_options(model, args, trl_kwargs)
         if getattr(args, "packing", False):
             raise ValueError(
                 "DPSFTTrainer: packing=True puts several examples in one row, which dpfx would "

@@ -203,3 +203,104 @@ def test_dp_sft_steps_are_the_clipped_reference(tmp_path, variant):
             torch.testing.assert_close(b - e, w, rtol=1e-4, atol=1e-6)
     assert clipped > 0
     assert trainer.model.releases >= len(sizes) - sizes.count(0)
+
+
+def test_a_canary_example_moves_the_release_by_at_most_C(tmp_path):
+    """One step at sigma 0 through Inductor on a batch D and on D with a canary conversation
+    added: the clipped sums (the release times the expected batch size) differ by the canary's
+    clipped gradient, of norm C, however large its own gradient."""
+    from dpfx.loss.track import track_batch
+
+    torch.manual_seed(0)
+    bound = 0.05
+    trainer = dpfx_trl.DPSFTTrainer(
+        model=gpt2(), args=sft_args(tmp_path, per_device_train_batch_size=2,
+                                    assistant_only_loss=True, learning_rate=0.0),
+        train_dataset=chats(), processing_class=tokenizer(), max_grad_norm=bound,
+        noise_multiplier=0.0)
+    canary = trainer._prepare_dataset(datasets.Dataset.from_list([{"messages": [
+        {"role": "user", "content": "the secret is"},
+        {"role": "assistant", "content": "zqxj zqxj zqxj zqxj zqxj"}]}]),
+        trainer.processing_class, trainer.args, False, None, "canary")[0]
+    rows = list(trainer.train_dataset)[:2]
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1      # set by train(); one step here
+    sums = []
+    for batch in (rows, rows + [canary]):
+        trainer.model.reset_clipped_sums()
+        trainer.training_step(trainer.model, track_batch(trainer.data_collator(batch)))
+        sums.append({k: v.clone() for k, v in trainer.model.clipped_sums.items()})
+        trainer.optimizer.step()        # the release (learning rate 0: the model stays)
+        trainer.optimizer.zero_grad()
+    assert trainer.model.releases == 3 and sums[0]      # backwards: 2, then 2 + 1
+    moved = float(torch.sqrt(sum((sums[1][k] - sums[0][k]).pow(2).sum() for k in sums[0])))
+    assert bound * 0.99 < moved <= bound * (1 + 1e-4)
+
+
+def test_dp_sft_epsilon_and_resume(tmp_path):
+    """target_epsilon over the planned steps: the epsilon logged after a run stopped at its
+    checkpoint and resumed is dp_accounting's for the trainer's q, sigma and every step taken;
+    each checkpoint has the accountant and TRL's model card. Eager backend: it checks counts."""
+    dp_accounting = pytest.importorskip("dp_accounting")
+
+    def run(stop_at=None, resume=None):
+        torch.manual_seed(0)
+        trainer = dpfx_trl.DPSFTTrainer(
+            model=gpt2(), args=sft_args(tmp_path, per_device_train_batch_size=2, max_steps=4,
+                                        save_strategy="steps", save_steps=2,
+                                        learning_rate=1e-3),
+            train_dataset=prompt_completions(), processing_class=tokenizer(),
+            target_epsilon=3.0, target_delta=1e-5, dp_kwargs={"backend": "eager"})
+        if stop_at is not None:
+            trainer.add_callback(StopAt(stop_at))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    stopped = run(stop_at=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    with open(checkpoint / dpfx.hf.ACCOUNTANT_FILE) as f:
+        assert json.load(f)["steps"] == 2
+    assert (tmp_path / "README.md").is_file()          # TRL's model card, of the user's model
+    resumed = run(resume=str(checkpoint))
+    assert resumed.accountant.steps == 4
+    assert resumed.noise_multiplier == stopped.noise_multiplier
+    q, sigma = resumed.sample_rate, resumed.noise_multiplier
+    assert q == 2 / 16
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(sigma)), 4))
+    want = accountant.get_epsilon(1e-5)
+    assert resumed.get_epsilon() == pytest.approx(want, rel=1e-3)
+    assert want == pytest.approx(3.0, rel=0.02)
+    logged = [e for e in resumed.state.log_history if "loss" in e]
+    assert logged[-1]["epsilon"] == pytest.approx(want, rel=1e-3)
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+@pytest.mark.parametrize("option, match", [
+    (dict(packing=True), "packing=False"),
+    (dict(padding_free=True), "padding_free=False"),
+    (dict(loss_type="dft"), "loss_type='dft'"),
+    (dict(max_length=None), "set max_length"),
+])
+def test_dp_sft_refuses_what_it_cannot_train_privately(tmp_path, option, match):
+    """Packing (several examples in one row) and the losses that are not a per-example token
+    sum are refused before the model is touched."""
+    model = gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        dpfx_trl.DPSFTTrainer(model=model, args=sft_args(tmp_path, **option),
+                              train_dataset=prompt_completions(),
+                              processing_class=tokenizer(), noise_multiplier=1.0)
+    assert "forward" not in vars(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
