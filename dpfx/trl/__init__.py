@@ -8,6 +8,7 @@
 Needs ``trl`` (``pip install dpfx[trl]``). The unit of privacy is an example in SFT and a
 preference pair in DPO: docs/alignment.md.
 """
+from dpfx.trl.dpo import DPDPOTrainer
 from dpfx.trl.sft import DPSFTTrainer
 
-__all__ = ["DPSFTTrainer"]
+__all__ = ["DPDPOTrainer", "DPSFTTrainer"]

@@ -35,6 +35,7 @@ import inspect
 from types import SimpleNamespace
 
 from dpfx.hf import DPTrainer
+from dpfx.loop.users import PerUser, per_user
 
 # DPTrainer's own options (max_grad_norm, noise_multiplier, target_epsilon, accountant, ...)
 DP_OPTIONS = tuple(name for name, p in inspect.signature(DPTrainer.__init__).parameters.items()
@@ -53,11 +54,13 @@ class PrivateTRL:
     the TRL trainer's and DPTrainer's options; ``check_trl_options`` refuses what the subclass
     cannot train privately before anything is touched."""
 
+    rows_per_example = 1    # the sequences a unit of privacy brings (2 for a preference pair)
+
     def __init__(self, model=None, args=None, **kwargs):
         options, trl_kwargs = split_options(kwargs)
         self.check_trl_options(model, args or SimpleNamespace(), trl_kwargs)
         self._dp_options = options
-        super().__init__(model, args, **trl_kwargs)
+        super().__init__(model=model, args=args, **trl_kwargs)
         users = self.model
         self.model = self.model_wrapped = self.callback_handler.model = self.__dict__.pop(
             "_compiled")
@@ -90,7 +93,11 @@ class DPTrainerUnderTRL(DPTrainer):
 
     def __init__(self, model=None, args=None, **trainer_kwargs):
         options = self.__dict__.pop("_dp_options")
+        if self.rows_per_example > 1:       # Note [A pair is one row] in dpo.py
+            model = per_user(model)
         DPTrainer.__init__(self, model, args, **options, **trainer_kwargs)
         # the rest of TRL's constructor reads, tags and patches the user's model
         self._compiled = self.model
-        self.model = self.model_wrapped = self.callback_handler.model = self._compiled._orig_mod
+        users = self._compiled._orig_mod
+        users = users.module if isinstance(users, PerUser) else users
+        self.model = self.model_wrapped = self.callback_handler.model = users
