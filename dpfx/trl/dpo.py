@@ -169,6 +169,8 @@ class DPDPOTrainer(PrivateTRL, trl.DPOTrainer, DPTrainerUnderTRL):
             return untrack(torch.stack([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]],
                                        dim=1)).float()
         ids, mask, completion = (untrack(inputs[k]) for k in PAIR_ROWS)
+        if not ids.numel():             # an empty Poisson batch: a model may not take 0 rows
+            return torch.zeros(ids.shape[:2], device=ids.device)
         rows = dict(input_ids=ids.flatten(0, 1), attention_mask=mask.flatten(0, 1),
                     use_cache=False)
         if self.ref_model is not None:
