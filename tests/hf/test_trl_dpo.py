@@ -175,3 +175,101 @@ def test_dp_dpo_steps_are_the_clipped_pair_reference(tmp_path, variant):
         for b, e, w in zip(before, end, want):
             torch.testing.assert_close(b - e, w, rtol=1e-4, atol=1e-6)
     assert clipped > 0
+
+
+def test_a_canary_pair_moves_the_release_by_at_most_C(tmp_path):
+    """One step at sigma 0 through Inductor on pairs D and on D with a canary pair added (its
+    chosen and rejected completions far from anything the model predicts): the clipped sums
+    differ by the canary pair's clipped gradient, of norm C, chosen and rejected together."""
+    from dpfx.loss.track import track_batch
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    bound = 0.01
+    trainer = dpfx_trl.DPDPOTrainer(
+        model=gpt2(), args=dpo_args(tmp_path, per_device_train_batch_size=2, learning_rate=0.0),
+        train_dataset=pairs(), processing_class=tokenizer(), max_grad_norm=bound,
+        noise_multiplier=0.0, peft_config=peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+            lora_dropout=0.0))
+    canary = trainer._prepare_dataset(datasets.Dataset.from_list([
+        {"prompt": "the secret is", "chosen": " zqxj zqxj zqxj", "rejected": " no"}]),
+        trainer.processing_class, trainer.args, "canary")[0]
+    rows = list(trainer.train_dataset)[:2]
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1      # set by train(); one step here
+    sums = []
+    for batch in (rows, rows + [canary]):
+        trainer.model.reset_clipped_sums()
+        trainer.training_step(trainer.model, track_batch(trainer.data_collator(batch)))
+        sums.append({k: v.clone() for k, v in trainer.model.clipped_sums.items()})
+        trainer.optimizer.step()        # the release (learning rate 0: the model stays)
+        trainer.optimizer.zero_grad()
+    assert trainer.model.releases == 3 and sums[0]      # backwards: 2, then 2 + 1
+    moved = float(torch.sqrt(sum((sums[1][k] - sums[0][k]).pow(2).sum() for k in sums[0])))
+    assert bound * 0.99 < moved <= bound * (1 + 1e-4)
+
+
+def test_dp_dpo_epsilon_is_per_pair(tmp_path):
+    """Epsilon is dp_accounting's for the Poisson-sampled Gaussian at the pair-level q (pairs
+    per step / pairs) over the steps taken, and the checkpoint's record names the pair as the
+    unit. Eager backend: it checks counts."""
+    dp_accounting = pytest.importorskip("dp_accounting")
+    torch.manual_seed(0)
+    trainer = dpfx_trl.DPDPOTrainer(
+        model=gpt2(), args=dpo_args(tmp_path, per_device_train_batch_size=2, max_steps=3,
+                                    learning_rate=1e-3, save_strategy="steps", save_steps=3,
+                                    precompute_ref_log_probs=True),
+        train_dataset=pairs(), processing_class=tokenizer(), noise_multiplier=1.3,
+        target_delta=1e-5, dp_kwargs={"backend": "eager"})
+    trainer.train()
+    assert trainer.sample_rate == 2 / 16 and trainer.accountant.steps == 3
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        2 / 16, dp_accounting.GaussianDpEvent(1.3)), 3))
+    want = accountant.get_epsilon(1e-5)
+    assert trainer.get_epsilon() == pytest.approx(want, rel=1e-3)
+    with open(tmp_path / "checkpoint-3" / dpfx.hf.ACCOUNTANT_FILE) as f:
+        record = json.load(f)
+    assert record["privacy_unit"] == "pair" and record["steps"] == 3
+    assert record["epsilon"] == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.parametrize("option, match", [
+    (dict(loss_type="aot"), "sorts the batch"),
+    (dict(loss_type="aot_unpaired"), "sorts the batch"),
+    (dict(use_weighting=True), "use_weighting"),
+    (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
+    (dict(loss_type="discopop"), "not supported"),
+])
+def test_dp_dpo_refuses_what_it_cannot_train_privately(tmp_path, option, match):
+    """Losses that read across the batch's pairs, and what DP DPO does not compute, are refused
+    before the model is touched."""
+    model = gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        dpfx_trl.DPDPOTrainer(model=model, args=dpo_args(tmp_path, **option),
+                              train_dataset=pairs(), processing_class=tokenizer(),
+                              noise_multiplier=1.0)
+    assert "forward" not in vars(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_trls_stacked_layout_under_dpfx_is_refused():
+    """Why the pair is laid out as one row: run on TRL's own layout, (2B, T) rows with pair i
+    in rows i and B + i, the DPO loss reads two of dpfx's examples per term, and dpfx's loss
+    check refuses it rather than clip each sequence alone."""
+    from dpfx.trl.dpo import sequence_logps
+
+    torch.manual_seed(0)
+    model = gpt2()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    ids = torch.randint(5, 30, (4, 10))          # 2 pairs: chosen rows 0-1, rejected rows 2-3
+    completion = torch.zeros_like(ids)
+    completion[:, 5:] = 1
+    logps = sequence_logps(dp(input_ids=ids).logits, ids, completion)
+    chosen, rejected = logps.chunk(2, dim=0)
+    loss = -F.logsigmoid(BETA * (chosen - rejected)).mean()
+    with pytest.raises(dpfx.PrivacyError, match="Nothing was released"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
