@@ -43,9 +43,9 @@ def main():
     tokenizer = char_tokenizer()
     out = tempfile.mkdtemp(prefix="dp_dpo_")
     args = DPOConfig(output_dir=out, per_device_train_batch_size=64,
-                     per_device_eval_batch_size=64, max_steps=int(os.environ.get("STEPS", 80)),
+                     per_device_eval_batch_size=64, max_steps=int(os.environ.get("STEPS", 120)),
                      learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0,
-                     loss_type="sigmoid", beta=0.1, max_length=24, logging_steps=20,
+                     loss_type="sigmoid", beta=0.5, max_length=24, logging_steps=20,
                      save_strategy="no", report_to=[], use_cpu=True, bf16=False,
                      gradient_checkpointing=False, disable_tqdm=not sys.stdout.isatty())
     trainer = dpfx.trl.DPDPOTrainer(

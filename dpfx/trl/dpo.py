@@ -39,7 +39,7 @@ one made from the released policy).
 Losses that read across the batch: ``aot`` and ``aot_unpaired`` sort the batch's log-ratios, so
 a pair's loss depends on the others'. TRL's logged metrics (rewards, margins, accuracies, log-
 probs) are averaged over the batch from detached values, outside the gradient; like the loss,
-they are not private. Also refused: ``use_weighting`` (WPO's weights come from TRL's fused LM
+they are not private. Also refused: the user level (``user_column``), ``use_weighting`` (WPO's weights come from TRL's fused LM
 head), ``ld_alpha``, ``f_divergence_type`` other than "reverse_kl", the loss types not in
 ``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss, activation offloading and Liger
 kernels. (tests/hf/test_trl_dpo.py)
@@ -109,6 +109,13 @@ class DPDPOTrainer(PrivateTRL, trl.DPOTrainer, DPTrainerUnderTRL):
     rows_per_example = 2
 
     def __init__(self, model=None, ref_model=None, args=None, **kwargs):
+        users = sorted({"user_column", "user_ids", "max_examples_per_user"} & set(kwargs))
+        if users:
+            raise ValueError(
+                f"DPDPOTrainer: {', '.join(users)} is not supported: the preference pair is the "
+                f"unit of privacy (a pair's two sequences are the two rows dpfx clips as one, "
+                f"Note [A pair is one row] in dpfx/trl/dpo.py), and user-level DPO is not "
+                f"supported: remove {users[0]}")
         super().__init__(model, args, ref_model=ref_model, **kwargs)
         self.privacy_unit = "pair"
         self.data_collator = PairRows(self.data_collator)

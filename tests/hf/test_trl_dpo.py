@@ -241,16 +241,18 @@ def test_dp_dpo_epsilon_is_per_pair(tmp_path):
     (dict(use_weighting=True), "use_weighting"),
     (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
     (dict(loss_type="discopop"), "not supported"),
+    ({"user_column": "prompt", "max_examples_per_user": 2}, "the preference pair is the unit"),
 ])
 def test_dp_dpo_refuses_what_it_cannot_train_privately(tmp_path, option, match):
     """Losses that read across the batch's pairs, and what DP DPO does not compute, are refused
     before the model is touched."""
     model = gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    dp = {k: option.pop(k) for k in ("user_column", "max_examples_per_user") if k in option}
     with pytest.raises(ValueError, match=match):
         dpfx_trl.DPDPOTrainer(model=model, args=dpo_args(tmp_path, **option),
                               train_dataset=pairs(), processing_class=tokenizer(),
-                              noise_multiplier=1.0)
+                              noise_multiplier=1.0, **dp)
     assert "forward" not in vars(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
