@@ -3,8 +3,8 @@
     make dpo-example          # or: .venv/bin/python examples/dp_dpo.py
 
 Preference tuning at toy scale, with nothing downloaded: the character-level tokenizer of
-dp_sft.py, generated preference pairs (a prompt "say <word>:", the chosen completion the word
-itself, the rejected one the word reversed: each pair one user's private feedback), and LoRA
+dp_sft.py, generated preference pairs (a prompt "name a cat:" and two made-up names, the chosen
+one spelled from the first half of the alphabet: each pair one user's private feedback), LoRA
 adapters on a GPT-2 from a tiny config, trained with DP-SGD through TRL's DPOTrainer: the
 sigmoid (DPO) loss, the reference the base model (the adapters switched off), each pair's
 gradient (chosen and rejected together) clipped as one. One preference pair is the unit of
@@ -19,14 +19,19 @@ import time
 
 import torch
 
-from dp_sft import char_tokenizer, random_word, tiny_gpt2
+from dp_sft import char_tokenizer, tiny_gpt2
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
 def preference(rng):
-    word = random_word(rng)
-    return {"prompt": f"say {word}:", "chosen": f" {word}", "rejected": f" {word[::-1]}"}
+    """A prompt and two made-up answers: the user preferred the one spelled from the first half
+    of the alphabet."""
+    def spelled(letters):
+        return "".join(rng.choice(letters) for _ in range(rng.randint(3, 6)))
+
+    return {"prompt": f"name a {rng.choice(['cat', 'dog', 'bird', 'fish', 'star'])}:",
+            "chosen": f" {spelled('abcdefghijklm')}", "rejected": f" {spelled('nopqrstuvwxyz')}"}
 
 
 def main():

@@ -22,9 +22,9 @@ its loss from the compiled model's logits (``compute_loss``), never through the 
 TRL's collators pad a batch to its longest row, so the sequence length changes from batch to
 batch, and so would dpfx's compiled graph: a new length recompiles the model with the length
 symbolic, and an empty Poisson batch after that failed in the compiled graph (torch 2.13,
-``RuntimeError: Ne(u0, 0)``). Unless the config sets ``pad_to_multiple_of``, each DP TRL trainer pads every
-batch to ``max_length`` instead (TRL's default config has one; a config without one is
-refused): one graph per batch-size class, and the same per-example loss, since the padding is
+``RuntimeError: Ne(u0, 0)``). Unless the config sets ``pad_to_multiple_of``, each DP TRL trainer
+pads every batch to ``max_length`` instead (TRL's default config has one; a config without one
+is refused): one graph per batch-size class, and the same per-example loss, since the padding is
 masked out of attention and labelled -100.
 
 The DP options are ``DPTrainer``'s keyword-only arguments (``DP_OPTIONS``), declared there once.

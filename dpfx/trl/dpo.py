@@ -37,12 +37,12 @@ one made from the released policy).
 
 # Note [What is refused in DPO]
 Losses that read across the batch: ``aot`` and ``aot_unpaired`` sort the batch's log-ratios, so
-a pair's loss depends on the others'. TRL's logged metrics (rewards, margins, accuracies, log-
-probs) are averaged over the batch from detached values, outside the gradient; like the loss,
-they are not private. Also refused: the user level (``user_column``), ``use_weighting`` (WPO's weights come from TRL's fused LM
-head), ``ld_alpha``, ``f_divergence_type`` other than "reverse_kl", the loss types not in
-``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss, activation offloading and Liger
-kernels. (tests/hf/test_trl_dpo.py)
+a pair's loss depends on the others'. TRL's logged metrics (rewards, margins, accuracies,
+log-probs) are averaged over the batch from detached values, outside the gradient; like the
+loss, they are not private. Also refused: the user level (``user_column``), ``use_weighting``
+(WPO's weights come from TRL's fused LM head), ``ld_alpha``, ``f_divergence_type`` other than
+"reverse_kl", the loss types not in ``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss,
+activation offloading and Liger kernels. (tests/hf/test_trl_dpo.py)
 """
 from __future__ import annotations
 
