@@ -15,7 +15,9 @@ constructor then goes on with ``self.model``: it tags it, reads its config and p
 LM head into its forward (a chunked custom autograd.Function over the flattened batch, which
 dpfx would not prove per example). For those lines ``self.model`` is the user's model; the
 compiled model takes its place when TRL's constructor returns, and the fused head is taken off
-the user's model again, so the only path to a gradient is dpfx's graph. Each DP trainer computes
+the user's model again, so the only path to a gradient is dpfx's graph (as is the hook TRL adds
+for PEFT with activation checkpointing, whose ``requires_grad_`` on the embeddings' output
+dynamo cannot capture). Each DP trainer computes
 its loss from the compiled model's logits (``compute_loss``), never through the fused head.
 
 # Note [Every batch padded to max_length]
@@ -68,6 +70,7 @@ class PrivateTRL:
         fused = getattr(vars(base).get("forward"), "__func__", None)
         if fused is not None and fused.__code__.co_name == "_fused_forward":
             del base.forward        # the class's own forward again
+        _drop_input_require_grads(base)
         # Note [Every batch padded to max_length]
         collator = self.data_collator
         if getattr(collator, "pad_to_multiple_of", 0) is None:
@@ -101,3 +104,16 @@ class DPTrainerUnderTRL(DPTrainer):
         users = self._compiled._orig_mod
         users = users.module if isinstance(users, PerUser) else users
         self.model = self.model_wrapped = self.callback_handler.model = users
+
+
+def _drop_input_require_grads(model) -> None:
+    """Removes transformers' ``enable_input_require_grads`` hooks (``requires_grad_`` on the
+    input embeddings' output, which TRL and transformers add for PEFT with activation
+    checkpointing, each call leaving one): dynamo cannot capture them, and dpfx's graph needs
+    none."""
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__qualname__", "").endswith("<locals>.make_inputs_require_grads"):
+                del module._forward_hooks[key]
+    if "_require_grads_hooks" in vars(model):
+        model._require_grads_hooks = []

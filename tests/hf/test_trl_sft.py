@@ -304,3 +304,25 @@ def test_dp_sft_refuses_what_it_cannot_train_privately(tmp_path, option, match):
     assert "forward" not in vars(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_trls_default_config_trains_with_lora(tmp_path):
+    """SFTConfig's defaults (activation checkpointing, bfloat16 autocast) with LoRA: the hook
+    TRL adds for PEFT under checkpointing (requires_grad_ on the embeddings' output, which
+    dynamo cannot capture) is taken off, and the adapters train. Eager backend: the capture is
+    dynamo's either way."""
+    peft = pytest.importorskip("peft")
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                         report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                         max_length=64, learning_rate=1e-2)
+    assert args.gradient_checkpointing and args.bf16
+    trainer = dpfx_trl.DPSFTTrainer(
+        model=gpt2(), args=args, train_dataset=prompt_completions(),
+        processing_class=tokenizer(), noise_multiplier=1.0, dp_kwargs={"backend": "eager"},
+        peft_config=peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                    lora_dropout=0.0))
+    adapters = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in adapters]
+    trainer.train()
+    assert trainer.accountant.steps == 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, adapters))
