@@ -117,3 +117,4 @@ def _drop_input_require_grads(model) -> None:
                 del module._forward_hooks[key]
     if "_require_grads_hooks" in vars(model):
         model._require_grads_hooks = []
+

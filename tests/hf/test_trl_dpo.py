@@ -242,6 +242,7 @@ def test_dp_dpo_epsilon_is_per_pair(tmp_path):
     (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
     (dict(loss_type="discopop"), "not supported"),
     ({"user_column": "prompt", "max_examples_per_user": 2}, "the preference pair is the unit"),
+    (dict(gradient_checkpointing=True), "gradient_checkpointing=False"),
 ])
 def test_dp_dpo_refuses_what_it_cannot_train_privately(tmp_path, option, match):
     """Losses that read across the batch's pairs, and what DP DPO does not compute, are refused
