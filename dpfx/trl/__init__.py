@@ -8,7 +8,12 @@
 Needs ``trl`` (``pip install dpfx[trl]``). The unit of privacy is an example in SFT and a
 preference pair in DPO: docs/alignment.md.
 """
-from dpfx.trl.dpo import DPDPOTrainer
-from dpfx.trl.sft import DPSFTTrainer
+try:
+    import trl  # noqa: F401
+except ImportError as e:
+    raise ImportError("dpfx.trl needs TRL: pip install 'dpfx[trl]' (trl==1.16.0)") from e
+
+from dpfx.trl.dpo import DPDPOTrainer  # noqa: E402
+from dpfx.trl.sft import DPSFTTrainer  # noqa: E402
 
 __all__ = ["DPDPOTrainer", "DPSFTTrainer"]
