@@ -108,7 +108,7 @@ def main():
     model = tiny_gpt2(tokenizer)
     out = tempfile.mkdtemp(prefix="dp_sft_")
     args = SFTConfig(output_dir=out, per_device_train_batch_size=64,
-                     max_steps=int(os.environ.get("STEPS", 200)), learning_rate=6e-3,
+                     max_steps=int(os.environ.get("STEPS", 150)), learning_rate=6e-3,
                      lr_scheduler_type="constant", warmup_steps=0,
                      assistant_only_loss=True, max_length=40, logging_steps=20,
                      save_strategy="no", report_to=[], use_cpu=True, bf16=False,
