@@ -117,4 +117,3 @@ def _drop_input_require_grads(model) -> None:
                 del module._forward_hooks[key]
     if "_require_grads_hooks" in vars(model):
         model._require_grads_hooks = []
-
