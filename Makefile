@@ -3,8 +3,9 @@
 # (DP SFT and DP DPO through TRL) and `make test`.
 # All work from a fresh clone with nothing but python3 (3.10+): the first run makes a virtual
 # environment in .venv and installs into it torch pinned to the CPU wheel (an open range could
-# pull a multi-GB CUDA build), then dpfx in editable mode with its test, example, Hugging Face and TRL
-# extras. `make PY=python3.12` picks the interpreter; `make VENV=/path` another environment.
+# pull a multi-GB CUDA build), then dpfx in editable mode with its test, example, Hugging Face
+# and TRL extras. `make PY=python3.12` picks the interpreter; `make VENV=/path` another
+# environment.
 PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
