@@ -47,7 +47,7 @@ LAYERS = [
     # 8 the public API
     "api engine",
     # 9 integrations and reports
-    """__init__ hf hf_ranks hf_users trl hf_trl
+    """__init__ hf hf_ranks hf_users trl trl._private trl.dpo trl.sft
        report report.explain report.history report.validate
        audit audit.__main__
        opacus opacus.layers opacus.privacy_engine opacus.utils opacus.utils.batch_memory_manager

@@ -191,7 +191,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 seed = sharding.seed(seed)
             device = self._named[0][1].device if self._named else torch.device("cpu")
             self._generator = noise_generator(device).manual_seed(seed)
-        # Note [Correlated noise where it is drawn]
+        # See Note [Correlated noise where it is drawn]
         self._correlated = self._check = None
         if mechanism is not None and (sharding is not None or self.world <= 1
                                       or rank_of(process_group) == 0):
