@@ -53,6 +53,7 @@ between captures]); the cached graphs do not depend on them.
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -236,14 +237,27 @@ def _explicit_sizes(self, sizes):
         return sizes
     rest = self.shape[1:]
     known = [s for i, s in enumerate(sizes[1:]) if not (isinstance(s, int) and s == -1)]
-    if any(isinstance(s, torch.SymInt) for s in list(rest) + known):
-        return sizes
     total = 1
     for s in rest:
         total *= s
     given = 1
     for s in known:
         given *= s
+    if any(isinstance(s, torch.SymInt) for s in list(rest) + known):
+        # other dynamic sizes (a sequence length): the -1 only where sympy divides them exactly
+        # (48 * s1 / (16 * s1) = 3), never asking the shape environment a question
+        total_e, given_e = (sympy.sympify(t.node.expr if isinstance(t, torch.SymInt) else t)
+                            for t in (total, given))
+        if given_e == 0:
+            return sizes
+        quotient = sympy.cancel(total_e / given_e)
+        if quotient.is_Integer:
+            fill = int(quotient)
+        elif given_e == 1:
+            fill = total                    # x.view(B, -1) over (B, T, C): T * C
+        else:
+            return sizes
+        return tuple(fill if (isinstance(s, int) and s == -1) else s for s in sizes)
     if given == 0 or total % given:
         return sizes
     return tuple(total // given if (isinstance(s, int) and s == -1) else s for s in sizes)
