@@ -55,6 +55,9 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_loss_fn", loss)
         object.__setattr__(self, "_blocks_pending", blocks)   # compiled at the first call
         object.__setattr__(self, "_blocks", [])
+        # Note [Only dpfx's own forward calls a compiled block] (blocks.py)
+        object.__setattr__(self, "_private_forward",
+                           blocks_mod.PrivateForward(blocks_mod.new_owner()))
         # See Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
@@ -266,7 +269,7 @@ class DPModule(torch.nn.Module):
         try:
             stance = default_stance()
             # Note [Only the swaps the guards read, between captures] in capture/traceable.py
-            with (entry.swaps if stance else traceable.ALL), \
+            with (entry.swaps if stance else traceable.ALL), self._private_forward, \
                     (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if stance:
                     out = entry.compiled(*args, **kwargs)
@@ -335,14 +338,16 @@ class DPModule(torch.nn.Module):
         plain = {k: v for k, v in kwargs.items() if k != TARGETS}
         sharding = self._sharding
         if sharding is None:
-            installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config)
+            installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config,
+                                           owner=self._private_forward.token)
         else:       # Note [Sharded blocks] in loop/fsdp.py
             sharding.gather()
             try:
                 with sharding.hooks_off():
                     installed = blocks_mod.prepare(
                         self._orig_mod, pending, args, plain, self.dp_config,
-                        places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen))
+                        places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen),
+                        owner=self._private_forward.token)
             except BaseException:
                 sharding.places.clear()
                 raise
