@@ -569,8 +569,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
     inside the graph] in loss/captured.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
     for tests: it warns (``dpfx.FixedSeedWarning``). ``blocks``: "auto", or module classes or
-    names: each repeated block (a decoder layer) becomes a private graph compiled once for all
-    identical blocks and called as one op (docs/blocks.md); the model's graph clips every
+    names (None or False: one graph): each repeated block (a decoder layer) becomes a private
+    graph compiled once for all identical blocks and called as one op (docs/blocks.md); only
+    the returned module's forward calls them. The model's graph clips every
     parameter with one factor as before. ``batch_buckets``: increasing batch sizes, such as
     (64, 128, 256): each batch of B examples runs padded to the smallest bucket >= B with rows
     that contribute exactly zero (masked in the graph and proven so), and the outputs come back
@@ -608,6 +609,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
+    if blocks is False:     # one graph, said explicitly
+        blocks = None
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
     if not units:

@@ -7,7 +7,9 @@ three graphs with Inductor and registers them under a key (``ops/blocks.py``). E
 the same class, parameter and buffer shapes and the same non-tensor call arguments shares that
 key: the capture, the rewrite, the proof and the lowering run once per distinct block, not once
 per layer. ``install`` makes each instance's ``forward`` call ``dpfx::block_fwd`` with its own
-tensors, so a graph captured around the blocks holds one op per block, not its layers.
+tensors, so a graph captured around the blocks holds one op per block, not its layers. Only
+the compiling model's private forward takes that path; any other call of the block runs its own
+forward (Note [Only dpfx's own forward calls a compiled block]).
 
     dpfx.compile(model, ..., blocks="auto")   # prepare() at the first call, then as ever
 
@@ -40,8 +42,9 @@ A block that is an FSDP2 unit keeps its parameters sharded outside its ops and h
 clipped sums to a reduce-scatter (Note [Sharded blocks] in loop/fsdp.py).
 
 Not yet: blocks that draw random numbers in training (dropout), arguments other than tensors
-and constants (a key/value cache that already holds positions; an empty one is dropped: Note
-[An empty cache is no argument]).
+and constants in the private forward (a key/value cache that already holds positions; an empty
+one is dropped: Note [An empty cache is no argument]), a block used more than once (Note [A
+block used more than once is refused]).
 """
 from __future__ import annotations
 

@@ -111,9 +111,13 @@ def test_the_model_stays_usable_after_blocks(arch, backend):
 
     _same_module_forward_and_public_step(model, plain)
     _same_generation(model, plain)
+    inputs, y = _batch(2)
+    with pytest.warns(dpfx.PlainGradientWarning):    # a plain step outside dpfx.public
+        _loss(model(*inputs), y).backward()
+    model.zero_grad(set_to_none=True)
 
     again = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum",
-                         backend="eager")
+                         blocks=False, backend="eager")
     _private_step_is_exact(again, model, reference, b=2, seed=1)
     assert "dpfx.block_fwd(" not in again._dpfx_backend.stages.graphs["forward"]
     _private_step_is_exact(dp, model, reference, b=2, seed=2)
@@ -121,6 +125,7 @@ def test_the_model_stays_usable_after_blocks(arch, backend):
     _same_generation(model, plain)
 
 
+@pytest.mark.slow
 def test_two_compiles_with_blocks_each_take_their_own():
     """A second blocks="auto" compile of the same model installs its blocks over the first's:
     each model's private forward takes its own compiled blocks (a chain), both train exactly,
@@ -180,5 +185,5 @@ def test_a_layer_shared_across_depth_is_refused_with_the_fix():
     with torch.no_grad():
         torch.testing.assert_close(model(*inputs), reference(*inputs))
     one_graph = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0,
-                             loss_reduction="sum", backend="eager")
+                             loss_reduction="sum", blocks=False, backend="eager")
     _private_step_is_exact(one_graph, model, reference)
