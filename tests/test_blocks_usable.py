@@ -187,3 +187,36 @@ def test_a_layer_shared_across_depth_is_refused_with_the_fix():
     one_graph = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0,
                              loss_reduction="sum", blocks=False, backend="eager")
     _private_step_is_exact(one_graph, model, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "phi3", "gemma", "gpt_neox", "whisper"])
+def test_zoo_models_stay_usable_after_blocks(name):
+    """The architectures whose original module failed after blocks="auto": a step of the zoo's
+    (tests/hf/test_hf_zoo.py, Inductor, self-check on) equals its batch-of-one reference, then
+    the model called as users call it (with its key/value cache) and ``generate()`` equal a copy
+    never compiled."""
+    from hf.test_hf_zoo import C, TOL, ZOO, reference, run
+
+    case = ZOO[name]
+    torch.manual_seed(0)
+    model = case.build().train()
+    plain = copy.deepcopy(model)
+    kw, y = case.inputs(3, torch.Generator().manual_seed(1))
+    want, norms = reference(model, case, kw, y, C)
+    assert min(norms) > C
+    dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=0.0, blocks="auto")
+    got = run(dp, model, case, kw, y)
+    assert_close(got, want, **(case.tol or TOL))
+    assert dp._blocks and all(isinstance(b.forward, BlockCall) for b in dp._blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**kw).logits, plain(**kw).logits)
+    if name == "whisper":
+        prompt = {"input_features": kw["input_features"]}
+    else:
+        prompt = {"input_ids": kw["input_ids"][:, :3], "attention_mask": torch.ones(3, 3,
+                                                                                    dtype=torch.long)}
+    generated = [m.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+                 for m in (model, plain)]
+    assert generated[0].shape[1] >= 3
+    torch.testing.assert_close(generated[0], generated[1])
