@@ -55,6 +55,9 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_loss_fn", loss)
         object.__setattr__(self, "_blocks_pending", blocks)   # compiled at the first call
         object.__setattr__(self, "_blocks", [])
+        # Note [Only dpfx's own forward calls a compiled block] (blocks.py)
+        object.__setattr__(self, "_private_forward",
+                           blocks_mod.PrivateForward(blocks_mod.new_owner()))
         # See Note [Every gradient a parameter receives is dpfx's]
         self._grad_guards: dict[str, Any] = {}
         weakref.finalize(self, _remove_hooks, self._grad_guards)
@@ -266,7 +269,7 @@ class DPModule(torch.nn.Module):
         try:
             stance = default_stance()
             # Note [Only the swaps the guards read, between captures] in capture/traceable.py
-            with (entry.swaps if stance else traceable.ALL), \
+            with (entry.swaps if stance else traceable.ALL), self._private_forward, \
                     (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if stance:
                     out = entry.compiled(*args, **kwargs)
@@ -335,14 +338,16 @@ class DPModule(torch.nn.Module):
         plain = {k: v for k, v in kwargs.items() if k != TARGETS}
         sharding = self._sharding
         if sharding is None:
-            installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config)
+            installed = blocks_mod.prepare(self._orig_mod, pending, args, plain, self.dp_config,
+                                           owner=self._private_forward.token)
         else:       # Note [Sharded blocks] in loop/fsdp.py
             sharding.gather()
             try:
                 with sharding.hooks_off():
                     installed = blocks_mod.prepare(
                         self._orig_mod, pending, args, plain, self.dp_config,
-                        places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen))
+                        places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen),
+                        owner=self._private_forward.token)
             except BaseException:
                 sharding.places.clear()
                 raise
@@ -564,8 +569,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     and called as ``dp_model.loss(inputs, *targets)``, with no check per step (Note [The loss
     inside the graph] in loss/captured.py); ``dp_model(x)`` keeps working beside it. ``seed`` is
     for tests: it warns (``dpfx.FixedSeedWarning``). ``blocks``: "auto", or module classes or
-    names: each repeated block (a decoder layer) becomes a private graph compiled once for all
-    identical blocks and called as one op (docs/blocks.md); the model's graph clips every
+    names (None or False: one graph): each repeated block (a decoder layer) becomes a private
+    graph compiled once for all identical blocks and called as one op (docs/blocks.md); only
+    the returned module's forward calls them. The model's graph clips every
     parameter with one factor as before. ``batch_buckets``: increasing batch sizes, such as
     (64, 128, 256): each batch of B examples runs padded to the smallest bucket >= B with rows
     that contribute exactly zero (masked in the graph and proven so), and the outputs come back
@@ -603,6 +609,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
+    if blocks is False:     # one graph, said explicitly
+        blocks = None
     if blocks is not None:
         blocks_mod.select(model, blocks)    # a bad option fails here, before any call
     if not units:

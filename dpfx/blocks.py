@@ -7,7 +7,9 @@ three graphs with Inductor and registers them under a key (``ops/blocks.py``). E
 the same class, parameter and buffer shapes and the same non-tensor call arguments shares that
 key: the capture, the rewrite, the proof and the lowering run once per distinct block, not once
 per layer. ``install`` makes each instance's ``forward`` call ``dpfx::block_fwd`` with its own
-tensors, so a graph captured around the blocks holds one op per block, not its layers.
+tensors, so a graph captured around the blocks holds one op per block, not its layers. Only
+the compiling model's private forward takes that path; any other call of the block runs its own
+forward (Note [Only dpfx's own forward calls a compiled block]).
 
     dpfx.compile(model, ..., blocks="auto")   # prepare() at the first call, then as ever
 
@@ -40,8 +42,9 @@ A block that is an FSDP2 unit keeps its parameters sharded outside its ops and h
 clipped sums to a reduce-scatter (Note [Sharded blocks] in loop/fsdp.py).
 
 Not yet: blocks that draw random numbers in training (dropout), arguments other than tensors
-and constants (a key/value cache that already holds positions; an empty one is dropped: Note
-[An empty cache is no argument]).
+and constants in the private forward (a key/value cache that already holds positions; an empty
+one is dropped: Note [An empty cache is no argument]), a block used more than once (Note [A
+block used more than once is refused]).
 """
 from __future__ import annotations
 
@@ -710,12 +713,59 @@ def _laid_out(t: torch.Tensor, strides) -> torch.Tensor:
     return out.copy_(small).expand(t.shape)
 
 
-class BlockCall:
-    """``block.forward`` replaced: the call's tensors, the block's parameters and constants go to
-    ``dpfx::block_fwd``; the non-tensor arguments must be those the key was compiled with."""
+# Note [Only dpfx's own forward calls a compiled block]
+# A block's ``forward`` is replaced for good, but only the private forward of the dpfx model
+# that compiled it may take the compiled path: any other call of the module (the user's
+# ``model(...)``, ``generate()`` with a key/value cache, a public step, a reference copy's
+# capture, a second ``dpfx.compile`` capturing or probing the same model) runs the block's own
+# forward, unchanged, with autograd's plain gradients. The route is chosen by the caller, not by
+# the arguments: dpfx's forward names itself in ``_CALLER`` (``PrivateForward``, entered around
+# its compiled call), and each ``BlockCall`` takes the compiled path only when its owner is the
+# caller (a block installed with no owner: under any dpfx forward). Dynamo reads ``_CALLER``
+# while it traces the block call, so the model's graph is guarded on its owner's token: the
+# steady state pays one guard, and a graph traced under one caller is never run under another.
+# A block compiled by two dpfx models keeps both calls in a chain: each hands a call it does not
+# own to the forward it replaced.
+_CALLER = [0]       # the token of the dpfx model whose private forward runs; 0: none
+_OWNERS = itertools.count(1)
 
-    def __init__(self, block: torch.nn.Module, key: str, signature: tuple):
+
+def new_owner() -> int:
+    """A token for one dpfx model's blocks (``prepare``'s ``owner``, ``PrivateForward``'s)."""
+    return next(_OWNERS)
+
+
+class PrivateForward:
+    """``with PrivateForward(token):`` dpfx's private forward of the model ``token`` names:
+    its compiled blocks take their compiled path (Note [Only dpfx's own forward calls a
+    compiled block])."""
+
+    __slots__ = ("token", "_outer")
+
+    def __init__(self, token: int):
+        self.token = token
+        self._outer: list[int] = []
+
+    def __enter__(self):
+        self._outer.append(_CALLER[0])
+        _CALLER[0] = self.token
+
+    def __exit__(self, *exc):
+        _CALLER[0] = self._outer.pop()
+        return False
+
+
+class BlockCall:
+    """``block.forward`` replaced: under its owner's private forward, the call's tensors, the
+    block's parameters and constants go to ``dpfx::block_fwd`` (the non-tensor arguments must
+    be those the key was compiled with); any other call runs the forward it replaced."""
+
+    def __init__(self, block: torch.nn.Module, key: str, signature: tuple, owner: int = 0):
         self.key = key
+        self.owner = owner
+        # the forward this call replaced: an instance attribute (another dpfx model's call, a
+        # hook's wrapper) or None for the class's own
+        self.replaced = block.__dict__.get("forward")
         self.signature = signature
         self.block = block      # a reference cycle the module's own collection frees
         self.flat = None        # Note [A block call's flattening]
@@ -731,6 +781,11 @@ class BlockCall:
 
     def __call__(self, *args, **kwargs):
         block = self.block
+        caller = _CALLER[0]
+        if caller == 0 or (self.owner and caller != self.owner):
+            if self.replaced is not None:
+                return self.replaced(*args, **kwargs)
+            return type(block).forward(block, *args, **kwargs)
         # See Note [A block call's flattening]
         leaves = None
         if self.flat is not None and len(args) == self.flat[0] and tuple(kwargs) == self.flat[1]:
@@ -770,15 +825,18 @@ def _slot(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return block.get_submodule(path), attr
 
 
-def install(block: torch.nn.Module, key: str, out, leaves: list, spec=None) -> None:
-    """``block(...)`` calls the compiled block ``key`` from now on (``uninstall`` undoes it).
+def install(block: torch.nn.Module, key: str, out, leaves: list, spec=None, owner: int = 0
+            ) -> None:
+    """``block(...)`` calls the compiled block ``key`` from now on, under the private forward
+    of the dpfx model ``owner`` names (0: of any; Note [Only dpfx's own forward calls a compiled
+    block]); ``uninstall`` undoes it.
     ``leaves``: an example call's flattened arguments (its tensors stand for any tensor), and
     ``spec`` the pytree spec of its ``(args, kwargs)`` (None: every call is flattened);
     ``out``: the example call's flattened outputs and their spec. An output that is not a
     tensor (``None`` for attention weights not asked for) is no output of the block's graph:
     it is returned as the example returned it."""
     out_leaves, out_spec = out
-    call = BlockCall(block, key, ())
+    call = BlockCall(block, key, (), owner)
     call.out_spec = out_spec
     call.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
     tensors = sum(1 for x in out_leaves if isinstance(x, torch.Tensor))
@@ -853,7 +911,10 @@ def uninstall(block: torch.nn.Module) -> None:
     call = block.__dict__.get("forward")
     if isinstance(call, BlockCall):
         PLACES.pop(call.key, None)
-        del block.forward
+        if call.replaced is not None:
+            block.forward = call.replaced
+        else:
+            del block.forward
 
 
 # -- choosing the blocks and their example calls ---------------------------------------------
@@ -955,15 +1016,17 @@ def _probe(model, blocks, args, kwargs, n: int) -> dict[int, list]:
 
 
 def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: DPConfig,
-            places=None) -> list[torch.nn.Module]:
+            places=None, owner: int = 0) -> list[torch.nn.Module]:
     """Compile the blocks ``blocks`` names, each distinct one once, from two eager probes of
     ``model(*args, **kwargs)`` at batch sizes 2 and 3 (a tensor whose dim 0 follows them
     carries the batch), and install them. Returns the installed blocks. ``places(chosen)``:
     id(block) -> the ``Place`` of each block whose parameters live elsewhere (Note [A block
-    whose parameters live elsewhere] in ops/blocks.py)."""
+    whose parameters live elsewhere] in ops/blocks.py); ``owner``: the token of the dpfx model
+    whose private forward calls them (Note [Only dpfx's own forward calls a compiled block])."""
     chosen = select(model, blocks)
-    placed = places(chosen) if places is not None else {}
     small, large = (_probe(model, chosen, args, kwargs, n) for n in (2, 3))
+    _refuse_shared(chosen, large)
+    placed = places(chosen) if places is not None else {}
     keys: dict[tuple, str] = {}
     installed = []
     try:
@@ -1008,10 +1071,37 @@ def prepare(model: torch.nn.Module, blocks, args: tuple, kwargs: dict, config: D
             if place is not None:
                 key = f"{key}#{place.name}"
                 PLACES[key] = place
-            install(block, key, (out_leaves, out_spec), leaves3, spec3)
+            install(block, key, (out_leaves, out_spec), leaves3, spec3, owner)
             installed.append(block)
     except BaseException:
         for block in installed:
             uninstall(block)
         raise
     return installed
+
+
+# Note [A block used more than once is refused]
+# A block's ops compute the squared per-sample norm of its parameters' gradient from one call's
+# operands (passes/block.py), and the model's clip factor sums one norm row per call. A module
+# called more than once in a forward (ALBERT's one layer group at every depth), or two blocks
+# that share a parameter, would give the parameter one row per call: the norm of each use's
+# gradient, not of their sum, which is the example's gradient and what must be clipped. Such a
+# model is refused before anything is installed; the one-graph path clips the sum exactly.
+def _refuse_shared(chosen: list, calls: dict[int, list]) -> None:
+    owner_of: dict[int, str] = {}
+    for name, block in chosen:
+        count = len(calls[id(block)])
+        if count > 1:
+            raise CaptureError(
+                f"dpfx: block {name} ({type(block).__name__}) is called {count} times in one "
+                f"forward (a layer shared across depth); its parameters' per-example gradient "
+                f"is the sum over its uses, which per-block graphs cannot clip. Compile without "
+                f"blocks (blocks=False, the one graph clips it exactly)")
+        for pname, p in block.named_parameters():
+            other = owner_of.setdefault(id(p), f"{name}.{pname}")
+            if other != f"{name}.{pname}":
+                raise CaptureError(
+                    f"dpfx: blocks share the parameter {other} (also {name}.{pname}); its "
+                    f"per-example gradient is the sum over the blocks, which per-block graphs "
+                    f"cannot clip. Compile without blocks (blocks=False, the one graph clips it "
+                    f"exactly)")

@@ -54,7 +54,11 @@ def ghost_block(node: fx.Node, ctx) -> Ghost:
 
 
 def rewrite_block(node: fx.Node, ctx) -> fx.Node:
-    raise AssertionError("a block's parameters take the ghost form only")
+    from dpfx.errors import CaptureError
+    raise CaptureError(
+        f"dpfx: the parameters of block {kernels(_call(node).args[0]).name} were given the "
+        f"materialized per-example form, which per-block graphs do not have (their gradient is "
+        f"formed from one block call's norms). Compile without blocks (blocks=False)")
 
 
 def cost_block(node: fx.Node, ctx) -> dict:
