@@ -75,6 +75,7 @@ def test_per_example_losses_through_inductor():
                               _reference(grads, bound, batch))
 
 
+@pytest.mark.filterwarnings("ignore::dpfx.BatchSizeWarning")     # chosen sizes, not sampled
 def test_per_example_losses_through_blocks():
     """Every idiom through per-block graphs (the two residual layers are one compiled block,
     the embedding and heads the model graph around them), through Inductor with the self-check:
