@@ -255,6 +255,9 @@ def test_backward_of_a_captured_loss_with_other_roots_is_refused():
     assert other.grad is None
 
 
+T = 4       # sequence length
+
+
 # -- Hugging Face labels= --------------------------------------------------------------------------
 def test_labels_under_per_user_for_a_head_that_indexes_along_k_are_refused():
     """H2: a question-answering head under per_user called with start and end positions."""
