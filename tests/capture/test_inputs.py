@@ -152,7 +152,8 @@ class Twice(nn.Module):
 
 def test_two_forwards_one_backward_refused():
     model = nn.Linear(4, 2)
-    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager",
+                      loss_reduction="sum")
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     with pytest.raises(dpfx.PrivacyError, match="two forwards"):
         (dp(a) + dp(b)).sum().backward()
