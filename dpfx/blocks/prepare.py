@@ -2,12 +2,10 @@
 
     installed = prepare(model, "auto", args, kwargs, config, owner=new_owner())
 
-``select`` finds the blocks the ``blocks=`` option names. ``prepare`` runs the model eagerly
-twice, at 2 and at 3 examples (the user's rows repeated), under
-``torch.compiler.is_compiling()`` so that its code takes the path it takes under dynamo: a block
-argument whose dim 0 follows (2, 3) carries the batch, one whose shape stays is shared by every
-example, anything else is refused. Each distinct block (``block_signature``) is compiled once
-(blocks/capture.py) and every block installed (blocks/call.py).
+``select`` finds the blocks the ``blocks=`` option names. ``prepare`` tells which arguments of
+each block carry the batch from two eager probes of the model (Note [Per-block private graphs]
+in blocks/__init__.py), compiles each distinct block (``block_signature``) once
+(blocks/capture.py) and installs every one (blocks/call.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ A user's second run of a script finds Inductor's code in its cache, but tracing 
 on the unbacked batch and partitioning it (aot_autograd) would still be about half of its warm
 first step; torch.compile skips both through AOTAutogradCache. That cache hands back the
 inner compiler's results without calling it (Note [No caches that skip the inner compiler] in
-backend.py), so dpfx takes part in it this way, on CPU:
+backend/__init__.py), so dpfx takes part in it this way, on CPU:
 
 - The inner compiler returns a ``DPOutputCode``: dpfx's runner for the graph, and the graph as
   aot_autograd handed it over, before any of dpfx's passes, serialized with torch's
