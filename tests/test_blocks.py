@@ -352,7 +352,7 @@ def test_refusals_leave_the_model_as_it_was():
 def test_block_self_check_refuses_a_planted_miscompile(monkeypatch):
     """A block's compiled forward that mixes examples (each row plus the batch's mean) is
     refused when the block is compiled (Note [A block's self-check])."""
-    import dpfx.blocks as blocks
+    import dpfx.blocks.capture as blocks
     from dpfx.errors import PrivacyError
 
     lower = blocks.lower

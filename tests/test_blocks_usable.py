@@ -1,5 +1,5 @@
 """A model compiled with blocks stays the user's model (Note [Only dpfx's own forward calls a
-compiled block] in dpfx/blocks.py): after a private step equal to the batch-of-one loop, the
+compiled block] in dpfx/blocks/call.py): after a private step equal to the batch-of-one loop, the
 original module's forward and a plain public step equal those of a copy never compiled,
 ``generate()`` (with its key/value cache) returns the copy's tokens, and a second
 ``dpfx.compile`` of the same model trains exactly. A layer shared across depth (ALBERT) is

@@ -40,7 +40,9 @@ LAYERS = [
     # 5 the loss and the release gate
     "loss loss.captured loss.check loss.form loss.gate loss.hf_labels loss.steady loss.track",
     # 6 the backend
-    "backend blocks",
+    """backend backend.checks backend.inputs backend.runtime
+       blocks blocks.call blocks.capture blocks.kernels blocks.prepare blocks.selfcheck
+       blocks.sizes""",
     # 7 the loop around the graph
     """loop loop.data loop.fsdp loop.noise loop.optim loop.ranks loop.release loop.users
        loop.samplers loop.correlated loop.adambc""",

@@ -36,7 +36,7 @@ holds the whole model's parameters and its clipped sums (one full-size tensor pe
 like FSDP with the whole model as one unit.
 
 # Note [Sharded blocks]
-Compiled with ``blocks=`` (blocks.py), a block that is an FSDP unit gets a ``Place`` (Note [A
+Compiled with ``blocks=`` (blocks/), a block that is an FSDP unit gets a ``Place`` (Note [A
 block whose parameters live elsewhere] in ops/blocks.py), and a step's memory is bounded by the
 largest unit instead of the model:
 

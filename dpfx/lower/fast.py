@@ -10,7 +10,7 @@ ones) or, for ``shared_sums_stored``, stores a value once where that lets buffer
 says what its patch saves and why; TORCH_VERSIONS names the torch it was written for, and
 BENCHMARKS.md ("Levers in the code") what it measured. Any can be dropped when torch changes, at
 that cost. One more lives in lower/cpu_builds.py (one C++ build per compile worker), and
-``optimization_hints_once`` is entered around dpfx's whole capture (backend.py).
+``optimization_hints_once`` is entered around dpfx's whole capture (backend/__init__.py).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ strides) and calls their kernels, so a dpfx whose ops changed must not reuse ano
 entries, which the graph alone (the same op names and arguments) would match
 (tests/lower/test_inductor.py::test_cache_key_covers_every_dpfx_source). The same pass is in
 Inductor's settings for the whole compile, so that AOTAutogradCache's key carries it too (Note
-[No caches that skip the inner compiler] in backend.py).
+[No caches that skip the inner compiler] in backend/__init__.py).
 """
 from __future__ import annotations
 

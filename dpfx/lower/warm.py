@@ -6,7 +6,7 @@ A user's second run of a script finds Inductor's code in its cache, but tracing 
 on the unbacked batch and partitioning it (aot_autograd) would still be about half of its warm
 first step; torch.compile skips both through AOTAutogradCache. That cache hands back the
 inner compiler's results without calling it (Note [No caches that skip the inner compiler] in
-backend.py), so dpfx takes part in it this way, on CPU:
+backend/__init__.py), so dpfx takes part in it this way, on CPU:
 
 - The inner compiler returns a ``DPOutputCode``: dpfx's runner for the graph, and the graph as
   aot_autograd handed it over, before any of dpfx's passes, serialized with torch's
@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import threading
 from typing import Any, Callable
@@ -87,6 +88,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._inductor.output_code import OutputCode
+
+from dpfx.config import DPConfig
+from dpfx.lower.selfcheck import pair_verdict, verdict_path
 
 # compile_fx_inner's arguments kept with a graph: what the inner compiler reads and what enters
 # Inductor's FX-graph cache key (``boxed_forward_device_index`` and ``cudagraphs`` are made anew)
@@ -272,7 +276,8 @@ class DPOutputCode(OutputCode):
         if backward and state.trusted_forward is None:
             return False        # the forward was rebuilt: its backward is too
         trusted = self.plan is not None and self.lowered is not None and \
-            os.environ.get("DPFX_REPROVE") != "1" and backend.trusts(self.plan)
+            os.environ.get("DPFX_REPROVE") != "1" and \
+            trusts(self.plan, backend.config, validating=backend.problems is not None)
         if not trusted:
             if backward:        # a trusted forward's backward that cannot be: compile both
                 raise FXGraphCacheMiss("dpfx: a trusted forward's backward is not trusted")
@@ -297,6 +302,109 @@ class DPOutputCode(OutputCode):
         state.trusted += 1
         state.trusted_forward = None if backward else self.plan
         return True
+
+
+# -- what may be trusted, and what an entry holds to be (Note [A trusted warm start]) ---------
+
+def may_trust(config: DPConfig, validating: bool) -> bool:
+    """The precondition shared by writing an entry's code for a trusted start and by running
+    it: the Inductor backend, no ``dpfx.validate`` (``validating``), no norm sink
+    (``track_norms``) and no check at every new size (``self_check="always"``)."""
+    return config.backend == "inductor" and not validating and not config.track_norms \
+        and config.self_check != "always"
+
+
+def trustable(gm: fx.GraphModule, batch_symbols, config: DPConfig, validating: bool) -> bool:
+    """Whether a cache entry of this forward (and its backward) may run without the passes
+    in a later process: the code holds nothing of this process (a block's kernels) and the
+    self-check's verdict does not depend on sizes read at run time (``batch_symbols``: the
+    forward's batch symbols, the only ones its inputs' sizes may hold)."""
+    if not may_trust(config, validating):
+        return False
+    if any(str(n.target).startswith("dpfx.block_") for n in gm.graph.nodes
+           if n.op == "call_function"):
+        return False
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        sizes = value.shape if isinstance(value, torch.Tensor) else \
+            [value] if isinstance(value, torch.SymInt) else []
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and \
+                    not size.node.expr.free_symbols <= set(batch_symbols):
+                return False
+    return True
+
+
+def trusts(plan: dict, config: DPConfig, validating: bool) -> bool:
+    """Whether this compile runs a cache entry's code as it is: its self-check passed before
+    (its pair's verdict is on disk) or is off, and nothing here asks for the passes to run."""
+    if not may_trust(config, validating):
+        return False
+    if config.self_check is False:
+        return True
+    pair = plan.get("pair")
+    return pair is not None and os.path.exists(verdict_path(pair))
+
+
+class Trust:
+    """One backend's side of a trusted warm start: the lowered code and the plan of each graph
+    it compiles that an entry may run as it is, a forward's paired with its backward's. A plan
+    holds what the backend's runner needs (the backward's gradient outputs by parameter, the
+    batch-free tangents that must be zero, whether the graph reads C_t or a padded batch's
+    count), the stage texts the compile recorded and the pair's verdict name."""
+
+    def __init__(self):
+        self._made: tuple | None = None     # (lowered code, plan) of the graph being compiled
+        self._codes: dict = {}      # graph id -> the forward's output code, until its backward
+        self._forwards: dict = {}   # graph id -> a trustable forward's lowered code
+
+    def output_code(self, gm: fx.GraphModule, kwargs: dict, stages,
+                    compile: Callable[[], Callable]) -> DPOutputCode:
+        """``compile()``'s runner for AOTAutogradCache: with the graph as aot_autograd handed
+        it over (taken before ``compile`` rewrites it) and, where the compile made it
+        trustable, its lowered code and plan. ``stages``: the backend's ``Stages``."""
+        graph = snapshot(gm)     # before dpfx's passes rewrite it
+        before = dict(stages.graphs)
+        self._made = None
+        code = DPOutputCode(compile(), graph, kwargs)
+        if self._made is not None:
+            lowered, plan = self._made
+            plan["stages"] = {k: v for k, v in stages.graphs.items() if before.get(k) != v}
+            code.trust(lowered, plan)
+            if kwargs.get("is_backward"):
+                forward = self._codes.pop(kwargs.get("graph_id"), None)
+                if forward is not None and forward.plan is not None:
+                    forward.plan["pair"] = plan["pair"]
+            else:
+                self._codes[kwargs.get("graph_id")] = code
+        return code
+
+    def forward(self, graph_id, lowered) -> None:
+        """A trustable forward was lowered to ``lowered``."""
+        self._made = (lowered, {"kind": "forward"})
+        self._forwards[graph_id] = lowered
+
+    def backward(self, graph_id, lowered, check, runner: dict | None) -> None:
+        """A backward was lowered to ``lowered``; ``runner``: what its runner needs (None: it
+        cannot be trusted). Trusted with its forward where both graphs' code is identified
+        (``selfcheck.pair_verdict``); the pair's ``check`` then leaves its verdict by that
+        name."""
+        forward = self._forwards.pop(graph_id, None)
+        if forward is None or runner is None:
+            return
+        plan = {"kind": "backward", **runner}
+        plan["pair"] = pair_verdict(forward, lowered, check)
+        if plan["pair"] is not None:
+            self._made = (lowered, plan)
+            if check is not None:
+                check.verdict = plan["pair"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustedGrad:
+    """A parameter's gradient output in a graph loaded from a trusted cache entry."""
+    name: str
+    output_index: int
 
 
 def _forget(digest: str | None) -> None:

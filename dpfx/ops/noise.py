@@ -7,7 +7,7 @@
 DP-SGD draws one Gaussian per parameter per step. ATen's CPU ``randn`` runs MT19937 on one
 thread, which would make the noise the largest single cost of a small model's DP step, and most
 of the step of a model whose parameters are mostly one embedding table. Inductor's own CPU Philox
-is slower still (Note [Noise from ATen's generator on CPU] in backend.py). The kernel in
+is slower still (Note [Noise from ATen's generator on CPU] in backend/__init__.py). The kernel in
 ``csrc/philox_normal.c`` is counter-based, so its blocks are independent: it vectorizes (16 lanes
 on AVX-512, 8 on AVX2) and splits across threads, and its output for a key does not depend on
 the thread count (and the Philox words are the same integers on every instruction-set path).

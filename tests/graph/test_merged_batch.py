@@ -485,8 +485,9 @@ def test_partial_slice_over_the_batch_is_refused():
 
 # -- tensors the model holds -----------------------------------------------------------------------
 def test_causal_mask_held_in_a_closure():
-    """Note [Tensors the model holds are not inputs] (dpfx/backend.py): the decoder layer's causal
-    mask is read from a closure cell, a constant to the graph, not a batch input."""
+    """Note [Tensors the model holds are not inputs] (dpfx/backend/inputs.py): the decoder
+    layer's causal mask is read from a closure cell, a constant to the graph, not a batch
+    input."""
     torch.manual_seed(0)
     layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     causal = nn.Transformer.generate_square_subsequent_mask(4)

@@ -118,7 +118,7 @@ def _assert_fresh_and_independent(draws: dict, noise: torch.Tensor) -> None:
 
 def test_unseeded_noise_is_not_predictable_from_torch_manual_seed():
     """torch's default generator starts from a fixed seed in every process; unseeded noise must
-    not replay from it (backend.py, Note [Where the graph's noise seed comes from])."""
+    not replay from it (backend/runtime.py, Note [Where the graph's noise seed comes from])."""
     torch.manual_seed(7)
     a = _noise_samples("eager", steps=1)
     torch.manual_seed(7)

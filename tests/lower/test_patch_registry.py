@@ -16,7 +16,8 @@ def test_each_patch_names_its_torch_and_is_entered():
     assert _patches(fast) == set(fast.TORCH_VERSIONS)
     entered = {cm.gen.__name__ for cm in inductor.exact_patches(None) + inductor.fast_patches()}
     assert set(exact.TORCH_VERSIONS) <= entered
-    # optimization_hints_once is entered around the whole capture (backend.py), the rest here
+    # optimization_hints_once is entered around the whole capture (backend/__init__.py), the
+    # rest here
     assert set(fast.TORCH_VERSIONS) - entered == {"optimization_hints_once"}
     import dpfx.backend
     assert dpfx.backend.optimization_hints_once is fast.optimization_hints_once
