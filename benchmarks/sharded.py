@@ -7,7 +7,9 @@ plain (non-private) ``fully_shard`` training.
 Each method runs in fresh processes (``--world`` ranks, gloo, one thread each), AdamW, the same
 model and per-rank batch:
 - ``fsdp``: plain ``fully_shard`` training (per layer, then the root), eager, non-private;
-- ``dpfx-sharded``: the same sharding, ``dpfx.compile`` (Inductor), sigma 1, one private graph;
+- ``dpfx-default``: the same sharding, ``dpfx.compile`` (Inductor), sigma 1, no ``blocks=``
+  (each unit but the root a block: Note [A sharded model gets blocks by default] in dpfx/api.py);
+- ``dpfx-sharded``: the same, with ``blocks=False``: one private graph;
 - ``dpfx-blocks``: the same, with ``blocks="auto"`` (each unit a block: Note [Sharded blocks] in
   dpfx/loop/fsdp.py);
 - ``dpfx-replicated``: dpfx's unsharded data-parallel path (every rank holds the whole model).
@@ -106,7 +108,8 @@ def _worker(rank, world, port, method, args, out):
     if method.startswith("dpfx"):
         step_model = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0,
                                   expected_batch_size=args.batch * world,
-                                  blocks="auto" if method == "dpfx-blocks" else None)
+                                  blocks={"dpfx-blocks": "auto", "dpfx-sharded": False,
+                                          "dpfx-default": None}.get(method))
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-4) if args.optimizer == "adamw" else \
         torch.optim.SGD(params, lr=1e-3)
@@ -171,7 +174,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--seq", type=int, default=64, help="the Llama's sequence length")
     parser.add_argument("--methods", nargs="+",
-                        default=["fsdp", "dpfx-blocks", "dpfx-sharded", "dpfx-replicated"])
+                        default=["fsdp", "dpfx-default", "dpfx-blocks", "dpfx-sharded",
+                                 "dpfx-replicated"])
     parser.add_argument("--out", default="benchmarks/out/sharded.md")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -22,6 +22,7 @@ from dpfx.capture.modules import replace_batchnorm
 from dpfx.loop.data import VirtualBatches, expected_batch_size, poisson_loader, split_batch
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.adambc import DPAdamBC
+from dpfx.loop.fsdp import BlocksFallbackWarning
 from dpfx.loop.optim import NoNoiseWarning
 from dpfx.loop.release import BatchSizeWarning, public
 from dpfx.loss.gate import MissingZeroGradWarning, PlainGradientWarning
@@ -39,6 +40,6 @@ __all__ = [
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
     "public", "PlainGradientWarning", "MissingZeroGradWarning", "NoNoiseWarning",
-    "BatchSizeWarning", "Mechanism",
+    "BatchSizeWarning", "Mechanism", "BlocksFallbackWarning",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import warnings
 import weakref
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpfx.capture import batch_branches, traceable
 from dpfx.loop import fsdp
+from dpfx.loop.fsdp import BlocksFallbackWarning
 from dpfx import blocks as blocks_mod
 from dpfx.backend import DPBackend
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
@@ -54,6 +56,8 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_dpfx_loss_entries", [])
         object.__setattr__(self, "_loss_fn", loss)
         object.__setattr__(self, "_blocks_pending", blocks)   # compiled at the first call
+        # See Note [A sharded model gets blocks by default]: compile() sets it where it chose them
+        object.__setattr__(self, "_blocks_chosen", False)
         object.__setattr__(self, "_blocks", [])
         # Note [Only dpfx's own forward calls a compiled block] (blocks.py)
         object.__setattr__(self, "_private_forward",
@@ -348,6 +352,20 @@ class DPModule(torch.nn.Module):
                         self._orig_mod, pending, args, plain, self.dp_config,
                         places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen),
                         owner=self._private_forward.token)
+            except CaptureError as refused:
+                sharding.places.clear()
+                if not self._blocks_chosen:
+                    raise
+                # See Note [A sharded model gets blocks by default]
+                warnings.warn(BlocksFallbackWarning(
+                    f"dpfx: the model's fully_shard units could not be compiled as blocks "
+                    f"({refused}); it trains as one private graph, which holds every parameter "
+                    f"unsharded during the step (the memory of the whole model on each rank). "
+                    f"Pass blocks=False to choose that and silence this warning."), stacklevel=4)
+                object.__setattr__(self, "_blocks_pending", None)
+                object.__setattr__(self, "_blocks_chosen", False)
+                return self._run(args, kwargs,
+                                 targets if targets is None else kwargs.pop(TARGETS), None)
             except BaseException:
                 sharding.places.clear()
                 raise
@@ -609,6 +627,10 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
     config.check_params([n for n, p in model.named_parameters() if p.requires_grad])
     units = fsdp.units(model)
+    chosen = False
+    if blocks is None and units:    # See Note [A sharded model gets blocks by default]
+        blocks = [n for n, m in model.named_modules() if n and any(m is u for u in units)] or None
+        chosen = blocks is not None
     if blocks is False:     # one graph, said explicitly
         blocks = None
     if blocks is not None:
@@ -628,7 +650,23 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     finally:
         sharding.release()
     object.__setattr__(dp_model, "_sharding", sharding)
+    object.__setattr__(dp_model, "_blocks_chosen", chosen)
     return dp_model
+
+
+# Note [A sharded model gets blocks by default]
+# One private graph holds every parameter unsharded for the whole step: on a model sharded with
+# fully_shard the default one-graph path gathered the model at the first op and held it to the
+# reduce-scatter, so a rank's step peak was the whole model (3x plain FSDP's on 8 Linear(2048^2)
+# units), and sharding saved no memory. Each FSDP unit other than the root is therefore a block
+# by default (Note [Sharded blocks] in loop/fsdp.py): its parameters are gathered by its own ops
+# only and its clipped sums reduce-scattered as soon as the clip factor is known, which holds
+# about one unit at a time, as plain FSDP does. The gradients are the same either way (both are
+# checked against the reference on the union of the ranks' batches). A unit that blocks cannot
+# take (a layer shared across depth, arguments whose structure follows the batch) falls back to
+# the one graph with a BlocksFallbackWarning naming what it costs; blocks=False asks for the one
+# graph, and an explicit blocks= that fails is an error, as everywhere.
+# (tests/loop/test_fsdp.py::test_a_sharded_model_compiles_its_units_as_blocks_by_default)
 
 
 # Note [The wrapped model's signature]

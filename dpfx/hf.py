@@ -80,7 +80,7 @@ from dpfx.loop.samplers import plan_loader
 from dpfx.config import AUTOMATIC_GAMMA, DPConfig
 from dpfx.errors import PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
-from dpfx.loop.data import split_batch
+from dpfx.loop.data import agreed_pieces, split_batch
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.users import PerUser, per_user
 from dpfx.privacy.budget import noise_for_steps_left
@@ -378,7 +378,9 @@ class DPTrainer(Trainer):
                                "dpfx reduces across ranks itself (Note [DPTrainer over several "
                                "processes] in hf_ranks.py)")
         tracked = any(isinstance(t, TrackedTensor) for t in torch.utils._pytree.tree_leaves(inputs))
-        chunks = split_batch(untrack(inputs) if tracked else inputs, self.physical_batch_size)
+        plain = untrack(inputs) if tracked else inputs
+        chunks = split_batch(plain, self.physical_batch_size,
+                             agreed_pieces(self.model, plain, self.physical_batch_size))
         total, examples = None, 0
         for i, chunk in enumerate(chunks):
             if i:

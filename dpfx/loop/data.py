@@ -288,8 +288,10 @@ class VirtualBatches:
         for batch in self.loader:
             tracked = any(isinstance(t, TrackedTensor)
                           for t in torch.utils._pytree.tree_leaves(batch))
-            chunks = split_batch(untrack(batch) if tracked else batch,
-                                 self.max_physical_batch_size)
+            plain = untrack(batch) if tracked else batch
+            chunks = split_batch(plain, self.max_physical_batch_size,
+                                 agreed_pieces(self.optimizer.dp_model, plain,
+                                               self.max_physical_batch_size))
             for i, chunk in enumerate(chunks):
                 self.optimizer.signal_skip_step(i < len(chunks) - 1)
                 yield track_batch(chunk) if tracked else chunk     # each a batch of its own
@@ -306,6 +308,31 @@ class VirtualBatches:
 # only from a logical batch of one row, or from a cap below 3 (every split of 3 rows at a cap of 2
 # has a row alone): each of the p pieces holds at least floor(n / p) >= 2 rows when n > size >= 3.
 # (tests/loop/test_split_batch.py)
+# Note [Every rank runs as many physical batches]
+# On a model sharded with fully_shard, a block's forward and backward ops gather its unit's
+# parameters with a collective each time they run (Note [Sharded blocks] in loop/fsdp.py), so
+# every rank must run the same number of physical batches in a logical step. Poisson batches
+# differ in size across ranks, and so does the number of pieces a cap cuts them into: a rank
+# with fewer pieces would wait at the step's reduction while another waits in a block's
+# gather, until the process group's timeout. Before splitting, the ranks of a sharded model
+# agree on the largest count (one all-reduce of one integer per logical batch), and a rank with
+# fewer pieces runs empty ones after its own: an empty physical batch adds nothing to the
+# clipped sums and runs the same collectives. (tests/hf/test_trainer_ranks.py, a sharded
+# DPTrainer with gradient accumulation; tests/loop/test_split_batch.py)
+def agreed_pieces(dp_model, batch, size: int) -> int | None:
+    """The number of physical batches every rank of ``dp_model``'s sharding runs for this
+    logical batch (Note [Every rank runs as many physical batches]); None when not sharded."""
+    sharding = getattr(dp_model, "_sharding", None)
+    if sharding is None:
+        return None
+    import torch.distributed as dist
+
+    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    count = torch.tensor([len(split_sizes(leaves[0].shape[0], size)) if leaves else 1])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=sharding.group)
+    return int(count)
+
+
 def split_sizes(n: int, size: int) -> list[int]:
     """The sizes of the physical batches of a logical batch of ``n`` examples at a cap of
     ``size`` (Note [Near-equal physical batches]); ``[0]`` for an empty one."""
@@ -314,14 +341,16 @@ def split_sizes(n: int, size: int) -> list[int]:
     return [base + 1] * extra + [base] * (pieces - extra)
 
 
-def split_batch(batch, size: int) -> list:
+def split_batch(batch, size: int, pieces: int | None = None) -> list:
     """Split every tensor of a collated batch along dim 0 into the near-equal pieces of
-    ``split_sizes`` (Note [Near-equal physical batches])."""
+    ``split_sizes`` (Note [Near-equal physical batches]), then empty pieces up to ``pieces``
+    (Note [Every rank runs as many physical batches])."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     if not leaves:
         return [batch]
+    sizes = split_sizes(leaves[0].shape[0], size)
     starts = [0]
-    for length in split_sizes(leaves[0].shape[0], size):
+    for length in sizes + [0] * ((pieces or 0) - len(sizes)):
         starts.append(starts[-1] + length)
     return [torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t, a=a, b=b: t[a:b], batch) for a, b in zip(starts, starts[1:])]

@@ -71,6 +71,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from dpfx.errors import DPFXWarning
+
+
+class BlocksFallbackWarning(DPFXWarning):
+    """A sharded model's units could not be compiled as blocks, so it trains as one private
+    graph holding every parameter unsharded (Note [A sharded model gets blocks by default] in
+    api.py)."""
+
 
 def units(model: torch.nn.Module) -> list:
     """The FSDP2 units inside ``model`` (itself included), in module order."""

@@ -46,7 +46,7 @@ def _train(mode: str):
         fully_shard(model)
     dp = dpfx.compile(model, max_grad_norm=C0, noise_multiplier=0.0, expected_batch_size=D,
                       clipping="adaptive", target_quantile=QUANTILE, clip_lr=ETA,
-                      backend="eager", seed=11)
+                      backend="eager", seed=11, blocks=False)   # the one-graph sharded path
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), dp)
     bounds = []
     for step in range(len(SIZES)):

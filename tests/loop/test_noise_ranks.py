@@ -7,9 +7,10 @@ rank keeps what it released:
 - replicated, through ``make_private`` (noise="optimizer", chosen because there are two ranks):
   rank 0 noises the all-reduced sum (Note [Noise once across ranks] in dpfx/loop/optim.py), and
   every rank's accountant counts each global step once at the dataset's q;
-- sharded with ``fully_shard`` per layer, without and with ``blocks="auto"`` (fc1 and fc2 are
-  blocks whose sums the backward reduce-scatters): each rank noises the shard it owns (Note
-  [Sharded DP-SGD] in dpfx/loop/fsdp.py);
+- sharded with ``fully_shard`` per layer, as one graph (``blocks=False``) and by default (fc1
+  and fc2 are blocks whose sums the backward reduce-scatters: Note [A sharded model gets blocks
+  by default] in dpfx/api.py): each rank noises the shard it owns (Note [Sharded DP-SGD] in
+  dpfx/loop/fsdp.py);
 - adaptive clipping, replicated and sharded: the count of unclipped examples goes with the sums
   and rank 0 noises it (Note [Adaptive clipping over several ranks] in dpfx/loop/optim.py).
 
@@ -73,7 +74,7 @@ def _noise(path: str) -> dict:
     else:
         accountant = None
         dp = dpfx.compile(model, expected_batch_size=D,
-                          blocks="auto" if path == "sharded_blocks" else None, **settings)
+                          blocks=False if path == "sharded" else None, **settings)
         opt = dpfx.DPOptimizer(sgd, dp)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     local = {n: [] for n, _ in named}
@@ -180,8 +181,9 @@ def test_replicated_noise_is_added_once_and_each_step_counted_once(released):
 
 @pytest.mark.parametrize("path", ["sharded", "sharded_blocks"])
 def test_each_rank_noises_its_shard_once(released, path):
-    if path == "sharded_blocks":            # the block path was taken: fc1, fc2 have places
-        assert released[0][path]["blocks"] == ["fc1", "fc2"], released[0][path]["blocks"]
+    # the default took the block path (fc1, fc2 have places); blocks=False the one graph
+    assert released[0][path]["blocks"] == (["fc1", "fc2"] if path == "sharded_blocks" else []), \
+        released[0][path]["blocks"]
     _check_noised_once(released, path)
 
 

@@ -65,3 +65,15 @@ def test_split_steps_equal_the_unsplit_step_through_inductor():
     want = dp_sgd_grads(model, lambda out, t: ((out - t) ** 2).flatten(1).mean(1).mean(), x, y,
                         max_grad_norm=0.2, expected_batch_size=6)
     assert_close(split, want, rtol=1e-4, atol=1e-6)
+
+
+def test_agreed_pieces_pad_with_empty_batches_after_the_rank_own():
+    """Note [Every rank runs as many physical batches]: a rank whose Poisson batch cuts into
+    fewer pieces than another's runs empty pieces after its own, every row exactly once."""
+    batch = {"x": torch.arange(9).reshape(9, 1), "y": torch.arange(9)}
+    pieces = split_batch(batch, 8, 4)
+    assert [len(p["y"]) for p in pieces] == [5, 4, 0, 0]
+    assert torch.cat([p["y"] for p in pieces]).tolist() == list(range(9))
+    assert [p["x"].shape for p in pieces][-1] == (0, 1)
+    assert [len(p["y"]) for p in split_batch(batch, 8, None)] == [5, 4]
+    assert [len(p["y"]) for p in split_batch(batch, 8, 1)] == [5, 4]     # never fewer

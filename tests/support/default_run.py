@@ -19,7 +19,8 @@ SLOW_IN_THE_DEFAULT_RUN = {
     # DPTrainer's 2-process path in the default run
     "tests/hf/test_trainer_ranks.py::test_replicated_step_is_the_clipped_reference_over_both_ranks": 81,
     # 2026-11-29: the count of a sharded block's all-gathers (a step's speed, not its values:
-    # test_sharded_blocks_equal_the_reference_on_the_union keeps the path in the default run)
+    # test_a_sharded_model_compiles_its_units_as_blocks_by_default keeps the path in the
+    # default run)
     "tests/loop/test_fsdp.py::test_sharded_blocks_gather_each_unit_with_one_collective": 28,
     # 2026-11-29: the corpus through blocks; test_blocks.py's donated-input test keeps the
     # LayerNorm block through Inductor whose backward it caught writing into its inputs
