@@ -59,7 +59,7 @@ class DPModule(torch.nn.Module):
         # See Note [A sharded model gets blocks by default]: compile() sets it where it chose them
         object.__setattr__(self, "_blocks_chosen", False)
         object.__setattr__(self, "_blocks", [])
-        # Note [Only dpfx's own forward calls a compiled block] (blocks.py)
+        # Note [Only dpfx's own forward calls a compiled block] (blocks/call.py)
         object.__setattr__(self, "_private_forward",
                            blocks_mod.PrivateForward(blocks_mod.new_owner()))
         # See Note [Every gradient a parameter receives is dpfx's]
@@ -153,7 +153,7 @@ class DPModule(torch.nn.Module):
     # which compiled entry, whether every trainable parameter has its gradient guard. Those
     # caches are read again after any capture (``_after_capture``: a module added after compile
     # makes dynamo capture again, where the graph's own verifier sees it first, and a trainable
-    # parameter added or replaced is refused there, backend.py). What only a capture reads is
+    # parameter added or replaced is refused there, backend/inputs.py). What only a capture reads is
     # set up only when dynamo captures (Note [Settings only a capture reads] in capture/entry.py); the swaps
     # dynamo's guards check are a plain class with direct assignments, not a generator context
     # manager or config.patch. Everything that can differ per call (inputs
@@ -249,7 +249,7 @@ class DPModule(torch.nn.Module):
         if training and backend.problems is None:
             check_modules(self._orig_mod, self._norm_layers)
             check_loop_inputs(self, tensors)
-        if self._blocks_pending is not None:     # Note [Per-block private graphs] (blocks.py)
+        if self._blocks_pending is not None:    # Note [Per-block private graphs] in blocks/
             return self._run_with_new_blocks(args, kwargs, targets, tensors)
         real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py
         batch = config.bucket_for(real)
