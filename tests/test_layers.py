@@ -31,7 +31,10 @@ LAYERS = [
        rules.reduction rules.registry""",
     # 2 passes and proofs
     """passes passes.block passes.clip_noise passes.indexing passes.per_sample passes.schedule
-       passes.stack_time passes.verify""",
+       passes.stack_time
+       passes.verify passes.verify.adaptive passes.verify.backward passes.verify.block
+       passes.verify.clip passes.verify.forward passes.verify.noise passes.verify.patterns
+       passes.verify.release""",
     # 3 capture
     """capture capture.batch_branches capture.entry capture.errors capture.modules
        capture.requires_grad_skip capture.rnn capture.traceable""",

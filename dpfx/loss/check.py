@@ -66,7 +66,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import dpfx.ops  # noqa: F401  (dpfx::ctc_loss_per_example)
-from dpfx.graph.batch import BatchAnalysis, BatchDim, _prod, sym_expr
+from dpfx.graph.batch import BatchAnalysis, BatchDim, product, sym_expr
 from dpfx.passes.verify import mixing_ops
 
 aten = torch.ops.aten
@@ -517,7 +517,7 @@ def analyze(gm: fx.GraphModule, placeholders: list[Placeholder], record_of: dict
         if t in _SUMS or t in _MEANS:
             src = node.args[0]
             if t in _MEANS:
-                scale = scale * _prod(an.shape(node.meta["val"])) / _prod(an.shape(src.meta["val"]))
+                scale = scale * product(an.shape(node.meta["val"])) / product(an.shape(src.meta["val"]))
             if an.is_batched(src):
                 terms.append((scale, norms, node))
                 return
