@@ -41,7 +41,8 @@ LAYERS = [
     # 4 lowering
     "lower lower.cpu_builds lower.exact lower.fast lower.inductor lower.selfcheck lower.warm",
     # 5 the loss and the release gate
-    "loss loss.captured loss.check loss.form loss.gate loss.hf_labels loss.steady loss.track",
+    """loss loss.captured loss.check loss.form loss.gate loss.hf_labels loss.replay loss.scale
+       loss.steady loss.track""",
     # 6 the backend
     "backend blocks",
     # 7 the loop around the graph
