@@ -135,7 +135,8 @@ def check_clip_factors(proof: Backward) -> None:
             block_rows[row] = c
             continue
         apply = clip_apply_of(c)
-        base = scaling_factor(apply.args[1], an, config, real)
+        _, coef = apply.args
+        base = scaling_factor(coef, an, config, real)
         if base not in bound_of:
             raise PrivacyError(f"{c.name} is not scaled by the clip factor")
         factor_of[c] = base

@@ -67,7 +67,8 @@ def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
             if taken.setdefault(c, j) != j:
                 raise PrivacyError(f"{c.name} is released for block parameters {taken[c]} and {j}")
             apply = clip_apply_of(c)
-            if broadcast_source(apply.args[1]) is not coef:
+            _, scale = apply.args
+            if broadcast_source(scale) is not coef:
                 raise PrivacyError(f"{c.name} is not scaled by block parameter {j}'s coefficient")
             check_clipped_sum(c, apply, keep, covered, dependent, f"parameter {j}'s norm")
 
