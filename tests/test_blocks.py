@@ -378,13 +378,13 @@ def test_block_self_check_refuses_a_planted_miscompile(monkeypatch):
 
 
 def test_block_proof_refuses_a_clipped_sum_not_scaled_by_its_coefficient(monkeypatch):
-    """The block's own proof (passes/block.verify_block): a parameter's clipped sum scaled by
-    anything but its coefficient input is refused when the block is compiled."""
+    """The block's own proof (verify_block, passes/verify/block.py): a parameter's clipped sum
+    scaled by anything but its coefficient input is refused when the block is compiled."""
     import dpfx.passes.block as block_pass
     from dpfx.errors import PrivacyError
     from dpfx.rules import Clip
 
-    original = block_pass._clipped_sum
+    original = block_pass.clipped_sum
     calls = []
 
     def planted(pg, clip, emit, moved=True):
@@ -393,7 +393,7 @@ def test_block_proof_refuses_a_clipped_sum_not_scaled_by_its_coefficient(monkeyp
             clip = Clip(emit(torch.ops.aten.ones_like.default, clip.coef), clip.keep)
         return original(pg, clip, emit, moved)
 
-    monkeypatch.setattr(block_pass, "_clipped_sum", planted)
+    monkeypatch.setattr(block_pass, "clipped_sum", planted)
     config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     with pytest.raises(PrivacyError, match="not scaled by block parameter 0's coefficient"):
         compile_block(Block(), (torch.randn(2, 5, 8),), {}, {0}, config)
@@ -552,7 +552,7 @@ def test_block_proof_refuses_a_clipped_sum_over_another_parameters_gradient(monk
     import dpfx.passes.block as block_pass
     from dpfx.errors import PrivacyError
 
-    original = block_pass._clipped_sum
+    original = block_pass.clipped_sum
     first = []
 
     def planted(pg, clip, emit, moved=True):
@@ -563,7 +563,7 @@ def test_block_proof_refuses_a_clipped_sum_over_another_parameters_gradient(monk
             return original(first[0], clip, emit, moved)
         return original(pg, clip, emit, moved)
 
-    monkeypatch.setattr(block_pass, "_clipped_sum", planted)
+    monkeypatch.setattr(block_pass, "clipped_sum", planted)
     config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     block = Block()
     groups = ["g"] * sum(1 for p in block.parameters() if p.requires_grad)

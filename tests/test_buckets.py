@@ -5,7 +5,7 @@ model compiled without buckets (the unpadded dpfx step), and against support/ref
 torch.func vmap(grad) per-example gradients clipped and summed by hand. Batch sizes inside the
 buckets and on their edges (B = 1, B = a bucket, B = a bucket + 1, B = 0). Note [Padded rows
 contribute zero] in dpfx/passes/clip_noise.py, Note [Padded rows are proven out] in
-dpfx/passes/verify.py.
+dpfx/passes/verify/clip.py.
 """
 import copy
 import warnings

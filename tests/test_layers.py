@@ -31,14 +31,18 @@ LAYERS = [
        rules.reduction rules.registry""",
     # 2 passes and proofs
     """passes passes.block passes.clip_noise passes.indexing passes.per_sample passes.schedule
-       passes.stack_time passes.verify""",
+       passes.stack_time
+       passes.verify passes.verify.adaptive passes.verify.backward passes.verify.block
+       passes.verify.clip passes.verify.forward passes.verify.noise passes.verify.patterns
+       passes.verify.release""",
     # 3 capture
     """capture capture.batch_branches capture.entry capture.errors capture.modules
        capture.requires_grad_skip capture.rnn capture.traceable""",
     # 4 lowering
     "lower lower.cpu_builds lower.exact lower.fast lower.inductor lower.selfcheck lower.warm",
     # 5 the loss and the release gate
-    "loss loss.captured loss.check loss.form loss.gate loss.hf_labels loss.steady loss.track",
+    """loss loss.captured loss.check loss.form loss.gate loss.hf_labels loss.replay loss.scale
+       loss.steady loss.track""",
     # 6 the backend
     """backend backend.checks backend.inputs backend.runtime
        blocks blocks.call blocks.capture blocks.kernels blocks.prepare blocks.selfcheck

@@ -4,7 +4,7 @@
 
 BatchNorm in training mode normalizes each example with statistics of the whole batch, so
 example i's output depends on every other example and per-example clipping bounds nothing. The
-forward check (passes/verify.py) catches it in the graph too; this check runs first because
+forward check (passes/verify/forward.py) catches it in the graph too; this check runs first because
 torch's batch_norm tests the batch size in Python, before dpfx sees any graph.
 """
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _whole(expr: sympy.Expr) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _equal(a, b) -> bool:
+def sizes_equal(a, b) -> bool:
     """Size expressions a == b: structurally (cheap, the common case), else exactly."""
     if a == b:
         return True
@@ -120,18 +120,18 @@ def _simplify(expr: sympy.Expr) -> sympy.Expr:
 
 
 @functools.lru_cache(maxsize=4096)
-def _nonnegative(expr: sympy.Expr) -> bool:
+def nonnegative(expr: sympy.Expr) -> bool:
     """``expr >= 0`` proven for every value of its size symbols (non-negative integers)."""
     subs = {s: sympy.Dummy(s.name, integer=True, nonnegative=True) for s in expr.free_symbols}
     return sympy.expand(expr.subs(subs)).is_nonnegative is True
 
 
 def _same_layout(a: Layout, b: BatchDim) -> bool:
-    return isinstance(a, BatchDim) and a.dim == b.dim and _equal(a.outer, b.outer) and \
-        _equal(a.inner, b.inner)
+    return isinstance(a, BatchDim) and a.dim == b.dim and sizes_equal(a.outer, b.outer) and \
+        sizes_equal(a.inner, b.inner)
 
 
-def _prod(exprs) -> sympy.Expr:
+def product(exprs) -> sympy.Expr:
     out = sympy.Integer(1)
     for e in exprs:
         out = out * e
@@ -207,15 +207,16 @@ def _is_draw_op(target) -> bool:
 # backwards, convolution_backward, max_pool2d_with_indices) do the same for each output, rather
 # than read the shape, which can only say "B" or "mixes the batch with other dims".
 # Inheriting says where the rows are, not that the op keeps them apart: that is the forward
-# check's (mixing_ops in verify.py), which refuses an op working along the batch's dim, whether
-# the op names the dim or, like a LayerNorm, a GroupNorm, a convolution or a pooling, reads
-# across dims fixed by its meaning (Note [Ops that read across dims they do not name]). The
-# views that split the merged dim back must split it as it was merged (``_through_view``), and
-# the per-sample rules sum each example's rows (Note [A convolution over K rows per example]).
+# check's (mixing_ops in passes/verify/forward.py), which refuses an op working along the
+# batch's dim, whether the op names the dim or, like a LayerNorm, a GroupNorm, a convolution or
+# a pooling, reads across dims fixed by its meaning (Note [Ops that read across dims they do
+# not name]). The views that split the merged dim back must split it as it was merged
+# (``_through_view``), and the per-sample rules sum each example's rows (Note [A convolution
+# over K rows per example]).
 # (tests/graph/test_merged_batch.py)
 
 
-def _declared_layouts(node: fx.Node) -> tuple | None:
+def declared_layouts(node: fx.Node) -> tuple | None:
     """The outputs' layouts of a compiled block's op, as the block's own analysis found them
     (a saved activation viewed (B*T, d) is batch-major there; read from its shape alone it
     would be ambiguous)."""
@@ -318,7 +319,7 @@ class BatchAnalysis:
         if len(dims) > 1:
             return Ambiguous(f"the batch size appears in dims {dims} of shape {self.shape(val)}")
         size = self.shape(val)[dims[0]]
-        if _equal(size, self.batch):
+        if sizes_equal(size, self.batch):
             return BatchDim(dims[0])
         return Ambiguous(f"dim {dims[0]} of size {size} mixes the batch with other dims")
 
@@ -327,7 +328,7 @@ class BatchAnalysis:
         if isinstance(val, (tuple, list)):
             if node.op == "placeholder":
                 return None
-            declared = _declared_layouts(node)
+            declared = declared_layouts(node)
             if declared is not None:
                 return declared
             return tuple(   # Note [Multi-output ops inherit per output]
@@ -458,23 +459,23 @@ class BatchAnalysis:
 
     def _through_view(self, ins: list, bd: BatchDim, outs: list) -> Layout:
         d = bd.dim
-        if len(outs) > d and all(_equal(a, b) for a, b in zip(ins[:d + 1], outs)):
+        if len(outs) > d and all(sizes_equal(a, b) for a, b in zip(ins[:d + 1], outs)):
             return bd  # the view only reshapes dims after the batch (Flatten and its backward)
-        stride = bd.inner * _prod(ins[bd.dim + 1:])
-        prefix = _prod(ins[: bd.dim]) * bd.outer
+        stride = bd.inner * product(ins[bd.dim + 1:])
+        prefix = product(ins[: bd.dim]) * bd.outer
         for j in reversed(range(len(outs))):
             if not self.has_batch(outs[j]):
                 continue
-            inner = _simplify(stride / _prod(outs[j + 1:]))
+            inner = _simplify(stride / product(outs[j + 1:]))
             if not _whole(inner):
                 continue
             outer = _simplify(outs[j] / (self.batch * inner))
             if (
                 _whole(outer)
                 and not self.has_batch(outer)
-                and _equal(_prod(outs[:j]) * outer, prefix)
+                and sizes_equal(product(outs[:j]) * outer, prefix)
             ):
-                same = _equal(outer, bd.outer) and _equal(inner, bd.inner)
+                same = sizes_equal(outer, bd.outer) and sizes_equal(inner, bd.inner)
                 keeps = bd.index_of if bd.index_of == "unit" or same else None
                 return BatchDim(j, outer, inner, keeps)   # Note [An arange over the rows]
         return Ambiguous(f"view {ins} -> {outs} splits or scrambles the batch dim")
@@ -497,7 +498,7 @@ class BatchAnalysis:
             return Ambiguous(f"{node.name} concatenates parts that flatten the batch differently")
         outer = sympy.simplify(sum((lay.outer for lay in lays), sympy.Integer(0)))
         expect = outer * self.batch * lays[0].inner
-        if not _equal(expect, self.shape(val)[dim]):
+        if not sizes_equal(expect, self.shape(val)[dim]):
             return Ambiguous(f"{node.name} concatenates along the batch dim with sizes that do "
                              f"not add up to (outer, B, inner)")
         return BatchDim(dim, outer, lays[0].inner)
@@ -560,7 +561,7 @@ class BatchAnalysis:
             return f"dim {d} of size {self.pretty(sizes[d])} is not a whole number of examples"
         left, step, last = [e for e in range(len(sizes)) if sizes[e] != 1], sympy.Integer(1), d
         while left:
-            match = [e for e in left if _equal(strides[e], step)]
+            match = [e for e in left if sizes_equal(strides[e], step)]
             if len(match) != 1:
                 return f"strides {self.pretty(strides)} of shape {self.pretty(sizes)} are not dense"
             last = match[0]
@@ -583,19 +584,19 @@ class BatchAnalysis:
             return f"the batch size appears in dims {dims}"
         (j,) = dims
         inner = _simplify(size[j] / self.batch)
-        if not _whole(inner) or self.has_batch(inner) or not _equal(inner * stride[j], block):
+        if not _whole(inner) or self.has_batch(inner) or not sizes_equal(inner * stride[j], block):
             return (f"dim {j} does not step from one example's block ({self.pretty(block)}) to "
                     f"the next")
         low = high = start
         for n, s in [(inner, stride[j])] + [(size[d], stride[d]) for d in range(len(size))
                                             if d != j]:
-            if _nonnegative(s):
+            if nonnegative(s):
                 high = high + (n - 1) * s
-            elif _nonnegative(-s):
+            elif nonnegative(-s):
                 low = low + (n - 1) * s
             else:
                 return f"the sign of stride {self.pretty(s)} is not known"
-        if not (_nonnegative(low) and _nonnegative(block - 1 - high)):
+        if not (nonnegative(low) and nonnegative(block - 1 - high)):
             return (f"positions [{self.pretty(low)}, {self.pretty(high)}] are not within one "
                     f"example's block [0, {self.pretty(block)})")
         return BatchDim(j, sympy.Integer(1), inner)
@@ -603,7 +604,7 @@ class BatchAnalysis:
     def _contiguous(self, val: torch.Tensor) -> bool:
         step = sympy.Integer(1)
         for n, s in reversed(list(zip(self.shape(val), val.stride()))):
-            if n != 1 and not _equal(self.size(s), step):
+            if n != 1 and not sizes_equal(self.size(s), step):
                 return False
             step = step * n
         return True
@@ -627,7 +628,7 @@ class BatchAnalysis:
             lay = self.layouts.get(a)
             if isinstance(lay, BatchDim) and isinstance(a.meta.get("val"), torch.Tensor):
                 in_size = self.shape(a.meta["val"])[lay.dim]
-                if _equal(in_size, out_shape[d]):
+                if sizes_equal(in_size, out_shape[d]):
                     candidates.add((lay.outer, lay.inner))
         if len(candidates) == 1:
             outer, inner = candidates.pop()

@@ -22,7 +22,7 @@ prims = torch.ops.prims
 
 # Data movement that keeps each example's entries, only rearranged (squared_norm's walk back):
 # the moves the verifier looks through when it compares clipped tensors with a norm's sources
-# (verify._MOVES), no others.
+# (MOVES in passes/verify/patterns.py), no others.
 _ENTRY_MOVES = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.unsqueeze.default,
@@ -199,7 +199,8 @@ class Emitter:
     # (a per-sample form) that keeps dim 0 where and what it is (a view or reshape with dim 0 of
     # size B on both sides, a permute that fixes dim 0). The verifier accepts the result because
     # it compares clipped tensors with the norm's sources through the same data movement
-    # (verify._through_moves). Pinned by tests/rules/test_linear.py::test_one_squared_norm_per_tensor.
+    # (passes/verify/patterns.py, through_moves). Pinned by
+    # tests/rules/test_linear.py::test_one_squared_norm_per_tensor.
     def squared_norm(self, node: fx.Node, bd: BatchDim, widen: bool = True) -> fx.Node:
         """[B]: each example's sum of squares of ``node``'s entries (batch layout ``bd``),
         computed once per source tensor and dtype: in float32 or wider, or, with ``widen=False``,

@@ -77,7 +77,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from dpfx.loss.gate import BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES
 from dpfx.ops.loss import model_output
-from dpfx.loss import check as loss_check
+from dpfx.loss import check as loss_check, replay as loss_replay, scale as loss_scale
 from dpfx.loss.form import cross_entropy_form
 from dpfx.errors import PrivacyError
 from dpfx.graph import tags
@@ -190,9 +190,9 @@ def _value(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-# In dynamo's graph, the calls whose Python-number operand scales a tensor (loss_check.SCALING
+# In dynamo's graph, the calls whose Python-number operand scales a tensor (loss_replay.SCALING
 # as dynamo records them): the number is replayed as a scalar input, as the plain loop's check
-# does (Note [Python numbers in the loss] in loss/check.py), so the proof tells a number the
+# does (Note [Python numbers in the loss] in loss/replay.py), so the proof tells a number the
 # loss is scaled by from a constant inside a term (label smoothing's) the same way.
 _SCALING_CALLS = {operator.mul, operator.truediv, operator.imul, operator.itruediv, torch.mul,
                   torch.div, torch.true_divide, torch.multiply, torch.divide}
@@ -217,7 +217,7 @@ class _Program:
         for node in tail:
             if _scales(node):
                 for i, a in enumerate(node.args[:2]):
-                    if loss_check.is_number(a):
+                    if loss_replay.is_number(a):
                         self.numbers.append(a)
                         lifted[node, i] = sub.placeholder(f"number_{len(self.numbers) - 1}")
         for node in tail:
@@ -230,9 +230,9 @@ class _Program:
 
         shape_env = ShapeEnv()
         mode = FakeTensorMode(shape_env=shape_env)
-        symbol = shape_env.create_symbol(loss_check._BATCH_HINT,
+        symbol = shape_env.create_symbol(loss_replay.BATCH_HINT,
                                          ConstantSource("dpfx_loss_batch"), DimDynamic.DYNAMIC)
-        sym_batch = shape_env.create_symintnode(symbol, hint=loss_check._BATCH_HINT)
+        sym_batch = shape_env.create_symintnode(symbol, hint=loss_replay.BATCH_HINT)
         self.placeholders, self.factors, fakes = [], [], []
         for node in inputs:
             ph, factor, fake = _stand_in(node, node in marks, batch_symbol, sym_batch, mode)
@@ -240,7 +240,7 @@ class _Program:
             self.factors.append(factor)
             fakes.append(fake)
         for value in self.numbers:
-            self.placeholders.append(loss_check.Placeholder.scalar(value))
+            self.placeholders.append(loss_replay.Placeholder.scalar(value))
             self.factors.append(None)
             with mode:
                 fakes.append(torch.empty((), dtype=self.placeholders[-1].dtype))
@@ -299,7 +299,7 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
             raise PrivacyError(
                 f"the loss given to dpfx.compile(loss=...) reads a size ({val}) that is not a "
                 f"multiple of the batch size; compute it from the loss's own tensors")
-        return (loss_check.Placeholder((), torch.int64, torch.device("cpu"), False), None,
+        return (loss_replay.Placeholder((), torch.int64, torch.device("cpu"), False), None,
                 k * sym_batch if k else int(val))
     if not isinstance(val, torch.Tensor):
         raise PrivacyError(f"the loss given to dpfx.compile(loss=...) reads {src.name}, which "
@@ -341,7 +341,7 @@ def _stand_in(node: fx.Node, is_mark: bool, batch_symbol, sym_batch, mode):
     rest = [int(s) for s in shape[1:]]
     with mode:
         fake = torch.empty((sym_batch, *rest), dtype=val.dtype, device=val.device)
-    return (loss_check.Placeholder((None, *rest), val.dtype, val.device, is_output=is_mark,
+    return (loss_replay.Placeholder((None, *rest), val.dtype, val.device, is_output=is_mark,
                                    is_data=not is_mark), 1, fake)
 
 
@@ -395,7 +395,7 @@ class _Scaling:
     """Step 3 in graph nodes: for each term, ``f_k = target / (b_k max_j |w_j|)``, b_k = B^p
     prod N^q over the normalizers computed from the inputs, w_k = prod v^q over the Python
     numbers (compile-time constants, guarded by dynamo), target 1/B for loss_reduction "mean";
-    1 where f_k is not finite or b_k is 0 (loss_check.eval_scale's rule)."""
+    1 where f_k is not finite or b_k is 0 (loss_scale.eval_scale's rule)."""
 
     def __init__(self, verdict, program: _Program, reduction: str):
         self.verdict, self.program, self.reduction = verdict, program, reduction
@@ -466,10 +466,10 @@ class _Scaling:
                 env[node] = graph.node_copy(node, lambda a: env[a])
             value = env[loss]
             f, = self.factors(graph, batch, normalizers, _value(loss).dtype,
-                              self.verdict.terms[:1] or [loss_check.Term(0, ())])
+                              self.verdict.terms[:1] or [loss_scale.Term(0, ())])
             scaled = graph.call_function(aten.mul.Tensor, (value, f))
         else:
-            # Note [Terms on their own scales] in loss/check.py: the replayed tail, each term
+            # Note [Terms on their own scales] in loss/scale.py: the replayed tail, each term
             # times its own factor, the linear part above the terms computed again
             replayed = self.program.replayed
             renv = {ph: by_position[i]

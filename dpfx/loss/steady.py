@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dpfx.loss import check as loss_check
+from dpfx.loss import replay as loss_replay
 
 _CACHE_SIZE = 256
 _NLL_NODES = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
@@ -139,7 +139,7 @@ def _mean_nll(func, spec, descr) -> bool:
     signature = NLL_CALLS.get(func)
     if signature is None:
         return False
-    args, kwargs = loss_check.unflatten([d[1] if d[0] == "c" else _TENSOR for d in descr], spec)
+    args, kwargs = loss_replay.unflatten([d[1] if d[0] == "c" else _TENSOR for d in descr], spec)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
@@ -158,7 +158,7 @@ def _total_weight(node) -> float | None:
 
 def dim0_key(t, batch: int):
     """dim 0 (of a tensor or a shape) as a multiple of the batch where it is one (Note [Which
-    inputs of the loss carry the batch] in loss/check.py), so that one verdict serves every
+    inputs of the loss carry the batch] in loss/replay.py), so that one verdict serves every
     batch size."""
     shape = t.shape if isinstance(t, torch.Tensor) else t
     if len(shape) == 0:

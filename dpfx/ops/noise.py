@@ -117,8 +117,8 @@ _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
 # call, its scale and its division still run, and the comparison sees the clipped sums alone.
 # The flag is thread-local: a training step on another thread while a model's first call
 # checks itself keeps its noise. That the graph adds noise of the configured scale is the
-# verifier's proof (verify._check_release); the draw itself is dpfx's kernel, not code Inductor
-# generates.
+# verifier's proof (check_release in passes/verify/release.py); the draw itself is dpfx's
+# kernel, not code Inductor generates.
 _state = threading.local()
 
 
@@ -166,7 +166,7 @@ def _(n, device):
 # Philox stream t, so no two tensors share a counter. The graph holds the op functionally, as
 # ``auto_functionalized_v2`` (what aot_autograd makes of a mutating op); Inductor re-inplaces it
 # into the clipped sums' own buffers, which nothing else reads. The verifier reads the call as
-# the noise and its arguments as the release's scale (verify._check_release).
+# the noise and its arguments as the release's scale (passes/verify/release.py).
 _LIBRARY.define("add_noise_(Tensor(a!)[] sums, float std, float multiplier, SymInt divisor) -> ()",
                 tags=(torch.Tag.nondeterministic_seeded,))
 

@@ -53,7 +53,7 @@ class ForwardInfo:
     # outputs of a captured loss without a batch dim: its value, its normalizers (loss/captured.py)
     loss_outputs: set = dataclasses.field(default_factory=set)
     # outputs that are a fused attention kernel's RNG state or book-keeping, saved for its
-    # backward (Note [Attention kernels keep the leading dims apart] in verify.py); the
+    # backward (Note [Attention kernels keep the leading dims apart] in verify/forward.py); the
     # self-check does not compare them (Note [Attention kernels' side outputs are not compared])
     side_outputs: set = dataclasses.field(default_factory=set)
 

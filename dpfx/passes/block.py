@@ -18,7 +18,7 @@ part B reads of part A: a ghost parameter's book-keeping operands (the layer's i
 gradient rows), a materialized one's per-sample gradient. Part B is ``Clip.scale`` and the
 clipped sums of ``passes/clip_noise.py``, so a block's parameter is clipped exactly as the same
 parameter in a one-graph model; the root graph's verifier sees the coefficients and masks go in
-(``verify_block`` below proves what happens inside).
+(``verify_block``, in passes/verify/block.py, proves what happens inside).
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ from dpfx.config import DPConfig
 from dpfx.errors import PrivacyError
 from dpfx.graph.batch import BatchAnalysis, BatchDim
 from dpfx.graph.emit import Emitter
-from dpfx.passes.clip_noise import _clipped_sum, _squared_norm
+from dpfx.passes.clip_noise import clipped_sum, squared_norm
 from dpfx.passes.per_sample import ParamGrad, RewriteContext, rewrite_per_sample
 from dpfx.passes.stack_time import stack_over_time
+from dpfx.passes.verify import verify_block
 from dpfx.rules import Clip
 
 aten = torch.ops.aten
@@ -125,7 +126,7 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
     sums: dict[int, fx.Node] = {}
     own = []        # each parameter's own squares, what verify_block checks its sum against
     for pg, r in zip(grads, rows):
-        sq = _squared_norm(pg, emit)
+        sq = squared_norm(pg, emit)
         if sq.meta["val"].dtype != torch.float32:
             sq = emit(torch.ops.prims.convert_element_type.default, sq, torch.float32)
         own.append(sq)
@@ -133,7 +134,7 @@ def block_backward(gm: fx.GraphModule, fw, param_outputs: dict[int, str],
     squares = [emit(aten.unsqueeze.default, sums[r], 0) for r in range(len(sums))]
     norms = emit(aten.cat.default, squares, tag="block_norms") if len(squares) > 1 \
         else squares[0]
-    clipped = [_clipped_sum(pg, Clip(coef, keep), emit) for pg, (coef, keep) in zip(grads, cuts)]
+    clipped = [clipped_sum(pg, Clip(coef, keep), emit) for pg, (coef, keep) in zip(grads, cuts)]
     input_grads = [i for i, o in enumerate(outs) if i not in param_outputs and o is not None]
     output.args = (tuple([outs[i] for i in input_grads] + [norms] + clipped),)
     gm.graph.eliminate_dead_code()
@@ -152,65 +153,6 @@ def _batch_size_val(placeholders, an: BatchAnalysis):
         if isinstance(lay, BatchDim) and lay.is_plain:
             return ph.meta["val"].shape[lay.dim]
     raise PrivacyError("the block's backward graph has no input with a batch dim")
-
-
-def verify_block(gm: fx.GraphModule, an: BatchAnalysis, clipped: list[fx.Node],
-                 cuts: list[tuple[fx.Node, fx.Node]], squares: list[fx.Node],
-                 rows: list[fx.Node] | None = None) -> None:
-    """What the root graph relies on for each parameter j of the block: its output j is a sum
-    over examples in which every term that carries an example is scaled by ``coef_j`` and
-    selected by ``keep_j``, and the operand scaled is one that ``squares[j]``, parameter j's own
-    squared norm, is taken over (not another parameter's of its group: that would release one
-    gradient twice), and ``squares[j]`` is part of ``rows[j]``, the norm row the model's graph
-    reads for j. No path from the data reaches a clipped output except through those
-    products."""
-    import networkx as nx
-
-    from dpfx.passes import verify as v
-
-    graph = gm.graph
-    g = v._as_nx(graph)
-    cut_nodes = {n for pair in cuts for n in pair}
-    sources = [n for n in graph.find_nodes(op="placeholder")
-               if n not in cut_nodes and (an.is_batched(n) or n.name.startswith("tangents"))]
-    tagged = [n for n in graph.nodes if n.meta.get("dpfx") == "clipped_sum"]
-    leaked = v._reached(g, sources, blocked=set(tagged))
-    dependent = v._reached(g, sources)
-    if len(set(clipped)) != len(clipped):
-        raise PrivacyError("two of the block's parameters are released from one clipped sum")
-    taken: dict[fx.Node, int] = {}
-    for j, row in enumerate(rows or []):
-        if row is not squares[j] and squares[j] not in nx.ancestors(g, row):
-            raise PrivacyError(f"block parameter {j}'s squared norm is not part of its norm row")
-    for j, (out, (coef, keep), sq) in enumerate(zip(clipped, cuts, squares)):
-        if out in leaked:
-            raise PrivacyError(f"block parameter {j}'s clipped sum has a path from the data that "
-                               f"bypasses its clip coefficient")
-        ancestors = v._release_ancestors(g, out)
-        mine = [c for c in tagged if c in ancestors]
-        if not mine:
-            raise PrivacyError(f"block parameter {j}'s output is not a clipped sum")
-        # what j's norm row is taken over: its ancestors through dpfx's own nodes, stopping at
-        # the captured graph's (a later layer's output gradient is upstream of this parameter's
-        # per-sample gradient without being part of its norm)
-        covered = v._norm_sources(sq)
-        for c in mine:
-            if taken.setdefault(c, j) != j:
-                raise PrivacyError(f"{c.name} is released for block parameters {taken[c]} and {j}")
-            apply = v._clip_apply_of(c)
-            ps, scale = apply.args
-            if v._broadcast_source(scale) is not coef:
-                raise PrivacyError(f"{c.name} is not scaled by block parameter {j}'s coefficient")
-            if v._through_moves(ps) not in covered:
-                raise PrivacyError(f"{ps.name} enters the clipped sum {c.name} but is not part "
-                                   f"of parameter {j}'s norm")
-            for x in c.all_input_nodes:
-                if x not in dependent or not v._floating(x):
-                    continue
-                value = v._finite_masked(x, keep, c)
-                if value is not apply and value not in covered:
-                    raise PrivacyError(f"{value.name} enters the clipped sum {c.name} but is not "
-                                       f"part of parameter {j}'s norm")
 
 
 def _split(gm: fx.GraphModule, cuts: set[fx.Node], num_a_outputs: int, an: BatchAnalysis

@@ -95,7 +95,7 @@ REAL_EXAMPLES = "real_examples"
 # ``dpfx::observe_norms`` records only the first B norms (ops/norms.py), so no padded row is
 # ever counted as clipped, unclipped or non-finite. The verifier requires this form of keep
 # whenever buckets are configured, with ``real_rows`` read from the one real_examples input
-# (Note [Padded rows are proven out] in verify.py). A mean loss without expected_batch_size
+# (Note [Padded rows are proven out] in verify/clip.py). A mean loss without expected_batch_size
 # is released with the sliced draw on CPU too (add_noise_ takes its divisor as a size, and D is
 # the tensor real_examples); with a sum, or a given expected_batch_size, add_noise_ stays.
 # (tests/test_buckets.py)
@@ -146,7 +146,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                 if pg.ghost.norm_sq in shared:
                     continue
                 shared.add(pg.ghost.norm_sq)
-            squares.append(_squared_norm(pg, emit))
+            squares.append(squared_norm(pg, emit))
         squares += [emit.squared_norm(s.per_sample, BatchDim(0)) for s in stacks
                     if s.group == key]
         norm_sq = squares[0]
@@ -203,7 +203,7 @@ def insert_clip_and_noise(emit: Emitter, grads: list[ParamGrad], config: DPConfi
                        tag="clipped_sum") for s in stacks]
     order = sorted((pg for pg in grads if pg.name not in into and pg.name not in stacked),
                    key=lambda pg: at_nominal(sympy.Mul(*emit.analysis.shape(pg.grad.meta["val"]))))
-    emitted = {pg.name: _clipped_sum(pg, clips[config.group_of(pg.name)], emit,
+    emitted = {pg.name: clipped_sum(pg, clips[config.group_of(pg.name)], emit,
                                      moved=not in_place) for pg in order}
     clipped = {pg.name: emitted[pg.name] for pg in grads if pg.name in emitted}
     count = _unclipped_count(norms[""], clips[""].keep, bound, emit, real_rows) \
@@ -345,7 +345,7 @@ def _noised_in_place(grads: list[ParamGrad], clipped: dict[str, torch.fx.Node], 
 # base gets its own normal draw (the streams of the call's tensors are numbered anew, so a seed
 # draws other values than before). The verifier reads the stacked sum as one clipped tensor
 # covered by the norm, and each output as a slice of the released base, no two overlapping
-# (verify._check_release_in_place).
+# (verify/release.py).
 STACK_VECTORS = True    # benchmarks/step_ab.py switches it off to measure what it is worth
 
 
@@ -403,7 +403,7 @@ def _as_output(pg: ParamGrad, out: torch.fx.Node, tag: str, emit: Emitter) -> to
     return out
 
 
-def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
+def squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
     """[B]: the squared norm of each example's gradient of this parameter, in float32 or wider."""
     if pg.strategy == "ghost":
         # norms of bf16/fp16 gradients in float32; a float64 parameter's stay float64, so its
@@ -412,7 +412,7 @@ def _squared_norm(pg: ParamGrad, emit: Emitter) -> torch.fx.Node:
     return emit.squared_norm(pg.per_sample, BatchDim(0))
 
 
-def _clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter, moved: bool = True) -> torch.fx.Node:
+def clipped_sum(pg: ParamGrad, clip: Clip, emit: Emitter, moved: bool = True) -> torch.fx.Node:
     """sum_i coef_i * grad_i over the examples with a finite norm, in the parameter's shape (a
     ghost parameter's in its frontier's shape where ``moved`` is false)."""
     if pg.strategy == "ghost":
@@ -440,4 +440,4 @@ def _moved(pg: ParamGrad, out: torch.fx.Node, emit: Emitter) -> torch.fx.Node:
 # were separate and three (V, d) buffers were live in the last kernel (the embedding benchmark's
 # 3x step memory). The noise entries are i.i.d., so the draw's slice is viewed in the product's
 # own shape and the captured moves then take the sum to the parameter's. The verifier reads the
-# noise as the product's base (verify._check_release).
+# noise as the product's base (verify/release.py).

@@ -18,7 +18,7 @@ x's batch dim keeps rows chosen by the data, and is refused.
 
 ``embedding(table, ids)`` is ``index(table, [ids])``; a table that holds the batch is checked
 so. ``take`` reads a flattened tensor, across every dim: it is a dim op of the forward check
-(``_READS_ACROSS`` in verify.py).
+(``_READS_ACROSS`` in verify/forward.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dpfx.graph.batch import BatchAnalysis, BatchDim, _equal
+from dpfx.graph.batch import BatchAnalysis, BatchDim, sizes_equal
 
 aten = torch.ops.aten
 
@@ -72,8 +72,8 @@ def index_problem(node: fx.Node, an: BatchAnalysis) -> str | None:
         rows = given[lay.dim]
         own = an.layout(rows)
         fits = isinstance(own, BatchDim) and (
-            (own.index_of == "row" and _equal(an.shape(vals[lay.dim])[own.dim], shape[lay.dim])
-             and _equal(own.outer, lay.outer) and _equal(own.inner, lay.inner))
+            (own.index_of == "row" and sizes_equal(an.shape(vals[lay.dim])[own.dim], shape[lay.dim])
+             and sizes_equal(own.outer, lay.outer) and sizes_equal(own.inner, lay.inner))
             or (own.index_of == "unit" and lay.is_plain))
         if not fits:
             return (f"indexes the batch dim {lay.dim} of {x.name} with {rows.name}, which is not "
@@ -109,5 +109,5 @@ def _aligned(t: fx.Node, where: int, rank: int, front: int, own: BatchDim, size:
         return True
     lay, val = an.layout(t), t.meta["val"]
     return isinstance(lay, BatchDim) and front + rank - val.dim() + lay.dim == where and \
-        _equal(an.shape(val)[lay.dim], size) and _equal(lay.outer, own.outer) and \
-        _equal(lay.inner, own.inner)
+        sizes_equal(an.shape(val)[lay.dim], size) and sizes_equal(lay.outer, own.outer) and \
+        sizes_equal(lay.inner, own.inner)

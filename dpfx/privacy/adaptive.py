@@ -29,7 +29,7 @@ refused (config.py).
 
 The graph reads C_t as an input (a 0-d tensor, the placeholder ``clip_bound``, appended by the
 backend to the backward's arguments), so a new bound never compiles anything again; the verifier
-proves that the clip factor and the noise std read that one input (passes/verify.py). The count
+proves that the clip factor and the noise std read that one input (passes/verify/). The count
 is computed in the graph from the norms the clip factor reads; with noise="graph" the graph adds
 its noise (one more entry of the step's draw) and the backend hands s_t to ``released``; with
 noise="optimizer" the graph returns the raw count, ``add_count`` sums it over a logical batch and

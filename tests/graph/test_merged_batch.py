@@ -6,8 +6,8 @@ hidden states flattened to (B*T, d); augmentation multiplicity (De et al. 2022) 
 of each image, (B, K, C, H, W) -> (B*K, C, H, W), runs a convolution and a GroupNorm, and averages
 each example's K losses. The batch analysis follows the merged dim through the flatten (Note
 [Multi-output ops inherit per output] in dpfx/graph/batch.py), the forward check proves that each
-op reads only its rows (Note [Ops that read across dims they do not name] in passes/verify.py),
-and the convolution rule sums each example's K rows (Note [A convolution over K rows per
+op reads only its rows (Note [Ops that read across dims they do not name] in
+passes/verify/forward.py), and the convolution rule sums each example's K rows (Note [A convolution over K rows per
 example] in rules/convolution.py). Batch sizes include 1 and one equal to the merged factor (T or
 K), where a shape alone cannot tell the batch from the other dim. Ops that do read across the
 batch stay refused.
@@ -448,7 +448,7 @@ def test_requires_grad_true_is_a_no_op_for_the_gradients():
 class EmbeddingAndBag(nn.Module):
     """nn.Embedding and nn.EmbeddingBag on the same ids: ``bag(ids)[:, None]`` slices dim 0 whole,
     and its backward is a slice_scatter over the batch dim (Note [A slice over the whole batch
-    dim] in dpfx/passes/verify.py)."""
+    dim] in dpfx/passes/verify/forward.py)."""
 
     def __init__(self):
         super().__init__()

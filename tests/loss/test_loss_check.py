@@ -1,4 +1,4 @@
-"""The loss inside the proof (dpfx/loss/track.py, dpfx/loss/check.py).
+"""The loss inside the proof (dpfx/loss/track.py, replay.py, check.py, scale.py).
 
 Accepted losses are checked against the torch.func reference (each example's gradient of its own
 loss, clipped, summed, divided); losses that couple examples are refused with the op and the
@@ -627,7 +627,7 @@ def test_stacked_batch_means_in_the_steady_state(monkeypatch):
         assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-# -- Note [An index that counts the rows] (dpfx/loss/check.py) ----------------------------------
+# -- Note [An index that counts the rows] (dpfx/loss/replay.py) ---------------------------------
 def _own_row_nll(o, y):
     return -o.log_softmax(-1)[torch.arange(len(y)), y].mean()
 

@@ -140,7 +140,7 @@ FAMILIES = {
 DEFAULT = ["conv1d_groups", "layernorm_rmsnorm", "encoder_layer_masked"]
 # Refused today, loudly (found by this sweep; each family alone passes elsewhere): none. The
 # last two, nn.Embedding and nn.EmbeddingBag on the same ids (the backward's slice_scatter over
-# the whole batch dim, Note [A slice over the whole batch dim] in dpfx/passes/verify.py) and
+# the whole batch dim, Note [A slice over the whole batch dim] in dpfx/passes/verify/forward.py) and
 # nn.TransformerDecoderLayer with a causal mask held in a closure (Note [Tensors the model holds
 # are not inputs] in dpfx/backend/inputs.py), train.
 KNOWN_REFUSALS = {}

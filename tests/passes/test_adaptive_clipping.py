@@ -6,7 +6,7 @@ next bound is C_t exp(-eta (b_t - gamma)) of the reference's own count, through 
 self-check on and through eager, both loss reductions, ghost and materialize, noise in the graph
 and at the optimizer; a new bound compiles nothing; one canary moves the release by at most
 C_t / D; the verifier refuses a clip factor, a noise std or a count that does not read the one
-bound input as Note [The adaptive bound is proven as an input] (passes/verify.py) says."""
+bound input as Note [The adaptive bound is proven as an input] (passes/verify/adaptive.py) says."""
 import math
 import warnings
 

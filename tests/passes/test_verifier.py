@@ -10,8 +10,11 @@ import torch.nn.functional as F
 
 import dpfx
 from dpfx.config import DPConfig
-from dpfx.passes import clip_noise, verify
+from dpfx.passes import clip_noise
 from dpfx.passes.verify import verify_backward
+from dpfx.passes.verify.noise import check_disjoint, size_expr
+from dpfx.passes.verify.patterns import is_add_noise, through_moves
+from dpfx.passes.verify.release import through_release_moves
 from support.models import MLP, ChannelsLastLinearPool, mse
 from support.reference import assert_close, dp_sgd_grads, loop_dp_sgd_grads, run_dpfx, run_dpfx_multi
 
@@ -95,7 +98,7 @@ def test_batch_wide_value_inside_a_per_sample_gradient_is_rejected():
     ps = next(p for p in result.grads if p.name == "fc2.bias").per_sample
     # The bias's per-sample form and its norm both read the output gradient's rows (Note [One
     # squared norm per tensor]): scale them where both see it.
-    rows = verify._through_moves(ps)
+    rows = through_moves(ps)
     tangent = next(n for n in result.gm.graph.nodes if n.name.startswith("tangents"))
     anchor = rows.next
     batch_total = _insert_before(result.gm, anchor, aten.sum.dim_IntList, tangent, [0])
@@ -148,20 +151,19 @@ def test_parameters_sharing_noise_entries_are_rejected():
     second.args = (second.args[0], 0, first.args[3], first.args[3] + width)  # disjoint again
     verify_backward(result.gm, result.analysis, result.private, CONFIG)
 
+
 def test_noise_slices_with_symbolic_bounds():
     """A parameter with a symbolic dim has symbolic noise bounds: disjointness must be proven."""
-    from dpfx.passes.verify import _check_disjoint
-
     s = sympy.Symbol("s0", positive=True, integer=True)
     src, other = types.SimpleNamespace(name="noise"), types.SimpleNamespace(name="noise_1")
     n = sympy.Integer
-    _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(4), 4 + s)),
-                     ("c", (src, 4 + s, 4 + 3 * s)), ("d", (other, n(0), n(4)))])
+    check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(4), 4 + s)),
+                    ("c", (src, 4 + s, 4 + 3 * s)), ("d", (other, n(0), n(4)))])
     with pytest.raises(dpfx.PrivacyError, match="'b' and 'a' may share"):
-        _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, s, s + 1))])    # s0 may be < 4
+        check_disjoint([("a", (src, n(0), n(4))), ("b", (src, s, s + 1))])    # s0 may be < 4
     with pytest.raises(dpfx.PrivacyError, match="may share"):
-        _check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(2), n(6))),
-                         ("c", (src, n(6), n(9)))])
+        check_disjoint([("a", (src, n(0), n(4))), ("b", (src, n(2), n(6))),
+                        ("c", (src, n(6), n(9)))])
 
 
 def test_wrong_clip_bound_is_rejected():
@@ -324,7 +326,7 @@ def test_as_strided_scatter_across_examples_is_rejected():
     scatter = next(iter(result.gm.graph.find_nodes(op="call_function",
                                                    target=aten.as_strided_scatter.default)))
     base, src, size, stride, *rest = scatter.args
-    assert [verify._size_expr(s) for s in stride] == [6, 1]
+    assert [size_expr(s) for s in stride] == [6, 1]
     scatter.args = (base, src, size, [1, size[0]], *rest)
     with pytest.raises(dpfx.PrivacyError, match="as_strided_scatter.*one example's block"):
         verify_backward(result.gm, result.analysis, result.private, CONFIG)
@@ -591,17 +593,17 @@ def test_size_equality_is_exact_and_memoized():
     """Note [Size arithmetic is memoized] in graph/batch.py: expand decides polynomial sizes,
     simplify the rest (quotients, as views divide strides), in both directions."""
     from torch.utils._sympy.functions import FloorDiv
-    from dpfx.graph.batch import _equal
+    from dpfx.graph.batch import sizes_equal
 
     b, t = sympy.symbols("u0 s1", integer=True, positive=True)
-    assert _equal(b * t * 16, 16 * t * b)
-    assert _equal(b * (t + 1), b * t + b)
-    assert not _equal(16 * b, sympy.Integer(16))
-    assert not _equal(b * t, b * (t + 1))
-    assert _equal(FloorDiv(2 * b * t, 2), b * t)
-    assert not _equal(FloorDiv(b * t, 2), b * t)
-    assert _equal((b * b - 1) / (b - 1), b + 1)
-    assert not _equal((b * b - 1) / (b - 1), b)
+    assert sizes_equal(b * t * 16, 16 * t * b)
+    assert sizes_equal(b * (t + 1), b * t + b)
+    assert not sizes_equal(16 * b, sympy.Integer(16))
+    assert not sizes_equal(b * t, b * (t + 1))
+    assert sizes_equal(FloorDiv(2 * b * t, 2), b * t)
+    assert not sizes_equal(FloorDiv(b * t, 2), b * t)
+    assert sizes_equal((b * b - 1) / (b - 1), b + 1)
+    assert not sizes_equal((b * b - 1) / (b - 1), b)
 
 
 def test_noise_base_reweighted_inside_the_embedding_sum_is_rejected():
@@ -635,7 +637,7 @@ def _in_place(monkeypatch, strategy="ghost", x_shape=(3, 5, 8), **config_kwargs)
     kwargs = {**dict(max_grad_norm=CONFIG.max_grad_norm, noise_multiplier=CONFIG.noise_multiplier,
                      strategy=strategy), **config_kwargs}
     result, config = _rewritten_with(kwargs, x_shape)
-    calls = [n for n in result.gm.graph.nodes if verify._is_add_noise(n)]
+    calls = [n for n in result.gm.graph.nodes if is_add_noise(n)]
     assert len(calls) == 1 and not any(n.meta.get("dpfx") == "noise_scale"
                                        for n in result.gm.graph.nodes)
     return result, config, calls[0]
@@ -790,7 +792,7 @@ def test_in_place_release_that_skips_the_noise_is_rejected(monkeypatch):
     """An output taken from the clipped sum itself, before add_noise_: no noise reaches it."""
     result, config, call = _in_place(monkeypatch, "materialize", (3, 8))
     name = next(n for n, out in result.private.items()
-                if verify._through_release_moves(out).args[1:] == (1,))
+                if through_release_moves(out).args[1:] == (1,))
     base = call.kwargs["_all_bases"][0]
     private = _route_output(result, name, base)
     with pytest.raises(dpfx.PrivacyError, match="no noise is added"):
