@@ -49,6 +49,7 @@ copy of the verified graph), ``stream`` (the copy's gradients measured as it rel
 ``markers`` (the passed checks' markers and the warm start's verdicts).
 """
 from __future__ import annotations
+
 from dpfx.lower.selfcheck.batches import SIZES
 from dpfx.lower.selfcheck.check import GraphCheck
 from dpfx.lower.selfcheck.grow import Release
