@@ -172,7 +172,7 @@ def instrument_dpfx(timers: Timers) -> None:
     timers.wrap(selfcheck.GraphCheck, "run", "self-check run")
     # the C++ builds the first run waits for (Note [A graph's C++ builds run while the next
     # graph lowers]): the builds' time, which the self-check's start only happens to meet
-    timers.wrap(selfcheck, "finish_builds", "builds waited")
+    timers.wrap(selfcheck.check, "finish_builds", "builds waited")
     timers.wrap(block_check, "finish_builds", "builds waited")
 
 

@@ -124,33 +124,33 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
 @contextlib.contextmanager
 def optimizer_flat() -> ContextManager:
     """DPOptimizer writes every gradient through the flat buffer (as for several ranks)."""
-    import dpfx.loop.optim
-    real = dpfx.loop.optim.DPOptimizer._write_in_place
-    dpfx.loop.optim.DPOptimizer._write_in_place = lambda *args: False
+    import dpfx.loop.grads
+    real = dpfx.loop.grads.GradWriter._write_in_place
+    dpfx.loop.grads.GradWriter._write_in_place = lambda *args: False
     try:
         yield
     finally:
-        dpfx.loop.optim.DPOptimizer._write_in_place = real
+        dpfx.loop.grads.GradWriter._write_in_place = real
 
 
 @contextlib.contextmanager
 def optimizer_flat_buffered() -> ContextManager:
     """The flat buffer plus a buffer of normals scaled into a second one, then added: the
     optimizer's noise before 2026-11-27."""
-    import dpfx.loop.optim
+    import dpfx.loop.step_noise
     from dpfx.loop.noise import gaussian
-    real = dpfx.loop.optim.DPOptimizer._add_noise
+    real = dpfx.loop.step_noise.StepNoise.add
 
     def buffered(self, flat, std):
         if std:
-            flat += gaussian(flat.numel(), std, self._generator, device=flat.device)
+            flat += gaussian(flat.numel(), std, self.generator, device=flat.device)
 
-    dpfx.loop.optim.DPOptimizer._add_noise = buffered
+    dpfx.loop.step_noise.StepNoise.add = buffered
     try:
         with optimizer_flat():
             yield
     finally:
-        dpfx.loop.optim.DPOptimizer._add_noise = real
+        dpfx.loop.step_noise.StepNoise.add = real
 
 
 @contextlib.contextmanager

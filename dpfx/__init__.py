@@ -16,7 +16,8 @@ from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_pr
 from dpfx.errors import (CaptureError, DPFXError, DPFXWarning, OptionError, PeerError,
                          PrivacyError, UnsupportedOpError)
 from dpfx.report.explain import Report, explain
-from dpfx.loss.track import LossScaleWarning, track_batch
+from dpfx.loss.arranged import LossScaleWarning
+from dpfx.loss.track import track_batch
 from dpfx.lower.inductor import ComboKernelsWarning
 from dpfx.capture.modules import replace_batchnorm
 from dpfx.loop.data import VirtualBatches, expected_batch_size, poisson_loader, split_batch

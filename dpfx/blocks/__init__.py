@@ -21,7 +21,7 @@ book-keeping operands) and one ``dpfx::block_grad`` per call. The per-sample rew
 ``block_grad`` as the frontier of the block's parameters (rules/block.py): their norms join
 the model's norm sum, the model's one clip factor (per group) scales them through
 ``dpfx::block_clip``, and the noise is added once, by the model's graph, as for any other
-parameter. The proof is in two parts: the block's (passes/block.verify_block: each of its
+parameter. The proof is in two parts: the block's (passes/verify/block.py, verify_block: each of its
 clipped sums is scaled by its coefficient input and masked by its finite input, over operands
 its norm is taken over) and the model's (passes/verify.py, Note [A block's clipped sums]:
 those inputs are this graph's clip coefficient and mask for the parameter's group, the operands

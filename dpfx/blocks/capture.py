@@ -36,7 +36,7 @@ from dpfx.config import DPConfig
 from dpfx.errors import CaptureError, DPFXError
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
-from dpfx.lower.selfcheck import _has_random_ops
+from dpfx.lower.selfcheck.reference import has_random_ops
 from dpfx.ops.blocks import KERNELS
 from dpfx.passes import Stages, compile_forward
 from dpfx.passes.block import block_backward, norm_rows
@@ -103,7 +103,7 @@ class BlockBackend:
             if kind == "arg" and pos in self.batched:
                 batch_inputs[node.name] = 0
         self.fw_info = compile_forward(gm, batch_inputs, self.stages)
-        if _has_random_ops(gm):
+        if has_random_ops(gm):
             raise CaptureError(
                 f"dpfx: block {self.name} draws random numbers in its forward (dropout while "
                 f"training); a compiled block cannot yet, since the self-check would compare "

@@ -24,7 +24,8 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
                 batch_symbols: set) -> None:
     from dpfx.errors import PrivacyError
     from dpfx.graph.batch import BatchDim
-    from dpfx.lower.selfcheck import _close, _compare, _other_examples
+    from dpfx.lower.selfcheck.batches import other_examples
+    from dpfx.lower.selfcheck.compare import close, compare
     from dpfx.ops.blocks import operands
 
     finish_builds()     # Note [A graph's C++ builds run while the next graph lowers]
@@ -39,8 +40,8 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
     def changed_at(t: torch.Tensor, lay, b: int) -> torch.Tensor:
         """``t`` with example 0's entries changed, its dim ``lay.dim`` (outer, B, inner)."""
         sizes = {s: b for s in batch_symbols}
-        from dpfx.lower.selfcheck import _concrete
-        outer, inner = _concrete(lay.outer, sizes), _concrete(lay.inner, sizes)
+        from dpfx.lower.selfcheck.batches import concrete
+        outer, inner = concrete(lay.outer, sizes), concrete(lay.inner, sizes)
         t = t.clone()
         split = t.view(*t.shape[:lay.dim], outer, b, inner, *t.shape[lay.dim + 1:])
         row = split.select(lay.dim + 1, 0)
@@ -62,8 +63,8 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
     def independent(which, b, layouts, before, after):
         sizes = {s: b for s in batch_symbols}
         for i, (lay, x, y) in enumerate(zip(layouts, before, after)):
-            if isinstance(lay, BatchDim) and not _close(_other_examples(x, lay, b, sizes),
-                                                        _other_examples(y, lay, b, sizes), 1e-5):
+            if isinstance(lay, BatchDim) and not close(other_examples(x, lay, b, sizes),
+                                                        other_examples(y, lay, b, sizes), 1e-5):
                 raise PrivacyError(
                     f"dpfx's self-check of block {k.name}: changing example 0 changed other "
                     f"examples of {which} output {i} at batch size {b}. The code Inductor "
@@ -78,7 +79,7 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
                     and a.is_floating_point() else a for i, a in enumerate(args)] + list(rest)
             got = k.forward(args)
             names = [f"{k.name} forward output {i}" for i in range(len(got))]
-            _compare(f"block {k.name} forward", b, names, got, k.fake_forward(args))
+            compare(f"block {k.name} forward", b, names, got, k.fake_forward(args))
             again = k.forward([changed(a) if i in batched else a for i, a in enumerate(args)])
             independent("forward", b, k.forward_layouts, got, again)
 
@@ -91,7 +92,7 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
             reads = reads_of(args, got, grads)
             part_a = k.backward(reads)
             names = [f"{k.name} part A output {i}" for i in range(len(part_a))]
-            _compare(f"block {k.name} backward (part A)", b, names, part_a,
+            compare(f"block {k.name} backward (part A)", b, names, part_a,
                      k.fake_backward(reads))
             args2 = [changed(a) if i in batched else a for i, a in enumerate(args)]
             again = k.backward(reads_of(args2, k.forward(args2), [changed(t) for t in grads]))
@@ -102,7 +103,7 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
             keeps = [torch.ones(b, dtype=torch.bool) for _ in k.params]
             part_b = k.clip(coefs, keeps, ops)
             names = [f"{k.name} clipped sum {p}" for p in k.params]
-            _compare(f"block {k.name} clipped sums (part B)", b, names, part_b,
+            compare(f"block {k.name} clipped sums (part B)", b, names, part_b,
                      k.fake_clip(coefs, keeps, ops))
             for c, m in zip(coefs, keeps):
                 c[0], m[0] = 0.0, False
@@ -110,7 +111,7 @@ def check_block(k: Kernels, call_tensors: list, batched: set[int], rest: list,
             rows = [changed_at(t, lay, b) if isinstance(lay, BatchDim) else t
                     for t, lay in zip(ops, operand_layouts)]
             for name, x, y in zip(k.params, masked, k.clip(coefs, keeps, rows)):
-                if not _close(x, y, 1e-5):
+                if not close(x, y, 1e-5):
                     raise PrivacyError(
                         f"dpfx's self-check of block {k.name}: the clipped sum of {name} moved "
                         f"with example 0's operands although its coefficient was 0 and its mask "

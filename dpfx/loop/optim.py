@@ -33,6 +33,11 @@ optimizer's, so LR schedulers work) and does, at ``step()``:
   touches the parameters, the step is appended to the privacy ledger and fsynced, so a restart
   counts it (Note [Write-ahead privacy ledger] in privacy/ledger.py).
 
+The noise is drawn by a ``StepNoise`` (loop/step_noise.py: the generator or the CSPRNG, the
+correlation state) and written into p.grad by a ``GradWriter`` (loop/grads.py: one process,
+replicated ranks, shards, and the adaptive count); this class holds the step, the accounting
+and the checkpoint.
+
 # Note [Virtual batches]
 A logical batch too big for memory runs as several physical batches. ``signal_skip_step()``
 (which ``virtual_batches`` calls for every physical batch but the last) turns the next
@@ -61,21 +66,19 @@ before the all-reduce (its noise was drawn), so the restarted run counts it
 from __future__ import annotations
 
 import collections
-import secrets
 
 import torch
 import torch.distributed as dist
 
 from dpfx.backend import DPBackend
-from dpfx.ops.noise import add_noise_keyed
 from dpfx.errors import DPFXWarning, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
-from dpfx.loop.correlated import CorrelatedNoise, NoiseCheck, check_mechanism, check_resume
-from dpfx.loop.noise import (add_gaussian_, gaussian, noise_generator, secure_gaussian,
-                             secure_standard_normal)
+from dpfx.loop.correlated import check_mechanism, check_resume
+from dpfx.loop.grads import GradWriter, noise_std
 from dpfx.privacy import Accountant
-from dpfx.loop.ranks import check_same_model, peer_error, rank_of, world_of
+from dpfx.loop.ranks import check_same_model, rank_of, world_of
 from dpfx.loop.release import BatchSizes
+from dpfx.loop.step_noise import StepNoise
 from dpfx.loss.gate import warn_at_caller
 
 # Set once at construction: changing them later would make the noise, the divisor or the
@@ -88,74 +91,84 @@ class NoNoiseWarning(DPFXWarning):
     """A DPOptimizer with noise_multiplier=0: the steps are not private (epsilon is infinite)."""
 
 
+def _check_and_bind(optimizer, dp_model, accountant, sample_rate, secure_mode: bool,
+                    process_group, ledger, mechanism, check_noise_every) -> int:
+    """The DPOptimizer's arguments checked against the compiled model, before anything is
+    built; a sharded model's shards bound to the optimizer. Returns the world size."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, DPOptimizer):
+        raise TypeError("optimizer is already a DPOptimizer")
+    if not isinstance(getattr(dp_model, "_dpfx_backend", None), DPBackend):
+        raise TypeError(f"dp_model must be what dpfx.compile returned, got "
+                        f"{type(dp_model).__name__}")
+    if accountant is not None and sample_rate is None:
+        raise ValueError("sample_rate: the accountant needs the Poisson sample rate q of each "
+                         "step (expected batch size / dataset size)")
+    if accountant is not None and not isinstance(accountant, Accountant):
+        raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
+                        f"{type(accountant).__name__}")
+    if ledger is not None and accountant is None:
+        raise ValueError("ledger: the privacy ledger records the accountant's steps; give "
+                         "an accountant too")
+    config = dp_model.dp_config
+    if secure_mode and config.noise != "optimizer":
+        raise ValueError("secure_mode draws the noise outside the graph: compile the model "
+                         "with dpfx.compile(..., noise='optimizer')")
+    if secure_mode and config.seed is not None:
+        raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
+                         "subtracted. Compile without seed=")
+    check_mechanism(mechanism, config, check_noise_every)
+    world = world_of(process_group)
+    if world > 1 and config.noise != "optimizer":
+        raise ValueError("distributed training adds the noise once across ranks, at step(): "
+                         "compile the model with dpfx.compile(..., noise='optimizer')")
+    if world > 1 and config.loss_reduction == "mean" \
+            and config.expected_batch_size is None:
+        raise ValueError("distributed training needs expected_batch_size (the global "
+                         "expected batch size q*N) to divide by")
+    sharding = dp_model._sharding
+    if sharding is not None:
+        # Note [Sharded DP-SGD] in loop/fsdp.py: the optimizer holds the shards
+        sharding.release()
+        if world != sharding.world:
+            raise ValueError(
+                f"the process group has {world} ranks and the model is sharded over "
+                f"{sharding.world}: shard over every rank of the group (HSDP and sub-meshes "
+                f"are not supported), or pass the mesh's group as process_group")
+    trainable = {id(p): n for n, p in dp_model._orig_mod.named_parameters()
+                 if p.requires_grad}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in trainable:
+                raise ValueError(
+                    "the optimizer updates a parameter that is not a trainable parameter of "
+                    "dp_model; its gradient would not be private" + (
+                        "" if sharding is None else ". With fully_shard, build the "
+                        "optimizer after sharding, over the sharded model.parameters()"))
+    if sharding is not None:
+        sharding.bind([(n, p) for n, p in dp_model._orig_mod.named_parameters()
+                       if p.requires_grad])
+        if sharding.world > 1:
+            sharding.check_same_structure()
+    elif world > 1:
+        check_same_model(dp_model._orig_mod, process_group)
+    if dp_model.clipped_sums:
+        raise ValueError("dp_model holds clipped sums of backward passes run before this "
+                         "DPOptimizer existed; call dp_model.reset_clipped_sums() first, or "
+                         "they would be stepped as part of its first step")
+    return world
+
+
 class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, dp_model, *,
                  accountant: Accountant | None = None, sample_rate: float | None = None,
                  secure_mode: bool = False, process_group=None, ledger=None, mechanism=None,
                  check_noise_every: int | None = None):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
-        if isinstance(optimizer, DPOptimizer):
-            raise TypeError("optimizer is already a DPOptimizer")
-        if not isinstance(getattr(dp_model, "_dpfx_backend", None), DPBackend):
-            raise TypeError(f"dp_model must be what dpfx.compile returned, got "
-                            f"{type(dp_model).__name__}")
-        if accountant is not None and sample_rate is None:
-            raise ValueError("sample_rate: the accountant needs the Poisson sample rate q of each "
-                             "step (expected batch size / dataset size)")
-        if accountant is not None and not isinstance(accountant, Accountant):
-            raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
-                            f"{type(accountant).__name__}")
-        if ledger is not None and accountant is None:
-            raise ValueError("ledger: the privacy ledger records the accountant's steps; give "
-                             "an accountant too")
-        config = dp_model.dp_config
-        if secure_mode and config.noise != "optimizer":
-            raise ValueError("secure_mode draws the noise outside the graph: compile the model "
-                             "with dpfx.compile(..., noise='optimizer')")
-        if secure_mode and config.seed is not None:
-            raise ValueError("secure_mode refuses a fixed seed: noise that can be replayed can be "
-                             "subtracted. Compile without seed=")
-        check_mechanism(mechanism, config, check_noise_every)
-        self.world = world_of(process_group)
-        if self.world > 1 and config.noise != "optimizer":
-            raise ValueError("distributed training adds the noise once across ranks, at step(): "
-                             "compile the model with dpfx.compile(..., noise='optimizer')")
-        if self.world > 1 and config.loss_reduction == "mean" \
-                and config.expected_batch_size is None:
-            raise ValueError("distributed training needs expected_batch_size (the global "
-                             "expected batch size q*N) to divide by")
-        sharding = dp_model._sharding
-        if sharding is not None:
-            # Note [Sharded DP-SGD] in loop/fsdp.py: the optimizer holds the shards
-            sharding.release()
-            if self.world != sharding.world:
-                raise ValueError(
-                    f"the process group has {self.world} ranks and the model is sharded over "
-                    f"{sharding.world}: shard over every rank of the group (HSDP and sub-meshes "
-                    f"are not supported), or pass the mesh's group as process_group")
-        trainable = {id(p): n for n, p in dp_model._orig_mod.named_parameters()
-                     if p.requires_grad}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in trainable:
-                    raise ValueError(
-                        "the optimizer updates a parameter that is not a trainable parameter of "
-                        "dp_model; its gradient would not be private" + (
-                            "" if sharding is None else ". With fully_shard, build the "
-                            "optimizer after sharding, over the sharded model.parameters()"))
-        if sharding is not None:
-            sharding.bind([(n, p) for n, p in dp_model._orig_mod.named_parameters()
-                           if p.requires_grad])
-            if sharding.world > 1:
-                sharding.check_same_structure()
-        elif self.world > 1:
-            check_same_model(dp_model._orig_mod, process_group)
-        if dp_model.clipped_sums:
-            raise ValueError("dp_model holds clipped sums of backward passes run before this "
-                             "DPOptimizer existed; call dp_model.reset_clipped_sums() first, or "
-                             "they would be stepped as part of its first step")
+        self.world = _check_and_bind(optimizer, dp_model, accountant, sample_rate, secure_mode,
+                                     process_group, ledger, mechanism, check_noise_every)
+        config, sharding = dp_model.dp_config, dp_model._sharding
         self.original_optimizer = optimizer
         self.dp_model = dp_model
         self.accountant = accountant
@@ -165,7 +178,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.mechanism = mechanism
         self.steps = 0
         self.noise_variance = None      # of each coordinate of the last step's p.grad
-        self._divisor = None
         # Note [Write-ahead privacy ledger] in privacy/ledger.py. Rank 0 keeps it: every rank takes the
         # same steps, and rank 0 adds the noise.
         self.privacy_ledger = None
@@ -178,28 +190,20 @@ class DPOptimizer(torch.optim.Optimizer):
         # Where the noise is added, fixed with the compiled model: in its backward graph (p.grad
         # is private when step() runs) or here, once per logical step
         self._noised_in_graph = config.noise == "graph"
-        self._privatize = (lambda count: count) if self._noised_in_graph else \
-            self._write_private_grads if sharding is None else self._write_sharded_grads
         self._skip_next = False
         self._open = False          # a logical step has started but not been taken
         self._named = [(n, p) for n, p in dp_model._orig_mod.named_parameters()
                        if p.requires_grad]
-        self._generator = None
-        if config.noise == "optimizer" and not secure_mode:
-            seed = secrets.randbits(62) if config.seed is None else config.seed
-            if sharding is not None and config.seed is not None:
-                seed = sharding.seed(seed)
-            device = self._named[0][1].device if self._named else torch.device("cpu")
-            self._generator = noise_generator(device).manual_seed(seed)
-        # See Note [Correlated noise where it is drawn]
-        self._correlated = self._check = None
-        if mechanism is not None and (sharding is not None or self.world <= 1
-                                      or rank_of(process_group) == 0):
-            recursion = mechanism.recursion()
-            self._correlated = CorrelatedNoise(recursion, mechanism.steps, name=mechanism.name)
-            if check_noise_every is not None:
-                self._check = NoiseCheck(recursion, name=mechanism.name,
-                                         window=self._correlated.window, every=check_noise_every)
+        # the noise drawn here (none under graph noise), and where it is written
+        self._source = StepNoise(config, self._noise_device(), secure_mode=secure_mode,
+                                sharding=sharding, mechanism=mechanism,
+                                check_noise_every=check_noise_every,
+                                draws=sharding is not None or self.world <= 1
+                                or rank_of(process_group) == 0)
+        self._grads = GradWriter(dp_model, self._named, self._source, dp_model._dpfx_backend.gate,
+                                 world=self.world, process_group=process_group)
+        self._privatize = (lambda count, steps: count) if self._noised_in_graph else \
+            self._grads.replicated if sharding is None else self._grads.sharded
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._gate = dp_model._dpfx_backend.gate
@@ -250,6 +254,19 @@ class DPOptimizer(torch.optim.Optimizer):
     def defaults(self, value):
         self.original_optimizer.defaults = value
 
+    # The noise source's state, read through the optimizer
+    @property
+    def _generator(self) -> torch.Generator | None:
+        return self._source.generator
+
+    @property
+    def _correlated(self):
+        return self._source.correlated
+
+    @property
+    def _check(self):
+        return self._source.check
+
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original_optimizer!r})"
 
@@ -298,16 +315,16 @@ class DPOptimizer(torch.optim.Optimizer):
             self._open = True
             self._gate.close_step()
             return loss
-        self._check_strategy_left()
+        self._source.check_left(self.steps, self.privacy_ledger)
         # Note [Only dpfx's gradients reach a private step] in loss/gate.py
         self._gate.ledger.check(self._named)
         self._write_ahead()     # Note [Write-ahead privacy ledger] in privacy/ledger.py
         examples, count = self.dp_model.examples, self._take_count()
         if self._batch_sizes is not None:
             self._batch_sizes.observe(examples)
-        std, self._divisor = self._noise_std(), None   # of the bound this step clips to
-        count = self._privatize(count)      # several ranks: the count goes with the sums
-        self._adapt(count, examples)
+        std, self._grads.divisor = noise_std(self.dp_model), None   # of the bound it clips to
+        count = self._privatize(count, self.steps)   # several ranks: the count goes with the sums
+        self._grads.adapt(count, examples)
         self._gate.close_step()
         self._set_noise_variance(std, examples)
         self.original_optimizer.step()
@@ -317,36 +334,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._account()
         return loss
 
-    def _check_strategy_left(self) -> None:
-        """A correlated-noise strategy for n steps releases n steps, refused before the ledger
-        records step n + 1 (every rank refuses alike: they count the same steps)."""
-        if self.mechanism is not None and self.steps >= self.mechanism.steps:
-            raise PrivacyError(
-                f"the '{self.mechanism.name}' strategy was built for {self.mechanism.steps} "
-                f"steps and this is step {self.steps + 1}: its noise and its accounting end "
-                f"there, and nothing was released. Build the strategy for the run's full number "
-                f"of steps (its steps=), or start a new run with a new strategy and count both "
-                f"runs' epsilon together")
-        if self.mechanism is not None and self.privacy_ledger is not None and \
-                self.privacy_ledger.steps != self.steps:
-            raise PrivacyError(
-                f"the privacy ledger records {self.privacy_ledger.steps} releases and this "
-                f"optimizer is at step {self.steps} of the '{self.mechanism.name}' strategy: "
-                f"release t of the strategy must be the ledger's record t + 1. Load the run's "
-                f"checkpoint (dpfx.load_checkpoint) before stepping, or give a new run a new "
-                f"ledger path")
-        if self._correlated is not None and self._correlated.t != self.steps:
-            raise PrivacyError(
-                f"the correlated noise state of the '{self.mechanism.name}' strategy is at step "
-                f"{self._correlated.t} and the optimizer at step {self.steps}: a release's noise "
-                f"was drawn without its step being taken (an error inside step()). Resume from "
-                f"the last checkpoint")
-
     def _set_noise_variance(self, std: float, examples: int) -> None:
         """The variance of each coordinate of the noise in this step's p.grad: (sigma S / D)^2,
         times Var(w_t) under a correlated-noise strategy; given to an inner optimizer that
         reads ``dp_noise_variance`` (a bias-corrected Adam) before it steps."""
-        divisor = self._divisor
+        divisor = self._grads.divisor
         if divisor is None:             # noise="graph": the graph divided
             config = self.dp_model.dp_config
             divisor = 1.0 if config.loss_reduction == "sum" else float(
@@ -368,26 +360,6 @@ class DPOptimizer(torch.optim.Optimizer):
         state = self.dp_model.adaptive_clip
         return None if state is None or self._noised_in_graph else state.take_count()
 
-    def _adapt(self, count, examples: int) -> None:
-        """noise="optimizer" under adaptive clipping: the logical batch's count of unclipped
-        examples noised once, N(0, sigma_b^2), and the bound moved (Note [Adaptive clipping] in
-        privacy/adaptive.py). After the gradient's release, which used the step's C_t."""
-        if count is None:
-            return
-        state = self.dp_model.adaptive_clip
-        count = count.detach().to(torch.float32).reshape(1).clone()
-        self._add_noise(count, state.count_noise_multiplier)
-        config = self.dp_model.dp_config
-        state.released(float(count), config.expected_batch_size or examples)
-
-    def _noise_std(self) -> float:
-        """The gradient's noise std: sigma * S, or sigma_grad * C_t under adaptive clipping."""
-        config = self.dp_model.dp_config
-        state = self.dp_model.adaptive_clip
-        if state is None:
-            return config.noise_std
-        return config.grad_noise_multiplier * state.bound
-
     def _max_grad_norm(self):
         bound = self.dp_model.dp_config.max_grad_norm
         return dict(bound) if isinstance(bound, tuple) else bound
@@ -397,189 +369,6 @@ class DPOptimizer(torch.optim.Optimizer):
             self.accountant.step(noise_multiplier=self.dp_model.dp_config.noise_multiplier,
                                  sample_rate=self.sample_rate)
 
-    def _write_private_grads(self, count=None):
-        """The noised, divided clipped sums into p.grad. Returns the adaptive count still to be
-        noised (one process), or None when it went with the sums (several ranks)."""
-        model, config = self.dp_model, self.dp_model.dp_config
-        sums = model.clipped_sums
-        if not self._named:
-            return count
-        if self.world <= 1 and self.mechanism is None and self._write_in_place(sums, config):
-            model.reset_clipped_sums()
-            return count
-        device = self._named[0][1].device
-        examples = model.examples
-        # Several ranks: the example count (and under adaptive clipping the count of unclipped
-        # examples, noised on rank 0) travel in the same buffer, one collective.
-        tail = []
-        if self.world > 1:
-            tail = self._counts_to_send(count, examples, device)
-        both = torch.cat([
-            (sums[n] if n in sums else torch.zeros_like(p)).reshape(-1).to(torch.float32)
-            for n, p in self._named] + tail)
-        flat = both[:both.numel() - sum(t.numel() for t in tail)]
-        if self.world <= 1 or rank_of(self.process_group) == 0:
-            self._add_release_noise(flat, self._noise_std())
-        if self.world > 1:
-            try:
-                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.process_group)
-            except RuntimeError as e:
-                raise peer_error(self.steps, self.process_group, e) from e
-            examples = int(both[-1].item())
-            self._counts_received(both[-2] if len(tail) == 2 else None, examples)
-            count = None
-        flat /= self._denominator(examples)
-        offset = 0
-        for name, p in self._named:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
-            self._gate.ledger.released(name, p)     # the inner step's pre-hooks may edit it
-            offset += n
-        model.reset_clipped_sums()
-        return count
-
-    # Note [Adaptive clipping over several ranks]
-    # The count of unclipped examples is a sum over the global batch like the clipped sums: each
-    # rank's raw centered count travels in the sums' collective, rank 0 adding the count's noise
-    # N(0, sigma_b^2) once to its own (the same draw in every row of a reduce-scatter, so that
-    # every rank receives the same noised total), and every rank moves the bound from that total
-    # after the gradient's release: the ranks' bounds stay equal, and the count is noised once.
-    # The gradient's noise is sigma_grad C_t, of the bound the step clipped to: the sharded step
-    # receives the count with its sums, so it reads the std before the bound moves (noised at
-    # C_{t+1}, a shrinking bound would leave the sums under-noised; tests/loop/test_noise_ranks.py).
-    def _counts_to_send(self, count, examples: int, device) -> list:
-        tail = []
-        if self.dp_model.adaptive_clip is not None and not self._noised_in_graph:
-            mine = torch.zeros(1, dtype=torch.float32, device=device) if count is None else \
-                count.detach().to(device=device, dtype=torch.float32).reshape(1).clone()
-            if rank_of(self.process_group) == 0:
-                self._add_noise(mine, self.dp_model.adaptive_clip.count_noise_multiplier)
-            tail.append(mine)
-        tail.append(torch.tensor([float(examples)], device=device))
-        return tail
-
-    def _counts_received(self, noised_count, examples: int) -> None:
-        if noised_count is not None:
-            config = self.dp_model.dp_config
-            self.dp_model.adaptive_clip.released(float(noised_count),
-                                                 config.expected_batch_size or examples)
-
-    # Note [The optimizer's noise added where the sums lie]
-    # In one process on the CPU, each clipped sum is noised and divided in place by one call of
-    # the noise kernel (one key, stream t for the t-th parameter, as the graph's release) and
-    # becomes p.grad: no flat copy of the model's gradients, no second copy per parameter. HF
-    # GPT-2 small (124M), B = 4, on a 2-core AMD EPYC: 4.86 s a step with the flat buffer and a
-    # buffer of normals, 3.69 s with the normals added to the flat buffer in place, 3.40 s so,
-    # level with the graph's noise (benchmarks/latest/optimizer_noise.md). Several ranks (one
-    # collective over the flat buffer), sums that share storage, 16-bit sums, secure_mode and
-    # GPUs keep the flat buffer.
-    def _write_in_place(self, sums: dict, config) -> bool:
-        if self.secure_mode or self._generator is None or self._generator.device.type != "cpu":
-            return False
-        tensors = []
-        for n, p in self._named:
-            t = sums.get(n)
-            if t is None:
-                t = torch.zeros(p.shape, dtype=torch.float32)
-            if t.dtype != torch.float32 or t.device.type != "cpu" or p.device.type != "cpu" \
-                    or p.dtype != torch.float32:
-                return False
-            tensors.append(t)
-        storages = {t.untyped_storage().data_ptr() for t in tensors}
-        if len(storages) != len(tensors):
-            return False
-        divisor = self._denominator(self.dp_model.examples)    # may refuse: nothing changed yet
-        std = self._noise_std()
-        if std:
-            add_noise_keyed(tensors, std, 1.0, divisor, self._generator)
-        else:
-            for t in tensors:
-                t.div_(divisor)
-        for (name, p), t in zip(self._named, tensors):
-            p.grad = t
-            self._gate.ledger.released(name, p)     # the inner step's pre-hooks may edit it
-        return True
-
-    def _write_sharded_grads(self, count=None):
-        """Note [Sharded DP-SGD] in loop/fsdp.py: one reduce-scatter of the clipped sums; this rank
-        noises and writes the coordinates it owns. The adaptive count goes with them (Note
-        [Adaptive clipping over several ranks])."""
-        model, sharding = self.dp_model, self.dp_model._sharding
-        sharding.release()
-        if not self._named:
-            return count
-        device = self._named[0][1].device
-        std = self._noise_std()     # of C_t, the bound this step clipped to, before it moves
-        tail = self._counts_to_send(count, model.examples, device)
-        try:
-            mine, counts = sharding.reduce_scatter(model.clipped_sums, torch.cat(tail), device)
-        except RuntimeError as e:
-            raise peer_error(self.steps, sharding.group, e) from e
-        examples = int(round(float(counts[-1])))
-        self._counts_received(counts[0] if len(tail) == 2 else None, examples)
-        divisor = self._denominator(examples)
-        if self.mechanism is not None:       # one state over this rank's coordinates
-            flat = torch.cat([mine[name] for name in sharding.names])
-            self._add_release_noise(flat, std)
-            for name, part in zip(sharding.names, flat.split(
-                    [mine[name].numel() for name in sharding.names])):
-                mine[name] = part
-        for name in sharding.names:          # this rank's coordinates, in one order on every rank
-            if self.mechanism is None:
-                self._add_noise(mine[name], std)
-            mine[name] /= divisor
-        sharding.write_grads(mine, self._gate.ledger)
-        model.reset_clipped_sums()
-        return None
-
-    # Note [Correlated noise where it is drawn]
-    # With a correlated-noise strategy (``mechanism=``) step t adds std * w_t, w_t = (C^{-1} z)_t,
-    # to the clipped sum (loop/correlated.py), z_t drawn from the same sources as the Gaussian
-    # noise (the generator's Philox stream, or secure_mode's CSPRNG). The state lives where the
-    # noise is drawn: on rank 0 under replicated ranks (Note [Noise once across ranks]), so the
-    # other ranks hold none; on every rank under sharding, over the coordinates the rank owns
-    # (its padded shards end to end, Note [Sharded DP-SGD] in loop/fsdp.py), so it is sharded
-    # like the gradients and each coordinate's noise sequence is drawn and correlated once.
-    # The flat buffer is used (not the in-place kernel) since w_t is needed as a vector.
-    def _add_release_noise(self, flat: torch.Tensor, std: float) -> None:
-        if self.mechanism is None:
-            self._add_noise(flat, std)
-            return
-        t = self._correlated.t
-        z = secure_standard_normal(flat.numel()).to(flat.device) if self.secure_mode else \
-            gaussian(flat.numel(), 1.0, self._generator, device=flat.device)
-        if self._check is not None:
-            self._check.before(t, z, flat)
-        w = self._correlated.step(z)
-        if std:
-            flat.add_(w.to(flat.dtype), alpha=std)
-        if self._check is not None:
-            self._check.after(t, flat, std)
-
-    def _add_noise(self, flat: torch.Tensor, std: float) -> None:
-        if std == 0:
-            return
-        if self.secure_mode:
-            flat += secure_gaussian(flat.numel(), std, device=flat.device)
-        else:
-            add_gaussian_(flat, std, self._generator)
-
-    def _denominator(self, examples: int) -> float:
-        self._divisor = self._divide_by(examples)
-        return self._divisor
-
-    def _divide_by(self, examples: int) -> float:
-        config = self.dp_model.dp_config
-        if config.loss_reduction == "sum":
-            return 1.0
-        if config.expected_batch_size is not None:
-            return float(config.expected_batch_size)
-        if examples == 0:
-            raise ValueError("empty logical batch with loss_reduction='mean' and no "
-                             "expected_batch_size: DP-SGD would divide by 0. Pass "
-                             "expected_batch_size to dpfx.compile (Poisson sampling's q*N)")
-        return float(examples)
-
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         if self._open:
@@ -588,17 +377,18 @@ class DPOptimizer(torch.optim.Optimizer):
         return {"optimizer": self.original_optimizer.state_dict(),
                 "accountant": self.accountant.state_dict() if self.accountant else None,
                 "steps": self.steps,
-                "generator": None if self._generator is None or
-                self.dp_model.dp_config.seed is None else self._generator.get_state(),
-                "generator_device": None if self._generator is None else
-                self._generator.device.type,
+                "generator": None if self._source.generator is None or
+                self.dp_model.dp_config.seed is None else self._source.generator.get_state(),
+                "generator_device": None if self._source.generator is None else
+                self._source.generator.device.type,
                 "adaptive_clip": None if self.dp_model.adaptive_clip is None else
                 self.dp_model.adaptive_clip.state_dict(),
                 # Note [The correlation state is secret] in loop/correlated.py
                 "mechanism": None if self.mechanism is None else self.mechanism.state_dict(),
-                "correlated": None if self._correlated is None else
-                self._correlated.state_dict(),
-                "noise_check": None if self._check is None else self._check.state_dict()}
+                "correlated": None if self._source.correlated is None else
+                self._source.correlated.state_dict(),
+                "noise_check": None if self._source.check is None else
+                self._source.check.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._check_loadable(state)
@@ -611,12 +401,13 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.dp_model.adaptive_clip is not None:
             self.dp_model.adaptive_clip.load_state_dict(state["adaptive_clip"])
         self.steps = int(state.get("steps", 0))
-        if state.get("generator") is not None and self._generator is not None:
-            self._generator.set_state(state["generator"])
-        if self._correlated is not None:
-            self._correlated.load_state_dict(state["correlated"], device=self._noise_device())
-        if self._check is not None:
-            self._check.load_state_dict(state["noise_check"])
+        if state.get("generator") is not None and self._source.generator is not None:
+            self._source.generator.set_state(state["generator"])
+        if self._source.correlated is not None:
+            self._source.correlated.load_state_dict(state["correlated"],
+                                                    device=self._noise_device())
+        if self._source.check is not None:
+            self._source.check.load_state_dict(state["noise_check"])
 
     def _share_count(self) -> None:
         """Under torch.distributed, every rank's accountant takes rank 0's, which the privacy
@@ -642,19 +433,19 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("the checkpoint and this DPOptimizer disagree on having an "
                              "accountant; epsilon would not keep counting")
         kind = state.get("generator_device") or "cpu"   # states saved before it was recorded
-        if state.get("generator") is not None and self._generator is not None and \
-                kind != self._generator.device.type:
+        if state.get("generator") is not None and self._source.generator is not None and \
+                kind != self._source.generator.device.type:
             raise ValueError(
                 f"the checkpoint's noise generator ran on {kind} and this DPOptimizer's runs on "
-                f"{self._generator.device.type}: its state cannot carry over, and seeding again "
-                f"would repeat the noise of earlier steps. Resume on a {kind} device, or "
+                f"{self._source.generator.device.type}: its state cannot carry over, and seeding "
+                f"again would repeat the noise of earlier steps. Resume on a {kind} device, or "
                 f"compile without a seed (fresh noise from the OS).")
         if self.privacy_ledger is not None:
             saved = Accountant()
             saved.load_state_dict(state["accountant"])
             check_same_run(self.privacy_ledger, saved)
-        check_resume(self.mechanism, state, holds_state=self._correlated is not None,
-                     checked=self._check is not None, ledger=self.privacy_ledger)
+        check_resume(self.mechanism, state, holds_state=self._source.correlated is not None,
+                     checked=self._source.check is not None, ledger=self.privacy_ledger)
 
     def _noise_device(self) -> torch.device:
         return self._named[0][1].device if self._named else torch.device("cpu")

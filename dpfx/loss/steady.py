@@ -7,7 +7,7 @@ kernel left it.
                                                # later steps: one lookup by the trace's records
 
 # Note [The steady-state key]
-``loss_track._verify`` proves a loss from its *program* (the recorded calls it depends on,
+``loss/backward.py`` proves a loss from its *program* (the recorded calls it depends on,
 renumbered, with the batch written as a symbol) and caches the verdict by the program's
 structure. Building that key walks the calls on every step. The steady-state key is made from
 what the trace already holds, with no walk: every record of the forward's trace as recorded
@@ -25,7 +25,7 @@ if no size int was a multiple of the batch when it was proven, so it read each a
 is the call the user makes at any batch size. The key is finer than the program's: a step that misses takes the full path, which proves or refuses
 as before. So a loss changed on step 100 (a batch statistic added, another label tensor, the
 same calls on another line) is checked on step 100. What is not in the key is checked on every
-step as before: the autograd walk (loss_track._check_autograd), a poisoned trace (two forwards,
+step as before: the autograd walk (loss/backward.py), a poisoned trace (two forwards,
 GradScaler), tensors written from detached outputs (any such tensor sends every step down the
 full path), the empty batch. Only verdicts whose scale needs no evaluation of the program are
 kept here (no size int read as the batch size, no Python number among the normalizers, every

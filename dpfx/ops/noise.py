@@ -106,7 +106,7 @@ _LIBRARY.define("standard_normal(SymInt n, Device device) -> Tensor",
 
 
 # Note [The self-check's backward runs without noise]
-# The self-check (lower/selfcheck.py) compares the compiled backward with the verified graph run
+# The self-check (lower/selfcheck/) compares the compiled backward with the verified graph run
 # eagerly, within a tolerance relative to each released gradient's norm. With the noise in that
 # gradient the norm is the noise's, sigma C sqrt(n) / D for a parameter of n entries, while
 # everything Inductor's code computes (norms, clip factors, clipped sums) adds up to at most

@@ -551,7 +551,7 @@ def test_fused_attention_side_outputs_are_left_out_of_the_self_check():
     kernel's RNG seed and offset (never written without dropout) are marked, and the self-check's
     comparison leaves them out, while it still refuses any other output that differs."""
     from dpfx.passes import Stages, compile_forward
-    from dpfx.lower.selfcheck import _compare
+    from dpfx.lower.selfcheck.compare import compare as _compare
 
     gm = _attention_graph(0)
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]

@@ -1,5 +1,5 @@
 """No warning of dpfx's on DPTrainer's own default paths, and a loss-scale warning that stays
-names the line that causes it (dpfx/loss/track.py, Note [A scale dpfx arranged])."""
+names the line that causes it (dpfx/loss/arranged.py, Note [A scale dpfx arranged])."""
 import warnings
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-from dpfx.loss import track as loss_track
+from dpfx.loss import verdicts as loss_verdicts
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -31,7 +31,7 @@ def dpfx_warnings() -> list[type]:
 
 def forget_verdicts():
     """A loss structure warns once per process: start from none proven."""
-    loss_track.forget()
+    loss_verdicts.forget()
 
 
 def test_causal_lm_lora_recipe_with_accumulation_runs_without_warnings(tmp_path):

@@ -1,5 +1,5 @@
 """Adaptive clipping over two gloo ranks (Note [Adaptive clipping over several ranks] in
-dpfx/loop/optim.py): the count of unclipped examples travels with the clipped sums.
+dpfx/loop/grads.py): the count of unclipped examples travels with the clipped sums.
 
 At sigma = 0, replicated (all-reduce) and sharded with ``fully_shard`` (reduce-scatter), every
 step's bound and every parameter equal an independent reference over the union of the ranks'

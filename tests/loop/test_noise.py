@@ -75,7 +75,7 @@ def test_noise_at_the_optimizer_per_parameter(path, monkeypatch):
     pooled, fresh each step, independent between parameters, Gaussian tails; added where each
     clipped sum lies (one process on the CPU) or into the flat buffer several ranks reduce."""
     if path == "flat":
-        monkeypatch.setattr(dpfx.DPOptimizer, "_write_in_place", lambda *args: False)
+        monkeypatch.setattr(dpfx.loop.grads.GradWriter, "_write_in_place", lambda *args: False)
     model = MLP(8, 32, 3)
     x, y = torch.randn(6, 8) * 3, torch.randn(6, 3)
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=D,

@@ -12,7 +12,7 @@ rank keeps what it released:
   by default] in dpfx/api.py): each rank noises the shard it owns (Note [Sharded DP-SGD] in
   dpfx/loop/fsdp.py);
 - adaptive clipping, replicated and sharded: the count of unclipped examples goes with the sums
-  and rank 0 noises it (Note [Adaptive clipping over several ranks] in dpfx/loop/optim.py).
+  and rank 0 noises it (Note [Adaptive clipping over several ranks] in dpfx/loop/grads.py).
 
 The released gradient is checked on each rank's own coordinates (its shard, or the whole
 gradient when replicated), parameter by parameter, and coordinate by coordinate over the steps:

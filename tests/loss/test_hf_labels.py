@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
-from dpfx.loss import track as loss_track
+from dpfx.loss import verdicts as loss_verdicts
 from support.reference import (assert_close, bound_that_bites, clipped_sum, loop_dp_sgd_grads,
                                loop_example_grads, loop_grads, per_example_norms)
 
@@ -49,7 +49,7 @@ def _token_sum(out, labels):
 def test_gpt2_labels_loss_value_and_gradient(backend):
     # the warning below comes once per loss structure and process: forget the other backend's
     # verdicts, in the full path's cache and the steady state's
-    loss_track.forget()
+    loss_verdicts.forget()
     model = _gpt2()
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend=backend)
     for batch in (4, 1):

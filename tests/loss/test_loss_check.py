@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from dpfx.loss import check as loss_check, track as loss_track
+from dpfx.loss import check as loss_check, trace as loss_trace, verdicts as loss_verdicts
 from support.reference import assert_close, dp_sgd_grads, per_example_grads
 from support.sweep import examples, with_reductions
 
@@ -352,12 +352,11 @@ SWITCHED = {   # name: (the private loss, the leaking one it turns into, the op 
 @pytest.fixture
 def no_written_tensors():
     """The steady state is off while any tensor written from dpfx's outputs is alive in the
-    process (loss_track._WRITTEN); an earlier test's, kept alive by a traceback pytest holds,
+    process (loss_trace.WRITTEN); an earlier test's, kept alive by a traceback pytest holds,
     would turn it off here. Those tests are over: their tensors are forgotten."""
     import gc
-    from dpfx.loss import track as loss_track
     gc.collect()
-    loss_track._WRITTEN.clear()
+    loss_trace.WRITTEN.clear()
 
 
 @pytest.mark.parametrize("name", sorted(SWITCHED))
@@ -506,10 +505,10 @@ def _check_stack(name, path, reduction, backend, batches=(3, 1, 0)):
         return verdicts[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        from dpfx.loss import steady as loss_steady, track as loss_track
+        from dpfx.loss import steady as loss_steady
         patch.setattr(loss_check, "analyze", analyze)
         # proven afresh, not found among earlier tests' verdicts
-        patch.setattr(loss_track, "_VERDICTS", collections.OrderedDict())
+        patch.setattr(loss_verdicts, "_VERDICTS", collections.OrderedDict())
         patch.setattr(loss_steady, "_STEADY", collections.OrderedDict())
         dp = _stack_compile(model, path, loss, max_grad_norm=bound, loss_reduction=reduction,
                             expected_batch_size=expected, backend=backend)
@@ -743,10 +742,10 @@ def test_a_scale_warning_comes_once_whatever_path_proves_the_loss(steady, monkey
     anywhere in the process turns the steady path off, and a batch of one keys the program apart
     (its rows cannot be told from a broadcast): the loss is analyzed again, and still not warned
     of again."""
-    loss_track.forget()
+    loss_verdicts.forget()
     if not steady:
         written = torch.zeros(1)
-        monkeypatch.setitem(loss_track._WRITTEN, id(written), written)
+        monkeypatch.setitem(loss_trace.WRITTEN, id(written), written)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     x, y = torch.randn(5, 3, 6), torch.arange(15).reshape(5, 3) % 4

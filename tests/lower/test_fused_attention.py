@@ -11,8 +11,8 @@ log-sum-exp padded to a multiple of 32 with +inf, flash's output laid out as the
 routes ``F.scaled_dot_product_attention`` to one. Like the CUDA kernels without dropout, the RNG
 seed and offset they return are never written: here each call returns new values, which is what
 made dpfx's self-check refuse Hugging Face GPT-2 on an H200 before Note [Attention kernels' side
-outputs are not compared] (passes/verify/forward.py, lower/selfcheck.py). The references are
-the batch-of-one loop with torch's own CPU attention.
+outputs are not compared] (passes/verify/forward.py, lower/selfcheck/compare.py). The
+references are the batch-of-one loop with torch's own CPU attention.
 """
 import contextlib
 import itertools

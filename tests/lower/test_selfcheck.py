@@ -1,5 +1,5 @@
 """The self-check of the compiled code (Note [Checking what Inductor generated] in
-dpfx/lower/selfcheck.py) against deliberately miscompiled graphs, and against the real torch bug that
+dpfx/lower/selfcheck/) against deliberately miscompiled graphs, and against the real torch bug that
 motivated it with dpfx's own fix switched off."""
 import contextlib
 import math
@@ -125,8 +125,8 @@ def test_a_grown_failure_blames_what_the_reference_shows(monkeypatch):
     much as the compiled code does, so the error names dpfx, not the code torch generated.
     The same check with the premise intact passes at every one of these bounds
     (tests/lower/test_selfcheck_sweep.py)."""
-    monkeypatch.setattr(dpfx.lower.selfcheck.GraphCheck, "_tangent_scale",
-                        lambda self, large, small: 1.0)
+    monkeypatch.setattr(dpfx.lower.selfcheck.grow, "_tangent_scale",
+                        lambda check, large, small: 1.0)
     refused = []
     for clip in (0.3, 1.0, 3.0):
         torch.manual_seed(0)
@@ -146,13 +146,13 @@ def test_a_grown_failure_blames_what_the_reference_shows(monkeypatch):
 
 def _spy_on_comparisons(monkeypatch) -> list:
     """The graphs the self-check compares, in order ("forward", "backward"), as it compares them."""
-    real_compare, compared = dpfx.lower.selfcheck._compare, []
+    real_compare, compared = dpfx.lower.selfcheck.check.compare, []
 
     def compare(which, *args, **kwargs):
         compared.append(which)
         return real_compare(which, *args, **kwargs)
 
-    monkeypatch.setattr(dpfx.lower.selfcheck, "_compare", compare)
+    monkeypatch.setattr(dpfx.lower.selfcheck.check, "compare", compare)
     return compared
 
 
@@ -199,13 +199,14 @@ def test_self_check_runs_outside_the_first_calls_dispatch_modes(monkeypatch):
     of the check's graph runs may pay for it (it made GPT's self-check 3x slower)."""
     import dpfx.lower.selfcheck
 
-    real_call, modes = dpfx.lower.selfcheck._call, []
+    real_call, modes = dpfx.lower.selfcheck.batches.call_boxed, []
 
     def call(fn, args, device, consume=False):
         modes.append(len(torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
         return real_call(fn, args, device, consume)
 
-    monkeypatch.setattr(dpfx.lower.selfcheck, "_call", call)
+    monkeypatch.setattr(dpfx.lower.selfcheck.check, "call_boxed", call)
+    monkeypatch.setattr(dpfx.lower.selfcheck.grow, "call_boxed", call)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     mse(dp(torch.randn(4, 8)), torch.randn(4, 4)).backward()
@@ -278,7 +279,7 @@ def test_non_contiguous_input_is_checked(batch):
 def test_comparison_lines_up_nans_and_infinities():
     """Note [The self-check's comparisons are few passes over the data]: finite outputs take the
     short path, an output holding a NaN or an infinity the one that lines them up."""
-    from dpfx.lower.selfcheck import _close
+    from dpfx.lower.selfcheck.compare import close as _close
 
     want = torch.randn(64, 32) * 1e-3
     near = want + 1e-9 * torch.randn(64, 32)
@@ -298,7 +299,7 @@ def test_comparison_lines_up_nans_and_infinities():
 def test_norm_in_float32_rows_matches_float64(case):
     """Note [Norms in float32 rows, summed in float64]: as accurate as a float64 norm wherever
     float32 squares are exact enough, and the float64 norm where they are not."""
-    from dpfx.lower.selfcheck import _raw_norm
+    from dpfx.lower.selfcheck.compare import _raw_norm
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(3001, 1024, generator=g)
@@ -334,7 +335,7 @@ def test_gap_and_norm_match_float64(case):
     """Note [The self-check's comparisons stream through the cache]: ||x - y|| and ||y||, taken
     in chunks over paired memory, are the float64 norms of y and of the float32 difference,
     exact where float32 squares lose; other layouts take x - y, with the same results."""
-    from dpfx.lower.selfcheck import _CHUNK, _gap_and_norm, _paired
+    from dpfx.lower.selfcheck.compare import _CHUNK, _gap_and_norm, _paired
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3 * _CHUNK + 555, generator=g)
@@ -440,14 +441,14 @@ def test_reference_releases_each_gradient_as_it_is_computed(monkeypatch):
             assert node.kwargs["_only_clone_these_bases"] == ()
             live |= set(node.kwargs["_all_bases"])
             most = max(most, len(live))
-        elif node.target is dpfx.lower.selfcheck._record:
+        elif node.target is dpfx.lower.selfcheck.stream.record:
             live.clear()
     assert most == 1
 
 
 def test_record_refuses_outside_the_checks_noiseless_run():
     """One release call per sum is the whole release only without noise."""
-    from dpfx.lower.selfcheck import _record, _recording
+    from dpfx.lower.selfcheck.stream import record as _record, recording as _recording
 
     with pytest.raises(RuntimeError, match="outside the check"):
         _record(0, torch.ones(3))
@@ -467,7 +468,8 @@ def test_reference_clones_what_the_rest_of_the_graph_sees():
     only the release reads is noised in place; a graph input keeps its clone (the caller's
     tensor is not touched), and a graph releasing an input is not streamed."""
     import operator
-    from dpfx.lower.selfcheck import _stream_releases, eager_copy
+    from dpfx.lower.selfcheck import eager_copy
+    from dpfx.lower.selfcheck.stream import stream_releases as _stream_releases
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -547,7 +549,7 @@ def test_reference_creates_a_tensor_where_it_is_first_read():
 
 def test_a_gradient_the_reference_never_released_is_refused(monkeypatch):
     """A streamed output the eager reference did not hand over would go unchecked: refused."""
-    monkeypatch.setattr(dpfx.lower.selfcheck, "_record", lambda position, want: None)
+    monkeypatch.setattr(dpfx.lower.selfcheck.stream, "record", lambda position, want: None)
     model = MLP()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, self_check="always")
     with pytest.raises(dpfx.PrivacyError, match="released no gradient"):
@@ -559,7 +561,7 @@ def test_an_infinite_output_does_not_loosen_the_others():
     """Note [The self-check's floor scales with the graph]: the scale is the largest RMS entry of
     the finite outputs; an output holding an infinity (on both sides alike) must not make every
     other output's floor infinite."""
-    from dpfx.lower.selfcheck import _compare
+    from dpfx.lower.selfcheck.compare import compare as _compare
 
     g = torch.Generator().manual_seed(0)
     big = torch.randn(100, generator=g)
@@ -573,19 +575,19 @@ def test_an_infinite_output_does_not_loosen_the_others():
 def _check_runs(monkeypatch) -> list:
     """The batch sizes the self-check runs the graphs at, as it runs them: the larger first
     (Note [The second size grows the first]), each size once."""
-    check = dpfx.lower.selfcheck.GraphCheck
-    real_check_at, real_grown, sizes = check._check_at, check._run_grown, []
+    check, grow = dpfx.lower.selfcheck.GraphCheck, dpfx.lower.selfcheck.grow
+    real_check_at, real_grown, sizes = check._check_at, grow.run, []
 
     def check_at(self, b, *args):
         sizes.append(b)
         return real_check_at(self, b, *args)
 
-    def run_grown(self, large, *args):
+    def run_grown(check, large, *args):
         sizes.append(large)
-        return real_grown(self, large, *args)
+        return real_grown(check, large, *args)
 
     monkeypatch.setattr(check, "_check_at", check_at)
-    monkeypatch.setattr(check, "_run_grown", run_grown)
+    monkeypatch.setattr(grow, "run", run_grown)
     return sizes
 
 
@@ -657,7 +659,7 @@ def test_a_gpu_graph_is_never_marked():
     from types import SimpleNamespace
 
     check = SimpleNamespace(device=torch.device("cuda"))
-    assert dpfx.lower.selfcheck._passed_marker(check, {}) is None
+    assert dpfx.lower.selfcheck.markers.passed_marker(check, {}) is None
 
 
 def test_self_check_setting_is_validated():

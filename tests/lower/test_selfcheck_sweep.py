@@ -3,9 +3,9 @@ self-check on) and equal the batch-of-one reference, with the clip bound C swept
 examples' gradient norms, where some examples are clipped and others are not.
 
 The self-check's grown comparison (Note [The second size grows the first] in
-dpfx/lower/selfcheck.py) once refused correct code under a mean loss at some C and not at others
-(Note [A mean's output gradients carry 1/B]). A check that fires depending on C is tested here
-with C placed between the examples' norms, not at one value: below all of them, at their
+dpfx/lower/selfcheck/grow.py) once refused correct code under a mean loss at some C and not at
+others (Note [A mean's output gradients carry 1/B]). A check that fires depending on C is tested
+here with C placed between the examples' norms, not at one value: below all of them, at their
 quartiles and above all of them. Each case is a fresh compile (C is a constant of the graph),
 steps at the batch sizes 3, 1, 2, 0 and 5, and the release compared with an independent
 batch-of-one autograd loop (tests/support/reference.py). The self-check runs at every compile
@@ -145,18 +145,18 @@ def _bound(norms: torch.Tensor, place: str) -> float:
 def _count_checks(monkeypatch) -> dict:
     """How many self-checks ran, and how many through the grown comparison."""
     seen = {"checks": 0, "grown": 0}
-    run, grown = selfcheck.GraphCheck.run, selfcheck.GraphCheck._run_grown
+    run, grown = selfcheck.GraphCheck.run, selfcheck.grow.run
 
     def counted_run(self, args):
         seen["checks"] += 1
         return run(self, args)
 
-    def counted_grown(self, *args, **kwargs):
+    def counted_grown(check, *args, **kwargs):
         seen["grown"] += 1
-        return grown(self, *args, **kwargs)
+        return grown(check, *args, **kwargs)
 
     monkeypatch.setattr(selfcheck.GraphCheck, "run", counted_run)
-    monkeypatch.setattr(selfcheck.GraphCheck, "_run_grown", counted_grown)
+    monkeypatch.setattr(selfcheck.grow, "run", counted_grown)
     return seen
 
 
