@@ -20,12 +20,12 @@ ROOT = os.path.dirname(os.path.abspath(dpfx.__file__))
 # A listed name needs no file yet.
 LAYERS = [
     # 0 base: errors, settings, FX tools, dpfx:: ops, accounting
-    """errors config
+    """errors config options
        graph graph.batch graph.emit graph.printer graph.tags
        ops ops.blocks ops.conv ops.loss ops.native ops.noise ops.norms
        privacy privacy.adaptive privacy.budget privacy.checkpoint privacy.durable privacy.ledger
        privacy.recursion privacy.strategies privacy.strategy_fit privacy.matrix_accounting
-       privacy.plan""",
+       privacy.plan privacy.validate""",
     # 1 rules
     """rules rules.block rules.convolution rules.embedding rules.fallback rules.lift rules.linear
        rules.reduction rules.registry""",
@@ -47,7 +47,7 @@ LAYERS = [
     # 8 the public API
     "api engine",
     # 9 integrations and reports
-    """__init__ hf hf_ranks hf_users trl trl._private trl.dpo trl.sft
+    """__init__ hf hf.trainer hf.resume hf.ranks hf.users trl trl._private trl.dpo trl.sft
        report report.explain report.history report.validate
        audit audit.__main__
        opacus opacus.layers opacus.privacy_engine opacus.utils opacus.utils.batch_memory_manager

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-from dpfx.privacy import _check_sample_rate
+from dpfx.privacy import validate
 
 __all__ = ["PoissonBatchSampler", "PoissonLoader", "poisson_loader", "expected_batch_size",
            "EmptyBatchCollate"]
@@ -88,7 +88,7 @@ def _check_count(n, name: str, minimum: int) -> int:
 def expected_batch_size(n: int, q: float) -> int:
     """round(q * n), at least 1: the divisor of DP-SGD's mean loss under Poisson sampling."""
     n = _check_count(n, "n", 1)
-    return max(1, round(_check_sample_rate(q) * n))
+    return max(1, round(validate.sample_rate(q) * n))
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -106,7 +106,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
             num_samples = len(num_samples)
         self.num_samples = _check_count(num_samples, "num_samples", 0)
-        self.sample_rate = _check_sample_rate(sample_rate)
+        self.sample_rate = validate.sample_rate(sample_rate)
         self.steps = max(1, round(1 / self.sample_rate)) if steps is None \
             else _check_count(steps, "steps", 0)
         if generator is not None and not isinstance(generator, torch.Generator):

@@ -73,7 +73,7 @@ from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
 from dpfx.loop.correlated import CorrelatedNoise, NoiseCheck, check_mechanism, check_resume
 from dpfx.loop.noise import (add_gaussian_, gaussian, noise_generator, secure_gaussian,
                              secure_standard_normal)
-from dpfx.privacy import Accountant
+from dpfx.privacy import Accountant, validate
 from dpfx.loop.ranks import check_same_model, peer_error, rank_of, world_of
 from dpfx.loop.release import BatchSizes
 from dpfx.loss.gate import warn_at_caller
@@ -104,6 +104,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if accountant is not None and sample_rate is None:
             raise ValueError("sample_rate: the accountant needs the Poisson sample rate q of each "
                              "step (expected batch size / dataset size)")
+        sample_rate = sample_rate if sample_rate is None else validate.sample_rate(sample_rate)
         if accountant is not None and not isinstance(accountant, Accountant):
             raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
                             f"{type(accountant).__name__}")

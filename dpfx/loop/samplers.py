@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import Sampler
 
 from dpfx.loop.data import _check_count, _loader, _secure_mask, _size, poisson_loader, rank_generator
-from dpfx.privacy import _check_sample_rate
+from dpfx.privacy import validate
 from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
 __all__ = ["CyclicPoissonSampler", "BallsInBinsSampler"]
@@ -107,7 +107,7 @@ class CyclicPoissonSampler(_RankedSampler):
                  rank: int = 0, world_size: int = 1, secure_mode: bool = False,
                  partition_seed: int | None = None):
         super().__init__(num_samples, generator, rank, world_size, secure_mode)
-        self.sample_rate = _check_sample_rate(sample_rate)
+        self.sample_rate = validate.sample_rate(sample_rate)
         self.parts = _check_count(parts, "parts", 1)
         if self.sample_rate * self.parts > 1:
             raise ValueError(

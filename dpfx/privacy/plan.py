@@ -49,6 +49,7 @@ import math
 from typing import Any
 
 from dpfx import privacy
+from dpfx.privacy import validate
 
 MECHANISMS = ("gaussian", "bandmf", "bsr", "blt", "matrix")
 SAMPLERS = ("poisson", "cyclic_poisson", "balls_in_bins")
@@ -155,13 +156,13 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
     steps each, under cyclic Poisson the whole cycles of parts nearest 1/q). A correlated
     ``mechanism`` needs the length: its strategy is built for it. ``steps_name`` is what the
     entry point calls the length in its errors ("epochs", "max_steps")."""
-    q = privacy._check_sample_rate(sample_rate)
-    accountant = privacy._check_accountant(accountant)
+    q = validate.sample_rate(sample_rate)
+    accountant = validate.accountant(accountant)
     steps_per_epoch = max(1, round(1 / q))
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon")
     if steps is not None:
-        steps = privacy._check_steps(steps)
+        steps = validate.steps(steps)
     mech = mechanism_option(mechanism)
     sampler = _sampler(sampler, mech)
 
@@ -173,7 +174,7 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
             noise_multiplier = privacy.noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
                 steps=length(steps_per_epoch), accountant=accountant)
-        return Plan(privacy._check_noise_multiplier(noise_multiplier), q, steps_per_epoch,
+        return Plan(validate.noise_multiplier(noise_multiplier), q, steps_per_epoch,
                     length(steps_per_epoch), accountant, mech, sampler)
     if not length(steps_per_epoch):
         raise ValueError(f"mechanism {mech.name!r} with sampler {sampler!r} is planned for the "
@@ -194,7 +195,7 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
         if target_epsilon is not None:
             sigma = matrix_accounting.matrix_noise_multiplier(
                 target_epsilon, target_delta, strategy, sampling, n, accountant)
-        return Plan(privacy._check_noise_multiplier(sigma), q, per_pass, n, accountant, mech,
+        return Plan(validate.noise_multiplier(sigma), q, per_pass, n, accountant, mech,
                     sampler, parts, strategy, sampling)
 
     if mech.name in _BANDED and mech.bands is None:
