@@ -6,7 +6,7 @@ import math
 import warnings
 
 from dpfx.errors import OptionError, OptionValueError, PrivacyError, DPFXWarning
-from dpfx.options import AUTOMATIC_GAMMA, Clipping  # noqa: F401 (AUTOMATIC_GAMMA: config's)
+from dpfx.options import Clipping
 from dpfx.privacy import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -25,6 +25,11 @@ NOISE_MODES = ("graph", "optimizer")
 # Added to the per-sample norm before dividing, as Opacus does, so that results compare number for
 # number: clip_factor = min(1, C / (||g|| + CLIP_EPS)).
 CLIP_EPS = 1e-6
+
+
+def _read_clip(field: str) -> property:
+    return property(lambda self: getattr(self.clip, field),
+                    doc=f"``clip.{field}`` (``dpfx.Clipping``, options.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,26 +124,13 @@ class DPConfig:
             f"size exceeds its expected size q*N by a few standard deviations sqrt(q*N) at most "
             f"in practice), or sample smaller batches.")
 
-    # The clip function's options, as the graph, the passes and the optimizer read them.
-    @property
-    def clipping(self) -> str:
-        return self.clip.mode
-
-    @property
-    def clipping_gamma(self) -> float:
-        return self.clip.gamma
-
-    @property
-    def target_quantile(self) -> float:
-        return self.clip.target_quantile
-
-    @property
-    def clip_lr(self) -> float:
-        return self.clip.clip_lr
-
-    @property
-    def count_noise_multiplier(self) -> float | None:
-        return self.clip.count_noise_multiplier
+    # The clip function's options by their keywords, as the graph, the passes and the optimizer
+    # read them ("clipping" is the resolved mode).
+    clipping = _read_clip("mode")
+    clipping_gamma = _read_clip("gamma")
+    target_quantile = _read_clip("target_quantile")
+    clip_lr = _read_clip("clip_lr")
+    count_noise_multiplier = _read_clip("count_noise_multiplier")
 
     @property
     def adaptive(self) -> bool:
