@@ -92,10 +92,8 @@ class DPTrainer(Trainer):
     C / (||g|| + clipping_gamma), "adaptive": C_t follows the ``target_quantile`` of the
     per-example norms at rate ``clip_lr``, the count noised with std
     ``count_noise_multiplier``, required with noise and above sigma / 2; it costs no epsilon
-    beyond sigma's: docs/options.md). Adaptive clipping over several
-    processes, a ``fully_shard``ed model or ``blocks=`` is refused before the model is
-    touched. Give exactly one of ``noise_multiplier`` or
-    ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
+    beyond sigma's: docs/options.md); every option is checked before the model is touched.
+    Give exactly one of ``noise_multiplier`` or ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
     at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
     tests and replayable runs; by default each run samples afresh). ``ledger``: the privacy
     ledger's path (Note [Write-ahead privacy ledger] in privacy/ledger.py); by default
