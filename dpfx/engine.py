@@ -123,10 +123,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
                                    target_quantile=target_quantile, clip_lr=clip_lr,
                                    count_noise_multiplier=count_noise_multiplier)
-    if secure_mode and generator is not None:
-        raise OptionValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
-                               "would make them replayable (Note [Secure sampling] in "
-                               "loop/data.py)")
+    validate.secure_sampling(secure_mode, generator)
     if isinstance(data, DataLoader):
         loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
                             and k not in ("prefetch_factor",)}, **loader_kwargs}
@@ -177,10 +174,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise OptionValueError("noise='graph' cannot serve virtual batches, secure_mode, "
                                "several ranks or a correlated mechanism: they add the noise once "
                                "at the optimizer (noise='optimizer')")
-    if users is not None and plan.sampler != "poisson":
-        raise OptionValueError(f"sampler={plan.sampler!r} samples examples; user-level DP "
-                               f"(user_ids=) samples users by Poisson sampling: use the Gaussian "
-                               f"mechanism with sampler='poisson'")
+    if users is not None:
+        plan.check_poisson("users (user_ids=)")
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(units, q), seed=seed,

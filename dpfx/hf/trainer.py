@@ -168,19 +168,14 @@ class DPTrainer(Trainer):
             accountant=accountant, mechanism=mechanism, sampler=sampler,
             steps_name="max_steps or num_train_epochs")
         self.steps_per_epoch = self.plan.steps_per_epoch     # a pass of the plan's sampler
-        if self.plan.sampler != "poisson" and (self.users is not None or self.world > 1):
-            raise OptionValueError(f"sampler={self.plan.sampler!r} samples examples on one "
-                                   f"process: user-level DP and several processes sample by "
-                                   f"Poisson sampling (the Gaussian mechanism, "
-                                   f"sampler='poisson')")
+        if self.users is not None or self.world > 1:
+            self.plan.check_poisson("users" if self.users is not None else "their shards")
         self.target_epsilon = target_epsilon
         self.noise_multiplier = self.plan.noise_multiplier
         # the clipping validated as dpfx.compile will, before the model is broadcast,
         # checkpointed or compiled (every clip function trains on every path)
         DPConfig(max_grad_norm, self.noise_multiplier, clip=clip)
-        if secure_mode and sampler_generator is not None:
-            raise OptionValueError("secure_mode samples batches from the OS's CSPRNG; a "
-                                   "generator would make them replayable")
+        validate.secure_sampling(secure_mode, sampler_generator)
         self.secure_mode = secure_mode
         self.sampler_generator = sampler_generator   # mixed with the rank by the sampler
         self.accountant = self.plan.accountant()

@@ -138,6 +138,15 @@ class Plan:
                                    f"one returned")
         return accountant
 
+    def check_poisson(self, units: str) -> None:
+        """Refuses a sampler other than Poisson sampling for a run whose ``units`` ("users",
+        "several processes' shards") are sampled by Poisson sampling only."""
+        if self.sampler != "poisson":
+            raise OptionValueError(f"sampler={self.sampler!r} samples the examples of one "
+                                   f"process; user-level DP and several processes sample "
+                                   f"{units} by Poisson sampling: use the Gaussian mechanism "
+                                   f"with sampler='poisson'")
+
     def epsilon(self, delta: float, steps: int | None = None) -> float:
         """Epsilon after ``steps`` (default: the planned steps) at ``delta``."""
         acc = self.accountant()

@@ -111,3 +111,12 @@ def choice(value, choices: tuple, name: str):
     if value not in choices:
         raise OptionValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def secure_sampling(secure_mode: bool, generator) -> None:
+    """``secure_mode`` draws the batches from the OS's CSPRNG: a seeded ``generator`` beside it
+    would make them replayable."""
+    if secure_mode and generator is not None:
+        raise OptionValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
+                               "would make them replayable (Note [Secure sampling] in "
+                               "loop/data.py)")
