@@ -97,6 +97,23 @@ def check_shard(num_samples, generator, rank, world_size, secure_mode) -> tuple[
     return num_samples, rank, world_size
 
 
+def pass_generator(generator: torch.Generator | None, secure_mode: bool,
+                   world_size: int) -> torch.Generator | None:
+    """The generator of one pass of a sampler (Note [Randomness]): the sampler's own, None in
+    secure mode, else a fresh one."""
+    if secure_mode:
+        return None
+    if generator is not None:
+        return generator
+    if world_size > 1:
+        # Ranks share torch's default seed; correlated draws across shards would break the
+        # independence Poisson sampling's analysis needs.
+        return torch.Generator().manual_seed(secrets.randbits(62))
+    # fresh randomness per iter(), reproducible under torch.manual_seed
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    return torch.Generator().manual_seed(seed)
+
+
 def expected_batch_size(n: int, q: float) -> int:
     """round(q * n), at least 1: the divisor of DP-SGD's mean loss under Poisson sampling."""
     n = validate.integer(n, "n", 1)
@@ -137,17 +154,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def pass_generator(self) -> torch.Generator | None:
         """The generator one pass over the steps draws from (Note [Randomness]); None in secure
         mode, whose draws come from the OS's CSPRNG (Note [Secure sampling])."""
-        if self.secure_mode:
-            return None
-        if self.generator is not None:
-            return self.generator
-        if self.world_size > 1:
-            # Ranks share torch's default seed; correlated draws across shards would break the
-            # independence Poisson sampling's analysis needs.
-            return torch.Generator().manual_seed(secrets.randbits(62))
-        # fresh randomness per iter(), reproducible under torch.manual_seed
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        return torch.Generator().manual_seed(seed)
+        return pass_generator(self.generator, self.secure_mode, self.world_size)
 
     def draw(self, g: torch.Generator | None) -> torch.Tensor:
         """bool[len(self.indices)]: which of this rank's indices join this step."""

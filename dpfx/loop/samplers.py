@@ -53,7 +53,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from dpfx.loop.data import check_shard, _loader, _secure_mask, _size, poisson_loader, rank_generator
+from dpfx.loop.data import (_loader, _secure_mask, _size, check_shard, pass_generator,
+                            poisson_loader, rank_generator)
 from dpfx.privacy import validate
 from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
@@ -76,14 +77,7 @@ class _RankedSampler(Sampler[list[int]]):
     def pass_generator(self) -> torch.Generator | None:
         """The generator of one pass, as ``PoissonBatchSampler.pass_generator`` (Note [Randomness]
         in loop/data.py); None in secure mode."""
-        if self.secure_mode:
-            return None
-        if self.generator is not None:
-            return self.generator
-        if self.world_size > 1:
-            return torch.Generator().manual_seed(secrets.randbits(62))
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        return torch.Generator().manual_seed(seed)
+        return pass_generator(self.generator, self.secure_mode, self.world_size)
 
 
 class CyclicPoissonSampler(_RankedSampler):
