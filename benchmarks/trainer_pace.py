@@ -46,7 +46,7 @@ def main() -> None:
                          for p in pieces])
         return pieces
 
-    data.split_batch = dpfx.hf.split_batch = recorded
+    data.split_batch = dpfx.hf.trainer.split_batch = recorded
     times = []
 
     class Clock(TrainerCallback):

@@ -13,8 +13,8 @@ from dpfx.api import DPModule, compile
 from dpfx.config import FixedSeedWarning
 from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
                          save_checkpoint)
-from dpfx.errors import (CaptureError, DPFXError, DPFXWarning, OptionError, PeerError,
-                         PrivacyError, UnsupportedOpError)
+from dpfx.errors import (CaptureError, DPFXError, DPFXWarning, OptionError, OptionValueError,
+                         PeerError, PrivacyError, UnsupportedOpError)
 from dpfx.report.explain import Report, explain
 from dpfx.loss.arranged import LossScaleWarning
 from dpfx.loss.track import track_batch
@@ -29,18 +29,19 @@ from dpfx.loop.release import BatchSizeWarning, public
 from dpfx.loss.gate import MissingZeroGradWarning, PlainGradientWarning
 from dpfx.loop.users import per_user, user_loader
 from dpfx.passes import Problem
+from dpfx.options import Clipping
 from dpfx.privacy.plan import Mechanism
 from dpfx.report.validate import validate
 
 __all__ = [
     "compile", "explain", "validate", "replace_batchnorm", "DPModule", "Report", "Problem",
     "DPFXError", "DPFXWarning", "PrivacyError", "UnsupportedOpError", "CaptureError", "PeerError", "DPOptimizer", "DPAdamBC",
-    "OptionError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
+    "OptionError", "OptionValueError", "VirtualBatches", "split_batch", "poisson_loader", "expected_batch_size",
     "per_user", "user_loader",
     "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
     "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
     "public", "PlainGradientWarning", "MissingZeroGradWarning", "NoNoiseWarning",
-    "BatchSizeWarning", "Mechanism", "BlocksFallbackWarning",
+    "BatchSizeWarning", "Mechanism", "BlocksFallbackWarning", "Clipping",
 ]
 __version__ = "0.1.0"

@@ -28,7 +28,8 @@ from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, co
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_while_capturing,
                                  symbolic_batch_error)
-from dpfx.config import AUTOMATIC_GAMMA, DPConfig, check_loss, warn_fixed_seed
+from dpfx.config import DPConfig, check_loss, warn_fixed_seed
+from dpfx import options
 from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
@@ -450,7 +451,8 @@ class DPModule(torch.nn.Module):
         self._all_guarded = True
 
 
-_PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | {"dp_config"}
+_PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | set(options.KEYWORDS) \
+    | {"dp_config"}
 
 
 @dataclasses.dataclass
@@ -542,10 +544,11 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             expected_batch_size: int | None = None, seed: int | None = None,
             backend: str = "inductor", strategy: str = "auto", noise: str | None = None,
             track_norms: bool = False, self_check: bool | str = True,
-            allow_input_grads: bool = False, loss=None, clipping: str | None = None,
-            clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
-            clip_lr: float = 0.2, count_noise_multiplier: float | None = None,
-            blocks=None, batch_buckets=None) -> DPModule:
+            allow_input_grads: bool = False, loss=None,
+            clipping: str | options.Clipping | None = None, clipping_gamma: float | None = None,
+            target_quantile: float | None = None, clip_lr: float | None = None,
+            count_noise_multiplier: float | None = None, blocks=None,
+            batch_buckets=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
 
     After ``loss.backward()`` on the mean (or, with loss_reduction="sum", the sum) over dim 0 of
@@ -570,7 +573,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     unclipped examples, released with noise std ``count_noise_multiplier`` (sigma_b, required
     when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
     (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the step costs what sigma costs (Note [Adaptive
-    clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t).
+    clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t). ``clipping``
+    may be a ``dpfx.Clipping`` that holds these options (then none of the loose keywords);
+    a keyword left None takes ``dpfx.Clipping``'s default (options.py).
     ``noise="optimizer"``: the backward leaves ``sum_i clip(g_i)`` in
     ``dp_model.clipped_sums`` (p.grad stays None) and ``dpfx.DPOptimizer`` adds the noise and
     divides once per optimizer step (virtual batches, secure noise, distributed training).
@@ -616,11 +621,12 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         noise = "optimizer" if distributed or fsdp.units(model) else "graph"
+    clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
+                                   target_quantile=target_quantile, clip_lr=clip_lr,
+                                   count_noise_multiplier=count_noise_multiplier)
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
-                      allow_input_grads=allow_input_grads, clipping=clipping,
-                      clipping_gamma=clipping_gamma, target_quantile=target_quantile,
-                      clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier,
+                      allow_input_grads=allow_input_grads, clip=clip,
                       batch_buckets=batch_buckets)
     warn_fixed_seed(seed)
     if not any(p.requires_grad for p in model.parameters()):

@@ -5,7 +5,9 @@ import dataclasses
 import math
 import warnings
 
-from dpfx.errors import OptionError, PrivacyError, DPFXWarning
+from dpfx.errors import OptionError, OptionValueError, PrivacyError, DPFXWarning
+from dpfx.options import Clipping
+from dpfx.privacy import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("inductor", "eager")
@@ -18,13 +20,16 @@ NOISE_MODES = ("graph", "optimizer")
 # "adaptive" clips as "flat" to a bound C_t that the graph reads as an input at every step and
 # that follows a target quantile of the per-sample norms (Andrew et al. 2021; Note [Adaptive
 # clipping] in privacy/adaptive.py).
-CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
-# Bu et al.'s stability constant gamma, the default of ``clipping_gamma``.
-AUTOMATIC_GAMMA = 0.01
+# (the names: options.CLIPPING; the options: dpfx.Clipping in options.py)
 
 # Added to the per-sample norm before dividing, as Opacus does, so that results compare number for
 # number: clip_factor = min(1, C / (||g|| + CLIP_EPS)).
 CLIP_EPS = 1e-6
+
+
+def _read_clip(field: str) -> property:
+    return property(lambda self: getattr(self.clip, field),
+                    doc=f"``clip.{field}`` (``dpfx.Clipping``, options.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,125 +50,49 @@ class DPConfig:
     track_norms: bool = False
     self_check: bool | str = True
     allow_input_grads: bool = False
-    clipping: str | None = None
-    clipping_gamma: float = AUTOMATIC_GAMMA
-    # clipping="adaptive" (Note [Adaptive clipping] in privacy/adaptive.py): the quantile gamma of
-    # the per-sample norms that C_t follows, the geometric rate eta, and sigma_b, the std of the
-    # noise on the count of unclipped examples
-    target_quantile: float = 0.5
-    clip_lr: float = 0.2
-    count_noise_multiplier: float | None = None
+    # the clip function and its options (options.py), resolved for max_grad_norm and sigma
+    clip: Clipping = Clipping()
     # Note [Padded rows contribute zero] in passes/clip_noise.py: batch sizes the inputs are
     # padded up to (one compiled shape per bucket), increasing; None: the batch as it comes
     batch_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.clipping is None:       # inferred: a dict of bounds is per-layer clipping
-            object.__setattr__(self, "clipping", "per_layer" if isinstance(
-                self.max_grad_norm, (dict, tuple)) else "flat")
-        if self.clipping not in CLIPPING:
-            raise OptionError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
-        if self.clipping == "flat" and isinstance(self.max_grad_norm, (dict, tuple)):
-            raise OptionError("clipping='flat' takes one bound max_grad_norm=C; a dict of "
-                              "bounds by parameter-name prefix is clipping='per_layer'")
-        if self.clipping == "per_layer" and not isinstance(self.max_grad_norm, (dict, tuple)):
-            raise OptionError("clipping='per_layer' takes max_grad_norm as a dict {parameter-"
-                              "name prefix: C} (\"\" matches every parameter)")
-        if isinstance(self.clipping_gamma, bool) or not isinstance(self.clipping_gamma,
-                                                                  (int, float)) \
-                or not (math.isfinite(self.clipping_gamma) and self.clipping_gamma > 0):
-            raise OptionError(f"clipping_gamma must be a finite number > 0 (automatic "
-                              f"clipping's C / (||g|| + gamma)), got {self.clipping_gamma!r}")
-        self._check_adaptive()
+        if not isinstance(self.clip, Clipping):
+            raise OptionError(f"DPConfig.clip must be a dpfx.Clipping, got "
+                              f"{type(self.clip).__name__}")
+        object.__setattr__(self, "clip", self.clip.resolved(self.max_grad_norm,
+                                                            self.noise_multiplier))
         self._check_buckets()
         if isinstance(self.max_grad_norm, dict):
             object.__setattr__(self, "max_grad_norm", tuple(self.max_grad_norm.items()))
         bounds = (self.max_grad_norm if isinstance(self.max_grad_norm, tuple)
                   else (("", self.max_grad_norm),))
         if not bounds:
-            raise ValueError("max_grad_norm: a per-layer dict needs at least one entry")
+            raise OptionValueError("max_grad_norm: a per-layer dict needs at least one entry")
         for entry in bounds:
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise ValueError(f"max_grad_norm: one bound C, or per-layer (name prefix, C) "
-                                 f"pairs (a dict), got the entry {entry!r}")
+                raise OptionValueError(f"max_grad_norm: one bound C, or per-layer (name prefix, "
+                                       f"C) pairs (a dict), got the entry {entry!r}")
             key, c = entry
             if not isinstance(key, str):
-                raise ValueError(f"max_grad_norm: per-layer keys are parameter-name prefixes "
-                                 f"(str), got {key!r}")
-            _check_bound(c, f"max_grad_norm[{key!r}]" if key else "max_grad_norm")
-        if isinstance(self.noise_multiplier, bool) or not isinstance(self.noise_multiplier, (int, float)):
-            raise ValueError(f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise ValueError(
-                f"noise_multiplier must be finite and >= 0 (sigma; 0 gives no privacy), "
-                f"got {self.noise_multiplier!r}"
-            )
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}"
-            )
-        if self.expected_batch_size is not None and (
-            isinstance(self.expected_batch_size, bool)
-            or not isinstance(self.expected_batch_size, int)
-            or self.expected_batch_size <= 0
-        ):
-            raise ValueError(
-                f"expected_batch_size must be a positive int or None, got {self.expected_batch_size!r}"
-            )
+                raise OptionValueError(f"max_grad_norm: per-layer keys are parameter-name "
+                                       f"prefixes (str), got {key!r}")
+            validate.bound(c, f"max_grad_norm[{key!r}]" if key else "max_grad_norm")
+        validate.noise_multiplier(self.noise_multiplier)
+        validate.choice(self.loss_reduction, LOSS_REDUCTIONS, "loss_reduction")
+        if self.expected_batch_size is not None:
+            validate.integer(self.expected_batch_size, "expected_batch_size (or None)", 1)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.noise not in NOISE_MODES:
-            raise ValueError(f"noise must be one of {NOISE_MODES}, got {self.noise!r}")
-        if not isinstance(self.track_norms, bool):
-            raise ValueError(f"track_norms must be a bool, got {self.track_norms!r}")
+            raise OptionValueError(f"seed must be an int or None, got {self.seed!r}")
+        validate.choice(self.strategy, STRATEGIES, "strategy")
+        validate.choice(self.backend, BACKENDS, "backend")
+        validate.choice(self.noise, NOISE_MODES, "noise")
+        for flag in ("track_norms", "allow_input_grads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise OptionValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.self_check, bool) and self.self_check != "always":
-            raise ValueError(f"self_check must be True, False or 'always', got "
-                             f"{self.self_check!r}")
-        if not isinstance(self.allow_input_grads, bool):
-            raise ValueError(f"allow_input_grads must be a bool, got {self.allow_input_grads!r}")
-
-    def _check_adaptive(self) -> None:
-        adaptive = self.clipping == "adaptive"
-        if not adaptive:
-            if self.count_noise_multiplier is not None:
-                raise OptionError("count_noise_multiplier is the noise on adaptive clipping's "
-                                  "count of unclipped examples: pass clipping='adaptive' too")
-            return
-        if isinstance(self.max_grad_norm, (dict, tuple)):
-            raise OptionError("clipping='adaptive' adapts one flat bound: pass max_grad_norm=C "
-                              "(its initial value C_0); per-layer adaptive bounds are not "
-                              "supported (use clipping='per_layer' with fixed bounds)")
-        if not (_finite_number(self.target_quantile) and 0 < self.target_quantile < 1):
-            raise OptionError(f"target_quantile must be a number in (0, 1) (the fraction of "
-                              f"examples left unclipped), got {self.target_quantile!r}")
-        if not (_finite_number(self.clip_lr) and self.clip_lr > 0):
-            raise OptionError(f"clip_lr must be a finite number > 0 (the geometric rate eta of "
-                              f"C <- C exp(-eta (b - target_quantile))), got {self.clip_lr!r}")
-        sigma_b = self.count_noise_multiplier
-        if sigma_b is None:
-            if _finite_number(self.noise_multiplier) and self.noise_multiplier > 0:
-                raise OptionError(
-                    "clipping='adaptive' needs count_noise_multiplier=sigma_b, the std of the "
-                    "noise on the count of unclipped examples (Andrew et al. 2021 suggest "
-                    "expected_batch_size / 20); the gradient's noise multiplier is then raised "
-                    "so that both releases together cost what noise_multiplier does")
-            object.__setattr__(self, "count_noise_multiplier", 0.0)
-            return
-        if not (_finite_number(sigma_b) and sigma_b >= 0):
-            raise OptionError(f"count_noise_multiplier must be a finite number >= 0, got "
-                              f"{sigma_b!r}")
-        sigma = self.noise_multiplier
-        if _finite_number(sigma) and sigma > 0 and not sigma_b > sigma / 2:
-            raise OptionError(
-                f"count_noise_multiplier={sigma_b} must exceed noise_multiplier / 2 = "
-                f"{sigma / 2}: the count's release (sensitivity 1/2, std sigma_b) and the "
-                f"gradient's compose to sigma only if sigma_grad = (sigma^-2 - (2 sigma_b)^-2)"
-                f"^(-1/2) is finite. Raise count_noise_multiplier (Andrew et al. 2021 suggest "
-                f"expected_batch_size / 20)")
+            raise OptionValueError(f"self_check must be True, False or 'always', got "
+                                   f"{self.self_check!r}")
 
     def _check_buckets(self) -> None:
         buckets = self.batch_buckets
@@ -175,9 +104,9 @@ class DPConfig:
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets) \
             and all(a < b for a, b in zip(buckets, buckets[1:]))
         if not ok:
-            raise OptionError(f"batch_buckets must be a non-empty sequence of increasing "
-                              f"positive ints (the batch sizes a batch is padded up to, such as "
-                              f"(64, 128, 256)), or None; got {self.batch_buckets!r}")
+            raise OptionValueError(f"batch_buckets must be a non-empty sequence of increasing "
+                                   f"positive ints (the batch sizes a batch is padded up to, such "
+                                   f"as (64, 128, 256)), or None; got {self.batch_buckets!r}")
         object.__setattr__(self, "batch_buckets", buckets)
 
     def bucket_for(self, batch: int) -> int:
@@ -195,9 +124,17 @@ class DPConfig:
             f"size exceeds its expected size q*N by a few standard deviations sqrt(q*N) at most "
             f"in practice), or sample smaller batches.")
 
+    # The clip function's options by their keywords, as the graph, the passes and the optimizer
+    # read them ("clipping" is the resolved mode).
+    clipping = _read_clip("mode")
+    clipping_gamma = _read_clip("gamma")
+    target_quantile = _read_clip("target_quantile")
+    clip_lr = _read_clip("clip_lr")
+    count_noise_multiplier = _read_clip("count_noise_multiplier")
+
     @property
     def adaptive(self) -> bool:
-        return self.clipping == "adaptive"
+        return self.clip.adaptive
 
     @property
     def grad_noise_multiplier(self) -> float:
@@ -236,8 +173,9 @@ class DPConfig:
                 if best is None or len(key) > len(best):
                     best = key
         if best is None:
-            raise ValueError(f"max_grad_norm: parameter '{param}' matches no per-layer key "
-                             f"(keys: {sorted(self.clip_bounds)}); add its name or a prefix")
+            raise OptionValueError(f"max_grad_norm: parameter '{param}' matches no per-layer "
+                                   f"key (keys: {sorted(self.clip_bounds)}); add its name or a "
+                                   f"prefix")
         return best
 
     def check_params(self, names: list[str]) -> None:
@@ -245,8 +183,8 @@ class DPConfig:
         used = {self.group_of(n) for n in names}
         unused = sorted(set(self.clip_bounds) - used)
         if unused:
-            raise ValueError(f"max_grad_norm: the per-layer keys {unused} match no trainable "
-                             f"parameter (parameters: {names})")
+            raise OptionValueError(f"max_grad_norm: the per-layer keys {unused} match no "
+                                   f"trainable parameter (parameters: {names})")
 
     @property
     def sensitivity(self) -> float:
@@ -284,17 +222,6 @@ def check_loss(loss) -> None:
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _finite_number(x) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _check_bound(c, name: str) -> None:
-    if isinstance(c, bool) or not isinstance(c, (int, float)):
-        raise ValueError(f"{name} must be a positive number, got {c!r}")
-    if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"{name} must be finite and > 0 (it is the clipping bound C), got {c!r}")
 
 
 def _refuse_change(self, name: str, value) -> None:

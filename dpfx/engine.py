@@ -41,7 +41,8 @@ from dpfx.privacy import checkpoint as checkpoint_file
 from dpfx.loop import fsdp
 from dpfx import privacy
 from dpfx.privacy import plan as privacy_plan
-from dpfx.config import AUTOMATIC_GAMMA
+from dpfx import options
+from dpfx.privacy import validate
 from dpfx.api import DPModule, compile as dp_compile
 from dpfx.loop.data import PoissonBatchSampler, expected_batch_size
 from dpfx.loop.data import VirtualBatches
@@ -49,6 +50,7 @@ from dpfx.loop.samplers import BallsInBinsSampler, CyclicPoissonSampler, plan_lo
 from dpfx.loop.users import group_by_user, user_loader
 from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.ranks import rank_of, world_of
+from dpfx.errors import OptionValueError
 
 
 @dataclasses.dataclass
@@ -81,9 +83,10 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  strategy: str = "auto", backend: str = "inductor", seed: int | None = None,
                  track_norms: bool = False, generator: torch.Generator | None = None,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
-                 clipping: str | None = None, clipping_gamma: float = AUTOMATIC_GAMMA,
-                 target_quantile: float = 0.5, clip_lr: float = 0.2,
-                 count_noise_multiplier: float | None = None, user_ids=None,
+                 clipping: str | options.Clipping | None = None,
+                 clipping_gamma: float | None = None, target_quantile: float | None = None,
+                 clip_lr: float | None = None, count_noise_multiplier: float | None = None,
+                 user_ids=None,
                  max_examples_per_user: int | None = None, mechanism=None,
                  sampler: str | None = None, **loader_kwargs) -> PrivateTraining:
     """Make a private training run out of a model, its optimizer and its data.
@@ -96,10 +99,11 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     on disk before its update, and a run made again with the same path counts every step the
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
-    ``dp_model.loss(x, y)``). ``clipping``, ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
-    ``count_noise_multiplier``: as ``dpfx.compile``'s ("flat", "per_layer", "automatic" or
-    "adaptive"; with a ``target_epsilon``, sigma is calibrated for the whole step and the
-    gradient's share follows from ``count_noise_multiplier``).
+    ``dp_model.loss(x, y)``). ``clipping`` (a name or a ``dpfx.Clipping``), ``clipping_gamma``,
+    ``target_quantile``, ``clip_lr``, ``count_noise_multiplier``: as ``dpfx.compile``'s
+    ("flat", "per_layer", "automatic" or "adaptive"; with a ``target_epsilon``, sigma is
+    calibrated for the whole step and the gradient's share follows from
+    ``count_noise_multiplier``).
     ``accountant``: "pld", "rdp", or a ``dpfx.privacy.Accountant`` to keep counting in (several
     runs over one dataset share one). ``noise``: where the noise is added ("graph" or
     "optimizer"); by default "optimizer" exactly when the run needs it (below).
@@ -115,10 +119,11 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     others) or "balls_in_bins" (Note [Noise mechanisms] in privacy/plan.py).
     """
     acc = accountant if isinstance(accountant, privacy.Accountant) \
-        else privacy._check_accountant(accountant)
-    if secure_mode and generator is not None:
-        raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator would "
-                         "make them replayable (Note [Secure sampling] in loop/data.py)")
+        else validate.accountant(accountant)
+    clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
+                                   target_quantile=target_quantile, clip_lr=clip_lr,
+                                   count_noise_multiplier=count_noise_multiplier)
+    validate.secure_sampling(secure_mode, generator)
     if isinstance(data, DataLoader):
         loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
                             and k not in ("prefetch_factor",)}, **loader_kwargs}
@@ -130,27 +135,27 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         data = data.dataset
     n = len(data) if hasattr(data, "__len__") else None
     if not n:
-        raise ValueError("data must be a non-empty map-style dataset (or a DataLoader over one)")
+        raise OptionValueError("data must be a non-empty map-style dataset (or a DataLoader "
+                               "over one)")
     users = _users(user_ids, max_examples_per_user, n)
     units, unit = (n, "len(data)") if users is None else (len(users), "the number of users")
     if (batch_size is None) == (sample_rate is None):
-        raise ValueError("give exactly one of batch_size (the expected batch size) or "
-                         "sample_rate (its probability per example)" if users is None else
-                         "give exactly one of batch_size (the expected number of users per "
-                         "step) or sample_rate (each user's probability per step)")
+        raise OptionValueError("give exactly one of batch_size (the expected batch size) or "
+                               "sample_rate (its probability per example)" if users is None else
+                               "give exactly one of batch_size (the expected number of users "
+                               "per step) or sample_rate (each user's probability per step)")
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                 or not 0 < batch_size <= units:
-            raise ValueError(f"batch_size must be an int in [1, {unit} = {units}], got "
-                             f"{batch_size!r}")
+            raise OptionValueError(f"batch_size must be an int in [1, {unit} = {units}], got "
+                                   f"{batch_size!r}")
         sample_rate = batch_size / units
     if noise_multiplier is None and target_epsilon is not None \
             and (target_delta is None or epochs is None):
-        raise ValueError("target_epsilon needs target_delta and epochs (the number of "
-                         "passes the budget must cover)")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
-                               or epochs < 1):
-        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+        raise OptionValueError("target_epsilon needs target_delta and epochs (the number of "
+                               "passes the budget must cover)")
+    if epochs is not None:
+        validate.integer(epochs, "epochs", 1)
     plan = privacy_plan.make(
         sample_rate=sample_rate, noise_multiplier=noise_multiplier,
         target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
@@ -166,20 +171,16 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if noise is None:
         noise = "optimizer" if needs_optimizer else "graph"
     elif noise == "graph" and needs_optimizer:
-        raise ValueError("noise='graph' cannot serve virtual batches, secure_mode, several "
-                         "ranks or a correlated mechanism: they add the noise once at the "
-                         "optimizer (noise='optimizer')")
-    if users is not None and plan.sampler != "poisson":
-        raise ValueError(f"sampler={plan.sampler!r} samples examples; user-level DP "
-                         f"(user_ids=) samples users by Poisson sampling: use the Gaussian "
-                         f"mechanism with sampler='poisson'")
+        raise OptionValueError("noise='graph' cannot serve virtual batches, secure_mode, "
+                               "several ranks or a correlated mechanism: they add the noise once "
+                               "at the optimizer (noise='optimizer')")
+    if users is not None:
+        plan.check_poisson("users (user_ids=)")
     dp_model = dp_compile(module, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, loss_reduction=loss_reduction,
                           expected_batch_size=expected_batch_size(units, q), seed=seed,
                           backend=backend, strategy=strategy, noise=noise,
-                          track_norms=track_norms, loss=loss, clipping=clipping,
-                          clipping_gamma=clipping_gamma, target_quantile=target_quantile,
-                          clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
+                          track_norms=track_norms, loss=loss, clipping=clip)
     dp_optimizer = DPOptimizer(optimizer, dp_model, accountant=acc, sample_rate=q,
                                secure_mode=secure_mode, process_group=process_group,
                                ledger=ledger, **({} if plan.strategy is None
@@ -201,14 +202,12 @@ def _users(user_ids, max_examples_per_user, n: int) -> list[torch.Tensor] | None
     if user_ids is None and max_examples_per_user is None:
         return None
     if user_ids is None:
-        raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
+        raise OptionValueError("max_examples_per_user needs user_ids (one user id per example)")
     if max_examples_per_user is None:
-        raise ValueError("user_ids needs max_examples_per_user (k: the most examples of one "
-                         "user in one step, Note [User-level sampling] in loop/users.py)")
-    if isinstance(max_examples_per_user, bool) or not isinstance(max_examples_per_user, int) \
-            or max_examples_per_user < 1:
-        raise ValueError(f"max_examples_per_user must be an int >= 1, got "
-                         f"{max_examples_per_user!r}")
+        raise OptionValueError("user_ids needs max_examples_per_user (k: the most examples of "
+                               "one user in one step, Note [User-level sampling] in "
+                               "loop/users.py)")
+    validate.integer(max_examples_per_user, "max_examples_per_user", 1)
     return group_by_user(user_ids, n)
 
 

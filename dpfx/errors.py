@@ -22,8 +22,18 @@ class UnsupportedOpError(DPFXError):
 
 
 class OptionError(DPFXError, TypeError):
-    """An option of ``dpfx.compile`` has a type it cannot take (``loss=3``): refused at the call,
-    before the model is wrapped, rather than at the first step."""
+    """An option of an entry point (``dpfx.compile``, ``make_private``, ``DPTrainer``,
+    ``DPOptimizer``, ``dpfx.opacus``) has a type it cannot take (``loss=3``): refused at the call,
+    before the model is touched, rather than at the first step. The base of every option
+    mistake."""
+
+
+class OptionValueError(OptionError, ValueError):
+    """An option has a value outside what it can take (``max_grad_norm=-1``,
+    ``noise_multiplier=float("nan")``, ``target_quantile=2``): refused at the call, before the
+    model is touched, with the same type whichever entry point is given it (the validators of
+    privacy/validate.py and ``dpfx.Clipping`` raise it). A ``ValueError``, and an
+    ``OptionError`` as every option mistake is."""
 
 
 class CaptureError(DPFXError):

@@ -20,12 +20,12 @@ ROOT = os.path.dirname(os.path.abspath(dpfx.__file__))
 # A listed name needs no file yet.
 LAYERS = [
     # 0 base: errors, settings, FX tools, dpfx:: ops, accounting
-    """errors config
+    """errors config options
        graph graph.batch graph.emit graph.printer graph.tags
        ops ops.blocks ops.conv ops.loss ops.native ops.noise ops.norms
        privacy privacy.adaptive privacy.budget privacy.checkpoint privacy.durable privacy.ledger
        privacy.recursion privacy.strategies privacy.strategy_fit privacy.matrix_accounting
-       privacy.plan""",
+       privacy.plan privacy.validate""",
     # 1 rules
     """rules rules.block rules.convolution rules.embedding rules.fallback rules.lift rules.linear
        rules.reduction rules.registry""",
@@ -57,7 +57,7 @@ LAYERS = [
     # 8 the public API
     "api engine",
     # 9 integrations and reports
-    """__init__ hf hf_ranks hf_users trl trl._private trl.dpo trl.sft
+    """__init__ hf hf.trainer hf.resume hf.ranks hf.users trl trl._private trl.dpo trl.sft
        report report.explain report.history report.validate
        audit audit.__main__
        opacus opacus.layers opacus.privacy_engine opacus.utils opacus.utils.batch_memory_manager
@@ -174,6 +174,69 @@ def test_the_check_fails_on_a_wrong_import(tmp_path):
     assert layer_of("dpfx.loss.track") > layer_of("dpfx.errors")
     graph = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
     assert list(nx.simple_cycles(graph))
+
+
+# -- private names stay in their package ---------------------------------------------------------
+
+
+def _package(module: str, found: dict[str, str]) -> str:
+    return module if found[module].endswith("__init__.py") else module.rsplit(".", 1)[0]
+
+
+def private_imports(module: str, path: str, found: dict[str, str]) -> list[str]:
+    """``owner._name`` for every private name ``module`` takes from a module of another package:
+    ``from dpfx.x import _name``, or ``x._name`` on an imported dpfx module."""
+    tree = ast.parse(open(path).read(), path)
+    mine = _package(module, found)
+    aliases, out = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dpfx":
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in found:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and node.module in found \
+                        and _package(node.module, found) != mine:
+                    out.append(f"{node.module}.{a.name} (line {node.lineno})")
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in found})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            owner = aliases[node.value.id]
+            if _package(owner, found) != mine:
+                out.append(f"{owner}.{node.attr} (line {node.lineno})")
+    return out
+
+
+# The options, the privacy plan, the loop and the integrations: a helper another package needs is
+# public (privacy/validate.py, hf/resume.py), not borrowed.
+PUBLIC_ONLY = ("dpfx.privacy", "dpfx.options", "dpfx.config", "dpfx.engine", "dpfx.loop",
+               "dpfx.hf", "dpfx.trl", "dpfx.opacus", "dpfx.audit", "dpfx.report")
+
+
+def test_no_module_takes_another_packages_private_names():
+    found = modules()
+    borrowed = {m: private_imports(m, path, found) for m, path in found.items()
+                if m.startswith(PUBLIC_ONLY)}
+    assert {m: names for m, names in borrowed.items() if names} == {}
+
+
+def test_the_private_name_check_finds_a_borrowed_name(tmp_path):
+    package = tmp_path / "dpfx"
+    (package / "loop").mkdir(parents=True)
+    (package / "privacy").mkdir()
+    found = {"dpfx.privacy": str(package / "privacy" / "__init__.py"),
+             "dpfx.loop.data": str(package / "loop" / "data.py"),
+             "dpfx.loop.users": str(package / "loop" / "users.py")}
+    (package / "privacy" / "__init__.py").write_text("def _check(q): return q\n")
+    (package / "loop" / "data.py").write_text(
+        "from dpfx.privacy import _check\nfrom dpfx import privacy\nprivacy._check(1)\n")
+    (package / "loop" / "users.py").write_text("from dpfx.loop.data import _size\n")
+    assert private_imports("dpfx.loop.data", found["dpfx.loop.data"], found) == [
+        "dpfx.privacy._check (line 1)", "dpfx.privacy._check (line 3)"]
+    assert private_imports("dpfx.loop.users", found["dpfx.loop.users"], found) == []
 
 
 # -- the release gate: the one writer of the release state (loss/gate.py) ---------------------

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfx import privacy
+from dpfx.privacy import validate
 from dpfx.api import compile as dp_compile
 
 
@@ -150,7 +151,7 @@ def _run(model, batch, canary, max_grad_norm, noise_multiplier, trials, delta, s
     if compile_kwargs.get("noise", "graph") != "graph" or "loss_reduction" in compile_kwargs:
         raise ValueError("the audit reads p.grad after one backward: it compiles with "
                          "noise='graph' and loss_reduction='sum' itself")
-    privacy._check_sample_rate(sample_rate)
+    validate.sample_rate(sample_rate)
     clip, sigma = _mechanism(control, max_grad_norm, noise_multiplier)
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -73,22 +73,51 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-from dpfx.privacy import _check_sample_rate
+from dpfx.errors import OptionValueError
+from dpfx.privacy import validate
 
 __all__ = ["PoissonBatchSampler", "PoissonLoader", "poisson_loader", "expected_batch_size",
            "EmptyBatchCollate"]
 
 
-def _check_count(n, name: str, minimum: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {n!r}")
-    return int(n)
+def check_shard(num_samples, generator, rank, world_size, secure_mode) -> tuple[int, int, int]:
+    """(num_samples, rank, world_size) of a sampler of this rank's shard r, r + W, ...
+    (``num_samples`` an int or a Sized), checked with its generator, for every sampler."""
+    if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
+        num_samples = len(num_samples)
+    num_samples = validate.integer(num_samples, "num_samples", 0)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise OptionValueError(f"generator must be a torch.Generator or None, got {generator!r}")
+    validate.secure_sampling(secure_mode, generator)
+    world_size = validate.integer(world_size, "world_size", 1)
+    rank = validate.integer(rank, "rank", 0)
+    if rank >= world_size:
+        raise OptionValueError(f"rank must be < world_size, got rank {rank}, world_size "
+                               f"{world_size}")
+    return num_samples, rank, world_size
+
+
+def pass_generator(generator: torch.Generator | None, secure_mode: bool,
+                   world_size: int) -> torch.Generator | None:
+    """The generator of one pass of a sampler (Note [Randomness]): the sampler's own, None in
+    secure mode, else a fresh one."""
+    if secure_mode:
+        return None
+    if generator is not None:
+        return generator
+    if world_size > 1:
+        # Ranks share torch's default seed; correlated draws across shards would break the
+        # independence Poisson sampling's analysis needs.
+        return torch.Generator().manual_seed(secrets.randbits(62))
+    # fresh randomness per iter(), reproducible under torch.manual_seed
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    return torch.Generator().manual_seed(seed)
 
 
 def expected_batch_size(n: int, q: float) -> int:
     """round(q * n), at least 1: the divisor of DP-SGD's mean loss under Poisson sampling."""
-    n = _check_count(n, "n", 1)
-    return max(1, round(_check_sample_rate(q) * n))
+    n = validate.integer(n, "n", 1)
+    return max(1, round(validate.sample_rate(q) * n))
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -103,22 +132,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __init__(self, num_samples: int | Sized, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
                  secure_mode: bool = False):
-        if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
-            num_samples = len(num_samples)
-        self.num_samples = _check_count(num_samples, "num_samples", 0)
-        self.sample_rate = _check_sample_rate(sample_rate)
+        self.num_samples, self.rank, self.world_size = check_shard(
+            num_samples, generator, rank, world_size, secure_mode)
+        self.sample_rate = validate.sample_rate(sample_rate)
         self.steps = max(1, round(1 / self.sample_rate)) if steps is None \
-            else _check_count(steps, "steps", 0)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
-        if secure_mode and generator is not None:
-            raise ValueError("secure_mode samples from the OS's CSPRNG; a generator would make the "
-                             "batches replayable (Note [Secure sampling])")
+            else validate.integer(steps, "steps", 0)
         self.secure_mode = bool(secure_mode)
-        self.world_size = _check_count(world_size, "world_size", 1)
-        self.rank = _check_count(rank, "rank", 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < world_size, got rank {rank}, world_size {world_size}")
         self.generator = generator if generator is None or self.world_size == 1 \
             else rank_generator(generator, self.rank)
         # Note [Distributed Poisson sampling]: rank r owns the examples r, r + W, r + 2W, ...
@@ -135,17 +154,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def pass_generator(self) -> torch.Generator | None:
         """The generator one pass over the steps draws from (Note [Randomness]); None in secure
         mode, whose draws come from the OS's CSPRNG (Note [Secure sampling])."""
-        if self.secure_mode:
-            return None
-        if self.generator is not None:
-            return self.generator
-        if self.world_size > 1:
-            # Ranks share torch's default seed; correlated draws across shards would break the
-            # independence Poisson sampling's analysis needs.
-            return torch.Generator().manual_seed(secrets.randbits(62))
-        # fresh randomness per iter(), reproducible under torch.manual_seed
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        return torch.Generator().manual_seed(seed)
+        return pass_generator(self.generator, self.secure_mode, self.world_size)
 
     def draw(self, g: torch.Generator | None) -> torch.Tensor:
         """bool[len(self.indices)]: which of this rank's indices join this step."""

@@ -75,7 +75,7 @@ from dpfx.errors import DPFXWarning, PrivacyError
 from dpfx.privacy.ledger import PrivacyLedger, check_same_run, reconcile
 from dpfx.loop.correlated import check_mechanism, check_resume
 from dpfx.loop.grads import GradWriter, noise_std
-from dpfx.privacy import Accountant
+from dpfx.privacy import Accountant, validate
 from dpfx.loop.ranks import check_same_model, rank_of, world_of
 from dpfx.loop.release import BatchSizes
 from dpfx.loop.step_noise import StepNoise
@@ -106,6 +106,8 @@ def _check_and_bind(optimizer, dp_model, accountant, sample_rate, secure_mode: b
     if accountant is not None and sample_rate is None:
         raise ValueError("sample_rate: the accountant needs the Poisson sample rate q of each "
                          "step (expected batch size / dataset size)")
+    if sample_rate is not None:
+        validate.sample_rate(sample_rate)
     if accountant is not None and not isinstance(accountant, Accountant):
         raise TypeError(f"accountant must be a dpfx.privacy.Accountant, got "
                         f"{type(accountant).__name__}")

@@ -53,8 +53,9 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from dpfx.loop.data import _check_count, _loader, _secure_mask, _size, poisson_loader, rank_generator
-from dpfx.privacy import _check_sample_rate
+from dpfx.loop.data import (_loader, _secure_mask, _size, check_shard, pass_generator,
+                            poisson_loader, rank_generator)
+from dpfx.privacy import validate
 from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson
 
 __all__ = ["CyclicPoissonSampler", "BallsInBinsSampler"]
@@ -65,19 +66,9 @@ class _RankedSampler(Sampler[list[int]]):
     and this rank's shard r, r + W, ... (Note [Distributed Poisson sampling] in loop/data.py)."""
 
     def __init__(self, num_samples, generator, rank, world_size, secure_mode):
-        if not isinstance(num_samples, numbers.Integral) and isinstance(num_samples, Sized):
-            num_samples = len(num_samples)
-        self.num_samples = _check_count(num_samples, "num_samples", 0)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
-        if secure_mode and generator is not None:
-            raise ValueError("secure_mode samples from the OS's CSPRNG; a generator would make the "
-                             "batches replayable (Note [Secure sampling] in loop/data.py)")
+        self.num_samples, self.rank, self.world_size = check_shard(
+            num_samples, generator, rank, world_size, secure_mode)
         self.secure_mode = bool(secure_mode)
-        self.world_size = _check_count(world_size, "world_size", 1)
-        self.rank = _check_count(rank, "rank", 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < world_size, got rank {rank}, world_size {world_size}")
         self.user_generator = generator
         self.generator = generator if generator is None or self.world_size == 1 \
             else rank_generator(generator, self.rank)
@@ -86,14 +77,7 @@ class _RankedSampler(Sampler[list[int]]):
     def pass_generator(self) -> torch.Generator | None:
         """The generator of one pass, as ``PoissonBatchSampler.pass_generator`` (Note [Randomness]
         in loop/data.py); None in secure mode."""
-        if self.secure_mode:
-            return None
-        if self.generator is not None:
-            return self.generator
-        if self.world_size > 1:
-            return torch.Generator().manual_seed(secrets.randbits(62))
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        return torch.Generator().manual_seed(seed)
+        return pass_generator(self.generator, self.secure_mode, self.world_size)
 
 
 class CyclicPoissonSampler(_RankedSampler):
@@ -107,8 +91,8 @@ class CyclicPoissonSampler(_RankedSampler):
                  rank: int = 0, world_size: int = 1, secure_mode: bool = False,
                  partition_seed: int | None = None):
         super().__init__(num_samples, generator, rank, world_size, secure_mode)
-        self.sample_rate = _check_sample_rate(sample_rate)
-        self.parts = _check_count(parts, "parts", 1)
+        self.sample_rate = validate.sample_rate(sample_rate)
+        self.parts = validate.integer(parts, "parts", 1)
         if self.sample_rate * self.parts > 1:
             raise ValueError(
                 f"sample_rate * parts must be <= 1 (each part holds about 1/parts of the data and "
@@ -116,7 +100,7 @@ class CyclicPoissonSampler(_RankedSampler):
                 f"sample_rate={sample_rate} and parts={parts}: lower one of them")
         if steps is None:
             steps = self.parts * math.ceil(max(1, round(1 / self.sample_rate)) / self.parts)
-        self.steps = _check_count(steps, "steps", 0)
+        self.steps = validate.integer(steps, "steps", 0)
         if self.steps % self.parts:
             raise ValueError(
                 f"steps must be a multiple of parts so that the next pass continues the cycle "
@@ -170,8 +154,8 @@ class BallsInBinsSampler(_RankedSampler):
                  generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
                  secure_mode: bool = False):
         super().__init__(num_samples, generator, rank, world_size, secure_mode)
-        self.steps_per_epoch = _check_count(steps_per_epoch, "steps_per_epoch", 1)
-        self.epochs = 1 if epochs is None else _check_count(epochs, "epochs", 0)
+        self.steps_per_epoch = validate.integer(steps_per_epoch, "steps_per_epoch", 1)
+        self.epochs = 1 if epochs is None else validate.integer(epochs, "epochs", 0)
         self.steps = self.steps_per_epoch * self.epochs
 
     @property

@@ -65,7 +65,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from dpfx.loop.data import PoissonBatchSampler, PoissonLoader, _check_count, _empty_like_batch
+from dpfx.loop.data import PoissonBatchSampler, PoissonLoader, _empty_like_batch
+from dpfx.privacy import validate
 
 __all__ = ["UserBatchSampler", "user_loader", "group_by_user", "per_user", "PerUser"]
 
@@ -105,8 +106,8 @@ class UserBatchSampler(PoissonBatchSampler):
         self.users = list(users)
         if any(len(u) == 0 for u in self.users):
             raise ValueError("every user must hold at least one example")
-        self.max_examples_per_user = _check_count(max_examples_per_user,
-                                                  "max_examples_per_user", 1)
+        self.max_examples_per_user = validate.integer(max_examples_per_user,
+                                                      "max_examples_per_user", 1)
         super().__init__(len(self.users), sample_rate, steps=steps, generator=generator,
                          rank=rank, world_size=world_size, secure_mode=secure_mode)
 

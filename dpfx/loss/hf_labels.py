@@ -39,15 +39,17 @@ import torch.nn.functional as F
 
 from dpfx.errors import PrivacyError
 
-_CAUSAL = ("ForCausalLM", "LMHeadModel")
-_TOKENS = ("ForMaskedLM", "ForTokenClassification")
+# Heads by the suffix of their class name: causal language models, and the heads whose loss is
+# a cross-entropy per token (hf/users.py reads both: their losses are token means)
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")
 _CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
                 "ForVideoClassification")
 # Heads whose loss flattens every leading dim: under ``per_user`` (a model with
 # ``flattens_users``) their labels come as (U, k, ...) and the logits as (U, k, ...), and the
 # loss reads the U * k rows as it reads a batch's. Sequence-to-sequence labels are shifted, and
 # multiple choice and question answering index, along dim 1, which is k there: refused.
-_PER_USER = _CAUSAL + _TOKENS + _CLASSIFIERS
+_PER_USER = CAUSAL_HEADS + TOKEN_HEADS + _CLASSIFIERS
 
 
 def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
@@ -75,10 +77,10 @@ def hf_labels_loss(model: torch.nn.Module, kwargs: dict):
     # Trainer's token count of the accumulated batch: the causal LM loss divides by it, every
     # other head ignores it (its normalizer is removed from each example's term either way)
     extra = {k: kwargs.pop(k) for k in ("num_items_in_batch",) if k in kwargs}
-    if name.endswith(_CAUSAL) and hasattr(base, "loss_function"):
+    if name.endswith(CAUSAL_HEADS) and hasattr(base, "loss_function"):
         return kwargs, lambda out: base.loss_function(
             out.logits, labels, vocab_size=config.vocab_size, **extra)
-    if name.endswith(_TOKENS):
+    if name.endswith(TOKEN_HEADS):
         return kwargs, lambda out: _token_cross_entropy(out.logits, labels)
     if name.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False) \
             and hasattr(base, "prepare_decoder_input_ids_from_labels"):

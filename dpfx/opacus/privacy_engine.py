@@ -40,8 +40,9 @@ from torch.utils.data import DataLoader
 
 from dpfx import engine, privacy
 from dpfx.privacy import plan as privacy_plan
+from dpfx.privacy import validate
 from dpfx.api import DPModule
-from dpfx.errors import DPFXWarning
+from dpfx.errors import DPFXWarning, OptionError, OptionValueError
 from dpfx.loop.optim import DPOptimizer
 from dpfx.opacus.validators.module_validator import ModuleValidator
 
@@ -78,11 +79,11 @@ class PrivacyEngine:
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}, got "
-                             f"{accountant!r} (dpfx accounts 'prv' and 'gdp' with PLD, 'rdp' "
-                             f"with RDP)")
+            raise OptionValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}, got "
+                                   f"{accountant!r} (dpfx accounts 'prv' and 'gdp' with PLD, 'rdp' "
+                                   f"with RDP)")
         if not isinstance(secure_mode, bool):
-            raise TypeError(f"secure_mode must be a bool, got {secure_mode!r}")
+            raise OptionError(f"secure_mode must be a bool, got {secure_mode!r}")
         if accountant == "gdp":
             warnings.warn("accountant='gdp': dpfx reports the PLD epsilon, an upper bound; "
                           "Opacus's GDP accountant is a central-limit approximation that can "
@@ -158,10 +159,9 @@ class PrivacyEngine:
                           "steps: sigma is calibrated for a fresh budget, so the run's total "
                           "epsilon will exceed target_epsilon", DPFXWarning, stacklevel=2)
         if not isinstance(data_loader, DataLoader):
-            raise TypeError(f"data_loader must be a torch DataLoader, got "
-                            f"{type(data_loader).__name__}")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+            raise OptionError(f"data_loader must be a torch DataLoader, got "
+                              f"{type(data_loader).__name__}")
+        validate.integer(epochs, "epochs", 1)
         sigma = privacy_plan.make(
             sample_rate=1 / len(data_loader),
             target_epsilon=target_epsilon, target_delta=target_delta,
@@ -206,63 +206,65 @@ class PrivacyEngine:
         dpfx_own = {"strategy", "backend", "track_norms", "ledger", "loss", "process_group"}
         unknown = sorted(set(kwargs) - dpfx_own)
         if unknown:
-            raise TypeError(f"make_private got {unknown}, which dpfx.opacus does not take. It "
-                            f"takes Opacus 1.6's arguments and dpfx.make_private's "
-                            f"{sorted(dpfx_own)}")
+            raise OptionError(f"make_private got {unknown}, which dpfx.opacus does not take. It "
+                              f"takes Opacus 1.6's arguments and dpfx.make_private's "
+                              f"{sorted(dpfx_own)}")
         if isinstance(module, DPModule):
-            raise ValueError("module is already a dpfx-compiled model: pass the nn.Module")
+            raise OptionValueError("module is already a dpfx-compiled model: pass the nn.Module")
         if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise ValueError("dpfx takes the bare module under torch.distributed (it "
-                             "all-reduces the clipped sums itself): pass module.module")
+            raise OptionValueError("dpfx takes the bare module under torch.distributed (it "
+                                   "all-reduces the clipped sums itself): pass module.module")
         if not isinstance(data_loader, DataLoader):
-            raise TypeError(f"data_loader must be a torch DataLoader, got "
-                            f"{type(data_loader).__name__}")
+            raise OptionError(f"data_loader must be a torch DataLoader, got "
+                              f"{type(data_loader).__name__}")
         ModuleValidator.validate(module, strict=True)
         own = set(module.parameters())
         if any(p not in own for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("Module parameters are different than optimizer Parameters: "
-                             "build the optimizer over module.parameters()")
+            raise OptionValueError("Module parameters are different than optimizer Parameters: "
+                                   "build the optimizer over module.parameters()")
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpfx picks "
-                             f"the per-sample form per layer in all of them), got "
-                             f"{grad_sample_mode!r}")
+            raise OptionValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpfx "
+                                   f"picks the per-sample form per layer in all of them), got "
+                                   f"{grad_sample_mode!r}")
         if clipping == "adaptive":
-            raise ValueError("clipping='adaptive' is not offered through the Opacus surface, "
-                             "which clips 'flat' or 'per_layer' (Opacus's min/max clipbound and "
-                             "unclipped_num_std have no dpfx counterpart): use "
-                             "dpfx.make_private(..., clipping='adaptive', target_quantile=, "
-                             "clip_lr=, count_noise_multiplier=)")
+            raise OptionValueError("clipping='adaptive' is not offered through the Opacus surface, "
+                                   "which clips 'flat' or 'per_layer' (Opacus's min/max clipbound "
+                                   "and unclipped_num_std have no dpfx counterpart): use "
+                                   "dpfx.make_private(..., clipping='adaptive', target_quantile=, "
+                                   "clip_lr=, count_noise_multiplier=)")
         if clipping not in CLIPPING_MODES:
-            raise ValueError(f"clipping={clipping!r} is not offered by dpfx: it clips 'flat' "
-                             f"(one bound) or 'per_layer' (a bound per parameter, or "
-                             f"dpfx.make_private(max_grad_norm={{name prefix: C}}) for groups)")
+            raise OptionValueError(f"clipping={clipping!r} is not offered by dpfx: it clips 'flat' "
+                                   f"(one bound) or 'per_layer' (a bound per parameter, or "
+                                   f"dpfx.make_private(max_grad_norm={{name prefix: C}}) for "
+                                   f"groups)")
         if clipping == "per_layer" and grad_sample_mode in ("ghost", "ghost_fsdp"):
-            raise ValueError(f"clipping='per_layer' with grad_sample_mode={grad_sample_mode!r} "
-                             f"is refused by Opacus too; dpfx picks the per-sample form itself, "
-                             f"so use grad_sample_mode='hooks'")
+            raise OptionValueError(f"clipping='per_layer' with "
+                                   f"grad_sample_mode={grad_sample_mode!r} is refused by Opacus "
+                                   f"too; dpfx picks the per-sample form itself, so use "
+                                   f"grad_sample_mode='hooks'")
         if not batch_first:
-            raise ValueError("batch_first=False: dpfx takes dim 0 of every input as the batch "
-                             "dim; transpose inputs inside the model's forward instead")
+            raise OptionValueError("batch_first=False: dpfx takes dim 0 of every input as the "
+                                   "batch dim; transpose inputs inside the model's forward instead")
         if wrap_model is not True:
-            raise ValueError("wrap_model=False: dpfx trains through the module it returns "
-                             "(dpfx.compile); the original module's own gradients would not be "
-                             "private, so use the returned model")
+            raise OptionValueError("wrap_model=False: dpfx trains through the module it returns "
+                                   "(dpfx.compile); the original module's own gradients would not "
+                                   "be private, so use the returned model")
         if rand_on_empty:
-            raise ValueError("rand_on_empty=True: dpfx runs empty Poisson batches (batch size "
-                             "0) through the same graph, so no random stand-in is needed; "
-                             "drop the argument")
+            raise OptionValueError("rand_on_empty=True: dpfx runs empty Poisson batches (batch "
+                                   "size 0) through the same graph, so no random stand-in is "
+                                   "needed; drop the argument")
         if not isinstance(poisson_sampling, bool):
-            raise TypeError(f"poisson_sampling must be a bool, got {poisson_sampling!r}")
+            raise OptionError(f"poisson_sampling must be a bool, got {poisson_sampling!r}")
         if self.secure_mode and not poisson_sampling:
-            raise ValueError("secure_mode with poisson_sampling=False: dpfx's secure sampling "
-                             "is Poisson sampling from the OS's CSPRNG; use "
-                             "poisson_sampling=True")
+            raise OptionValueError("secure_mode with poisson_sampling=False: dpfx's secure "
+                                   "sampling is Poisson sampling from the OS's CSPRNG; use "
+                                   "poisson_sampling=True")
         if noise_generator is not None and self.secure_mode:
-            raise ValueError("Passing seed is prohibited in secure mode: noise_generator would "
-                             "make the noise replayable")
+            raise OptionValueError("Passing seed is prohibited in secure mode: noise_generator "
+                                   "would make the noise replayable")
         if noise_generator is not None and not isinstance(noise_generator, torch.Generator):
-            raise TypeError(f"noise_generator must be a torch.Generator, got "
-                            f"{type(noise_generator).__name__}")
+            raise OptionError(f"noise_generator must be a torch.Generator, got "
+                              f"{type(noise_generator).__name__}")
         if self.dataset is not None and self.dataset is not data_loader.dataset:
             warnings.warn("PrivacyEngine detected a new dataset object: its accountant counts "
                           "one dataset; make a new PrivacyEngine for another", DPFXWarning,
@@ -297,20 +299,20 @@ def _bounds(module: nn.Module, optimizer, max_grad_norm, clipping: str):
     optimizer, in order) as dpfx's: a number, or a dict from parameter name to bound."""
     if clipping == "flat":
         if isinstance(max_grad_norm, (list, tuple)):
-            raise ValueError("clipping='flat' takes one max_grad_norm; a list of bounds is "
-                             "clipping='per_layer'")
+            raise OptionValueError("clipping='flat' takes one max_grad_norm; a list of bounds is "
+                                   "clipping='per_layer'")
         return max_grad_norm
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if not isinstance(max_grad_norm, (list, tuple)) or len(max_grad_norm) != len(params):
-        raise ValueError(f"clipping='per_layer' needs max_grad_norm as a list of "
-                         f"{len(params)} bounds, one per trainable parameter of the optimizer "
-                         f"in order, got {max_grad_norm!r}")
+        raise OptionValueError(f"clipping='per_layer' needs max_grad_norm as a list of "
+                               f"{len(params)} bounds, one per trainable parameter of the "
+                               f"optimizer in order, got {max_grad_norm!r}")
     names = {p: n for n, p in module.named_parameters()}
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     bounds = {names[p]: c for p, c in zip(params, max_grad_norm)}
     missing = sorted(trainable - set(bounds))
     if missing:
-        raise ValueError(f"clipping='per_layer': the trainable parameters {missing} are not in "
-                         f"the optimizer, so no bound is paired with them; freeze them "
-                         f"(requires_grad=False) or give them to the optimizer")
+        raise OptionValueError(f"clipping='per_layer': the trainable parameters {missing} are not "
+                               f"in the optimizer, so no bound is paired with them; freeze them "
+                               f"(requires_grad=False) or give them to the optimizer")
     return bounds

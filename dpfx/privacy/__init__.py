@@ -55,11 +55,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 
 import dp_accounting
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
+
+from dpfx.errors import OptionValueError
+from dpfx.privacy import validate
 
 
 # Note [RDP orders that do not converge]
@@ -78,10 +80,10 @@ class _UnconvergedOrderFilter(logging.Filter):
 
 logging.getLogger("absl").addFilter(_UnconvergedOrderFilter())
 
-__all__ = ["Accountant", "epsilon", "noise_multiplier", "dp_event", "pld_discretization_interval",
-           "ACCOUNTANTS"]
+__all__ = ["Accountant", "epsilon", "noise_multiplier", "calibrate", "dp_event", "event_epsilon",
+           "make_accountant", "pld_discretization_interval", "ACCOUNTANTS"]
 
-ACCOUNTANTS = ("pld", "rdp")
+ACCOUNTANTS = validate.ACCOUNTANTS
 
 # See Note [PLD grid].
 PLD_BASE_DISCRETIZATION = 1e-4
@@ -93,55 +95,13 @@ SIGMA_TOLERANCE = 1e-3
 
 
 # ------------------------------------------------------------------------------------------------
-# Validation: each check names the argument and says what it is.
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_noise_multiplier(sigma, name: str = "noise_multiplier") -> float:
-    if not _is_number(sigma) or math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
-        raise ValueError(
-            f"{name} must be a finite number >= 0 (sigma: noise std / clipping bound; 0 means no "
-            f"noise and epsilon = inf), got {sigma!r}")
-    return float(sigma)
-
-
-def _check_sample_rate(q, name: str = "sample_rate") -> float:
-    if not _is_number(q) or math.isnan(q) or not 0 < q <= 1:
-        raise ValueError(
-            f"{name} must be in (0, 1] (the Poisson sampling probability q = expected batch "
-            f"size / dataset size), got {q!r}")
-    return float(q)
-
-
-def _check_steps(steps, name: str = "steps") -> int:
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"{name} must be an int >= 0 (number of noisy steps), got {steps!r}")
-    return int(steps)
-
-
-def _check_delta(delta, name: str = "delta") -> float:
-    if not _is_number(delta) or math.isnan(delta) or not 0 < delta < 1:
-        raise ValueError(
-            f"{name} must be in (0, 1) (typically < 1/dataset size), got {delta!r}")
-    return float(delta)
-
-
-def _check_accountant(name) -> str:
-    if name not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}")
-    return name
-
-
-# ------------------------------------------------------------------------------------------------
 # Events and accountants.
 
 def dp_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
     """The dp_accounting event of ``steps`` DP-SGD steps with Poisson rate q and noise sigma."""
-    sigma = _check_noise_multiplier(noise_multiplier)
-    q = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps)
+    sigma = validate.noise_multiplier(noise_multiplier)
+    q = validate.sample_rate(sample_rate)
+    steps = validate.steps(steps)
     if steps == 0:
         return dp_accounting.NoOpDpEvent()   # SelfComposedDpEvent rejects count=0
     step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
@@ -219,12 +179,12 @@ class _AdaptivePLDAccountant(dp_accounting.PrivacyAccountant):
         return _pld_epsilon(self.ledger, target_delta)
 
 
-def _make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
+def make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
     return _AdaptivePLDAccountant() if name == "pld" else _rdp.RdpAccountant()
 
 
-def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str) -> float:
-    return float(_make_accountant(accountant).compose(event).get_epsilon(delta))
+def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str) -> float:
+    return float(make_accountant(accountant).compose(event).get_epsilon(delta))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +197,7 @@ def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: f
     Returns ``math.inf`` for ``noise_multiplier=0`` and 0.0 for ``steps=0``.
     """
     event = dp_event(noise_multiplier, sample_rate, steps)
-    return _event_epsilon(event, _check_delta(delta), _check_accountant(accountant))
+    return event_epsilon(event, validate.delta(delta), validate.accountant(accountant))
 
 
 def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,
@@ -256,19 +216,17 @@ def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate:
     Raises ValueError when no sigma in ``bracket`` reaches the target (also when ``spent``
     alone reaches it), or when its lower end already does (widen ``bracket``).
     """
-    target_epsilon = _check_target_epsilon(target_epsilon)
-    target_delta = _check_delta(target_delta, "target_delta")
-    q = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps)
+    target_epsilon = validate.target_epsilon(target_epsilon)
+    target_delta = validate.delta(target_delta, "target_delta")
+    q = validate.sample_rate(sample_rate)
+    steps = validate.steps(steps)
     if steps == 0:
-        raise ValueError("steps must be >= 1 to calibrate noise_multiplier (0 steps spend no "
-                         "privacy at any sigma)")
-    accountant = _check_accountant(accountant)
-    tolerance = _check_tolerance(tolerance)
-    lo, hi = _check_bracket(bracket)
+        raise OptionValueError("steps must be >= 1 to calibrate noise_multiplier (0 steps spend "
+                               "no privacy at any sigma)")
+    accountant = validate.accountant(accountant)
     before = _spent_events(spent)
     if before:
-        eps_spent = _event_epsilon(_composed(before), target_delta, accountant)
+        eps_spent = event_epsilon(_composed(before), target_delta, accountant)
         if eps_spent >= target_epsilon:
             taken = sum(phase[2] for phase in spent)
             raise ValueError(
@@ -279,16 +237,27 @@ def noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate:
     def event(sigma: float) -> dp_accounting.DpEvent:
         return _composed(before + [dp_event(sigma, q, steps)])
 
-    def eps_at(sigma: float) -> float:
-        return _event_epsilon(event(sigma), target_delta, accountant)
+    return calibrate(event, target_epsilon=target_epsilon, target_delta=target_delta,
+                     accountant=accountant, tolerance=tolerance, bracket=bracket)
 
-    lo, hi = _narrow_bracket(eps_at, target_epsilon, lo, hi)
+
+def calibrate(event, *, target_epsilon: float, target_delta: float, accountant: str = "pld",
+              tolerance: float = SIGMA_TOLERANCE,
+              bracket: tuple[float, float] = SIGMA_BRACKET) -> float:
+    """The smallest sigma in ``bracket`` (within ``tolerance * sigma``) at which the
+    dp_accounting event ``event(sigma)`` has epsilon <= ``target_epsilon`` at
+    ``target_delta``: the search of ``noise_multiplier`` and of the correlated mechanisms'
+    ``matrix_accounting.matrix_noise_multiplier``."""
+    target_epsilon = validate.target_epsilon(target_epsilon)
+    target_delta = validate.delta(target_delta, "target_delta")
+    accountant = validate.accountant(accountant)
+    tolerance = validate.tolerance(tolerance)
+    lo, hi = validate.bracket(bracket)
+    lo, hi = _narrow_bracket(lambda s: event_epsilon(event(s), target_delta, accountant),
+                             target_epsilon, lo, hi)
     sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _make_accountant(accountant),
-        event,
-        target_epsilon, target_delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
-        tol=tolerance * lo)
+        lambda: make_accountant(accountant), event, target_epsilon, target_delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tolerance * lo)
     return float(sigma)
 
 
@@ -309,7 +278,7 @@ def _spent_events(spent) -> list:
         except (TypeError, ValueError):
             raise ValueError(f"spent must hold phases (noise_multiplier, sample_rate, steps), "
                              f"got {phase!r}") from None
-        n = _check_steps(n, "spent steps")
+        n = validate.steps(n, "spent steps")
         if n:
             events.append(dp_event(sigma, q, n))
     return events
@@ -317,28 +286,6 @@ def _spent_events(spent) -> list:
 
 def _composed(events: list) -> dp_accounting.DpEvent:
     return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
-
-
-def _check_target_epsilon(eps) -> float:
-    if not _is_number(eps) or math.isnan(eps) or eps <= 0 or math.isinf(eps):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {eps!r}")
-    return float(eps)
-
-
-def _check_tolerance(tol) -> float:
-    if not _is_number(tol) or not 0 < tol < 0.5:
-        raise ValueError(f"tolerance must be in (0, 0.5) (relative, on sigma), got {tol!r}")
-    return float(tol)
-
-
-def _check_bracket(bracket) -> tuple[float, float]:
-    try:
-        lo, hi = bracket
-    except (TypeError, ValueError):
-        raise ValueError(f"bracket must be a pair (low, high) of sigmas, got {bracket!r}") from None
-    if not (_is_number(lo) and _is_number(hi) and 0 < lo < hi < math.inf):
-        raise ValueError(f"bracket must satisfy 0 < low < high < inf, got {bracket!r}")
-    return float(lo), float(hi)
 
 
 def _narrow_bracket(eps_at, target: float, lo: float, hi: float) -> tuple[float, float]:
@@ -388,15 +335,15 @@ class Accountant:
     STATE_VERSION = 1
 
     def __init__(self, accountant: str = "pld"):
-        self.accountant = _check_accountant(accountant)
+        self.accountant = validate.accountant(accountant)
         self._history: list[list] = []          # [sigma, q, steps] per phase
         self._cache: tuple | None = None        # ((history, delta), epsilon)
 
     def step(self, *, noise_multiplier: float, sample_rate: float, n: int = 1) -> None:
         """Record ``n`` steps at noise ``noise_multiplier`` and Poisson rate ``sample_rate``."""
-        sigma = _check_noise_multiplier(noise_multiplier)
-        q = _check_sample_rate(sample_rate)
-        n = _check_steps(n, "n")
+        sigma = validate.noise_multiplier(noise_multiplier)
+        q = validate.sample_rate(sample_rate)
+        n = validate.steps(n, "n")
         if n == 0:
             return
         if self._history and self._history[-1][:2] == [sigma, q]:
@@ -421,10 +368,10 @@ class Accountant:
         return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
 
     def get_epsilon(self, delta: float) -> float:
-        delta = _check_delta(delta)
+        delta = validate.delta(delta)
         key = (tuple(self.history), delta)
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, _event_epsilon(self.dp_event(), delta, self.accountant))
+            self._cache = (key, event_epsilon(self.dp_event(), delta, self.accountant))
         return self._cache[1]
 
     def state_dict(self) -> dict:
@@ -435,15 +382,15 @@ class Accountant:
         if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
             raise ValueError(f"state must be a dict from Accountant.state_dict() with version "
                              f"{self.STATE_VERSION}, got {state!r}")
-        accountant = _check_accountant(state.get("accountant"))
+        accountant = validate.accountant(state.get("accountant"))
         history = []
         for phase in state.get("history", []):
             if not isinstance(phase, (list, tuple)) or len(phase) != 3:
                 raise ValueError(f"state['history'] entries must be [noise_multiplier, "
                                  f"sample_rate, steps], got {phase!r}")
             sigma, q, n = phase
-            history.append([_check_noise_multiplier(sigma), _check_sample_rate(q),
-                            _check_steps(n, "steps")])
+            history.append([validate.noise_multiplier(sigma), validate.sample_rate(q),
+                            validate.steps(n, "steps")])
         self.accountant, self._history, self._cache = accountant, history, None
 
     def __repr__(self) -> str:

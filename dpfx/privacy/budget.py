@@ -9,7 +9,7 @@
 400) within the target, else the smallest sigma that does (Note [Calibrating the steps that
 remain] in privacy/__init__.py); a ``ValueError`` with the epsilon spent where no sigma does.
 ``DPTrainer`` calls it before a resumed run trains (Note [A resumed run keeps its budget] in
-hf.py).
+hf/resume.py).
 """
 from __future__ import annotations
 

@@ -74,25 +74,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 from typing import Callable
 
 import dp_accounting
 
-from dpfx.privacy import (SIGMA_BRACKET, SIGMA_TOLERANCE, Accountant, _check_accountant,
-                          _check_bracket, _check_delta, _check_noise_multiplier,
-                          _check_sample_rate, _check_steps, _check_target_epsilon,
-                          _check_tolerance, _event_epsilon, _make_accountant, _narrow_bracket,
-                          dp_event)
+from dpfx.errors import OptionValueError
+from dpfx.privacy import (SIGMA_BRACKET, SIGMA_TOLERANCE, Accountant, calibrate, dp_event,
+                          validate)
 
 __all__ = ["CyclicPoisson", "MinSeparation", "BallsInBins", "MatrixAccountant", "check_pair",
            "matrix_dp_event", "matrix_noise_multiplier"]
-
-
-def _check_int(n, name: str, minimum: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {n!r}")
-    return int(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +94,8 @@ class CyclicPoisson:
     sample_rate: float
 
     def __post_init__(self):
-        _check_int(self.parts, "CyclicPoisson.parts", 1)
-        _check_sample_rate(self.sample_rate, "CyclicPoisson.sample_rate")
+        validate.integer(self.parts, "CyclicPoisson.parts", 1)
+        validate.sample_rate(self.sample_rate, "CyclicPoisson.sample_rate")
         if self.sample_rate * self.parts > 1:
             raise ValueError(f"CyclicPoisson: sample_rate * parts must be <= 1 (each part is "
                              f"sampled at that rate), got sample_rate={self.sample_rate} and "
@@ -123,8 +114,8 @@ class MinSeparation:
     participations: int
 
     def __post_init__(self):
-        _check_int(self.separation, "MinSeparation.separation", 1)
-        _check_int(self.participations, "MinSeparation.participations", 1)
+        validate.integer(self.separation, "MinSeparation.separation", 1)
+        validate.integer(self.participations, "MinSeparation.participations", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +125,7 @@ class BallsInBins:
     steps_per_epoch: int
 
     def __post_init__(self):
-        _check_int(self.steps_per_epoch, "BallsInBins.steps_per_epoch", 1)
+        validate.integer(self.steps_per_epoch, "BallsInBins.steps_per_epoch", 1)
 
 
 SAMPLINGS = (CyclicPoisson, MinSeparation, BallsInBins)
@@ -198,7 +189,7 @@ def _event_fn(strategy, sampling, steps: int,
 
 
 def _check_steps_of(strategy, steps, name: str = "steps") -> int:
-    steps = _check_steps(steps, name)
+    steps = validate.steps(steps, name)
     if steps > strategy.steps:
         raise ValueError(f"{name}={steps} is more than the {strategy.steps} steps strategy "
                          f"{strategy.name!r} was built for; build it for as many steps as the "
@@ -211,7 +202,7 @@ def matrix_dp_event(noise_multiplier: float, strategy, sampling,
     """The dp_accounting event of the first ``steps`` steps of ``strategy`` at noise
     ``noise_multiplier`` under ``sampling`` (``NoOpDpEvent`` for 0 steps)."""
     check_pair(strategy, sampling)
-    sigma = _check_noise_multiplier(noise_multiplier)
+    sigma = validate.noise_multiplier(noise_multiplier)
     return _event_fn(strategy, sampling, _check_steps_of(strategy, steps))(sigma)
 
 
@@ -222,22 +213,13 @@ def matrix_noise_multiplier(target_epsilon: float, target_delta: float, strategy
     """The smallest sigma in ``bracket`` (within ``tolerance * sigma``) whose epsilon after
     ``steps`` steps is <= ``target_epsilon``; the search of ``dpfx.privacy.noise_multiplier``."""
     check_pair(strategy, sampling)
-    target_epsilon = _check_target_epsilon(target_epsilon)
-    target_delta = _check_delta(target_delta, "target_delta")
     steps = _check_steps_of(strategy, steps)
     if steps == 0:
-        raise ValueError("steps must be >= 1 to calibrate the noise multiplier (0 steps spend no "
-                         "privacy at any sigma)")
-    accountant = _check_accountant(accountant)
-    tolerance = _check_tolerance(tolerance)
-    lo, hi = _check_bracket(bracket)
-    event = _event_fn(strategy, sampling, steps)
-    lo, hi = _narrow_bracket(lambda s: _event_epsilon(event(s), target_delta, accountant),
-                             target_epsilon, lo, hi)
-    sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _make_accountant(accountant), event, target_epsilon, target_delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tolerance * lo)
-    return float(sigma)
+        raise OptionValueError("steps must be >= 1 to calibrate the noise multiplier (0 steps "
+                               "spend no privacy at any sigma)")
+    return calibrate(_event_fn(strategy, sampling, steps), target_epsilon=target_epsilon,
+                     target_delta=target_delta, accountant=accountant, tolerance=tolerance,
+                     bracket=bracket)
 
 
 def _json(x):
@@ -266,9 +248,9 @@ class MatrixAccountant(Accountant):
 
     def step(self, *, noise_multiplier: float, sample_rate: float | None = None,
              n: int = 1) -> None:
-        sigma = _check_noise_multiplier(noise_multiplier)
+        sigma = validate.noise_multiplier(noise_multiplier)
         q = self._step_rate(sample_rate)
-        n = _check_steps(n, "n")
+        n = validate.steps(n, "n")
         if n == 0:
             return
         if self._history and self._history[-1][:2] != [sigma, q]:
@@ -288,7 +270,7 @@ class MatrixAccountant(Accountant):
     def _step_rate(self, sample_rate) -> float:
         if sample_rate is None:
             return self.sampling.sample_rate if isinstance(self.sampling, CyclicPoisson) else 1.0
-        q = _check_sample_rate(sample_rate)
+        q = validate.sample_rate(sample_rate)
         if not isinstance(self.sampling, CyclicPoisson):
             return q
         if not math.isclose(q, self.sampling.sample_rate, rel_tol=1e-9):

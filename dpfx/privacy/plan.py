@@ -49,6 +49,8 @@ import math
 from typing import Any
 
 from dpfx import privacy
+from dpfx.errors import OptionError, OptionValueError
+from dpfx.privacy import validate
 
 MECHANISMS = ("gaussian", "bandmf", "bsr", "blt", "matrix")
 SAMPLERS = ("poisson", "cyclic_poisson", "balls_in_bins")
@@ -68,21 +70,21 @@ class Mechanism:
 
     def __post_init__(self):
         if self.name not in MECHANISMS:
-            raise ValueError(f"mechanism must be one of {MECHANISMS} (or a dpfx.Mechanism), got "
-                             f"{self.name!r}")
+            raise OptionValueError(f"mechanism must be one of {MECHANISMS} (or a dpfx.Mechanism), "
+                                   f"got {self.name!r}")
         for field, owners in (("bands", _BANDED), ("buffers", ("blt",))):
             value = getattr(self, field)
             if value is None:
                 continue
             if self.name not in owners:
-                raise ValueError(f"mechanism {self.name!r} takes no {field} ({field} belong to "
-                                 f"{' and '.join(repr(o) for o in owners)})")
+                raise OptionValueError(f"mechanism {self.name!r} takes no {field} ({field} belong "
+                                       f"to {' and '.join(repr(o) for o in owners)})")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mechanism {self.name!r}: {field} must be an int >= 1, got "
-                                 f"{value!r}")
+                raise OptionValueError(f"mechanism {self.name!r}: {field} must be an int >= 1, got "
+                                       f"{value!r}")
         if (self.matrix is None) == (self.name == "matrix"):
-            raise ValueError("mechanism 'matrix' takes matrix= (a lower-triangular strategy), "
-                             "and only it does")
+            raise OptionValueError("mechanism 'matrix' takes matrix= (a lower-triangular "
+                                   "strategy), and only it does")
 
     @property
     def correlated(self) -> bool:
@@ -97,8 +99,8 @@ def mechanism_option(value) -> Mechanism:
         return value
     if isinstance(value, str):
         return Mechanism(value)
-    raise TypeError(f"mechanism must be a name {MECHANISMS} or a dpfx.Mechanism, got "
-                    f"{type(value).__name__}")
+    raise OptionError(f"mechanism must be a name {MECHANISMS} or a dpfx.Mechanism, got "
+                      f"{type(value).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +132,20 @@ class Plan:
             fits = isinstance(accountant, type(fresh)) and \
                 accountant.state_dict().get("strategy") == fresh.state_dict().get("strategy")
         if not fits:
-            raise ValueError(f"accountant: a {type(accountant).__name__} cannot count steps of "
-                             f"mechanism {self.mechanism.name!r} sampled by {self.sampler!r}; "
-                             f"pass accountant='pld' or 'rdp' and use the one returned")
+            raise OptionValueError(f"accountant: a {type(accountant).__name__} cannot count steps "
+                                   f"of mechanism {self.mechanism.name!r} sampled by "
+                                   f"{self.sampler!r}; pass accountant='pld' or 'rdp' and use the "
+                                   f"one returned")
         return accountant
+
+    def check_poisson(self, units: str) -> None:
+        """Refuses a sampler other than Poisson sampling for a run whose ``units`` ("users",
+        "several processes' shards") are sampled by Poisson sampling only."""
+        if self.sampler != "poisson":
+            raise OptionValueError(f"sampler={self.sampler!r} samples the examples of one "
+                                   f"process; user-level DP and several processes sample "
+                                   f"{units} by Poisson sampling: use the Gaussian mechanism "
+                                   f"with sampler='poisson'")
 
     def epsilon(self, delta: float, steps: int | None = None) -> float:
         """Epsilon after ``steps`` (default: the planned steps) at ``delta``."""
@@ -155,13 +167,13 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
     steps each, under cyclic Poisson the whole cycles of parts nearest 1/q). A correlated
     ``mechanism`` needs the length: its strategy is built for it. ``steps_name`` is what the
     entry point calls the length in its errors ("epochs", "max_steps")."""
-    q = privacy._check_sample_rate(sample_rate)
-    accountant = privacy._check_accountant(accountant)
+    q = validate.sample_rate(sample_rate)
+    accountant = validate.accountant(accountant)
     steps_per_epoch = max(1, round(1 / q))
     if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        raise OptionValueError("give exactly one of noise_multiplier or target_epsilon")
     if steps is not None:
-        steps = privacy._check_steps(steps)
+        steps = validate.steps(steps)
     mech = mechanism_option(mechanism)
     sampler = _sampler(sampler, mech)
 
@@ -173,11 +185,11 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
             noise_multiplier = privacy.noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
                 steps=length(steps_per_epoch), accountant=accountant)
-        return Plan(privacy._check_noise_multiplier(noise_multiplier), q, steps_per_epoch,
+        return Plan(validate.noise_multiplier(noise_multiplier), q, steps_per_epoch,
                     length(steps_per_epoch), accountant, mech, sampler)
     if not length(steps_per_epoch):
-        raise ValueError(f"mechanism {mech.name!r} with sampler {sampler!r} is planned for the "
-                         f"run's number of steps: give {steps_name}")
+        raise OptionValueError(f"mechanism {mech.name!r} with sampler {sampler!r} is planned for "
+                               f"the run's number of steps: give {steps_name}")
 
     def planned(bands: int | None) -> Plan:
         from dpfx.privacy import matrix_accounting
@@ -194,15 +206,16 @@ def make(*, sample_rate: float, noise_multiplier: float | None = None,
         if target_epsilon is not None:
             sigma = matrix_accounting.matrix_noise_multiplier(
                 target_epsilon, target_delta, strategy, sampling, n, accountant)
-        return Plan(privacy._check_noise_multiplier(sigma), q, per_pass, n, accountant, mech,
+        return Plan(validate.noise_multiplier(sigma), q, per_pass, n, accountant, mech,
                     sampler, parts, strategy, sampling)
 
     if mech.name in _BANDED and mech.bands is None:
         if target_epsilon is None:
-            raise ValueError(f"mechanism {mech.name!r} needs its bands with a fixed "
-                             f"noise_multiplier (the epsilon changes with them): give "
-                             f"dpfx.Mechanism({mech.name!r}, bands=b), or target_epsilon to "
-                             f"have them chosen (Note [Choosing the bands] in privacy/plan.py)")
+            raise OptionValueError(f"mechanism {mech.name!r} needs its bands with a fixed "
+                                   f"noise_multiplier (the epsilon changes with them): give "
+                                   f"dpfx.Mechanism({mech.name!r}, bands=b), or target_epsilon to "
+                                   f"have them chosen (Note [Choosing the bands] in "
+                                   f"privacy/plan.py)")
         return _least_error([planned(b) for b in _band_candidates(length(steps_per_epoch), q)])
     return planned(mech.bands)
 
@@ -211,11 +224,12 @@ def _sampler(sampler: str | None, mech: Mechanism) -> str:
     if sampler is None:
         return "cyclic_poisson" if mech.correlated else "poisson"
     if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        raise OptionValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if mech.correlated and sampler == "poisson":
-        raise ValueError(f"mechanism {mech.name!r} has no valid accountant under plain Poisson "
-                         f"sampling (its noise is correlated across steps an example may share): "
-                         f"use sampler='cyclic_poisson' (the default for it) or 'balls_in_bins'")
+        raise OptionValueError(f"mechanism {mech.name!r} has no valid accountant under plain "
+                               f"Poisson sampling (its noise is correlated across steps an example "
+                               f"may share): use sampler='cyclic_poisson' (the default for it) or "
+                               f"'balls_in_bins'")
     return sampler
 
 
@@ -238,8 +252,8 @@ def _strategy(mech: Mechanism, steps: int, q: float, sampler: str, bands: int | 
                               participations=math.ceil(steps / every))
     strategy = strategies.from_matrix(mech.matrix)
     if strategy.steps != steps:
-        raise ValueError(f"mechanism 'matrix': the strategy matrix has {strategy.steps} rows and "
-                         f"the run plans {steps} steps: give a {steps} x {steps} matrix")
+        raise OptionValueError(f"mechanism 'matrix': the strategy matrix has {strategy.steps} rows "
+                               f"and the run plans {steps} steps: give a {steps} x {steps} matrix")
     return strategy
 
 
@@ -259,8 +273,8 @@ def _sampling(sampler: str, strategy, parts, q: float, steps: int, steps_per_epo
     if sampler == "balls_in_bins":
         return ma.BallsInBins(steps_per_epoch)
     if q * parts > 1 + 1e-12:
-        raise ValueError(f"cyclic Poisson over {parts} parts samples each part at "
-                         f"{parts} x {q:.6g} > 1: use at most {_most_parts(q)} bands")
+        raise OptionValueError(f"cyclic Poisson over {parts} parts samples each part at "
+                               f"{parts} x {q:.6g} > 1: use at most {_most_parts(q)} bands")
     if getattr(strategy, "bands", None) is not None and strategy.bands <= parts:
         return ma.CyclicPoisson(parts, q)
     return ma.MinSeparation(parts, math.ceil(steps / parts))

@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-from dpfx.hf import DPTrainer
+from dpfx.hf import DPTrainer, resume
 from dpfx.loop.users import PerUser, per_user
 
 # DPTrainer's own options (max_grad_norm, noise_multiplier, target_epsilon, accountant, ...)
@@ -86,7 +86,7 @@ class PrivateTRL:
 
     def create_model_card(self, *args, **kwargs):
         """TRL's model card reads the user's model's config."""
-        with self._users_model():
+        with resume.users_model(self):
             return super().create_model_card(*args, **kwargs)
 
 

@@ -1,4 +1,4 @@
-"""DP fine-tuning through Hugging Face's Trainer (dpfx/hf.py), and a plain Trainer over a dpfx model.
+"""DP fine-tuning through Hugging Face's Trainer (dpfx/hf/), and a plain Trainer over a dpfx model.
 
 Models are built from tiny configs (random init, nothing downloaded) and trained through the
 default Inductor backend with the self-check on, except the bookkeeping test of resuming (eager:
@@ -253,7 +253,7 @@ def test_dp_trainer_epsilon_and_resume(tmp_path):
     # stopped two steps after its last checkpoint: those two releases happened, and the
     # privacy ledger makes the resumed run count them on top of the six it then takes, with
     # the noise of the last three raised so that all eight stay within the target
-    # (Note [A resumed run keeps its budget] in dpfx/hf.py)
+    # (Note [A resumed run keeps its budget] in dpfx/hf/resume.py)
     run(tmp_path / "late", stop_at=5)
     again = run(tmp_path / "late", resume=str(tmp_path / "late" / "checkpoint-3"))
     assert again.accountant.steps == 8

@@ -1,4 +1,4 @@
-"""A resumed DPTrainer run keeps its target_epsilon (dpfx/hf.py, Note [A resumed run keeps its
+"""A resumed DPTrainer run keeps its target_epsilon (dpfx/hf/resume.py, Note [A resumed run keeps its
 budget]): the steps left are calibrated after the steps taken, each segment counted with its
 own noise, checked against dp_accounting directly; a plan that cannot fit is refused with the
 epsilon spent. Eager backend: these tests check the accounting, not the gradients."""

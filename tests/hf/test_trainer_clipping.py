@@ -1,4 +1,4 @@
-"""DPTrainer's clip functions (dpfx/hf.py, ``clipping=``): automatic and adaptive clipping
+"""DPTrainer's clip functions (dpfx/hf/trainer.py, ``clipping=``): automatic and adaptive clipping
 through Trainer's step, adaptive clipping's bound across a checkpoint, and what is refused
 before the model is touched.
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dpfx
+from dpfx.config import DPConfig
 from support.reference import CLIP_EPS
 
 transformers = pytest.importorskip("transformers")
@@ -210,5 +211,5 @@ def test_refused_before_the_model_is_touched(tmp_path):
                      noise_multiplier=1.0, dp_kwargs={"clipping": "automatic"})
     # several processes: the count goes with the clipped sums (tests/loop/test_adaptive_ranks.py);
     # blocks: tests/test_blocks.py
-    hf._check_clipping(1.0, 1.0, dict(clipping="adaptive", count_noise_multiplier=2.0))
-    hf._check_clipping(1.0, 1.0, dict(clipping="automatic"))   # accepted
+    DPConfig(1.0, 1.0, clip=dpfx.Clipping("adaptive", count_noise_multiplier=2.0))
+    DPConfig(1.0, 1.0, clip=dpfx.Clipping("automatic"))       # accepted

@@ -1,4 +1,4 @@
-"""DPTrainer over several processes (dpfx/hf_ranks.py, Note [DPTrainer over several processes]):
+"""DPTrainer over several processes (dpfx/hf/ranks.py, Note [DPTrainer over several processes]):
 two gloo ranks spawned by the test, each a Trainer launched as torchrun would (RANK, WORLD_SIZE,
 LOCAL_RANK in the environment).
 

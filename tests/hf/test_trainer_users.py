@@ -1,5 +1,5 @@
 """User-level DP through ``DPTrainer`` (``user_column=``, ``max_examples_per_user=``; Note
-[DPTrainer at the user level] in dpfx/hf_users.py).
+[DPTrainer at the user level] in dpfx/hf/users.py).
 
 A tiny GPT-2 (random init from a config) trains on examples that each name their user. At sigma
 0 the parameter change of one optimizer step is compared with a loop over the users the trainer

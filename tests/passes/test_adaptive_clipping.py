@@ -165,8 +165,8 @@ def _adaptive_backward(noise="graph"):
                   backend="eager", clipping="adaptive", strategy="materialize", noise=noise)
     dp = dpfx.compile(model, **kwargs)
     dp(torch.randn(3, 8))
-    config = DPConfig(0.1, 1.0, backend="eager", clipping="adaptive", noise=noise,
-                      count_noise_multiplier=2.0)
+    config = DPConfig(0.1, 1.0, backend="eager", noise=noise,
+                      clip=dpfx.Clipping("adaptive", count_noise_multiplier=2.0))
     return dp._dpfx_backend.last_backward, config
 
 
@@ -289,8 +289,8 @@ def test_bad_adaptive_options_are_refused(kwargs, match):
 
 
 def test_sigma_grad_composes_with_the_count_to_sigma():
-    config = DPConfig(1.0, 1.0, clipping="adaptive", count_noise_multiplier=2.0)
+    config = DPConfig(1.0, 1.0, clip=dpfx.Clipping("adaptive", count_noise_multiplier=2.0))
     s = config.grad_noise_multiplier
     assert s > 1.0
     assert (s ** -2 + (2 * 2.0) ** -2) ** -0.5 == pytest.approx(1.0, rel=1e-12)
-    assert DPConfig(1.0, 0.0, clipping="adaptive").grad_noise_multiplier == 0.0
+    assert DPConfig(1.0, 0.0, clip=dpfx.Clipping("adaptive")).grad_noise_multiplier == 0.0

@@ -151,7 +151,7 @@ def _automatic_backward(config_kwargs=None):
                   clipping="automatic", strategy="materialize", **(config_kwargs or {}))
     dp = dpfx.compile(model, **kwargs)
     dp(torch.randn(3, 8))
-    config = DPConfig(0.1, 1.0, backend="eager", clipping="automatic",
+    config = DPConfig(0.1, 1.0, backend="eager", clip=dpfx.Clipping("automatic"),
                       **(config_kwargs or {}))
     return dp._dpfx_backend.last_backward, config
 
@@ -204,8 +204,8 @@ def test_the_clamped_form_under_automatic_is_refused():
     result = dp._dpfx_backend.last_backward
     with pytest.raises(dpfx.PrivacyError, match="C / \\(norm \\+ gamma\\)"):
         verify_backward(result.gm, result.analysis, result.private,
-                        DPConfig(0.1, 1.0, backend="eager", clipping="automatic",
-                                 clipping_gamma=1e-6))
+                        DPConfig(0.1, 1.0, backend="eager",
+                                 clip=dpfx.Clipping("automatic", gamma=1e-6)))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -230,5 +230,5 @@ def test_bad_clipping_options_are_refused_and_the_model_is_untouched(kwargs, mat
 def test_the_clipping_mode_is_inferred_from_the_bounds():
     assert DPConfig(1.0, 1.0).clipping == "flat"
     assert DPConfig({"": 1.0, "fc1": 0.5}, 1.0).clipping == "per_layer"
-    assert DPConfig({"": 1.0}, 1.0, clipping="automatic").clip_eps == GAMMA
+    assert DPConfig({"": 1.0}, 1.0, clip=dpfx.Clipping("automatic")).clip_eps == GAMMA
     assert DPConfig(1.0, 1.0).clip_eps == 1e-6

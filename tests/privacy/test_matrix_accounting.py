@@ -273,7 +273,7 @@ def test_calibration_round_trip(strategy, sampling, steps, accountant):
     acc = _run(strategy, sampling, sigma, steps, accountant=accountant)
     assert target * 0.95 <= acc.get_epsilon(DELTA) <= target
     less = sigma * (1 - 2 * tolerance)
-    more = privacy._event_epsilon(matrix_dp_event(less, strategy, sampling, steps), DELTA,
+    more = privacy.event_epsilon(matrix_dp_event(less, strategy, sampling, steps), DELTA,
                                   accountant)
     assert more > target                          # the smallest such sigma, to the tolerance
 

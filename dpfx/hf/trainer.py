@@ -1,4 +1,4 @@
-"""DP-SGD through Hugging Face's ``transformers.Trainer``: ``DPTrainer``.
+"""``DPTrainer``: ``transformers.Trainer`` training with DP-SGD, and what changes against it.
 
     trainer = dpfx.hf.DPTrainer(
         model=model, args=TrainingArguments(output_dir="out", per_device_train_batch_size=32,
@@ -11,87 +11,74 @@ What changes against a plain Trainer, and nothing else (evaluation, logging, cal
 schedules, saving stay Trainer's):
 
 - the model is ``dpfx.compile``'d (noise="optimizer") with the trainer's per-example clipping
-  bound ``max_grad_norm`` and a noise multiplier given or calibrated from ``target_epsilon``
-  over the run's optimizer steps (``privacy.noise_multiplier``);
-- the training loader samples Poisson batches (``data.poisson_loader``, Trainer's collator and
-  column filtering kept): each example joins a logical batch with probability q = (per-device
-  batch size * gradient_accumulation_steps * processes) / N, so batch sizes vary, and may be 0;
-- Note [Gradient accumulation is a virtual batch]: a logical batch runs as near-equal physical
-  batches of at most ``per_device_train_batch_size`` examples (Note [Near-equal physical
-  batches] in loop/data.py), whose clipped sums accumulate; the noise is
-  added once per optimizer step, and the accountant counts that step once
-  (``DPOptimizer.signal_skip_step``, as ``dpfx.VirtualBatches``). Trainer itself therefore
-  runs with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip
-  that makes the step private is per example, inside dpfx's graph);
+  bound ``max_grad_norm`` and the noise multiplier of the run's privacy plan (given, or
+  calibrated from ``target_epsilon`` over the run's optimizer steps: ``privacy/plan.py``);
+- the training loader samples Poisson batches (``loop/samplers.plan_loader``, Trainer's collator
+  and column filtering kept): each example joins a logical batch with probability
+  q = (per-device batch size * gradient_accumulation_steps * processes) / N, so batch sizes
+  vary, and may be 0;
+- a logical batch runs as physical batches whose clipped sums accumulate, noised once (Note
+  [Gradient accumulation is a virtual batch]);
 - the optimizer Trainer builds is wrapped in ``dpfx.DPOptimizer`` holding the accountant, so
   Trainer's checkpoints (its ``optimizer.pt``) carry the accountant and resuming keeps
-  counting; each checkpoint also gets ``dp_accountant.json``, readable without torch; with
-  checkpoints on, every step is first written to the privacy ledger ``output_dir/
-  privacy.ledger`` (privacy/ledger.py), and a resumed run counts the larger of the two;
+  counting; each checkpoint also gets ``dp_accountant.json``, and with checkpoints on every
+  step is first written to the privacy ledger ``output_dir/privacy.ledger`` (hf/resume.py);
 - with ``target_epsilon``, a resumed run noises the steps left of its plan so that all its
   steps together stay within the target, or refuses to train (Note [A resumed run keeps its
-  budget]);
+  budget] in hf/resume.py);
 - ``epsilon`` (at ``delta``) is logged with the loss at every logging step, and with
   ``train_loss`` in the metrics ``train()`` logs and returns at its end;
 - the model's own ``labels=`` loss is taken per example (loss/hf_labels.py), with every scalar
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
-``clipping=`` picks the clip function as ``dpfx.compile``'s does ("flat", "per_layer", "automatic",
-"adaptive", with ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
+``clipping=`` picks the clip function as ``dpfx.compile``'s does (a name or a ``dpfx.Clipping``;
+or the keywords ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
 ``count_noise_multiplier``): under "adaptive" the bound C_t starts at ``max_grad_norm``, moves
 after each optimizer step (the count of unclipped examples summed over the step's physical
 batches and noised once, by ``DPOptimizer``), and is saved in Trainer's ``optimizer.pt`` and in
 ``dp_accountant.json``, so a resumed run continues from the checkpoint's C_t.
 
-With ``user_column=`` (or ``user_ids=``) and ``max_examples_per_user=``, the unit is the user:
-users are sampled, up to k examples each, the model runs under ``per_user``, each user's
-gradient is clipped as one and epsilon is per user (Note [DPTrainer at the user level] in
-hf_users.py).
-
-Launched on several processes (torchrun, ``accelerate launch``), q counts every process's
-batch (per-device batch * accumulation steps * processes / N), each rank samples its part of
-the data, the model is never wrapped in DDP (``DPOptimizer`` reduces the clipped sums across the
-ranks, noised once; a ``fully_shard``ed model takes dpfx's sharded step), and every rank counts
-each global step once: Note [DPTrainer over several processes] in hf_ranks.py.
+With ``user_column=`` (or ``user_ids=``) and ``max_examples_per_user=``, the unit is the user
+(Note [DPTrainer at the user level] in hf/users.py). Launched on several processes (torchrun,
+``accelerate launch``): Note [DPTrainer over several processes] in hf/ranks.py.
 
 A plain ``Trainer`` given a ``dpfx.compile``'d model trains too (one release per optimizer
 step), but samples shuffled fixed-size batches and accounts nothing: dpfx says so once
 (``UnaccountedTrainingWarning``).
+
+Note [Gradient accumulation is a virtual batch]
+A logical batch runs as near-equal physical batches of at most ``per_device_train_batch_size``
+examples (Note [Near-equal physical batches] in loop/data.py), whose clipped sums accumulate;
+the noise is added once per optimizer step, and the accountant counts that step once
+(``DPOptimizer.signal_skip_step``, as ``dpfx.VirtualBatches``). Trainer itself therefore runs
+with ``gradient_accumulation_steps=1`` and without its own gradient clipping (the clip that
+makes the step private is per example, inside dpfx's graph).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
 import os
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
-from dpfx import privacy
+from dpfx import options
 from dpfx.privacy import plan as privacy_plan
+from dpfx.privacy import validate
 from dpfx.api import DPModule, compile as dp_compile
-from dpfx.hf_ranks import broadcast_from_rank0, check_launch
-from dpfx.hf_users import check_user_head, group_by_user, user_ids_of, user_train_loader
+from dpfx.hf import resume
+from dpfx.hf.ranks import broadcast_from_rank0, check_launch
+from dpfx.hf.users import users_of, user_train_loader
 from dpfx.loop import fsdp
 from dpfx.loop.data import expected_batch_size
 from dpfx.loop.samplers import plan_loader
-from dpfx.config import AUTOMATIC_GAMMA, DPConfig
-from dpfx.errors import PrivacyError
+from dpfx.config import DPConfig
+from dpfx.errors import OptionValueError, PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import agreed_pieces, split_batch
 from dpfx.loop.optim import DPOptimizer
-from dpfx.loop.users import PerUser, per_user
-from dpfx.privacy.budget import noise_for_steps_left
-from dpfx.privacy.ledger import recorded as ledger_recorded
-from dpfx.loop.release import UnaccountedTrainingWarning  # noqa: F401 (dpfx.hf's warning)
-
-ACCOUNTANT_FILE = "dp_accountant.json"
-# DPTrainer's own arguments that go to dpfx.compile, refused in dp_kwargs
-CLIPPING_OPTIONS = ("clipping", "clipping_gamma", "target_quantile", "clip_lr",
-                    "count_noise_multiplier")
-LEDGER_FILE = "privacy.ledger"
+from dpfx.loop.users import per_user
 
 
 class DPTrainer(Trainer):
@@ -99,25 +86,24 @@ class DPTrainer(Trainer):
 
     ``max_grad_norm``: the per-example clipping bound C (TrainingArguments' own max_grad_norm,
     a clip of the summed gradient, is turned off); under ``clipping="adaptive"`` its initial
-    value C_0. ``clipping``, ``clipping_gamma``, ``target_quantile``, ``clip_lr`` and
-    ``count_noise_multiplier``: the clip function, as ``dpfx.compile``'s ("flat" by default,
-    "per_layer" for a dict of bounds, "automatic": C / (||g|| + clipping_gamma), "adaptive":
-    C_t follows the ``target_quantile`` of the per-example norms at rate ``clip_lr``, the count
-    noised with std ``count_noise_multiplier``, required with noise and above sigma / 2; it
-    costs no epsilon beyond sigma's: docs/options.md). Adaptive clipping over several
-    processes, a ``fully_shard``ed model or ``blocks=`` is refused before the model is
-    touched. Give exactly one of ``noise_multiplier`` or
-    ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
+    value C_0. ``clipping`` (a name or a ``dpfx.Clipping``), ``clipping_gamma``,
+    ``target_quantile``, ``clip_lr`` and ``count_noise_multiplier``: the clip function, as
+    ``dpfx.compile``'s ("flat" by default, "per_layer" for a dict of bounds, "automatic":
+    C / (||g|| + clipping_gamma), "adaptive": C_t follows the ``target_quantile`` of the
+    per-example norms at rate ``clip_lr``, the count noised with std
+    ``count_noise_multiplier``, required with noise and above sigma / 2; it costs no epsilon
+    beyond sigma's: docs/options.md); every option is checked before the model is touched.
+    Give exactly one of ``noise_multiplier`` or ``target_epsilon``. ``target_delta`` (default 1/(10 N)) is the delta epsilon is reported
     at. ``accountant``: "pld" or "rdp". ``sampler_generator`` seeds the Poisson sampler (for
     tests and replayable runs; by default each run samples afresh). ``ledger``: the privacy
     ledger's path (Note [Write-ahead privacy ledger] in privacy/ledger.py); by default
     ``output_dir/privacy.ledger`` when Trainer saves checkpoints, so that a run killed between
     two checkpoints still counts every step it released when resumed. ``dp_kwargs`` go to
     ``dpfx.compile`` (backend, strategy, seed, self_check). Over several processes, see Note
-    [DPTrainer over several processes] in hf_ranks.py. ``user_column`` (a train_dataset column
+    [DPTrainer over several processes] in hf/ranks.py. ``user_column`` (a train_dataset column
     naming each example's user) or ``user_ids`` (one id per example), with
     ``max_examples_per_user``: user-level DP, the batch sizes counting users (Note [DPTrainer at
-    the user level] in hf_users.py). ``mechanism`` and ``sampler``: the noise and the sampling,
+    the user level] in hf/users.py). ``mechanism`` and ``sampler``: the noise and the sampling,
     as ``dpfx.make_private``'s (Note [Noise mechanisms] in privacy/plan.py); a correlated
     mechanism is built for the planned steps (``max_steps``, or ``num_train_epochs``)."""
 
@@ -130,53 +116,49 @@ class DPTrainer(Trainer):
                  sampler_generator: torch.Generator | None = None,
                  ledger: str | bool | None = True, dp_kwargs: dict | None = None,
                  user_column: str | None = None, user_ids=None,
-                 max_examples_per_user: int | None = None, clipping: str | None = None,
-                 clipping_gamma: float = AUTOMATIC_GAMMA, target_quantile: float = 0.5,
-                 clip_lr: float = 0.2, count_noise_multiplier: float | None = None,
+                 max_examples_per_user: int | None = None,
+                 clipping: str | options.Clipping | None = None,
+                 clipping_gamma: float | None = None, target_quantile: float | None = None,
+                 clip_lr: float | None = None, count_noise_multiplier: float | None = None,
                  mechanism=None, sampler: str | None = None, **kwargs):
         if model is None:
-            raise ValueError("DPTrainer needs the model (model_init is not supported: the "
-                             "compiled model and the accountant are made once)")
+            raise OptionValueError("DPTrainer needs the model (model_init is not supported: "
+                                   "the compiled model and the accountant are made once)")
         if isinstance(model, DPModule):
-            raise ValueError("DPTrainer compiles the model itself: pass the model, not the "
-                             "dpfx.compile'd module")
+            raise OptionValueError("DPTrainer compiles the model itself: pass the model, not "
+                                   "the dpfx.compile'd module")
         train = kwargs.get("train_dataset")
         if train is None or not hasattr(train, "__len__") or len(train) == 0:
-            raise ValueError("DPTrainer needs a non-empty map-style train_dataset: Poisson "
-                             "sampling draws each example independently")
-        misplaced = sorted({"user_ids", "user_column", "max_examples_per_user", *CLIPPING_OPTIONS}
-                           & set(dp_kwargs or {}))
+            raise OptionValueError("DPTrainer needs a non-empty map-style train_dataset: "
+                                   "Poisson sampling draws each example independently")
+        misplaced = sorted({"user_ids", "user_column", "max_examples_per_user",
+                            *options.KEYWORDS} & set(dp_kwargs or {}))
         if misplaced:
-            raise ValueError(f"pass {', '.join(misplaced)} to DPTrainer itself, not in dp_kwargs "
-                             f"(which go to dpfx.compile)")
-        self.users, self.user_column = None, user_column
-        if user_column is not None or user_ids is not None or max_examples_per_user is not None:
-            # Note [DPTrainer at the user level] in hf_users.py
-            ids = user_ids_of(train, user_ids, user_column, max_examples_per_user)
-            if isinstance(max_examples_per_user, bool) or \
-                    not isinstance(max_examples_per_user, int) or max_examples_per_user < 1:
-                raise ValueError(f"max_examples_per_user must be an int >= 1, got "
-                                 f"{max_examples_per_user!r}")
-            check_user_head(model)
-            self.users = group_by_user(ids, len(train))
+            raise OptionValueError(f"pass {', '.join(misplaced)} to DPTrainer itself, not in "
+                                   f"dp_kwargs (which go to dpfx.compile)")
+        clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
+                                       target_quantile=target_quantile, clip_lr=clip_lr,
+                                       count_noise_multiplier=count_noise_multiplier)
+        # Note [DPTrainer at the user level] in hf/users.py
+        self.users = users_of(model, train, user_ids, user_column, max_examples_per_user)
+        self.user_column = user_column
         self.max_examples_per_user = max_examples_per_user
         self.privacy_unit = "example" if self.users is None else "user"
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
-        # Note [DPTrainer over several processes] in hf_ranks.py
+        # Note [DPTrainer over several processes] in hf/ranks.py
         self.world = check_launch(model, args)
         self.rank = args.process_index if self.world > 1 else 0
         n = len(train) if self.users is None else len(self.users)
         physical = args.per_device_train_batch_size
         logical = physical * args.gradient_accumulation_steps * self.world
         if logical > n:
-            raise ValueError(f"the expected logical batch ({physical} x "
-                             f"{args.gradient_accumulation_steps} accumulation steps x "
-                             f"{self.world} processes = {logical}) exceeds the {n} training "
-                             f"{self.privacy_unit}s")
-        self.delta = privacy._check_delta(target_delta if target_delta is not None
-                                          else 1 / (10 * n))
-        self.sample_rate = privacy._check_sample_rate(logical / n)
-        self.steps_per_epoch = max(1, round(1 / self.sample_rate))
+            raise OptionValueError(f"the expected logical batch ({physical} x "
+                                   f"{args.gradient_accumulation_steps} accumulation steps x "
+                                   f"{self.world} processes = {logical}) exceeds the {n} "
+                                   f"training {self.privacy_unit}s")
+        self.delta = validate.delta(target_delta if target_delta is not None
+                                    else 1 / (10 * n), "target_delta")
+        self.sample_rate = validate.sample_rate(logical / n)
         self.physical_batch_size = physical
         self.plan = privacy_plan.make(
             sample_rate=self.sample_rate, noise_multiplier=noise_multiplier,
@@ -186,19 +168,14 @@ class DPTrainer(Trainer):
             accountant=accountant, mechanism=mechanism, sampler=sampler,
             steps_name="max_steps or num_train_epochs")
         self.steps_per_epoch = self.plan.steps_per_epoch     # a pass of the plan's sampler
-        if self.plan.sampler != "poisson" and (self.users is not None or self.world > 1):
-            raise ValueError(f"sampler={self.plan.sampler!r} samples examples on one process: "
-                             f"user-level DP and several processes sample by Poisson sampling "
-                             f"(the Gaussian mechanism, sampler='poisson')")
+        if self.users is not None or self.world > 1:
+            self.plan.check_poisson("users" if self.users is not None else "their shards")
         self.target_epsilon = target_epsilon
         self.noise_multiplier = self.plan.noise_multiplier
-        clip_options = dict(clipping=clipping, clipping_gamma=clipping_gamma,
-                            target_quantile=target_quantile, clip_lr=clip_lr,
-                            count_noise_multiplier=count_noise_multiplier)
-        _check_clipping(max_grad_norm, self.noise_multiplier, clip_options)
-        if secure_mode and sampler_generator is not None:
-            raise ValueError("secure_mode samples batches from the OS's CSPRNG; a generator "
-                             "would make them replayable")
+        # the clipping validated as dpfx.compile will, before the model is broadcast,
+        # checkpointed or compiled (every clip function trains on every path)
+        DPConfig(max_grad_norm, self.noise_multiplier, clip=clip)
+        validate.secure_sampling(secure_mode, sampler_generator)
         self.secure_mode = secure_mode
         self.sampler_generator = sampler_generator   # mixed with the rank by the sampler
         self.accountant = self.plan.accountant()
@@ -211,19 +188,19 @@ class DPTrainer(Trainer):
             _enable_checkpointing(model, args)
         self._compile_settings = dict(max_grad_norm=max_grad_norm,
                                       expected_batch_size=expected_batch_size(n, self.sample_rate),
-                                      noise="optimizer", **clip_options, **(dp_kwargs or {}))
+                                      noise="optimizer", clipping=clip, **(dp_kwargs or {}))
         dp_model = dp_compile(model if self.users is None else per_user(model),
                               noise_multiplier=self.noise_multiplier, **self._compile_settings)
         if ledger is True:
-            ledger = os.path.join(args.output_dir, LEDGER_FILE) \
+            ledger = os.path.join(args.output_dir, resume.LEDGER_FILE) \
                 if args.save_strategy != "no" else None
         self.ledger = ledger or None
-        # Note [Gradient accumulation is a virtual batch]
+        # See Note [Gradient accumulation is a virtual batch]
         args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0,
                                    **{f: False for f in checkpointing})
         super().__init__(model=dp_model, args=args, **kwargs)
         self.dp_optimizer: DPOptimizer | None = None
-        self.add_callback(_CheckpointAccountant(self))
+        self.add_callback(resume.CheckpointAccountant(self))
 
     def planned_steps(self, args: TrainingArguments | None = None) -> int:
         """The optimizer steps the run will take (Trainer's own count)."""
@@ -238,59 +215,16 @@ class DPTrainer(Trainer):
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Trainer's ``train``, with the noise of the steps left fitted to what the run has
-        spent (Note [A resumed run keeps its budget])."""
+        spent (Note [A resumed run keeps its budget] in hf/resume.py)."""
         if resume_from_checkpoint is True:
             from transformers.trainer_utils import get_last_checkpoint
 
             # Trainer's own rule; it raises where there is none
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
-        self._fit_noise_to_budget(resume_from_checkpoint or None)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    # Note [A resumed run keeps its budget]
-    # With ``target_epsilon``, sigma is calibrated at construction for the whole plan, as if
-    # no step had been taken. A run that continues steps already released (resumed from a
-    # checkpoint, or from the privacy ledger's count) would then spend more than the target
-    # whenever its plan grew: 4 steps at the sigma of a 4-step plan, then 4 at the sigma of an
-    # 8-step plan, ended at epsilon 4.45 for a target of 4.0. Before training, the steps the run
-    # continues from (the longer of the checkpoint's accountant and the ledger, which the
-    # optimizer then reconciles to) and the steps left of the plan (Trainer's max_steps less
-    # the checkpoint's global step) are known. If the compiled sigma keeps the whole run at or
-    # below the target (a resumed run with its plan unchanged: the uninterrupted run's sigma and
-    # epsilon), it stays; else the steps left are calibrated as a phase composed after the
-    # spent ones (Note [Calibrating the steps that remain] in privacy/__init__.py) and the model
-    # is compiled again with that sigma, the only place it can change (the compiled model and
-    # the DPOptimizer fix it). The accountant and the ledger record each step with the sigma of
-    # the model that released it, so each segment is counted with its own noise. Where no sigma
-    # fits, training is refused with the epsilon already spent.
-    # (tests/hf/test_trainer_budget.py)
-    def _fit_noise_to_budget(self, checkpoint) -> None:
-        if self.target_epsilon is None or self.plan.strategy is not None \
-                or self.plan.sampler != "poisson":
-            # a correlated mechanism's strategy and accountant are built for the planned steps
-            # and one sigma: the checkpoint's accountant refuses another plan when loaded
-            return
-        taken = 0
-        if isinstance(checkpoint, str):
-            from transformers.trainer import TRAINER_STATE_NAME
-            from transformers.trainer_callback import TrainerState
-
-            state = os.path.join(checkpoint, TRAINER_STATE_NAME)
-            if os.path.isfile(state):
-                taken = TrainerState.load_from_json(state).global_step
-        try:
-            sigma = noise_for_steps_left(
-                self._spent_phases(checkpoint), noise_multiplier=self.noise_multiplier,
-                sample_rate=self.sample_rate, steps=self.planned_steps() - taken,
-                target_epsilon=self.target_epsilon, delta=self.delta,
-                accountant=self.accountant.accountant)
-        except ValueError as e:
-            raise PrivacyError(
-                f"DPTrainer cannot keep target_epsilon={self.target_epsilon} over its plan of "
-                f"{self.planned_steps()} steps: {e}. Raise target_epsilon, or plan no more than "
-                f"the {taken} steps taken (max_steps={taken})") from None
+        sigma = resume.noise_for_resume(self, resume_from_checkpoint or None)
         if sigma != self.noise_multiplier:
             self._compile_again(sigma)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _compile_again(self, sigma: float) -> None:
         """The model compiled with noise multiplier ``sigma`` in place of the current one."""
@@ -304,22 +238,6 @@ class DPTrainer(Trainer):
                 self.dp_optimizer.privacy_ledger.close()
             self.optimizer = self.dp_optimizer.original_optimizer
             self.dp_optimizer = None
-
-    def _spent_phases(self, checkpoint) -> list:
-        """The steps the run continues from, as the accountant will hold them once the optimizer
-        is built and the checkpoint loaded (the longer record: ``privacy/ledger.reconcile``)."""
-        records = [self.accountant.history]
-        if isinstance(checkpoint, str):
-            path = os.path.join(checkpoint, ACCOUNTANT_FILE)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    records[0] = [tuple(p) for p in json.load(f)["accountant"]["history"]]
-        if self.ledger is not None:
-            records.append(ledger_recorded(self.ledger))
-        spent = [max(records, key=lambda phases: sum(p[2] for p in phases))]
-        if self.world > 1:      # rank 0's files: every rank calibrates the same sigma
-            torch.distributed.broadcast_object_list(spent, src=0)
-        return spent[0]
 
     # -- the parts of Trainer that change -----------------------------------------------------
     def get_train_dataloader(self):
@@ -335,7 +253,7 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        if self.users is not None:      # Note [DPTrainer at the user level] in hf_users.py
+        if self.users is not None:      # Note [DPTrainer at the user level] in hf/users.py
             return user_train_loader(
                 dataset, self.users, self.max_examples_per_user, self.sample_rate,
                 collate_fn=collator, column=self.user_column, steps=self.steps_per_epoch,
@@ -349,7 +267,7 @@ class DPTrainer(Trainer):
     def _wrap_model(self, model, training=True, dataloader=None):
         """Over several processes, the compiled model prepared as for evaluation (device
         placement, autocast), never wrapped in DDP: dpfx's step reduces across the ranks
-        (Note [DPTrainer over several processes] in hf_ranks.py)."""
+        (Note [DPTrainer over several processes] in hf/ranks.py)."""
         if training and self.world > 1 and model is self.model:
             return self.accelerator.prepare_model(model, evaluation_mode=True)
         return super()._wrap_model(model, training, dataloader)
@@ -376,7 +294,7 @@ class DPTrainer(Trainer):
             raise PrivacyError("DPTrainer's model was wrapped in DistributedDataParallel, whose "
                                "all-reduce would average the clipped sums and the noise; "
                                "dpfx reduces across ranks itself (Note [DPTrainer over several "
-                               "processes] in hf_ranks.py)")
+                               "processes] in hf/ranks.py)")
         tracked = any(isinstance(t, TrackedTensor) for t in torch.utils._pytree.tree_leaves(inputs))
         plain = untrack(inputs) if tracked else inputs
         chunks = split_batch(plain, self.physical_batch_size,
@@ -416,75 +334,18 @@ class DPTrainer(Trainer):
             logs.pop("grad_norm", None)
         super().log(logs, *args, **kwargs)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _users_model(self):
-        """Trainer's saving and loading see the user's model (``save_pretrained``-loadable,
-        its tied weights re-tied on load), not dpfx's wrapper around it."""
-        wrapper = self.model
-        inner = wrapper._orig_mod
-        self.model = inner.module if isinstance(inner, PerUser) else inner
-        try:
-            yield
-        finally:
-            self.model = wrapper
-
+    # -- checkpoints: hf/resume.py -------------------------------------------------------------
     def _save(self, output_dir=None, state_dict=None):
-        with self._users_model():
+        with resume.users_model(self):
             super()._save(output_dir, state_dict=None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with self._users_model():
+        with resume.users_model(self):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, ACCOUNTANT_FILE)
-        if not os.path.isfile(path):
-            raise PrivacyError(f"{checkpoint} has no {ACCOUNTANT_FILE}: it was not written by "
-                               f"DPTrainer, and epsilon could not keep counting from it")
-        with open(path) as f:
-            saved = json.load(f)["accountant"]
-        if sum(phase[2] for phase in saved["history"]) > self.accountant.steps:
-            # optimizer.pt counts fewer steps than were released: never count fewer
-            self.accountant.load_state_dict(saved)
-
-
-class _CheckpointAccountant(TrainerCallback):
-    """Writes the accountant next to each checkpoint Trainer saves."""
-
-    def __init__(self, trainer: DPTrainer):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        trainer = self.trainer
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.should_save and os.path.isdir(folder):     # rank 0 writes the shared file
-            clip = getattr(trainer.model, "adaptive_clip", None)
-            record = {"accountant": trainer.accountant.state_dict(),
-                      "noise_multiplier": trainer.noise_multiplier,
-                      "sample_rate": trainer.sample_rate, "delta": trainer.delta,
-                      "privacy_unit": trainer.privacy_unit,
-                      "epsilon": trainer.get_epsilon(), "steps": trainer.accountant.steps,
-                      "adaptive_clip": None if clip is None else clip.state_dict()}
-            tmp = os.path.join(folder, ACCOUNTANT_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(folder, ACCOUNTANT_FILE))
-        return control
-
-
-def _check_clipping(max_grad_norm, sigma: float, options: dict) -> None:
-    """The clipping options validated as ``dpfx.compile`` will (``DPConfig``), before the model
-    is broadcast, checkpointed or compiled. Every clip function trains on every path (several
-    ranks, sharded, blocks)."""
-    DPConfig(max_grad_norm=max_grad_norm, noise_multiplier=sigma, **options)
+        resume.restore_accountant(self.accountant, checkpoint)
 
 
 def _checkpointing_fields(args) -> list[str]:

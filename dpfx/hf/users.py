@@ -34,26 +34,43 @@ import torch
 
 from dpfx.loop.data import PoissonLoader
 from dpfx.loop.users import UserBatchSampler, UserCollate, UserSlots, group_by_user
-from dpfx.loss.hf_labels import _CAUSAL, _TOKENS
+from dpfx.errors import OptionValueError
+from dpfx.loss.hf_labels import CAUSAL_HEADS, TOKEN_HEADS
+from dpfx.privacy import validate
+
+
+def users_of(model, train, user_ids, user_column: str | None,
+             max_examples_per_user) -> list[torch.Tensor] | None:
+    """Each user's example indices in ``train`` for a user-level run, or None for an
+    example-level one (none of the three options given). The options are checked and the
+    model's head refused where its loss is not a token mean, before the model is touched."""
+    if user_column is None and user_ids is None and max_examples_per_user is None:
+        return None
+    ids = user_ids_of(train, user_ids, user_column, max_examples_per_user)
+    validate.integer(max_examples_per_user, "max_examples_per_user", 1)
+    check_user_head(model)
+    return group_by_user(ids, len(train))
 
 
 def user_ids_of(train, user_ids, user_column: str | None, max_examples_per_user) -> list:
     """Each example's user id, from ``user_ids`` or the train set's ``user_column``."""
     if max_examples_per_user is None:
-        raise ValueError("DPTrainer(user_column= or user_ids=) needs max_examples_per_user (k: "
-                         "the most examples of one user in one step)")
+        raise OptionValueError("DPTrainer(user_column= or user_ids=) needs "
+                               "max_examples_per_user (k: the most examples of one user in one "
+                               "step)")
     if (user_ids is None) == (user_column is None):
-        raise ValueError("DPTrainer at the user level takes exactly one of user_column (the "
-                         "train_dataset column naming each example's user) or user_ids (one id "
-                         "per example)")
+        raise OptionValueError("DPTrainer at the user level takes exactly one of user_column "
+                               "(the train_dataset column naming each example's user) or "
+                               "user_ids (one id per example)")
     if user_ids is not None:
         return user_ids
     names = getattr(train, "column_names", None)
     if names is not None:                               # a datasets.Dataset
         if user_column not in names:
-            raise ValueError(f"DPTrainer(user_column={user_column!r}): the train_dataset has no "
-                             f"such column (its columns: {list(names)}). Add a column naming "
-                             f"each example's user, or pass user_ids= with one id per example")
+            raise OptionValueError(f"DPTrainer(user_column={user_column!r}): the train_dataset "
+                                   f"has no such column (its columns: {list(names)}). Add a "
+                                   f"column naming each example's user, or pass user_ids= with "
+                                   f"one id per example")
         return list(train[user_column])
     ids = []
     for i in range(len(train)):
@@ -61,10 +78,10 @@ def user_ids_of(train, user_ids, user_column: str | None, max_examples_per_user)
         if not isinstance(example, collections.abc.Mapping) or user_column not in example:
             have = list(example) if isinstance(example, collections.abc.Mapping) \
                 else type(example).__name__
-            raise ValueError(f"DPTrainer(user_column={user_column!r}): example {i} of the "
-                             f"train_dataset has no such column (it holds {have}). Add a column "
-                             f"naming each example's user, or pass user_ids= with one id per "
-                             f"example")
+            raise OptionValueError(f"DPTrainer(user_column={user_column!r}): example {i} of "
+                                   f"the train_dataset has no such column (it holds {have}). Add "
+                                   f"a column naming each example's user, or pass user_ids= with "
+                                   f"one id per example")
         ids.append(example[user_column])
     return ids
 
@@ -74,7 +91,7 @@ def check_user_head(model: torch.nn.Module) -> None:
     at the user level])."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = type(base).__name__
-    if not name.endswith(_CAUSAL + _TOKENS):
+    if not name.endswith(CAUSAL_HEADS + TOKEN_HEADS):
         raise ValueError(
             f"DPTrainer(max_examples_per_user=...) trains causal and masked language models and "
             f"token classifiers at the user level, whose labels= loss ignores the -100 labels "
