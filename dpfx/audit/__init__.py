@@ -6,6 +6,13 @@ and settings, set against the epsilon dpfx accounts for.
                             noise_multiplier=1.0, trials=4000)
     print(result)                       # accounted eps, empirical lower bound, verdict
 
+Over a run of releases under a noise mechanism (correlated noise included), ``run_steps``
+checks at sigma 0 that one canary example moves the strategy-weighted releases by at most the
+sensitivity the accountant counts (dpfx/audit/steps.py):
+
+    result = dpfx.audit.run_steps(model, batches, canary=(x_c, y_c), mechanism=strategy,
+                                  max_grad_norm=1.0, expected_batch_size=8, sampling=schema)
+
 or from a shell, on a built-in model with a deliberately broken control beside it:
 
     python -m dpfx.audit --model mlp --trials 4000 --control sigma/10
@@ -55,6 +62,7 @@ import torch.nn.functional as F
 
 from dpfx import privacy
 from dpfx.api import compile as dp_compile
+from dpfx.audit.steps import StepsAuditResult, run_steps  # noqa: F401  (the multi-step audit)
 
 
 def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
