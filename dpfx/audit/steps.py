@@ -48,6 +48,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from dpfx.audit.losses import per_example_loss
+
 TOLERANCE = 1e-4
 
 
@@ -106,7 +108,7 @@ class StepsAuditResult:
 
 def run_steps(model: torch.nn.Module, batches: Sequence[tuple], canary: tuple, *, mechanism,
               max_grad_norm: float, expected_batch_size: int, sampling=None,
-              control: str | None = None, loss_fn: Callable | None = None,
+              control: str | None = None, loss_fn: Callable = per_example_loss,
               threads: int | None = None, **compile_kwargs) -> StepsAuditResult:
     """Audit the releases of ``len(batches)`` steps of ``model`` under ``mechanism`` (a
     ``dpfx.privacy.strategies`` strategy built for at least that many steps), each batch
@@ -133,10 +135,8 @@ def run_steps(model: torch.nn.Module, batches: Sequence[tuple], canary: tuple, *
 def _run(model, batches, canary, mechanism, clip, divisor, sampling, control, loss_fn,
          compile_kwargs) -> StepsAuditResult:
     from dpfx.api import compile as dp_compile
-    from dpfx.audit import per_example_loss
     from dpfx.loop.optim import DPOptimizer
 
-    loss_fn = per_example_loss if loss_fn is None else loss_fn
     t = len(batches)
     _check(mechanism, t, divisor, control, compile_kwargs)
     b, k = _schema(mechanism, sampling, t)
