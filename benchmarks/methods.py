@@ -244,7 +244,7 @@ def loop_eager(model: nn.Module, B: int) -> Method:
 # --- dpfx ---------------------------------------------------------------------------------------
 
 def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
-          noise: str | None = None, blocks=None) -> Method:
+          noise: str | None = None, blocks=None, mechanism=None) -> Method:
     import dpfx
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -258,7 +258,7 @@ def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
     dp = dpfx.compile(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
                       backend="inductor", **kwargs)
     if noise == "optimizer":
-        opt = dpfx.DPOptimizer(opt, dp)
+        opt = dpfx.DPOptimizer(opt, dp, mechanism=mechanism)
 
     def step(x, y):
         if captured:
@@ -270,6 +270,7 @@ def _dpfx(model: nn.Module, B: int, strategy: str, captured: bool = False,
 
     m = Method(step, lambda: dp.compile_count)
     m.dp_model = dp
+    m.optimizer = opt
     return m
 
 
@@ -289,6 +290,24 @@ def dpfx_optimizer_noise(model, B):
     """dpfx's default with ``noise="optimizer"`` (what distributed and sharded training run): the
     backward leaves the clipped sums, DPOptimizer.step() noises them, divides and steps."""
     return _dpfx(model, B, "auto", noise="optimizer")
+
+
+# Built for more steps than a benchmark runs: the state's cost does not depend on the length.
+MECHANISM_STEPS = 2000
+
+
+def dpfx_bandmf4(model, B):
+    """``dpfx_optimizer_noise`` with correlated noise: BandMF, 4 bands (3 noise vectors kept)."""
+    from dpfx.privacy import strategies
+    return _dpfx(model, B, "auto", noise="optimizer",
+                 mechanism=strategies.bandmf(MECHANISM_STEPS, 4))
+
+
+def dpfx_blt4(model, B):
+    """``dpfx_optimizer_noise`` with correlated noise: BLT, 4 buffers."""
+    from dpfx.privacy import strategies
+    return _dpfx(model, B, "auto", noise="optimizer",
+                 mechanism=strategies.blt(MECHANISM_STEPS, 4))
 
 
 def dpfx_blocks(model, B):
@@ -318,6 +337,8 @@ METHODS = {
     "dpfx_loss": ("dpfx (inductor), loss captured", dpfx_loss, False),
     "dpfx_optimizer_noise": ("dpfx (inductor), noise at the optimizer", dpfx_optimizer_noise,
                              False),
+    "dpfx_bandmf4": ("dpfx (inductor), BandMF 4 bands", dpfx_bandmf4, False),
+    "dpfx_blt4": ("dpfx (inductor), BLT 4 buffers", dpfx_blt4, False),
     "dpfx_materialize": ("dpfx (inductor, strategy=materialize)", dpfx_materialize, False),
     "dpfx_blocks": ("dpfx (inductor), blocks='auto'", dpfx_blocks, False),
     "loop_eager": ("batch-of-one loop, eager", loop_eager, False),

@@ -33,6 +33,12 @@ Inductor's choice of computing it inside each (Note [A shared sum stored so that
 
     python benchmarks/step_ab.py shared_sums resnet_gn 256 --rounds 20
 
+and for the correlated-noise state (``DPOptimizer(mechanism=)``: BandMF with 4 bands, BLT with 4
+buffers) against Gaussian noise, all three with ``noise="optimizer"``; below the table, each
+state's bytes per trainable parameter, measured from its buffers:
+
+    python benchmarks/step_ab.py noise_mechanism hf_gpt2_256 16 --rounds 30
+
 and for every per-sample gradient materialized against dpfx's default choice of forms
 (docs/ARCHITECTURE.md, "Strategies"), at a realistic size:
 
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import resource
 import statistics
 import time
@@ -82,6 +89,8 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
     everything = {**variants, f"non-private {baseline}": (baseline, nothing)}
     import run
 
+    load_before = os.getloadavg()
+    made = {}
     run.DEVICE = torch.device(device)
     steps, peaks, x, y = {}, {}, None, None
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -90,7 +99,8 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
         if device != "cpu":
             net, x, y = run.on_device(net, x, y)
         with switch():
-            steps[name] = methods.make(method, net, batch, x, y).step
+            made[name] = methods.make(method, net, batch, x, y)
+            steps[name] = made[name].step
             for _ in range(3):
                 steps[name](x, y)
             peaks[name] = run.step_peak_bytes(steps[name], x, y)
@@ -106,6 +116,7 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
                 sync()
                 times[name].append(time.perf_counter() - start)
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    load_after = os.getloadavg()
     base = statistics.median(times[f"non-private {baseline}"])
     on_cpu = device == "cpu"
     base_peak = peaks[f"non-private {baseline}"]
@@ -116,9 +127,26 @@ def table(model: str, batch: int, variants: dict[str, Variant], rounds: int,
             for name, t in times.items()]
     head = f"| variant | median step (ms) | min (ms) | x {baseline} | step memory (MB) | " \
         f"x {baseline} |" + (" minor page faults a step |" if on_cpu else "")
+    load = " / ".join(f"{a:.2f}" for a in load_before) + " before, " + \
+        " / ".join(f"{a:.2f}" for a in load_after) + " after (1 / 5 / 15 min)"
     return "\n".join([f"Whole steps of the benchmark {model} at B={batch}, {rounds} interleaved "
-                      f"rounds:", "", head, "|---|---:|---:|---:|---:|---:|"
-                      + ("---:|" if on_cpu else ""), *rows, ""])
+                      f"rounds; load average {load}:", "", head, "|---|---:|---:|---:|---:|---:|"
+                      + ("---:|" if on_cpu else ""), *rows, "", *_state_lines(made), ""])
+
+
+def _state_lines(made: dict) -> list[str]:
+    """Each correlated-noise state's measured bytes per trainable parameter (its buffers)."""
+    lines = []
+    for name, m in made.items():
+        state = getattr(getattr(m, "optimizer", None), "_correlated", None)
+        if state is None or state.state_dict()["buffers"] is None:
+            continue
+        params = sum(p.numel() for g in m.optimizer.param_groups for p in g["params"])
+        held = state.state_dict()["buffers"]
+        lines.append(f"- {name}: correlation state {tuple(held.shape)} {held.dtype}, "
+                     f"{held.numel() * held.element_size() / params:.2f} bytes per parameter "
+                     f"({params} parameters)")
+    return lines
 
 
 @contextlib.contextmanager
@@ -230,6 +258,10 @@ EXPERIMENTS = {
     "noise at the optimizer, flat buffer, a buffer of normals (before)": (
         "dpfx_optimizer_noise", optimizer_flat_buffered),
     "noise in the graph": ("dpfx", nothing)},
+    "noise_mechanism": {
+    "Gaussian noise (noise at the optimizer)": ("dpfx_optimizer_noise", nothing),
+    "BandMF, 4 bands": ("dpfx_bandmf4", nothing),
+    "BLT, 4 buffers": ("dpfx_blt4", nothing)},
     "conv_chunks": {
     "dpfx, conv products in chunks of 8 examples up to 4 MiB (the default)": ("dpfx", nothing),
     "dpfx, conv products in chunks of 1 MiB (before)": ("dpfx", conv_chunks_by_bytes)},

@@ -4,6 +4,7 @@
     python benchmarks/utility.py --seeds 1 --out benchmarks/out/utility.md   # a quick look
     python benchmarks/utility.py --compare adam     # DP-Adam against DP-AdamBC: utility_adam.md
     python benchmarks/utility.py --compare mechanism   # correlated noise: utility_mechanism.md
+    python benchmarks/utility.py --compare mechanism --tasks lm --backend eager   # ..._lm.md
 
 Every run trains at epsilon 3, delta 1e-5: sigma is calibrated by ``dpfx.privacy.noise_multiplier``
 (PLD) for the run's sample rate and steps, and the epsilon in the table is the accountant's after
@@ -46,6 +47,17 @@ Poisson sampling), **BandMF** (bands chosen by the plan for the least expected e
 Poisson over the bands) and **BLT** (4 buffers, cyclic Poisson over 1/q parts, accounted
 without amplification). Each learning rate of ``MECH_LRS`` is run and the best kept (on the
 test split, as above).
+
+``--compare mechanism --tasks lm`` is the same comparison on a small language model through
+``dpfx.hf.DPTrainer`` (``run_lm``): LoRA adapters (r 8 on ``c_attn``) of a character-level
+GPT-2 (d 64, 2 layers, T 64) fine-tuned with SGD at learning rate ``LM_LR`` (one rate: the
+language model's runs are the dear ones), ``--lm-epochs`` epochs of a Poisson (DP-SGD) or cyclic
+Poisson (BandMF, BLT) batch of ``--lm-batch`` windows. The metric is the held-out loss (mean
+cross-entropy per character, and its perplexity). The text and the public pre-training are
+``examples/dp_lora_trainer.py``'s (no download): the model is pre-trained without privacy on
+the descriptions of half of scikit-learn's bundled datasets (``LM_PRETRAIN`` AdamW steps, once
+per process, shared by every run), and fine-tuned privately on 80% of the windows of the other
+half; the other 20% are held out. A seed fixes the LoRA initialisation and the sampler.
 
 Tasks (no download):
 
@@ -94,6 +106,7 @@ ADAM_GRIDS = {"adam": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "adambc": (1e-4, 3e-4, 1e-
 ADAM_NAMES = {"adam": "DP-Adam", "adambc": "DP-AdamBC"}
 MECH_NAMES = {"gaussian": "DP-SGD", "bandmf": "BandMF", "blt": "BLT"}
 MECH_LRS = (1.0, 2.0, 4.0)
+LM_LR, LM_C, LM_PRETRAIN, LM_TRAIN, LM_HELD_OUT = 0.5, 1.0, 150, 600, 200
 TEXT_PACKAGES = ("asyncio", "email", "unittest", "multiprocessing", "xml", "importlib",
                  "logging", "http")
 BUCKETS, WORDS = 4096, 48
@@ -119,9 +132,10 @@ class MeanOfWords(nn.Module):
         return self.head(words)
 
 
-def _docstrings() -> tuple[list[str], list[int]]:
+def _stdlib_docstrings():
+    """(package index, docstring) of the modules, classes and functions of ``TEXT_PACKAGES`` in
+    this Python's own sources, in a fixed order."""
     stdlib = os.path.dirname(os.__file__)
-    seen, texts, labels = set(), [], []
     for label, package in enumerate(TEXT_PACKAGES):
         for folder, dirs, files in os.walk(os.path.join(stdlib, package)):
             dirs[:] = sorted(d for d in dirs if not d.startswith("test") and d != "__pycache__")
@@ -134,12 +148,19 @@ def _docstrings() -> tuple[list[str], list[int]]:
                     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
                                          ast.AsyncFunctionDef)):
                         doc = ast.get_docstring(node)
-                        words = re.findall(r"[a-z]+", (doc or "").lower())
-                        key = " ".join(words)
-                        if len(words) >= 4 and key not in seen:
-                            seen.add(key)
-                            texts.append(words)
-                            labels.append(label)
+                        if doc:
+                            yield label, doc
+
+
+def _docstrings() -> tuple[list[str], list[int]]:
+    seen, texts, labels = set(), [], []
+    for label, doc in _stdlib_docstrings():
+        words = re.findall(r"[a-z]+", doc.lower())
+        key = " ".join(words)
+        if len(words) >= 4 and key not in seen:
+            seen.add(key)
+            texts.append(words)
+            labels.append(label)
     return texts, labels
 
 
@@ -159,7 +180,89 @@ def docstrings(seed: int):
     return TensorDataset(x_train, y_train), (x_test, y_test), MeanOfWords(len(TEXT_PACKAGES))
 
 
-TASKS = {"digits": dict(data=digits, lr=4.0), "docstrings": dict(data=docstrings, lr=8.0)}
+TASKS = {"digits": dict(data=digits, lr=4.0), "docstrings": dict(data=docstrings, lr=8.0),
+         "lm": dict(data=None, lr=LM_LR)}
+
+
+# -- the language model (--compare mechanism --tasks lm) ------------------------------------------
+_LM = {}
+
+
+def _lm_setup():
+    """(pre-trained state, train windows, held-out ids, vocabulary size), made once a process."""
+    if _LM:
+        return _LM["state"], _LM["train"], _LM["held_out"], _LM["vocab"]
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import dp_lora_trainer as lora
+    torch.manual_seed(0)
+    public = [d for pair in lora.texts() for d in pair]
+    private = list(dict.fromkeys(doc for _, doc in _stdlib_docstrings()))
+    chars = sorted(set("".join(public)))
+    stoi = {c: i + 1 for i, c in enumerate(chars)}          # 0: a character public text lacks
+    vocab = len(chars) + 1
+    pub, priv = lora.windows(public, stoi), lora.windows(private, stoi)
+    order = torch.randperm(len(priv), generator=torch.Generator().manual_seed(0))
+    priv = [priv[i] for i in order[:LM_TRAIN + LM_HELD_OUT]]
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=lora.T, n_embd=64,
+                                       n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.stack([r["input_ids"] for r in pub])
+    for _ in range(LM_PRETRAIN):                             # public, not private
+        batch = ids[torch.randint(0, len(ids), (32,))]
+        logits = model(input_ids=batch).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    _LM.update(state={k: v.clone() for k, v in model.state_dict().items()},
+               train=priv[:LM_TRAIN],
+               held_out=torch.stack([r["input_ids"] for r in priv[LM_TRAIN:]]), vocab=vocab)
+    return _lm_setup()
+
+
+def _held_out_loss(model, ids, vocab) -> float:
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    model.train()
+    return float(loss)
+
+
+def run_lm(seed: int, *, args, epsilon: float, mechanism: str, lr: float) -> dict:
+    """One DP LoRA fine-tuning through DPTrainer; its held-out loss (as ``accuracy``: higher is
+    better, so the negated loss) and epsilon."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    import dpfx.hf
+    state, train, held_out, vocab = _lm_setup()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=held_out.shape[1],
+                                       n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                                       eos_token_id=0))
+    model.load_state_dict(state)
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"],
+                                             fan_in_fan_out=True, lora_dropout=0.0))
+    before = _held_out_loss(model, held_out, vocab)
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=args.lm_batch,
+            num_train_epochs=args.lm_epochs, learning_rate=lr, lr_scheduler_type="constant",
+            optim="sgd", save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+            logging_strategy="no", seed=seed)
+        trainer = dpfx.hf.DPTrainer(
+            model=model, args=targs, train_dataset=train, target_epsilon=epsilon,
+            target_delta=DELTA, max_grad_norm=LM_C, mechanism=mechanism, ledger=False,
+            sampler_generator=torch.Generator().manual_seed(seed),
+            dp_kwargs=dict(backend=args.backend))
+        trainer.train()
+    loss = _held_out_loss(model, held_out, vocab)
+    return dict(accuracy=-loss, loss=loss, before=before, epsilon=trainer.get_epsilon(),
+                sigma=trainer.noise_multiplier, q=trainer.sample_rate,
+                steps=trainer.accountant.steps, n=len(train), test=len(held_out))
 
 
 # -- one run ----------------------------------------------------------------------------------
@@ -250,9 +353,13 @@ def _floored(opt) -> float:
 
 
 def repeat(task, args, label, **kw) -> dict:
-    runs = [run(task, seed, args=args, **kw) for seed in range(args.seeds)]
+    if task == "lm":
+        kw.pop("clipping"), kw.pop("c")
+        runs = [run_lm(seed, args=args, **kw) for seed in range(args.seeds)]
+    else:
+        runs = [run(task, seed, args=args, **kw) for seed in range(args.seeds)]
     accs = [r["accuracy"] for r in runs]
-    row = dict(label=label, accs=accs, mean=statistics.fmean(accs),
+    row = dict(task=task, label=label, accs=accs, mean=statistics.fmean(accs),
                std=statistics.pstdev(accs), epsilon=max(r["epsilon"] for r in runs),
                sigma=runs[0]["sigma"], q=runs[0]["q"], steps=runs[0]["steps"],
                n=runs[0]["n"], test=runs[0]["test"])
@@ -260,6 +367,8 @@ def repeat(task, args, label, **kw) -> dict:
         row["bounds"] = [r["final_bound"] for r in runs]
     if "floored" in runs[0]:
         row["floored"] = statistics.fmean(r["floored"] for r in runs)
+    if "before" in runs[0]:
+        row["before"] = runs[0]["before"]
     print(f"  {task} {label}: {row['mean']:.4f} +- {row['std']:.4f} (eps {row['epsilon']:.3f})",
           flush=True)
     return row
@@ -299,10 +408,11 @@ def mechanism_rows(task: str, args) -> dict:
     for eps in ADAM_EPSILONS:
         out[eps] = {}
         for mech, name in MECH_NAMES.items():
+            lrs = (LM_LR,) if task == "lm" else MECH_LRS
             rows = [repeat(task, args, f"eps {eps:g}, {name} lr={lr:g}", clipping="flat",
-                           c=ADAM_C, epsilon=eps, lr=lr, mechanism=mech) for lr in MECH_LRS]
+                           c=ADAM_C, epsilon=eps, lr=lr, mechanism=mech) for lr in lrs]
             best = max(range(len(rows)), key=lambda i: rows[i]["mean"])
-            out[eps][mech] = dict(grid=rows, best=rows[best], lr=MECH_LRS[best])
+            out[eps][mech] = dict(grid=rows, best=rows[best], lr=lrs[best])
     return out
 
 
@@ -326,6 +436,8 @@ def _commit() -> str:
 
 
 def _cell(row) -> str:
+    if row.get("task") == "lm":     # "accuracy" is the negated held-out loss
+        return f"{-row['mean']:.3f} ± {row['std']:.3f} (ppl {math.exp(-row['mean']):.2f})"
     return f"{row['mean']:.3f} ± {row['std']:.3f}"
 
 
@@ -416,11 +528,24 @@ def report_mechanism(results: dict, args, minutes: float, commit: str) -> str:
         f"{torch.get_num_threads()}, torch {torch.__version__}, backend {args.backend}. Method: "
         f"the script's docstring (``--compare mechanism``).",
         "",
-        f"Test accuracy, mean ± std over {args.seeds} seeds, each mechanism at its best learning "
-        f"rate of {MECH_LRS}; SGD, flat C = {ADAM_C:g}, {args.epochs} epochs, expected batch "
-        f"{args.batch_size}; epsilon at delta {DELTA:g} (PLD) after the run; sigma as planned.",
+        f"load average {args.load_before} before the runs, {args.load_after} after "
+        f"(1 / 5 / 15 min; other processes shared the machine).",
         "",
     ]
+    if [t for t in results if t != "lm"]:
+        lines += [
+            f"Test accuracy, mean ± std over {args.seeds} seeds, each mechanism at its best "
+            f"learning rate of {MECH_LRS}; SGD, flat C = {ADAM_C:g}, {args.epochs} epochs, "
+            f"expected batch {args.batch_size}; epsilon at delta {DELTA:g} (PLD) after the run; "
+            f"sigma as planned.", ""]
+    if "lm" in results:
+        before = next(iter(results["lm"].values()))["gaussian"]["best"]["before"]
+        lines += [
+            f"lm: held-out loss (nats per character; perplexity), mean ± std over {args.seeds} "
+            f"seeds, lower is better; DPTrainer, LoRA, SGD at lr {LM_LR:g}, C = {LM_C:g}, "
+            f"{args.lm_epochs} epochs, expected batch {args.lm_batch} of {LM_TRAIN} windows; "
+            f"{LM_HELD_OUT} held out; before fine-tuning {before:.3f} (ppl "
+            f"{math.exp(before):.2f}). Epsilon at delta {DELTA:g} after the run.", ""]
     for task, by_eps in results.items():
         lines += [f"| {task}: target epsilon | "
                   + " | ".join(f"{n} (lr, sigma, steps)" for n in MECH_NAMES.values()) + " |",
@@ -435,7 +560,8 @@ def report_mechanism(results: dict, args, minutes: float, commit: str) -> str:
         for eps, r in by_eps.items():
             for mech in MECH_NAMES:
                 for row in r[mech]["grid"]:
-                    accs = ", ".join(f"{a:.3f}" for a in row["accs"])
+                    sign = -1 if task == "lm" else 1
+                    accs = ", ".join(f"{sign * a:.3f}" for a in row["accs"])
                     lines.append(f"| {task} | {row['label']} | {accs} | {_cell(row)} "
                                  f"| {row['epsilon']:.3f} |")
         lines.append("")
@@ -447,11 +573,14 @@ def main() -> None:
     ap.add_argument("--compare", choices=["clipping", "adam", "mechanism"], default="clipping",
                     help="clipping: the clipping choices and user-level DP at epsilon 3 (both "
                          "tasks by default); adam: DP-Adam against DP-AdamBC; mechanism: "
-                         "correlated noise against DP-SGD (digits by default)")
+                         "correlated noise against DP-SGD (digits by default; lm: the "
+                         "language model, written to utility_mechanism_lm.md)")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lm-epochs", type=int, default=4, help="epochs of the lm task")
+    ap.add_argument("--lm-batch", type=int, default=32, help="expected batch of the lm task")
     ap.add_argument("--grid", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0])
     ap.add_argument("--k", type=int, default=4, help="examples per synthetic user")
     ap.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
@@ -463,15 +592,22 @@ def main() -> None:
                          "adam": (adam_rows, report_adam, "utility_adam.md"),
                          "mechanism": (mechanism_rows, report_mechanism,
                                        "utility_mechanism.md")}[args.compare]
-    args.tasks = args.tasks or (list(TASKS) if args.compare == "clipping" else ["digits"])
+    args.tasks = args.tasks or ([t for t in TASKS if t != "lm"] if args.compare == "clipping"
+                                else ["digits"])
+    if "lm" in args.tasks and args.compare != "mechanism":
+        raise SystemExit("--tasks lm is a task of --compare mechanism")
+    if args.tasks == ["lm"]:
+        name = name.replace(".md", "_lm.md")
     args.out = args.out or os.path.join(ROOT, "benchmarks", "latest", name)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     start, commit = time.perf_counter(), _commit()
+    args.load_before = " / ".join(f"{a:.2f}" for a in os.getloadavg())
     results = {}
     for task in args.tasks:
         print(f"{task}:", flush=True)
         results[task] = rows(task, args)
+    args.load_after = " / ".join(f"{a:.2f}" for a in os.getloadavg())
     text = write(results, args, (time.perf_counter() - start) / 60, commit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

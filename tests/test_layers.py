@@ -59,7 +59,7 @@ LAYERS = [
     # 9 integrations and reports
     """__init__ hf hf.trainer hf.resume hf.ranks hf.users trl trl._private trl.dpo trl.sft
        report report.explain report.history report.validate
-       audit audit.__main__
+       audit audit.__main__ audit.losses audit.steps
        opacus opacus.layers opacus.privacy_engine opacus.utils opacus.utils.batch_memory_manager
        opacus.validators opacus.validators.errors opacus.validators.module_validator""",
 ]

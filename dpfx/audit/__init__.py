@@ -6,6 +6,13 @@ and settings, set against the epsilon dpfx accounts for.
                             noise_multiplier=1.0, trials=4000)
     print(result)                       # accounted eps, empirical lower bound, verdict
 
+Over a run of releases under a noise mechanism (correlated noise included), ``run_steps``
+checks at sigma 0 that one canary example moves the strategy-weighted releases by at most the
+sensitivity the accountant counts (dpfx/audit/steps.py):
+
+    result = dpfx.audit.run_steps(model, batches, canary=(x_c, y_c), mechanism=strategy,
+                                  max_grad_norm=1.0, expected_batch_size=8, sampling=schema)
+
 or from a shell, on a built-in model with a deliberately broken control beside it:
 
     python -m dpfx.audit --model mlp --trials 4000 --control sigma/10
@@ -51,27 +58,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dpfx import privacy
 from dpfx.privacy import validate
 from dpfx.api import compile as dp_compile
-
-
-def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets, squared error summed over features otherwise."""
-    if not y.is_floating_point():
-        return F.cross_entropy(out, y, reduction="none")
-    return (out - y).pow(2).flatten(1).sum(1)
-
-
-def per_user_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``per_example_loss`` summed over each user's k examples: the loss of a user-level audit,
-    where the model is a ``dpfx.per_user`` one, ``batch`` is (users, k, ...) inputs and (users,
-    k) targets, and the canary is one user's k examples (Note [User-level sampling] in
-    loop/users.py)."""
-    per_example = per_example_loss(out.flatten(0, 1), y.flatten(0, 1))
-    return per_example.unflatten(0, (-1, y.shape[1])).sum(1)
+from dpfx.audit.losses import per_example_loss, per_user_loss  # noqa: F401  (public)
+from dpfx.audit.steps import StepsAuditResult, run_steps  # noqa: F401  (the multi-step audit)
 
 
 @dataclasses.dataclass(frozen=True)
