@@ -5,6 +5,7 @@
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
     python benchmarks/run.py --realistic --quick   # the sizes DP users train at (under 10 min)
     python benchmarks/run.py --realistic --quick --methods compile compile_loss dpfx dpfx_loss
+    python benchmarks/run.py --realistic --quick --methods compile dpfx opake_eager opake_compile
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
 method side by side: first step and warm-up per method, then the timed steps round-robin over

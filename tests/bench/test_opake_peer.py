@@ -4,8 +4,8 @@
 
 At sigma 0 and lr 1, one Opake step changes the parameters by the clipped, averaged gradient of
 the batch-of-one loop (methods.loop_eager, plain autograd); at sigma 1 it adds noise of std
-sigma * C / B per coordinate; the rows it cannot run are refused with their reason (Note [Opake
-in the harness]). Skipped where Opake is not installed (it comes with the ``bench`` extra only).
+sigma * C / B per coordinate; the rows it cannot run are refused with their reason
+(methods._check_opake_applies). Skipped where Opake is not installed (it comes with the ``bench`` extra only).
 """
 import os
 import sys
