@@ -224,8 +224,9 @@ def func_compile(model, B):
 # through ``torch.func.functional_call``. Two limits make it not apply to some rows, reported as
 # the row's error rather than run:
 # - It holds every example's gradient at once, about 14 bytes per parameter per example at its
-#   peak; a step that would need more than the memory available is refused before it starts
-#   (Opake's ``microbatch_size`` would bound it, at another step than the one timed here).
+#   peak; a step that would need more than the memory available is refused before it starts.
+#   Opake's ``microbatch_size`` bounds the memory by looping over chunks of the batch: a
+#   different step from the one the other methods take, so it is not used here.
 # - Hugging Face models with an attention mask branch on the mask's values, which vmap cannot
 #   map; Opake runs them after ``opake.patches.apply_model_patches``, which replaces
 #   transformers' mask builders, ``LlamaForCausalLM.forward`` and parts of torch.func for the
