@@ -29,8 +29,8 @@ def main() -> None:
                     choices=list(models.MODELS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--methods", nargs="+", default=["loop_eager", "func_eager", "opacus_hooks",
-                                                     "opacus_ghost", "func_compile", "dpfx",
-                                                     "dpfx_materialize"],
+                                                     "opacus_ghost", "func_compile", "opake_eager",
+                                                     "opake_compile", "dpfx", "dpfx_materialize"],
                     help="the first that runs is the reference (default: the batch-of-one loop)")
     args = ap.parse_args()
     torch.set_num_threads(2)

@@ -5,6 +5,7 @@
     python benchmarks/run.py --models mlp gpt --out benchmarks/out
     python benchmarks/run.py --realistic --quick   # the sizes DP users train at (under 10 min)
     python benchmarks/run.py --realistic --quick --methods compile compile_loss dpfx dpfx_loss
+    python benchmarks/run.py --realistic --quick --methods compile dpfx opake_eager opake_compile
 
 For every (model, batch size) a fresh worker process (this file with --worker) sets up every
 method side by side: first step and warm-up per method, then the timed steps round-robin over
@@ -86,15 +87,15 @@ sys.path.insert(0, HERE)
 from report import add_ratios, label, plot, write_markdown  # noqa: E402
 
 METHOD_ORDER = ["eager", "compile", "compile_loss", "compile_unrolled", "opacus_hooks",
-                "opacus_ghost", "func_eager", "func_compile", "dpfx", "dpfx_loss",
-                "dpfx_materialize", "dpfx_blocks"]
+                "opacus_ghost", "func_eager", "func_compile", "opake_eager", "opake_compile",
+                "dpfx", "dpfx_loss", "dpfx_materialize", "dpfx_blocks"]
 # --quick keeps the baselines, the fastest peer (Opacus ghost clipping) and dpfx: compiling is
 # most of a quick run, and torch.func compiled costs as much compile time as dpfx. The loss
 # compiled with the model, dpfx's and its baseline's, is asked for by name (``--methods compile
 # compile_loss dpfx dpfx_loss``): two more compiles a model.
 QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
-COMPILING = ("compile", "compile_loss", "compile_unrolled", "func_compile", "dpfx",
-             "dpfx_loss", "dpfx_materialize", "dpfx_blocks")
+COMPILING = ("compile", "compile_loss", "compile_unrolled", "func_compile", "opake_compile",
+             "dpfx", "dpfx_loss", "dpfx_materialize", "dpfx_blocks")
 
 
 # ------------------------------------------------------------------------------------------------
