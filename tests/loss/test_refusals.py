@@ -10,7 +10,16 @@ release position it is given), a rounding division (``rounding_mode`` is an argu
 non-linear op), and the captured loss's input that is neither a tensor nor a size, its model
 intermediate (dynamo returns an escaping intermediate as a graph output: the one-tensor rule
 refuses first) and its tensor without the batch in dim 0 (``dp.loss`` checks its targets
-first, and a tensor the loss closes over is refused as a parameter or buffer).
+first, and a tensor the loss closes over is refused as a parameter or buffer). Nor the loss
+check's "picks rows along the batch dim by index": every indexing op it would name reads a
+batched tensor, so the mixing-op walk before it (passes/verify.py, ``mixing_ops``) has already
+refused that op, as "indexes the batch dim ... not proven to hold each row's own index" (the
+same condition, passes/indexing.py) or as a reduction or an ambiguous layout; it stands behind
+that walk. Nor the self-check's exact comparison of a backward output: it compares outputs that
+are not floating, and a backward graph returns only gradients, which autograd makes floating,
+and adaptive clipping's count of unclipped examples, a float too. The forward that did not run
+through dpfx's compiled graph, and ordinary code beside these refusals, are in
+test_refusal_gaps.py.
 """
 import re
 
