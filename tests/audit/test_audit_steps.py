@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import dpfx.audit as audit
-from dpfx.loop import optim
+from dpfx.loop import step_noise
 from dpfx.privacy import strategies
 from dpfx.privacy.matrix_accounting import BallsInBins, CyclicPoisson, MinSeparation
 
@@ -76,7 +76,7 @@ def test_a_release_that_does_not_clip_fails():
 def test_a_noise_state_that_reads_the_clipped_sum_fails(monkeypatch):
     """The state keeps a tenth of each step's clipped sum and adds it to the next release: at
     sigma 0 the canary's gradient reaches a step it did not join."""
-    add_noise = optim.DPOptimizer._add_release_noise
+    add_noise = step_noise.StepNoise.add_release
     calls = []
 
     def leaky(self, flat, std):
@@ -87,7 +87,7 @@ def test_a_noise_state_that_reads_the_clipped_sum_fails(monkeypatch):
             flat.add_(kept, alpha=0.1)
         calls.append(1)
 
-    monkeypatch.setattr(optim.DPOptimizer, "_add_release_noise", leaky)
+    monkeypatch.setattr(step_noise.StepNoise, "add_release", leaky)
     result = _audit(strategies.blt(STEPS, 2, min_separation=BANDS))
     assert len(calls) == STEPS * (1 + BANDS)            # the planted state ran in every release
     assert result.moved_outside == pytest.approx(0.1 * C / D, rel=1e-3)
