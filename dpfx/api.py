@@ -174,7 +174,7 @@ class DPModule(torch.nn.Module):
             kwargs = hf_loss[0]
         out = self._run(args, kwargs, None)
         if hf_loss is not None and hf_loss[1] is not None:
-            with loss_track.arranging():    # Note [A scale dpfx arranged] in loss/track.py
+            with loss_track.arranging():    # Note [A scale dpfx arranged] in loss/arranged.py
                 out["loss"] = hf_loss[1](out)
         return out
 
@@ -584,7 +584,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     ranks] in loop/optim.py). ``track_norms``: record per-sample norms in ``dp_model.norm_stats``
     (not private: see ops/norms.py). ``self_check``: before a compiled graph first trains, run it on
     synthetic batches against dpfx's verified graph and check that examples stay independent
-    (Note [Checking what Inductor generated] in lower/selfcheck.py); on by default for Inductor, and
+    (Note [Checking what Inductor generated] in lower/selfcheck/); on by default for Inductor, and
     skipped for compiled code that has passed it before in Inductor's cache directory (Note [A
     self-check is not repeated on code it has passed]); ``"always"`` runs it even then.
     ``allow_input_grads``: accept inputs that require grad; their gradients are not private

@@ -1,5 +1,5 @@
 """The self-check factory: which compiled graph gets a check of Inductor's code, and what the
-check is told (Note [Checking what Inductor generated] in lower/selfcheck.py).
+check is told (Note [Checking what Inductor generated] in lower/selfcheck/__init__.py).
 
     reference = forward_reference(gm, config, validating)      # before lowering
     check = forward_check(reference, compiled, gm, info, ...)    # after; None if unwanted
@@ -68,7 +68,7 @@ def attach_backward(check: GraphCheck | None, reference: Half | None, compiled,
     # Inductor's GPU Philox stream is not eager's: noise in the graph would differ.
     check.compare_backward = not native_noise or config.noise == "optimizer"
     if not adaptive and not padded:
-        # Note [The second size grows the first] (lower/selfcheck.py)
+        # Note [The second size grows the first] (lower/selfcheck/)
         divisor = 1.0 if config.noise == "optimizer" or config.loss_reduction == "sum" \
             else float(config.expected_batch_size) if config.expected_batch_size else None
         check.release = Release(frozenset(positions.values()), divisor, config.sensitivity,

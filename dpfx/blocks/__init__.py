@@ -23,7 +23,7 @@ the model's norm sum, the model's one clip factor (per group) scales them throug
 ``dpfx::block_clip``, and the noise is added once, by the model's graph, as for any other
 parameter. The proof is in two parts: the block's (passes/verify/block.py, verify_block: each of its
 clipped sums is scaled by its coefficient input and masked by its finite input, over operands
-its norm is taken over) and the model's (passes/verify.py, Note [A block's clipped sums]:
+its norm is taken over) and the model's (Note [A block's clipped sums] in passes/verify/block.py:
 those inputs are this graph's clip coefficient and mask for the parameter's group, the operands
 are one block call's, and that call's norm row is in the factor's norm).
 

@@ -13,7 +13,7 @@ from dpfx.ops.blocks import Kernels
 
 
 # Note [A block's self-check]
-# The model graph's self-check (lower/selfcheck.py) runs the block ops' compiled kernels on both
+# The model graph's self-check (lower/selfcheck/) runs the block ops' compiled kernels on both
 # of its sides, so it cannot see a block's own lowering. Each block's three compiled graphs are
 # therefore checked when it is compiled, at 2 and 3 examples (the probe's rows repeated, floating
 # inputs random): each against its FX graph (the graph the proof read), the forward and part A

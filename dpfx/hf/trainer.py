@@ -306,7 +306,7 @@ class DPTrainer(Trainer):
                 self.dp_optimizer.signal_skip_step(True)
                 self.dp_optimizer.step()
             size = _batch_size(chunk)
-            with arranged_by_trainer():     # Note [A scale dpfx arranged] in loss/track.py
+            with arranged_by_trainer():     # Note [A scale dpfx arranged] in loss/arranged.py
                 loss = super().training_step(model, track_batch(chunk) if tracked else chunk)
             loss = loss.as_subclass(torch.Tensor) if isinstance(loss, TrackedTensor) else loss
             if size:

@@ -81,7 +81,7 @@ def release(func, args, kwargs):
 def _per_term_release(verdict, inputs: list, scale) -> tuple:
     """The autograd edges of the outputs and the gradients that start the backward there, from
     the loss's checked program with each term on its own scale (Note [Terms on their own
-    scales] in loss/check.py)."""
+    scales] in loss/scale.py)."""
     values, edges, leaves = [], [], []
     with torch._C.DisableTorchFunctionSubclass():
         for v in inputs:

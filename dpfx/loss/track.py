@@ -104,7 +104,7 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
             grad_fn = tracked.grad_fn
             if grad_fn is not None:
                 trace.stop_nodes.append(grad_fn)
-                # for Note [Terms on their own scales] in loss/check.py
+                # for Note [Terms on their own scales] in loss/scale.py
                 # (get_gradient_edge's own checks cost more than the rest of the wrapping)
                 trace.outputs[len(trace.records) - 1] = (
                     tracked.detach(), _GradientEdge(grad_fn, tracked.output_nr))

@@ -12,7 +12,7 @@ intermediate (dynamo returns an escaping intermediate as a graph output: the one
 refuses first) and its tensor without the batch in dim 0 (``dp.loss`` checks its targets
 first, and a tensor the loss closes over is refused as a parameter or buffer). Nor the loss
 check's "picks rows along the batch dim by index": every indexing op it would name reads a
-batched tensor, so the mixing-op walk before it (passes/verify.py, ``mixing_ops``) has already
+batched tensor, so the mixing-op walk before it (passes/verify/, ``mixing_ops``) has already
 refused that op, as "indexes the batch dim ... not proven to hold each row's own index" (the
 same condition, passes/indexing.py) or as a reduction or an ambiguous layout; it stands behind
 that walk. Nor the self-check's exact comparison of a backward output: it compares outputs that

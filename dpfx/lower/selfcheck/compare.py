@@ -20,7 +20,7 @@ from dpfx.errors import PrivacyError
 # Note [Attention kernels' side outputs are not compared]
 # A fused attention kernel on a GPU returns the seed and offset of its dropout RNG, which the
 # forward graph saves for the backward (Note [Attention kernels keep the leading dims apart] in
-# passes/verify.py). Without dropout they are allocated and never written: two runs of the same
+# passes/verify/forward.py). Without dropout they are allocated and never written: two runs of the same
 # graph on the same inputs return different bits. They carry no example's data, so the forward
 # check leaves them out (layout "side"): of the comparison with the eager reference (``skip``)
 # and, being batch-free outputs that are not compared as such, of the independence check.

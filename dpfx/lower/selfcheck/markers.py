@@ -39,7 +39,7 @@ from dpfx.lower.selfcheck.batches import SIZES, sizes_served
 # a GPU: Triton's autotuner picks each kernel's launch configuration (its block sizes) when the
 # kernel first runs, which the code's hash does not name, and a kernel may be right under one
 # configuration and wrong under another; Inductor's C++ code is fixed once generated. The marker holds no
-# verdict to read, only its name: the proof (verify.py) still runs on every compile, and a marker
+# verdict to read, only its name: the proof (passes/verify/) still runs on every compile, and a marker
 # can only skip a test that the same code passed.
 # (tests/lower/test_selfcheck.py::test_passed_check_not_repeated_on_the_same_code)
 def passed_marker(check: "GraphCheck", sizes: dict) -> str | None:
