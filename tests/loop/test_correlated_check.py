@@ -15,7 +15,7 @@ import torch
 
 import dpfx
 from dpfx.errors import PrivacyError
-from dpfx.loop import optim
+from dpfx.loop import step_noise
 from support import mf_strategy
 from support.models import MLP, mse
 
@@ -99,16 +99,16 @@ def test_a_skipped_state_update_is_caught(kind):
 
 def test_a_reused_seed_is_caught(monkeypatch):
     model, dp, opt = _training("blt2")
-    draw = optim.gaussian
-    monkeypatch.setattr(optim, "gaussian", lambda n, std, generator, **kw: draw(
+    draw = step_noise.gaussian
+    monkeypatch.setattr(step_noise, "gaussian", lambda n, std, generator, **kw: draw(
         n, std, torch.Generator().manual_seed(9), **kw))      # re-seeded every step
     assert _caught(model, dp, opt, 3, "repeats step 0's") == 1
 
 
 def test_a_draw_that_is_not_standard_normal_is_caught(monkeypatch):
     model, dp, opt = _training("toeplitz3")
-    draw = optim.gaussian
-    monkeypatch.setattr(optim, "gaussian", lambda *a, **kw: draw(*a, **kw) * 0.5)
+    draw = step_noise.gaussian
+    monkeypatch.setattr(step_noise, "gaussian", lambda *a, **kw: draw(*a, **kw) * 0.5)
     assert _caught(model, dp, opt, 2, "mean square") == 0
 
 
