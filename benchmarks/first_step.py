@@ -9,6 +9,8 @@
     python benchmarks/first_step.py --models hf_llama_256 --cold-only --poisson  # batch varies
     python benchmarks/first_step.py --models hf_gpt2_d128_l2 hf_gpt2_d128_l12 --cold-only \
         --blocks     # deep models: regional torch.compile and dpfx's per-block graphs too
+    python benchmarks/first_step.py --models hf_gpt2_d128_l12 --cold-only --blocks --warmup
+                     # the warm-up: steps until the step time settles, for every method
 
 For every model and repeat, fresh processes run one training step each (forward, loss,
 backward, SGD step; B = the model's first quick batch size) in this order: torch.compile cold
@@ -48,6 +50,9 @@ both. The LSTM's baseline (its recurrence unrolled) has no dynamic variant.
 With ``--blocks``, the methods include ``compile_regional`` (torch's recipe for deep models:
 ``block.compile()`` on each repeated block, the rest eager) and ``dpfx_blocks``
 (``dpfx.compile(model, blocks="auto")``: each distinct block one private graph, compiled once).
+With ``--warmup``, each process goes on stepping on the same batch until the step time settles
+(Note [The warm-up, not the first step]) and reports the warm-up, the steady step and the step
+at which it settled, for every method alike.
 Each process also reports its peak RSS (``ru_maxrss``: the throwaway compile and the model's
 build included, so compare methods, not absolute figures).
 Timers are disturbed by other load on a shared machine: compare methods within one repeat.
@@ -75,6 +80,37 @@ PHASES = ("blocks", "dynamo", "aot_autograd", "batch analysis", "rewrite", "veri
           "loss capture",
           "passes other", "lowering fw", "lowering bw", "C++ compile", "self-check", "builds waited",
           "other")
+
+
+# Note [The warm-up, not the first step]
+# Work a method defers past its first step (a backward compiled at the first backward, lazy
+# kernel builds, a recompile at the second call, a cache filled by the third) is invisible in
+# the first step's time, in dpfx and in its baselines alike. So the figure for a compile is the
+# warm-up: the wall time of every step until the step time settles, less as many steady steps.
+# The steady step is the median of the last SETTLE_WINDOW steps; the run has settled once those
+# steps lie within SETTLE_SPREAD of their median (at least MIN_STEPS steps, at most MAX_STEPS);
+# "settled at" is the first step after which no step took more than SETTLE_SPREAD over the
+# steady one.
+MIN_STEPS, MAX_STEPS, SETTLE_WINDOW, SETTLE_SPREAD = 12, 40, 5, 0.15
+
+
+def settled(times: list[float]) -> bool:
+    """Whether the last SETTLE_WINDOW step times lie within SETTLE_SPREAD of their median."""
+    if len(times) < max(MIN_STEPS, SETTLE_WINDOW):
+        return False
+    last = times[-SETTLE_WINDOW:]
+    mid = statistics.median(last)
+    return max(last) <= mid * (1 + SETTLE_SPREAD) and min(last) >= mid * (1 - SETTLE_SPREAD)
+
+
+def warmup_figures(times: list[float]) -> dict:
+    """The warm-up (all steps less as many steady ones), the steady step and where it settled
+    (Note [The warm-up, not the first step])."""
+    steady = statistics.median(times[-SETTLE_WINDOW:])
+    late = [i for i, t in enumerate(times) if t > steady * (1 + SETTLE_SPREAD)]
+    return {"warmup": sum(times) - len(times) * steady, "steady": steady,
+            "settled at": (late[-1] + 2) if late else 1, "steps": len(times),
+            "step times": times}
 
 
 def build(name: str):
@@ -289,6 +325,14 @@ def worker(args) -> None:
                "passes other")
     phases["other"] = total - sum(phases.get(p, 0.0) for p in counted)
     result["phases"] = phases
+    if args.warmup:
+        times = [total]
+        while len(times) < MAX_STEPS and not settled(times):
+            t1 = time.perf_counter()
+            step(x, y)
+            times.append(time.perf_counter() - t1)
+        result.update(warmup_figures(times))
+        result["settled"] = settled(times)
     if args.poisson:
         # the next Poisson batch: B - 1 examples (fresh tensors, as a loader yields)
         x2 = ({k: v[:B - 1].clone() for k, v in x.items()} if isinstance(x, dict)
@@ -303,12 +347,12 @@ def worker(args) -> None:
 
 
 def run_one(model: str, method: str, cache_dir: str, warm: bool, source: str | None,
-            poisson: bool = False) -> dict:
+            poisson: bool = False, warmup: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model,
            "--method", method if method in ("compile", "compile_dynamic", "dpfx_loss",
                                             "compile_regional", "dpfx_blocks")
            else "dpfx", "--cache-dir", cache_dir] + (["--warm"] if warm else []) + (
-               ["--poisson"] if poisson else [])
+               ["--poisson"] if poisson else []) + (["--warmup"] if warmup else [])
     env = dict(os.environ)
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
@@ -341,7 +385,8 @@ def driver(args) -> None:
                 for method, source in sources.items():
                     if method == "compile_dynamic" and model in models.BASELINE:
                         continue    # the LSTM's unrolled baseline has no dynamic variant
-                    r = run_one(model, method, dirs[method], warm, source, args.poisson)
+                    r = run_one(model, method, dirs[method], warm, source, args.poisson,
+                                args.warmup)
                     r.update(method=method, repeat=rep)
                     rows.append(r)
                     print(_line(r), flush=True)
@@ -352,6 +397,9 @@ def driver(args) -> None:
     if args.poisson:
         print()
         print(poisson_table(rows))
+    if args.warmup:
+        print()
+        print(warmup_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -378,6 +426,34 @@ def poisson_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def warmup_table(rows: list[dict]) -> str:
+    """Medians over repeats of the first step, the warm-up, the steady step and the step it
+    settled at, per model, caches and method; x: the warm-up over regional torch.compile's where
+    it ran, else over torch.compile's, and the steady step over torch.compile's."""
+    out = ["| model | caches | method | first step (s) | warm-up (s) | x | steady (ms) | x compile "
+           "| settled at step |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for warm in (False, True):
+            def med(method, key):
+                vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
+                        and r["warm"] == warm and key in r]
+                return statistics.median(vals) if vals else float("nan")
+            base = med("compile_regional", "warmup")
+            if base != base:
+                base = med("compile", "warmup")
+            steady = med("compile", "steady")
+            if steady != steady:
+                continue
+            for method in dict.fromkeys(r["method"] for r in rows if r["model"] == model):
+                w, s = med(method, "warmup"), med(method, "steady")
+                if w != w:      # failed or not run
+                    continue
+                out.append(f"| {model} | {'warm' if warm else 'cold'} | {method} | "
+                           f"{med(method, 'total'):.2f} | {w:.2f} | {w / base:.2f} | "
+                           f"{s * 1e3:.1f} | {s / steady:.2f} | {med(method, 'settled at'):.0f} |")
+    return "\n".join(out)
+
+
 def _line(r: dict) -> str:
     if "error" in r:
         return f"{r['model']} {r['method']} {'warm' if r['warm'] else 'cold'}: {r['error']}"
@@ -387,7 +463,10 @@ def _line(r: dict) -> str:
             f"{r['fxgraph misses']}/{r['fxgraph bypasses']}, peak RSS "
             f"{r['peak rss GB']:.2f} GB) {ph}" + (
                 f"; second step (B - 1) {r['second']:.2f} s, {r['second compiles']} compiles"
-                if "second" in r else ""))
+                if "second" in r else "") + (
+                f"; warm-up {r['warmup']:.2f} s, steady {r['steady'] * 1e3:.1f} ms, settled at "
+                f"step {r['settled at']} of {r['steps']}" + ("" if r["settled"] else " (NOT settled)")
+                if "warmup" in r else ""))
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
@@ -443,6 +522,8 @@ def main() -> None:
                          "torch.compile with a dynamic batch (compile_dynamic)")
     ap.add_argument("--blocks", action="store_true",
                     help="also regional torch.compile and dpfx with blocks='auto'")
+    ap.add_argument("--warmup", action="store_true",
+                    help="step until the step time settles: the warm-up and the steady step")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)

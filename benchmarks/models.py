@@ -272,6 +272,12 @@ MODELS.update({
         partial(_hf_data, vocab=2048, T=64, mask=False), (8,),
         f"Hugging Face GPT2LMHeadModel, d=128, {n} layers, 4 heads, vocab 2048 (tied head), "
         f"T=64, no attention mask (deep models' first step)") for n in (2, 12)},
+    **{f"hf_gpt2_d128_l{n}_v50k": (
+        partial(_hf_gpt2, d=128, layers=n, heads=4, vocab=50257, T=64),
+        partial(_hf_data, vocab=50257, T=64, mask=False), (8,),
+        f"Hugging Face GPT2LMHeadModel, d=128, {n} layers, 4 heads, GPT-2's vocab 50257 (tied "
+        f"head), T=64, no attention mask (deep models' warm-up with a real vocabulary)")
+       for n in (2, 12)},
     "hf_llama_106m": (partial(_hf_llama, d=768, ffn=2048, layers=8, heads=12, vocab=32000,
                               T=128),
                       partial(_hf_data, vocab=32000, T=128, mask=False), (4,),
