@@ -82,10 +82,11 @@ def problems(paths: list[str]) -> list[str]:
 
 
 def project() -> list[str]:
-    """dpfx's sources, the tests (which point at dpfx's Notes and keep a few of their own) and the
-    guides; this file's planted titles are not Notes."""
+    """dpfx's sources, the tests (which point at dpfx's Notes and keep a few of their own), the
+    guides and the benchmarks; this file's planted titles are not Notes."""
     tests = [p for p in files("tests", SOURCES) if os.path.abspath(p) != os.path.abspath(__file__)]
-    return files("dpfx", SOURCES + (".md",)) + tests + files("docs", (".md",))
+    return (files("dpfx", SOURCES + (".md",)) + tests + files("docs", (".md",))
+            + files("benchmarks", SOURCES + (".md",)))
 
 
 def test_every_note_is_defined_once_and_every_pointer_resolves():
