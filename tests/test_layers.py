@@ -210,9 +210,10 @@ def private_imports(module: str, path: str, found: dict[str, str]) -> list[str]:
     return out
 
 
-# The options, the privacy plan, the loop and the integrations: a helper another package needs is
-# public (privacy/validate.py, hf/resume.py), not borrowed.
+# The options, the privacy plan, the loop, the public API and the integrations: a helper another
+# package needs is public (privacy/validate.py, hf/resume.py), not borrowed.
 PUBLIC_ONLY = ("dpfx.privacy", "dpfx.options", "dpfx.config", "dpfx.engine", "dpfx.loop",
+               "dpfx.api", "dpfx.compiled_call", "dpfx.block_install", "dpfx.grad_guards",
                "dpfx.hf", "dpfx.trl", "dpfx.opacus", "dpfx.audit", "dpfx.report")
 
 
