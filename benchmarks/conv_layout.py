@@ -7,10 +7,10 @@
 
 dpfx's graphs keep convolutions in the default (NCHW) layout: with the batch unbacked, torch
 traces a convolution's output as contiguous while the kernel returns channels-last for a
-channels-last input (dpfx refuses such inputs, api.py), and Inductor's layout optimization, which
-converts a convolution's operands to channels-last, miscompiles Conv2d then (lower/inductor.py,
-INDUCTOR_PATCHES). Non-private torch.compile with static shapes runs every convolution
-channels-last. This script times the backward calls of both graphs on the CNN's shapes
+channels-last input (dpfx refuses such inputs, compiled_call.py), and Inductor's layout
+optimization, which converts a convolution's operands to channels-last, miscompiles Conv2d then
+(lower/inductor.py, INDUCTOR_PATCHES). Non-private torch.compile with static shapes runs every
+convolution channels-last. This script times the backward calls of both graphs on the CNN's shapes
 (models.CNN: 3->32->64->64, 3x3, stride 2, on 32x32) in both layouts, one call at a time:
 the allocator's peak during the call (its outputs and its scratch, via torch.profiler), and the
 median time.

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-import dpfx.api
+import dpfx.compiled_call
 
 
 def main(steps: int = 400) -> None:
@@ -27,13 +27,13 @@ def main(steps: int = 400) -> None:
                           nn.Linear(512, 10))
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0, loss=F.cross_entropy)
     x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
-    checked = dpfx.api.track
+    checked = dpfx.compiled_call.track
 
     def unchecked(out, backend, batch, param_ids, inputs=()):
         return out
 
     def step(variant):
-        dpfx.api.track = unchecked if variant == "unchecked" else checked
+        dpfx.compiled_call.track = unchecked if variant == "unchecked" else checked
         start = time.perf_counter()
         if variant == "captured":
             dp.loss(x, y).backward()
@@ -53,7 +53,7 @@ def main(steps: int = 400) -> None:
     for _ in range(steps):
         for variant in variants:
             times[variant].append(step(variant))
-    dpfx.api.track = checked
+    dpfx.compiled_call.track = checked
     without = statistics.median(times["unchecked"])
     print(f"the step without the check (reference): {without * 1e3:.3f} ms")
     for variant in ("plain loop", "captured"):

@@ -22,7 +22,7 @@ import dpfx.lower.exact  # noqa: E402
 
 dpfx.lower.exact._CHECK_KEPT_VALUES = True
 
-# Note [A trusted warm start] (dpfx/lower/warm.py): tests compile the same models under the same
+# Note [A trusted warm start] (dpfx/lower/trust.py): tests compile the same models under the same
 # settings again and again, and many plant a fault in a pass or spy on one; each compile proves
 # its graphs again, as an auditor's run would. tests/lower/test_warm_start.py runs the trusted
 # path users get.

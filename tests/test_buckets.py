@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpfx
-import dpfx.api
+import dpfx.compiled_call
 import dpfx.passes
 from dpfx.config import DPConfig
 from dpfx.errors import OptionError
@@ -117,7 +117,7 @@ def test_non_finite_padded_rows_add_exactly_zero(monkeypatch):
     model = MLP()
     padded = _compile(model, "eager", "sum", None, batch_buckets=BUCKETS, track_norms=True)
     unpadded = _compile(model, "eager", "sum", None)
-    monkeypatch.setattr(dpfx.api, "_padded", poisoned)
+    monkeypatch.setattr(dpfx.compiled_call, "_padded", poisoned)
     loss_fn = _loss("sum")
     for b in (1, 3, 5):
         x, y = _batch(b)

@@ -39,7 +39,7 @@ LAYERS = [
     """capture capture.batch_branches capture.entry capture.errors capture.modules
        capture.requires_grad_skip capture.rnn capture.traceable""",
     # 4 lowering
-    """lower lower.cpu_builds lower.exact lower.fast lower.inductor lower.warm
+    """lower lower.cpu_builds lower.exact lower.fast lower.inductor lower.trust lower.warm
        lower.selfcheck lower.selfcheck.batches lower.selfcheck.check lower.selfcheck.compare
        lower.selfcheck.grow lower.selfcheck.markers lower.selfcheck.reference
        lower.selfcheck.stream""",
@@ -55,7 +55,7 @@ LAYERS = [
     """loop loop.data loop.fsdp loop.grads loop.noise loop.optim loop.ranks loop.release
        loop.step_noise loop.users loop.samplers loop.correlated loop.adambc""",
     # 8 the public API
-    "api engine",
+    "api block_install compiled_call engine grad_guards",
     # 9 integrations and reports
     """__init__ hf hf.trainer hf.resume hf.ranks hf.users trl trl._private trl.dpo trl.sft
        report report.explain report.history report.validate
@@ -210,9 +210,10 @@ def private_imports(module: str, path: str, found: dict[str, str]) -> list[str]:
     return out
 
 
-# The options, the privacy plan, the loop and the integrations: a helper another package needs is
-# public (privacy/validate.py, hf/resume.py), not borrowed.
+# The options, the privacy plan, the loop, the public API and the integrations: a helper another
+# package needs is public (privacy/validate.py, hf/resume.py), not borrowed.
 PUBLIC_ONLY = ("dpfx.privacy", "dpfx.options", "dpfx.config", "dpfx.engine", "dpfx.loop",
+               "dpfx.api", "dpfx.compiled_call", "dpfx.block_install", "dpfx.grad_guards",
                "dpfx.hf", "dpfx.trl", "dpfx.opacus", "dpfx.audit", "dpfx.report")
 
 

@@ -11,7 +11,7 @@ backends execute the same rewritten graphs.
 
 ``DPBackend`` composes the package's parts: ``inputs.py`` says what each graph input and
 output is, ``runtime.py`` builds the runners of the compiled graphs, ``checks.py`` the self-check
-of Inductor's code, and lower/warm.py decides which compiled graphs a cache entry may run as they
+of Inductor's code, and lower/trust.py decides which compiled graphs a cache entry may run as they
 are.
 
 # Note [No caches that skip the inner compiler]
@@ -48,6 +48,7 @@ from dpfx.graph.batch import sym_expr
 from dpfx.loss.captured import capture_loss
 from dpfx.loss.gate import ReleaseGate
 from dpfx.lower import warm
+from dpfx.lower.trust import Trust, TrustedGrad, trustable
 from dpfx.lower.fast import optimization_hints_once
 from dpfx.lower.inductor import cache_key_pass, inductor_patches, lower
 from dpfx.ops.norms import NormStats
@@ -89,9 +90,10 @@ class DPBackend:
         self.runners = Runners(config, gate, self._generator, self.adaptive_clip,
                                self.norm_stats)
         self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
-        self.decisions: list = []  # batch-size decisions of the entry being compiled (api.py)
+        # batch-size decisions of the entry being compiled (compiled_call.py)
+        self.decisions: list = []
         self.inputs: GraphInputs | None = None     # of the graph being compiled
-        self.trust = warm.Trust()      # Note [A trusted warm start] in lower/warm.py
+        self.trust = Trust()      # Note [A trusted warm start] in lower/trust.py
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -117,7 +119,7 @@ class DPBackend:
             and torch._functorch.config.enable_autograd_cache
         patches = inductor_patches(example_inputs)
         if cached:
-            # Note [A trusted warm start] (lower/warm.py): the key names every setting the
+            # Note [A trusted warm start] (lower/trust.py): the key names every setting the
             # rewritten graphs depend on, so an entry's code serves only the same settings
             patches = {**patches, "post_grad_custom_post_pass": cache_key_pass(
                 torch._inductor.config.post_grad_custom_post_pass,
@@ -140,8 +142,9 @@ class DPBackend:
     def _inner(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Any:
         if self.config.backend != "inductor" or device_of(example_inputs).type != "cpu":
             return self.compile_graph(gm, example_inputs, kwargs)
-        return self.trust.output_code(
-            gm, kwargs, self.stages, lambda: self.compile_graph(gm, example_inputs, kwargs))
+        return warm.output_code(
+            self.trust, gm, kwargs, self.stages,
+            lambda: self.compile_graph(gm, example_inputs, kwargs))
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict) -> Any:
         """dpfx's inner compiler proper: on a fresh trace, or on a graph loaded from
@@ -166,7 +169,7 @@ class DPBackend:
         validating = self.problems is not None
         reference = checks.forward_reference(gm, self.config, validating)
         compiled = self._lower(gm, example_inputs, kwargs)
-        if warm.trustable(gm, info.batch_symbols, self.config, validating):
+        if trustable(gm, info.batch_symbols, self.config, validating):
             self.trust.forward(graph_id, compiled)
         check = checks.forward_check(reference, compiled, gm, info, set(batch_inputs),
                                      self.inputs.targets, device_of(example_inputs),
@@ -227,7 +230,7 @@ class DPBackend:
 
     def load_trusted(self, plan: dict, compiled, kwargs: dict):
         """The runner of a trusted entry's lowered code, as a compile of its graph would have
-        made it (Note [A trusted warm start] in lower/warm.py)."""
+        made it (Note [A trusted warm start] in lower/trust.py)."""
         self.compiles += 1
         for name, text in plan.get("stages", {}).items():
             self.stages.graphs[name] = text
@@ -235,7 +238,7 @@ class DPBackend:
                 self.stages.on_stage(name, text)
         if plan["kind"] == "forward":
             return self.runners.forward(compiled, None)
-        self.param_grads = [warm.TrustedGrad(name, i) for name, i in plan["positions"].items()]
+        self.param_grads = [TrustedGrad(name, i) for name, i in plan["positions"].items()]
         self.last_backward = None
         return self.runners.backward(compiled, BackwardPlan(
             plan["positions"], plan["zero_tangents"], plan["adaptive"], plan["padded"]),

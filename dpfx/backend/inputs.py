@@ -52,12 +52,12 @@ def check_same_parameters(model: torch.nn.Module, names: dict[int, str]) -> None
 
 
 # Note [Tensors the model holds are not inputs]
-# Every tensor the dpfx call receives carries the batch in dim 0 (api.py marks it unbacked). A
-# tensor the model reads from elsewhere, a closure's cell (a causal mask built once and captured
-# by a lambda: ``lambda x, mem: layer(x, mem, tgt_mask=causal)``), a global, an attribute that is
-# not a registered buffer, reaches dynamo's graph as an input too, with the same size on every
-# call; taken for a batch input, it would be refused as "specialized". dynamo names where
-# each graph input comes from (its grapharg's source): those not read from the call's own
+# Every tensor the dpfx call receives carries the batch in dim 0 (compiled_call.py marks it
+# unbacked). A tensor the model reads from elsewhere, a closure's cell (a causal mask built once
+# and captured by a lambda: ``lambda x, mem: layer(x, mem, tgt_mask=causal)``), a global, an
+# attribute that is not a registered buffer, reaches dynamo's graph as an input too, with the same
+# size on every call; taken for a batch input, it would be refused as "specialized". dynamo names
+# where each graph input comes from (its grapharg's source): those not read from the call's own
 # arguments are constants to the graph, like buffers, the same on every call whatever the batch
 # (dynamo guards on them). An input without a recorded source stays a batch input.
 # (tests/lower/test_inductor_sweep.py, the decoder layer's causal mask)

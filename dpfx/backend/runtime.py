@@ -11,7 +11,7 @@ on a batch-free forward output, reseeds the one generator the graph's noise is d
 (Note [Where the graph's noise seed comes from]), appends the graph's scalar inputs (the count
 of real examples of a padded batch, the adaptive bound C_t) and hands the released gradients to
 the gate. A graph's runner is the same whether its code was compiled now or loaded from a
-trusted cache entry (Note [A trusted warm start] in lower/warm.py).
+trusted cache entry (Note [A trusted warm start] in lower/trust.py).
 """
 from __future__ import annotations
 

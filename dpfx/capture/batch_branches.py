@@ -32,7 +32,7 @@ rule to follow). Routing is what keeps a graph to the sizes it was decided for, 
 runs each graph only at sizes it serves. The privacy proof of every graph holds for every value of
 the symbol, whatever was decided. A comparison that also involves a value computed from the data
 or another dynamic size, or the batch needed as a Python number (``range(x.shape[0])``), is not
-decided: api.py's CaptureError names the expression and the model's frames.
+decided: compiled_call.py's CaptureError names the expression and the model's frames.
 (tests/capture/test_model_families.py::test_batch_branch_routing, test_causal_lm_without_mask;
 tests/rules/test_linear.py::test_raw_product_of_one_column_matches_reference)
 """
@@ -100,7 +100,8 @@ def _evaluate_or_decide(self, orig_expr, hint=None, fx_node=None, size_oblivious
         active = getattr(_state, "active", None)
         symbol = _batch_symbol(self, orig_expr)
         if active is None or symbol is None:
-            e.dpfx_expr, e.dpfx_model_stack = orig_expr, _model_stack()   # for api.py's error
+            # for compiled_call.py's error
+            e.dpfx_expr, e.dpfx_model_stack = orig_expr, _model_stack()
             # no input's batch dim in it: a branch on a value of the data (capture/errors.py)
             e.dpfx_on_data = not (orig_expr.free_symbols & set(self.unbacked_inputs))
             raise

@@ -337,9 +337,9 @@ _ORIGINALS = [(obj, name, getattr(obj, name)) for obj, name, _ in _SWAPS]
 class Swaps:
     """Swaps in place for the duration of a dpfx forward call: those named in ``names``, else
     all. A plain class with direct assignments: this runs on every training step, where
-    ``contextlib`` costs several microseconds (Note [The steady-state call] in api.py). dynamo's
-    ``allow_rnn``, which only a capture reads, is set where dpfx's captures run (Note [Settings
-    only a capture reads] in capture/entry.py).
+    ``contextlib`` costs several microseconds (Note [The steady-state call] in
+    compiled_call.py). dynamo's ``allow_rnn``, which only a capture reads, is set where dpfx's
+    captures run (Note [Settings only a capture reads] in capture/entry.py).
 
     # Note [Only the swaps the guards read, between captures]
     Every swap is in place while dynamo captures (``Captured``, from capture/entry.py's callback). On

@@ -25,10 +25,10 @@ from dpfx.errors import PrivacyError, DPFXWarning
 from dpfx.loss.gate import gates_of, warn_at_caller
 
 
-def check_loop_inputs(module, tensors: list) -> None:
+def check_loop_inputs(config, trainable_at_compile: list, tensors: list) -> None:
     """Refusals of a training forward that the graph cannot see: an input that requires grad
-    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile."""
-    config = module.dp_config
+    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile
+    (``trainable_at_compile``: each parameter's (name, parameter, requires_grad) then)."""
     if not config.allow_input_grads:
         for i, t in enumerate(tensors):
             if t.requires_grad:
@@ -39,7 +39,7 @@ def check_loop_inputs(module, tensors: list) -> None:
                     f"dpfx.compile of a module whose forward runs both), or detach the input; if "
                     f"you need input gradients and accept that they are not private, pass "
                     f"dpfx.compile(..., allow_input_grads=True).")
-    for name, p, trainable in module._trainable_at_compile:
+    for name, p, trainable in trainable_at_compile:
         if p.requires_grad != trainable:
             change = "unfrozen (requires_grad=True)" if p.requires_grad else \
                 "frozen (requires_grad=False)"

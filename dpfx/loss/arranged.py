@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from dpfx.errors import DPFXWarning
-from dpfx.loss import check as loss_check
+from dpfx.loss import scale as loss_scale
 from dpfx.loss.trace import site_text
 
 
@@ -92,7 +92,7 @@ def arranged_scale(verdict, lines: list, values: tuple, batch: int, reduction: s
         for i, (mine, value) in enumerate(zip(arranged, values)))
     weights = verdict.weights
     try:
-        scale = loss_check.eval_scale(verdict, batch, standing, reduction)
+        scale = loss_scale.eval_scale(verdict, batch, standing, reduction)
     finally:
         verdict.weights = weights
     return type(scale) is tuple and not scale[1]

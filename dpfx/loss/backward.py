@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import arranged, check as loss_check, steady as loss_steady
+from dpfx.loss import arranged, check as loss_check, scale as loss_scale, steady as loss_steady
 from dpfx.loss.arranged import LossScaleWarning, arranged_scale, scale_message
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES,
                             SECOND_BACKWARD, compiled_name, compiled_nodes)
@@ -98,7 +98,7 @@ def _per_term_release(verdict, inputs: list, scale) -> tuple:
                 values.append(torch.tensor(v, dtype=torch.int64 if isinstance(v, int)
                                            else torch.float64))
         with torch.enable_grad():
-            loss = loss_check.scaled_terms(verdict, values, scale.ratios)
+            loss = loss_scale.scaled_terms(verdict, values, scale.ratios)
             grads = torch.autograd.grad(loss * scale.factor, leaves, allow_unused=True)
     kept = [(e, g) for e, g in zip(edges, grads) if g is not None]
     return [e for e, _ in kept], [g for _, g in kept]
@@ -122,7 +122,7 @@ def _verify(loss: Tracked) -> float | tuple:
                                                    [origin(t) for t in trace.externals])
     found = steady and loss_steady.lookup(steady, trace)
     if found:
-        scale = loss_check.eval_scale(found[0], trace.batch, found[1], reduction)
+        scale = loss_scale.eval_scale(found[0], trace.batch, found[1], reduction)
         if type(scale) is tuple and not (scale[1] and not getattr(found[0], "warned", False)):
             return scale[0]
     program, key, inputs = build_program(trace, index, leaf, full=False)
@@ -140,14 +140,14 @@ def _verify(loss: Tracked) -> float | tuple:
         store(key, choice, verdict)
     if isinstance(verdict, loss_check.LossRefused):
         raise _refusal(verdict, build_program(trace, index, leaf)[0])
-    values = loss_check.normalizer_values(verdict, trace.batch, inputs)
-    scale = loss_check.eval_scale(verdict, trace.batch, values, reduction)
+    values = loss_scale.normalizer_values(verdict, trace.batch, inputs)
+    scale = loss_scale.eval_scale(verdict, trace.batch, values, reduction)
     if isinstance(scale, str):
         program = build_program(trace, index, leaf)[0]
         raise PrivacyError(f"the loss ({site_text(program['lines'][-1])}) cannot be made a sum of "
                            f"per-example terms: {scale}. Compute one per-example loss and take "
                            f"its mean or sum over dim 0.")
-    if isinstance(scale, loss_check.PerTerm):
+    if isinstance(scale, loss_scale.PerTerm):
         return _per_term_release(verdict, inputs, scale)
     factor, changed = scale
     if changed and not getattr(verdict, "warned", False):

@@ -66,11 +66,6 @@ from dpfx.loss.replay import Placeholder, free_symbols
 from dpfx.loss.scale import Term, Verdict
 from dpfx.passes.verify import mixing_ops
 
-# loss/track.py reads these through this module (``loss_check``): the replay's and the scale's
-# names that the tracker calls around the check
-from dpfx.loss.replay import SCALING, SIZE_ARGS, flatten, is_number, replay  # noqa: F401
-from dpfx.loss.scale import PerTerm, eval_scale, normalizer_values, scaled_terms  # noqa: F401
-
 aten = torch.ops.aten
 prims = torch.ops.prims
 

@@ -364,8 +364,8 @@ class ReleaseGate:
 
     def check_gradient(self, name: str, p: torch.Tensor | None, grad: torch.Tensor,
                        graph_params: set[str]) -> None:
-        """Note [Every gradient a parameter receives is dpfx's] (api.py): the tensor hook of
-        parameter ``name``, before autograd accumulates ``grad`` into p.grad."""
+        """Note [Every gradient a parameter receives is dpfx's] (grad_guards.py): the tensor
+        hook of parameter ``name``, before autograd accumulates ``grad`` into p.grad."""
         if name not in graph_params:
             raise PrivacyError(
                 f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read "

@@ -14,7 +14,7 @@ from typing import Any
 import torch.utils._pytree as pytree
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import check as loss_check
+from dpfx.loss import check as loss_check, replay as loss_replay
 from dpfx.loss.program import build_program
 from dpfx.loss.trace import WRITTEN, Tracked, caller_text, site_text, was_written
 from dpfx.loss.verdicts import CACHE_SIZE, replay_refusal
@@ -75,7 +75,7 @@ _EARLIER_OUTPUTS = (
 
 def _rows_verdict(program: dict, batch: int):
     try:
-        gm, record_of, factors, _ = loss_check.replay(
+        gm, record_of, factors, _ = loss_replay.replay(
             program["calls"], program["placeholders"], program["loss"], batch)
         loss_check.analyze_rows(gm, program["placeholders"], record_of, factors)
         return True

@@ -1,7 +1,7 @@
 """The loss's program: the recorded calls a loss depends on, renumbered for replay, and its key.
 
     program, key, inputs = build_program(trace, index, leaf)
-    loss_check.replay(program["calls"], program["placeholders"], program["loss"], batch)
+    loss_replay.replay(program["calls"], program["placeholders"], program["loss"], batch)
 
 The calls are followed across traces (a forward's outputs and the loader's batch tensors, Note
 [The batch's own tensors are followed too] in loss/track.py); the key is the calls' structure
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dpfx.loss import check as loss_check, steady as loss_steady
+from dpfx.loss import replay as loss_replay, steady as loss_steady
 from dpfx.loss.arranged import is_arranged
 from dpfx.loss.trace import Output, Trace, followed
 
@@ -38,13 +38,13 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
         if func is None:
             shape, dtype, device = leaves
             if line == "data":      # a batch tensor of dpfx's loader
-                placeholders.append(full and loss_check.Placeholder(
+                placeholders.append(full and loss_replay.Placeholder(
                     shape, dtype, device, False, is_data=True))
                 inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
                 keys.append(("data", loss_steady.dim0_key(inputs[-1], batch), shape[1:], dtype,
                              device))
             else:
-                placeholders.append(full and loss_check.Placeholder(
+                placeholders.append(full and loss_replay.Placeholder(
                     (None, *shape), dtype, device, True))
                 inputs.append(Output(t_rec, k))
                 keys.append(("out", shape, dtype, device))
@@ -52,8 +52,8 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
             lines.append(None)
             continue
         descr, key = [], []
-        arith = func in loss_check.SCALING
-        sizes = func in loss_check.SIZE_ARGS
+        arith = func in loss_replay.SCALING
+        sizes = func in loss_replay.SIZE_ARGS
         for pos, d in enumerate(leaves):
             if d[0] == "e" and followed(t_rec.externals[d[1]]):
                 ext = t_rec.externals[d[1]]
@@ -72,7 +72,7 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
             elif d[0] == "e":
                 if (id(t_rec), d[1]) not in ext_pos:
                     t = t_rec.externals[d[1]]
-                    placeholders.append(full and loss_check.Placeholder(
+                    placeholders.append(full and loss_replay.Placeholder(
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
@@ -80,8 +80,8 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
                                  t.dtype, t.device, t.requires_grad))
                 descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])
-            elif arith and pos < 2 and loss_check.is_number(d[1]):
-                placeholders.append(full and loss_check.Placeholder.scalar(d[1]))
+            elif arith and pos < 2 and loss_replay.is_number(d[1]):
+                placeholders.append(full and loss_replay.Placeholder.scalar(d[1]))
                 inputs.append(d[1])
                 descr.append(("p", len(placeholders) - 1))
                 key.append(("s", type(d[1]).__name__, len(placeholders) - 1))

@@ -14,7 +14,7 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
 
 1. its autograd graph, from the loss down to dpfx's outputs, holds no custom autograd.Function
    (its backward could do anything), no torch.compile'd function, and no tensor requiring a
-   gradient other than the model's own parameters (which invariant 4 in api.py watches);
+   gradient other than the model's own parameters (which invariant 4 in grad_guards.py watches);
 2. the recorded calls, replayed with a symbolic batch, are a per-example sum
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
    shapes with the batch written as a symbol), and a step whose trace records what an earlier
@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import check as loss_check, steady as loss_steady
+from dpfx.loss import check as loss_check, replay as loss_replay, steady as loss_steady
 from dpfx.loss.arranged import ARRANGED, ARRANGING
 from dpfx.loss.backward import release
 from dpfx.loss.gate import BACKWARD_CALLS, TWO_FORWARDS
@@ -182,7 +182,7 @@ def _record(func, args, kwargs, result):
         out_leaves, out_spec = pytree.tree_flatten(result)
     else:
         return result
-    leaves, spec = loss_check.flatten(args, kwargs)
+    leaves, spec = loss_replay.flatten(args, kwargs)
     first = forward = None       # the first trace among the arguments, the first forward's
     forwards = 0
     for a in leaves:
@@ -195,7 +195,7 @@ def _record(func, args, kwargs, result):
         return result
     trace = forward or first
     poison = None
-    if forwards and func in loss_check.SCALING and _from_grad_scaler():
+    if forwards and func in loss_replay.SCALING and _from_grad_scaler():
         poison = (
             "torch.amp.GradScaler.scale(loss): dpfx removes every scalar applied after the "
             "batch reduction from each example's term (its clipping bound C is for the unscaled "

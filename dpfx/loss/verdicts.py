@@ -2,7 +2,7 @@
 
     verdict = lookup(key, program["candidates"])
     if verdict is None:
-        verdict, choice = analyze(program, batch)      # loss_check.replay, then analyze
+        verdict, choice = analyze(program, batch)      # loss_replay.replay, then analyze
         store(key, choice, verdict)
 
 A verdict is a ``loss_check`` verdict or the ``LossRefused`` that says why not; a size int the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from dpfx.loss import arranged, check as loss_check, steady as loss_steady
+from dpfx.loss import arranged, check as loss_check, replay as loss_replay, steady as loss_steady
 
 
 def forget() -> None:
@@ -88,7 +88,7 @@ def _matches(choice: tuple, candidates: list) -> bool:
 
 def _analyze_with(program: dict, batch: int, not_batch: frozenset):
     try:
-        gm, record_of, factors, taken = loss_check.replay(
+        gm, record_of, factors, taken = loss_replay.replay(
             program["calls"], program["placeholders"], program["loss"], batch, not_batch)
         return loss_check.analyze(gm, program["placeholders"], record_of, factors), taken
     except loss_check.LossRefused as e:

@@ -1,5 +1,7 @@
 """A warm start without aot_autograd's joint trace: dpfx's graphs, code and verdicts in
-AOTAutogradCache's entries.
+AOTAutogradCache's entries, and the rebuild of a graph from its entry.
+
+Which entries run their code as it is, without the rebuild, is lower/trust.py's.
 
 # Note [A warm start without the joint trace]
 A user's second run of a script finds Inductor's code in its cache, but tracing the joint graph
@@ -20,15 +22,15 @@ backend/__init__.py), so dpfx takes part in it this way, on CPU:
   batch size]): the same dynamo code captured for B = 1 and for other sizes is two graphs.
 - On a hit, AOTAutogradCache rebuilds the runtime wrappers from its entry and calls each output
   code's ``post_compile`` with the call's inputs, the forward's first. There ``DPOutputCode``
-  runs the code it holds (Note [A trusted warm start], below) or, where that is not trusted,
-  loads its graph and runs dpfx's inner compiler on it, exactly as on a miss: batch analysis,
-  rewrite, proof, lowering (Inductor's FX-graph cache hits: the same rewritten graph) and the
-  self-check. Nothing the proof reads comes from the file but the graph itself: every node's fake
-  value is computed again from the call's inputs (the forward's) and from the rebuilt forward's
-  outputs (the backward's); the entry holds the graph's inputs' values only, which must agree
-  with those in shape and dtype. The backward's inputs keep the entry's traced layouts,
-  restrided where the compiled forward lays an output out otherwise (what aot_autograd does
-  before compiling a backward): its code asserts them.
+  runs the code it holds (Note [A trusted warm start] in lower/trust.py) or, where that is not
+  trusted, loads its graph and runs dpfx's inner compiler on it, exactly as on a miss: batch
+  analysis, rewrite, proof, lowering (Inductor's FX-graph cache hits: the same rewritten graph)
+  and the self-check. Nothing the proof reads comes from the file but the graph itself: every
+  node's fake value is computed again from the call's inputs (the forward's) and from the
+  rebuilt forward's outputs (the backward's); the entry holds the graph's inputs' values only,
+  which must agree with those in shape and dtype. The backward's inputs keep the entry's traced
+  layouts, restrided where the compiled forward lays an output out otherwise (what aot_autograd
+  does before compiling a backward): its code asserts them.
 - Every compile counts the graphs dpfx's inner compiler compiled (``compiled``) and
   AOTAutogradCache's hits: a hit after which dpfx compiled nothing (an entry whose code was not
   dpfx's) is refused by the backend.
@@ -36,41 +38,6 @@ backend/__init__.py), so dpfx takes part in it this way, on CPU:
   AOTAutogradCache fall back to the full compile, which then runs dpfx's passes on a fresh trace.
   A graph ``GraphPickler`` cannot write (its metadata names a class defined inside a function)
   is compiled as before, without an entry.
-
-# Note [A trusted warm start]
-By default a hit does not rebuild: it runs the code the entry holds, as Inductor runs the code it
-loads from the same directory (a writer of that directory can already run code as the user).
-What dpfx decided about the graphs is as trustworthy as the code it lowered them to, so an entry
-holds, beside the captured graph, the verdicts and what they cover:
-
-- the rewritten graph's lowered code (Inductor's ``CompiledFxGraph``, serialized as Inductor's
-  own cache serializes it), proven before it was lowered (a proof that refuses raises, and a
-  compile that raises saves no entry);
-- a plan: what the backend's runner needs (the backward's gradient outputs by parameter, the
-  batch-free tangents that must be zero, whether the graph reads C_t) and the stage texts that
-  ``DPFX_DUMP_DIR`` and ``dpfx.explain`` read;
-- the pair's verdict name (``selfcheck.pair_verdict``: both graphs' FX-graph keys and code
-  hashes, and what decides the check's runs). The self-check does not run at compile time, so
-  the verdict lives beside the entry: a check that passes leaves a marker by that name
-  (``dpfx_verdicts/`` in Inductor's cache directory). Without it the entry is rebuilt, proven
-  and checked, and the pass leaves it.
-- a sha256 over the plan, the code and the captured graph: an entry that does not match it (a
-  torn write, a flipped byte) is a miss (``FXGraphCacheMiss``), so the compile runs dpfx's
-  passes on a fresh trace and writes the entry again.
-
-The key covers everything the verdicts depend on: the captured graph, torch's version and
-Inductor's settings (AOTAutogradCache's own key), dpfx's source digest, the batch-size
-decisions, every setting of ``DPConfig`` and the role of each graph input (a parameter by name,
-a batch input, a constant, a captured loss's target), through the custom pass's uuid
-(``lowering._CacheKey``). A changed bound, noise multiplier, strategy, noise placement or loss
-reduction misses.
-
-The forward and its backward are trusted together: the backward of a rebuilt forward is rebuilt;
-a trusted forward whose backward cannot be is a miss of the pair. Not trusted, and so rebuilt
-as above: a graph holding a block's kernels or a norm sink (state of the process that compiled
-it), graphs whose self-check depends on non-batch sizes read at run time, ``self_check="always"``,
-``dpfx.validate``, and every compile under ``DPFX_REPROVE=1`` (for auditors; the test suite sets
-it, and tests/lower/test_warm_start.py runs both paths).
 
 The rebuild costs loading the graphs, propagating fake values through them and the cache's key,
 about half of the joint trace it replaces (BENCHMARKS.md, "Warm start").
@@ -80,8 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import os
 import threading
 from typing import Any, Callable
 
@@ -89,8 +54,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.output_code import OutputCode
 
-from dpfx.config import DPConfig
-from dpfx.lower.selfcheck import pair_verdict, verdict_path
+from dpfx.lower import trust
 
 # compile_fx_inner's arguments kept with a graph: what the inner compiler reads and what enters
 # Inductor's FX-graph cache key (``boxed_forward_device_index`` and ``cudagraphs`` are made anew)
@@ -104,8 +68,6 @@ class _State(threading.local):
     forward_outputs: list | None = None   # the rebuilt forward's output values
     forward_strides: list | None = None   # the strides its compiled code gives them
     serial: int = 0                    # compiles so far: a rebuilt pair's own graph id
-    trusted: int = 0                   # entries run as they are (Note [A trusted warm start])
-    trusted_forward: Any = None        # the plan of the forward just loaded as it is
     device_index: Any = None
 
 
@@ -128,7 +90,7 @@ class compiling:
         state.backend, state.compiled, state.forward_outputs, state.device_index, \
             state.forward_strides = self.backend, 0, None, None, None
         state.serial += 1
-        state.trusted_forward = None
+        trust.state.trusted_forward = None
         return self
 
     def __exit__(self, *exc):
@@ -202,20 +164,14 @@ class DPOutputCode(OutputCode):
 
     def __init__(self, runner: Callable, graph: bytes | None, kwargs: dict):
         self._runner = runner
-        self._graph = graph
+        self.graph = graph
         self._kwargs = {k: v for k, v in kwargs.items() if k in _KEPT}
         self._boxed_call = True
-        self.lowered = None     # Note [A trusted warm start]: the rewritten graph's code
+        # Note [A trusted warm start] in lower/trust.py: the rewritten graph's code, what runs
+        # it, and their digest once written
+        self.lowered = None
         self.plan: dict | None = None
-        self._digest: str | None = None
-
-    def trust(self, lowered, plan: dict) -> None:
-        """Keep the rewritten graph's lowered code and what runs it (Note [A trusted warm
-        start])."""
-        from torch._inductor.output_code import CompiledFxGraph
-
-        if isinstance(lowered, CompiledFxGraph):
-            self.lowered, self.plan = lowered, plan
+        self.digest: str | None = None
 
     def __call__(self, inputs):
         return self._runner(inputs)
@@ -223,7 +179,7 @@ class DPOutputCode(OutputCode):
     def prepare_for_serialization(self) -> None:
         from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 
-        if self._graph is None:
+        if self.graph is None:
             raise BypassAOTAutogradCache("dpfx: the graph could not be serialized")
         self._runner = None
         if self.lowered is not None and self.plan is not None and \
@@ -231,7 +187,7 @@ class DPOutputCode(OutputCode):
             lowered = copy.copy(self.lowered)
             lowered.prepare_for_serialization()
             self.lowered = lowered
-            self._digest = _digest(self.plan, lowered, self._graph)
+            self.digest = trust.digest(self.plan, lowered, self.graph)
         else:
             self.lowered = self.plan = None
 
@@ -254,9 +210,12 @@ class DPOutputCode(OutputCode):
         kwargs = {**self._kwargs, "boxed_forward_device_index": state.device_index,
                   "cudagraphs": BoxedBool(False),
                   "graph_id": ("cached", state.serial, self._kwargs.get("graph_id"))}
-        if self._load_trusted(backend, example_inputs, constants, kwargs):
+        runner = trust.load(self, backend, example_inputs, constants, kwargs)
+        if runner is not None:
+            self._runner = runner
+            state.compiled += 1
             return
-        gm, inputs = _rebuild(self._graph, self._kwargs, example_inputs)
+        gm, inputs = _rebuild(self.graph, self._kwargs, example_inputs)
         if kwargs.get("is_backward"):
             self._runner = backend.compile_graph(gm, inputs, kwargs)
             return
@@ -266,177 +225,21 @@ class DPOutputCode(OutputCode):
             self._runner = backend.compile_graph(gm, inputs, kwargs)
         state.forward_strides = list(strides) if strides is not None else None
 
-    def _load_trusted(self, backend, example_inputs, constants, kwargs) -> bool:
-        """Run the entry's lowered code without the passes, where it may be (Note [A trusted
-        warm start]); False: rebuild and prove the graph again."""
-        from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss
-        from torch._inductor.codecache import FxGraphCache
 
-        backward = bool(kwargs.get("is_backward"))
-        if backward and state.trusted_forward is None:
-            return False        # the forward was rebuilt: its backward is too
-        trusted = self.plan is not None and self.lowered is not None and \
-            os.environ.get("DPFX_REPROVE") != "1" and \
-            trusts(self.plan, backend.config, validating=backend.problems is not None)
-        if not trusted:
-            if backward:        # a trusted forward's backward that cannot be: compile both
-                raise FXGraphCacheMiss("dpfx: a trusted forward's backward is not trusted")
-            state.trusted_forward = None
-            return False
-        if self._digest != _digest(self.plan, self.lowered, self._graph):
-            _forget(self._digest)
-            raise FXGraphCacheMiss("dpfx: a cache entry does not match its digest; rebuilt")
-        from dpfx.lower.cpu_builds import merged_cpu_builds
-
-        # the module's kernels load as the lowering built them: merged units (Note [A graph's
-        # C++ builds run while the next graph lowers]), found in the cache by their key; with
-        # Inductor's own AsyncCompile each kernel was compiled again on its own
-        with merged_cpu_builds():
-            lowered, _ = FxGraphCache.cache_hit_post_compile(copy.copy(self.lowered), {},
-                                                             constants)
-        if lowered is None:
-            raise FXGraphCacheMiss("dpfx: a cache entry's code no longer loads; rebuilt")
-        lowered.post_compile(example_inputs, constants, {"is_backward": backward, **kwargs})
-        self._runner = backend.load_trusted(self.plan, lowered, kwargs)
-        state.compiled += 1
-        state.trusted += 1
-        state.trusted_forward = None if backward else self.plan
-        return True
-
-
-# -- what may be trusted, and what an entry holds to be (Note [A trusted warm start]) ---------
-
-def may_trust(config: DPConfig, validating: bool) -> bool:
-    """The precondition shared by writing an entry's code for a trusted start and by running
-    it: the Inductor backend, no ``dpfx.validate`` (``validating``), no norm sink
-    (``track_norms``) and no check at every new size (``self_check="always"``)."""
-    return config.backend == "inductor" and not validating and not config.track_norms \
-        and config.self_check != "always"
-
-
-def trustable(gm: fx.GraphModule, batch_symbols, config: DPConfig, validating: bool) -> bool:
-    """Whether a cache entry of this forward (and its backward) may run without the passes
-    in a later process: the code holds nothing of this process (a block's kernels) and the
-    self-check's verdict does not depend on sizes read at run time (``batch_symbols``: the
-    forward's batch symbols, the only ones its inputs' sizes may hold)."""
-    if not may_trust(config, validating):
-        return False
-    if any(str(n.target).startswith("dpfx.block_") for n in gm.graph.nodes
-           if n.op == "call_function"):
-        return False
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("val")
-        sizes = value.shape if isinstance(value, torch.Tensor) else \
-            [value] if isinstance(value, torch.SymInt) else []
-        for size in sizes:
-            if isinstance(size, torch.SymInt) and \
-                    not size.node.expr.free_symbols <= set(batch_symbols):
-                return False
-    return True
-
-
-def trusts(plan: dict, config: DPConfig, validating: bool) -> bool:
-    """Whether this compile runs a cache entry's code as it is: its self-check passed before
-    (its pair's verdict is on disk) or is off, and nothing here asks for the passes to run."""
-    if not may_trust(config, validating):
-        return False
-    if config.self_check is False:
-        return True
-    pair = plan.get("pair")
-    return pair is not None and os.path.exists(verdict_path(pair))
-
-
-class Trust:
-    """One backend's side of a trusted warm start: the lowered code and the plan of each graph
-    it compiles that an entry may run as it is, a forward's paired with its backward's. A plan
-    holds what the backend's runner needs (the backward's gradient outputs by parameter, the
-    batch-free tangents that must be zero, whether the graph reads C_t or a padded batch's
-    count), the stage texts the compile recorded and the pair's verdict name."""
-
-    def __init__(self):
-        self._made: tuple | None = None     # (lowered code, plan) of the graph being compiled
-        self._codes: dict = {}      # graph id -> the forward's output code, until its backward
-        self._forwards: dict = {}   # graph id -> a trustable forward's lowered code
-
-    def output_code(self, gm: fx.GraphModule, kwargs: dict, stages,
-                    compile: Callable[[], Callable]) -> DPOutputCode:
-        """``compile()``'s runner for AOTAutogradCache: with the graph as aot_autograd handed
-        it over (taken before ``compile`` rewrites it) and, where the compile made it
-        trustable, its lowered code and plan. ``stages``: the backend's ``Stages``."""
-        graph = snapshot(gm)     # before dpfx's passes rewrite it
-        before = dict(stages.graphs)
-        self._made = None
-        code = DPOutputCode(compile(), graph, kwargs)
-        if self._made is not None:
-            lowered, plan = self._made
-            plan["stages"] = {k: v for k, v in stages.graphs.items() if before.get(k) != v}
-            code.trust(lowered, plan)
-            if kwargs.get("is_backward"):
-                forward = self._codes.pop(kwargs.get("graph_id"), None)
-                if forward is not None and forward.plan is not None:
-                    forward.plan["pair"] = plan["pair"]
-            else:
-                self._codes[kwargs.get("graph_id")] = code
-        return code
-
-    def forward(self, graph_id, lowered) -> None:
-        """A trustable forward was lowered to ``lowered``."""
-        self._made = (lowered, {"kind": "forward"})
-        self._forwards[graph_id] = lowered
-
-    def backward(self, graph_id, lowered, check, runner: dict | None) -> None:
-        """A backward was lowered to ``lowered``; ``runner``: what its runner needs (None: it
-        cannot be trusted). Trusted with its forward where both graphs' code is identified
-        (``selfcheck.pair_verdict``); the pair's ``check`` then leaves its verdict by that
-        name."""
-        forward = self._forwards.pop(graph_id, None)
-        if forward is None or runner is None:
-            return
-        plan = {"kind": "backward", **runner}
-        plan["pair"] = pair_verdict(forward, lowered, check)
-        if plan["pair"] is not None:
-            self._made = (lowered, plan)
-            if check is not None:
-                check.verdict = plan["pair"]
-
-
-@dataclasses.dataclass(frozen=True)
-class TrustedGrad:
-    """A parameter's gradient output in a graph loaded from a trusted cache entry."""
-    name: str
-    output_index: int
-
-
-def _forget(digest: str | None) -> None:
-    """Remove the AOTAutogradCache entries that hold ``digest`` (an entry that failed it): the
-    compile that follows writes the entry again, and a lookup must not find the corrupted one
-    first."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    if not digest:
-        return
-    mark = digest.encode()
-    for root, _, files in os.walk(os.path.join(cache_dir(), "aotautograd")):
-        for name in files:
-            path = os.path.join(root, name)
-            try:
-                with open(path, "rb") as f:
-                    if mark in f.read():
-                        os.remove(path)
-            except OSError:
-                pass
-
-
-def _digest(plan: dict, lowered, graph: bytes) -> str:
-    """What an entry's trusted path runs, hashed: the plan, the code and the captured graph."""
-    import hashlib
-    import pickle
-
-    digest = hashlib.sha256(pickle.dumps(plan))
-    digest.update(str(lowered.source_code).encode())
-    digest.update(str(lowered.cache_key).encode())
-    digest.update(graph)
-    return digest.hexdigest()
+def output_code(trusted: trust.Trust, gm: fx.GraphModule, kwargs: dict, stages,
+                compile: Callable[[], Callable]) -> DPOutputCode:
+    """``compile()``'s runner for AOTAutogradCache: with the graph as aot_autograd handed it
+    over (taken before ``compile`` rewrites it) and, where the compile made it trustable
+    (``trusted``, the backend's ``Trust``), its lowered code and plan. ``stages``: the backend's
+    ``Stages``."""
+    graph = snapshot(gm)     # before dpfx's passes rewrite it
+    before = dict(stages.graphs)
+    trusted.begin()
+    code = DPOutputCode(compile(), graph, kwargs)
+    made = trusted.made(kwargs, {k: v for k, v in stages.graphs.items() if before.get(k) != v})
+    if made is not None:
+        code.lowered, code.plan = made
+    return code
 
 
 def _rebuild(graph: bytes, kwargs: dict, example_inputs) -> tuple[fx.GraphModule, list]:

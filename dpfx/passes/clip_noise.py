@@ -77,12 +77,12 @@ REAL_EXAMPLES = "real_examples"
 
 
 # Note [Padded rows contribute zero]
-# With ``batch_buckets`` (config.py) dpfx pads every batch of B examples up to the smallest
-# bucket P >= B, so that the compiled graphs (and, on a GPU, the CUDA graphs replaying them) see
-# a few shapes rather than one per Poisson batch size. Rows B..P-1 are copies of row 0 (api.py:
-# a copy keeps the forward's values in the range real rows have: valid token ids, an attention
-# mask with a row to attend to), but nothing rests on those values. The backward reads B as
-# its input ``real_examples`` (a 0-d float32 the backend appends) and builds
+# With ``batch_buckets`` (config.py) dpfx pads every batch of B examples up to the smallest bucket
+# P >= B, so that the compiled graphs (and, on a GPU, the CUDA graphs replaying them) see a few
+# shapes rather than one per Poisson batch size. Rows B..P-1 are copies of row 0 (compiled_call.py:
+# a copy keeps the forward's values in the range real rows have: valid token ids, an attention mask
+# with a row to attend to), but nothing rests on those values. The backward reads B as its input
+# ``real_examples`` (a 0-d float32 the backend appends) and builds
 #     real_rows = arange(P) < real_examples                                  # bool[P]
 #     keep      = isfinite(norm) & real_rows                                 # "finite_examples"
 # so a padded row is handled as an example with a non-finite norm is (Note [Non-finite

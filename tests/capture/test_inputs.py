@@ -253,7 +253,7 @@ def test_logging_inside_the_forward_across_captures(monkeypatch):
 def test_gradient_from_outside_the_graph_refused():
     """A trainable parameter the compiled forward does not read but the loss does: its gradient
     would be plain. Refused when autograd computes it (Note [Every gradient a parameter receives
-    is dpfx's] in api.py); an unused parameter trips nothing."""
+    is dpfx's] in grad_guards.py); an unused parameter trips nothing."""
     class WithSpare(nn.Module):
         def __init__(self):
             super().__init__()
@@ -314,9 +314,9 @@ def _token_loss(out, y):
 
 
 def test_strided_input_after_a_contiguous_one():
-    """Note [Inputs enter row-major] in dpfx/api.py: a graph captured on a contiguous batch
-    serves ``ids[:, :-1]`` and an ``unfold`` window (overlapping rows) through Inductor, in
-    training (exact against the batch-of-one loop) and under no_grad."""
+    """Note [Inputs enter row-major] in dpfx/compiled_call.py: a graph captured on a
+    contiguous batch serves ``ids[:, :-1]`` and an ``unfold`` window (overlapping rows) through
+    Inductor, in training (exact against the batch-of-one loop) and under no_grad."""
     torch.manual_seed(0)
     model = TokenModel()
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import dpfx
-from dpfx.loss import check as loss_check, trace as loss_trace, verdicts as loss_verdicts
+from dpfx.loss import check as loss_check, replay as loss_replay, trace as loss_trace
+from dpfx.loss import verdicts as loss_verdicts
 from support.reference import assert_close, dp_sgd_grads, per_example_grads
 from support.sweep import examples, with_reductions
 
@@ -281,8 +282,8 @@ def test_steady_state_does_no_tracing(monkeypatch):
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     F.cross_entropy(dp(x), y).backward()
     calls = []
-    real = loss_check.replay
-    monkeypatch.setattr(loss_check, "replay", lambda *a: calls.append(1) or real(*a))
+    real = loss_replay.replay
+    monkeypatch.setattr(loss_replay, "replay", lambda *a: calls.append(1) or real(*a))
     for batch in (5, 3, 1, 4):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(dp(x[:batch]), y[:batch]).backward()

@@ -1,4 +1,5 @@
-"""Note [A warm start without the joint trace] and Note [A trusted warm start] (dpfx/lower/warm.py):
+"""Note [A warm start without the joint trace] (dpfx/lower/warm.py) and Note [A trusted warm start]
+(dpfx/lower/trust.py):
 a second compile of the same model finds dpfx's graphs in AOTAutogradCache and skips aot_autograd's
 trace. By default it runs the entry's code as it is, without the passes, the proof or the lowering,
 where the entry's digest holds and its self-check passed; under ``DPFX_REPROVE=1`` it runs dpfx's
@@ -16,6 +17,7 @@ from torch._dynamo.utils import counters
 import dpfx
 import dpfx.backend
 import dpfx.lower.inductor
+import dpfx.lower.trust
 import dpfx.lower.warm
 from support.models import MLP, mse
 from support.reference import assert_close, dp_sgd_grads, run_dpfx
@@ -43,7 +45,7 @@ def _exact(dp, model, batch, max_grad_norm=0.5, loss=mse):
 
 
 def _trusted():
-    return dpfx.lower.warm.state.trusted
+    return dpfx.lower.trust.state.trusted
 
 
 def _no_passes(monkeypatch):

@@ -1,4 +1,4 @@
-"""Note [A trusted warm start] (dpfx/lower/warm.py) on its own, without a compile: which graphs
+"""Note [A trusted warm start] (dpfx/lower/trust.py) on its own, without a compile: which graphs
 may be written for a trusted start and which entries are run as they are, by one precondition;
 a trusted hit runs the entry's code without dpfx's inner compiler; an entry that fails its
 digest, or whose pair is not trusted, is a miss, and the corrupted entry is forgotten.
@@ -15,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx.ops.blocks  # noqa: F401  (registers dpfx::block_fwd)
 from dpfx.config import DPConfig
-from dpfx.lower import warm
+from dpfx.lower import trust, warm
 from dpfx.lower.selfcheck import verdict_path
 
 
@@ -58,22 +58,22 @@ REFUSED = [({"backend": "eager"}, False), ({"track_norms": True}, False),
 def test_one_precondition_refuses_both_writing_and_running(cache, settings, validating):
     config = _config(**settings)
     _verdict("pair")
-    assert not warm.may_trust(config, validating)
-    assert not warm.trustable(_graph(), set(), config, validating)
-    assert not warm.trusts({"kind": "backward", "pair": "pair"}, config, validating)
+    assert not trust.may_trust(config, validating)
+    assert not trust.trustable(_graph(), set(), config, validating)
+    assert not trust.trusts({"kind": "backward", "pair": "pair"}, config, validating)
 
 
 def test_the_defaults_write_and_run_a_checked_pair(cache):
     config = _config()
-    assert warm.may_trust(config, False)
-    assert warm.trustable(_graph(), set(), config, False)
+    assert trust.may_trust(config, False)
+    assert trust.trustable(_graph(), set(), config, False)
     plan = {"kind": "backward", "pair": "pair"}
-    assert not warm.trusts(plan, config, False)          # no passed self-check yet
+    assert not trust.trusts(plan, config, False)          # no passed self-check yet
     _verdict("pair")
-    assert warm.trusts(plan, config, False)
-    assert not warm.trusts({"kind": "backward", "pair": None}, config, False)
+    assert trust.trusts(plan, config, False)
+    assert not trust.trusts({"kind": "backward", "pair": None}, config, False)
     # with the self-check off, no verdict is asked for
-    assert warm.trusts({"kind": "backward", "pair": None}, _config(self_check=False), False)
+    assert trust.trusts({"kind": "backward", "pair": None}, _config(self_check=False), False)
 
 
 def test_a_graph_of_this_process_or_of_other_sizes_is_not_written(cache):
@@ -82,9 +82,9 @@ def test_a_graph_of_this_process_or_of_other_sizes_is_not_written(cache):
     config = _config()
     shapes = ShapeEnv()
     batch, other = shapes.create_unbacked_symint(), shapes.create_unbacked_symint()
-    assert warm.trustable(_graph(batch), {batch.node.expr}, config, False)
-    assert not warm.trustable(_graph(other), {batch.node.expr}, config, False)
-    assert not warm.trustable(_graph(block_op=True), set(), config, False)
+    assert trust.trustable(_graph(batch), {batch.node.expr}, config, False)
+    assert not trust.trustable(_graph(other), {batch.node.expr}, config, False)
+    assert not trust.trustable(_graph(block_op=True), set(), config, False)
 
 
 class _Backend:
@@ -116,7 +116,7 @@ def _entry(kind="forward", graph=b"the captured graph") -> warm.DPOutputCode:
     code, its plan and the digest written with them."""
     code = warm.DPOutputCode(None, graph, {"is_backward": kind == "backward", "graph_id": 0})
     code.lowered, code.plan = _Lowered(), {"kind": kind, "pair": "pair"}
-    code._digest = warm._digest(code.plan, code.lowered, graph)
+    code.digest = trust.digest(code.plan, code.lowered, graph)
     return code
 
 
@@ -125,13 +125,13 @@ def test_a_trusted_hit_runs_the_entry_without_the_passes(cache, monkeypatch):
     monkeypatch.setattr(FxGraphCache, "cache_hit_post_compile",
                         staticmethod(lambda lowered, *args: (lowered, None)))
     backend = _Backend(_config())
-    trusted = warm.state.trusted
+    trusted = trust.state.trusted
     with warm.compiling(backend):
         code = _entry()
         code.post_compile([torch.ones(2)], {}, {})
-        assert warm.state.trusted_forward is code.plan
+        assert trust.state.trusted_forward is code.plan
     assert backend.calls == [("load_trusted", "forward")]
-    assert code([1]) == ["trusted", 1] and warm.state.trusted == trusted + 1
+    assert code([1]) == ["trusted", 1] and trust.state.trusted == trusted + 1
 
 
 def test_an_entry_that_fails_its_digest_is_a_miss_and_forgotten(cache, monkeypatch):
@@ -143,12 +143,12 @@ def test_an_entry_that_fails_its_digest_is_a_miss_and_forgotten(cache, monkeypat
     code.lowered.source_code = "def call(args): return mixed(args)"     # a changed byte
     stored = cache / "aotautograd" / "entry"
     stored.parent.mkdir()
-    stored.write_bytes(b"..." + code._digest.encode() + b"...")
+    stored.write_bytes(b"..." + code.digest.encode() + b"...")
     backend = _Backend(_config())
-    trusted = warm.state.trusted
+    trusted = trust.state.trusted
     with warm.compiling(backend), pytest.raises(FXGraphCacheMiss, match="digest"):
         code.post_compile([torch.ones(2)], {}, {})
-    assert backend.calls == [] and loads == [] and warm.state.trusted == trusted
+    assert backend.calls == [] and loads == [] and trust.state.trusted == trusted
     assert not stored.exists()
 
 
@@ -158,15 +158,15 @@ def test_an_untrusted_pair_is_rebuilt_or_missed(cache, monkeypatch):
     misses, so that both are compiled again. DPFX_REPROVE=1 rebuilds every entry."""
     backend = _Backend(_config())
     with warm.compiling(backend):
-        assert not _entry()._load_trusted(backend, [], {}, {"is_backward": False})
-        assert not _entry("backward")._load_trusted(backend, [], {}, {"is_backward": True})
-        warm.state.trusted_forward = {"kind": "forward"}
+        assert not trust.load(_entry(), backend, [], {}, {"is_backward": False})
+        assert not trust.load(_entry("backward"), backend, [], {}, {"is_backward": True})
+        trust.state.trusted_forward = {"kind": "forward"}
         with pytest.raises(FXGraphCacheMiss, match="backward is not trusted"):
-            _entry("backward")._load_trusted(backend, [], {}, {"is_backward": True})
+            trust.load(_entry("backward"), backend, [], {}, {"is_backward": True})
         _verdict("pair")
         monkeypatch.setenv("DPFX_REPROVE", "1")
-        warm.state.trusted_forward = None
-        assert not _entry()._load_trusted(backend, [], {}, {"is_backward": False})
+        trust.state.trusted_forward = None
+        assert not trust.load(_entry(), backend, [], {}, {"is_backward": False})
     assert backend.calls == []
 
 
@@ -180,27 +180,27 @@ def test_the_trust_pairs_a_forward_with_its_backward():
         def __init__(self, key):
             self._fx_graph_cache_key, self.cache_key = key, key + "-code"
 
-    trust, stages = warm.Trust(), types.SimpleNamespace(graphs={})
+    trusted, stages = trust.Trust(), types.SimpleNamespace(graphs={})
     runner = {"positions": {"w": 0}, "zero_tangents": [], "adaptive": False, "padded": False}
 
     def forward():
         stages.graphs["forward"] = "text"
-        trust.forward(0, Code("fw"))
+        trusted.forward(0, Code("fw"))
         return lambda args: "run forward"
 
     def backward(plan):
         def compile():
-            trust.backward(0, Code("bw"), None, plan)
+            trusted.backward(0, Code("bw"), None, plan)
             return lambda args: "run backward"
         return compile
 
-    fw = trust.output_code(_graph(), {"graph_id": 0}, stages, forward)
-    bw = trust.output_code(_graph(), {"graph_id": 0, "is_backward": True}, stages,
-                           backward(runner))
+    fw = warm.output_code(trusted, _graph(), {"graph_id": 0}, stages, forward)
+    bw = warm.output_code(trusted, _graph(), {"graph_id": 0, "is_backward": True}, stages,
+                          backward(runner))
     assert fw.plan == {"kind": "forward", "stages": {"forward": "text"}, "pair": bw.plan["pair"]}
     assert bw.plan["pair"] and bw.plan["positions"] == {"w": 0} and fw([]) == "run forward"
-    fw = trust.output_code(_graph(), {"graph_id": 1}, stages,
-                           lambda: trust.forward(1, Code("fw")))
-    bw = trust.output_code(_graph(), {"graph_id": 1, "is_backward": True}, stages,
-                           lambda: trust.backward(1, Code("bw"), None, None))
+    fw = warm.output_code(trusted, _graph(), {"graph_id": 1}, stages,
+                          lambda: trusted.forward(1, Code("fw")))
+    bw = warm.output_code(trusted, _graph(), {"graph_id": 1, "is_backward": True}, stages,
+                          lambda: trusted.backward(1, Code("bw"), None, None))
     assert "pair" not in fw.plan and bw.plan is None

@@ -364,10 +364,10 @@ def test_channels_last_weight_is_refused_clearly():
 
 
 def test_channels_last_input_is_made_contiguous():
-    """Note [Inputs enter row-major] (dpfx/api.py): a channels-last input is copied row-major
-    before dpfx's graph (which needs no copy of its own), and trains exactly. Channels-last
-    strides made inside the model: Note [Channels-last strides made inside the model]
-    (dpfx/capture/traceable.py), tests/graph/test_merged_batch.py."""
+    """Note [Inputs enter row-major] (dpfx/compiled_call.py): a channels-last input is copied
+    row-major before dpfx's graph (which needs no copy of its own), and trains exactly.
+    Channels-last strides made inside the model: Note [Channels-last strides made inside the
+    model] (dpfx/capture/traceable.py), tests/graph/test_merged_batch.py."""
     torch._dynamo.reset()
     x, y = torch.randn(3, 2, 6, 6).contiguous(memory_format=torch.channels_last), labels(3)
     model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)

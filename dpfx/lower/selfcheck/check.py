@@ -49,7 +49,7 @@ class GraphCheck:
         self.decisions = decisions    # batch sizes this graph serves (capture/batch_branches.py)
         self.done = False
         # the pair's verdict name, whose marker a pass leaves for a trusted cache entry (Note
-        # [A trusted warm start] in lower/warm.py); None: the entry is not trusted
+        # [A trusted warm start] in lower/trust.py); None: the entry is not trusted
         self.verdict: str | None = None
         # what the backward releases (set by the backend): Note [The second size grows the
         # first]; None: both sizes are compared with the eager reference

@@ -78,7 +78,7 @@ def verdict_path(pair: str) -> str:
 
 def pair_verdict(forward, backward, check: "GraphCheck | None") -> str | None:
     """The name of a passed check of this forward and backward's code (Note [A trusted warm
-    start] in lower/warm.py): each graph's FX-graph cache key and its code's hash, and what
+    start] in lower/trust.py): each graph's FX-graph cache key and its code's hash, and what
     decides the check's runs; None where the code cannot be identified."""
     from torch._inductor.output_code import CompiledFxGraph
 
