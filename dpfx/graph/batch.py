@@ -31,6 +31,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from dpfx.graph.rng_wrappers import WrappedOp, rng_wrapped, saves_state
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -196,93 +198,6 @@ def _is_draw_op(target) -> bool:
         return True
     inductor_random = getattr(prims, "inductor_random", None)   # Inductor's replace_random
     return inductor_random is not None and target is inductor_random.default
-
-
-# Note [An op run under a saved RNG state]
-# Activation checkpointing recomputes a region's forward inside the backward, and a random op there
-# (a dropout draw; an attention kernel, which takes a dropout probability) must give the same
-# values twice. The partitioner wraps each: the forward runs ``run_and_save_rng_state(op, *args)``,
-# which returns (the generator's state read before the op, the op's outputs), and the backward
-# ``run_with_rng_state(state, op, *args)``, which returns the op's outputs. The wrappers carry no
-# fake value, so read off shapes alone a merged batch dim (a pair's two rows, ``per_user``'s k*U)
-# is Ambiguous, and the op inside would escape the forward check. Both are analysed and checked
-# as the op they run (``WrappedOp``: its target, its arguments without the state, its values read
-# from the wrapper's getitem or, in the backward, computed by the op's fake kernel): its layouts
-# are the op's own, and the forward check flags what it would flag in the op. The state is a
-# batch-free tensor that holds no example (``rng_state``). Any other higher-order op is left to
-# the shape, as before.
-# (tests/graph/test_rng_wrappers.py; tests/hf/test_trl_dpo.py trains DPO checkpointed)
-def _rng_wrappers() -> tuple:
-    from torch._prims import rng_prims
-
-    return rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state
-
-
-@dataclasses.dataclass(eq=False)
-class WrappedOp:
-    """The op a ``run_and_save_rng_state`` or ``run_with_rng_state`` node runs, seen as a node of
-    its own (Note [An op run under a saved RNG state]): what the analysis and the forward check
-    read of a node (target, args, kwargs, meta with the op's value, inputs), the wrapper's name."""
-    node: fx.Node
-    target: Any
-    args: tuple
-    kwargs: dict
-    meta: dict
-    op: str = "call_function"
-
-    @property
-    def name(self) -> str:
-        return self.node.name
-
-    @property
-    def all_input_nodes(self) -> list[fx.Node]:
-        found: dict[fx.Node, None] = {}
-        fx.node.map_arg((self.args, self.kwargs), lambda a: found.setdefault(a))
-        return list(found)
-
-
-def rng_wrapped(node: fx.Node) -> WrappedOp | None:
-    """The op ``node`` runs under a saved RNG state, or None for any other node."""
-    if node.op != "call_function":
-        return None
-    save, run_with = _rng_wrappers()
-    if node.target is save:
-        op, args = node.args[0], node.args[1:]
-        outs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
-        meta = {**node.meta, **(outs[0].meta if outs else {})}   # the op's own, copied there
-        if meta.get("val") is None:
-            meta["val"] = _fake_run(op, args, node.kwargs)
-    elif node.target is run_with:
-        op, args = node.args[1], node.args[2:]
-        meta = {**node.meta, "val": _fake_run(op, args, node.kwargs)}
-    else:
-        return None
-    return WrappedOp(node, op, tuple(args), dict(node.kwargs), meta)
-
-
-def rng_state(node: fx.Node) -> bool:
-    """The generator's state a ``run_and_save_rng_state`` node returns first: read before the
-    op runs, it holds no example (Note [An op run under a saved RNG state])."""
-    return node.target is operator.getitem and node.args[1] == 0 and \
-        isinstance(node.args[0], fx.Node) and node.args[0].target is _rng_wrappers()[0]
-
-
-def _fake_run(op, args, kwargs) -> Any:
-    """An ATen op's fake value on its inputs' fake values; None where it has none (the forward
-    check refuses such a wrapped op where it reads the batch)."""
-    from torch._guards import detect_fake_mode
-
-    if not isinstance(op, torch._ops.OpOverload):
-        return None
-    args, kwargs = fx.node.map_arg((args, kwargs), lambda a: a.meta.get("val"))
-    mode = detect_fake_mode((args, kwargs))
-    if mode is None:
-        return None
-    try:
-        with mode:
-            return op(*args, **kwargs)
-    except Exception:       # no value: refused where it reads the batch
-        return None
 
 
 # Note [Multi-output ops inherit per output]
@@ -485,7 +400,7 @@ class BatchAnalysis:
             self.draws.discard(wrapped)
             if isinstance(inner, BatchDim):
                 inner = dataclasses.replace(inner, drawn=True)
-        if node.target is _rng_wrappers()[0]:
+        if saves_state(node):
             self.values[node] = (None, val)
             return None, inner
         self.values[node] = val

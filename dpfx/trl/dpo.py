@@ -44,7 +44,7 @@ loss, they are not private. Also refused: the user level (``user_column``), ``us
 "reverse_kl", the loss types not in ``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss,
 activation offloading and Liger kernels. Activation checkpointing (DPOConfig's default) trains:
 the pair's merged rows are followed through the recomputed blocks (Note [An op run under a
-saved RNG state] in graph/batch.py). (tests/hf/test_trl_dpo.py)
+saved RNG state] in graph/rng_wrappers.py). (tests/hf/test_trl_dpo.py)
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from dpfx.errors import PrivacyError
-from dpfx.graph.batch import (Ambiguous, BatchAnalysis, BatchDim, declared_layouts, nonnegative,
-                              rng_state)
+from dpfx.graph.batch import Ambiguous, BatchAnalysis, BatchDim, declared_layouts, nonnegative
+from dpfx.graph.rng_wrappers import rng_state
 from dpfx.passes.indexing import index_problem
 
 aten = torch.ops.aten
@@ -99,7 +99,8 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("dpfx") in skip or node in an.draws:
             continue     # Note [A random draw holds no example] in graph/batch.py
-        # Note [An op run under a saved RNG state] in graph/batch.py: the op, not its wrapper
+        # the op, not its wrapper (Note [An op run under a saved RNG state] in
+        # graph/rng_wrappers.py)
         if (wrapped := an.wrapped.get(node)) is not None:
             if not isinstance(wrapped.target, torch._ops.OpOverload) or \
                     wrapped.meta.get("val") is None:
