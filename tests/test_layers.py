@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.abspath(dpfx.__file__))
 LAYERS = [
     # 0 base: errors, settings, FX tools, dpfx:: ops, accounting
     """errors config options
-       graph graph.batch graph.emit graph.printer graph.tags
+       graph graph.batch graph.emit graph.printer graph.rng_wrappers graph.tags
        ops ops.blocks ops.conv ops.loss ops.native ops.noise ops.norms
        privacy privacy.adaptive privacy.budget privacy.checkpoint privacy.durable privacy.ledger
        privacy.recursion privacy.strategies privacy.strategy_fit privacy.matrix_accounting

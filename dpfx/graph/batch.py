@@ -31,6 +31,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from dpfx.graph.rng_wrappers import WrappedOp, rng_wrapped, saves_state
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -248,9 +250,12 @@ class BatchAnalysis:
         self.layouts: dict[fx.Node, Any] = {}
         self.data_dependent: set[fx.Node] = set()
         self.draws: set[fx.Node] = set()    # Note [A random draw holds no example]
+        # Note [An op run under a saved RNG state]: each wrapper's op, and the wrappers' values
+        self.wrapped: dict[fx.Node, WrappedOp] = {}
+        self.values: dict[fx.Node, Any] = {}
         for node in graph.nodes:
             self.layouts[node] = self._transfer(node, seeds)
-            if node in data_sources or self._batched_val(node.meta.get("val")) or any(
+            if node in data_sources or self._batched_val(self.value(node)) or any(
                 a in self.data_dependent for a in node.all_input_nodes
             ):
                 self.data_dependent.add(node)
@@ -305,8 +310,14 @@ class BatchAnalysis:
             return any(self._batched_val(v) for v in val)
         return False
 
+    def value(self, node: fx.Node) -> Any:
+        """The node's fake value; a wrapper's is its op's (Note [An op run under a saved RNG
+        state])."""
+        return self.values[node] if node in self.values else node.meta.get("val")
+
     def is_batched(self, node: Any) -> bool:
-        return isinstance(node, fx.Node) and self._batched_val(node.meta.get("val"))
+        return isinstance(node, (fx.Node, WrappedOp)) and self._batched_val(
+            node.meta.get("val") if isinstance(node, WrappedOp) else self.value(node))
 
     def layout(self, node: fx.Node) -> Layout:
         return self.layouts.get(node)
@@ -324,7 +335,13 @@ class BatchAnalysis:
         return Ambiguous(f"dim {dims[0]} of size {size} mixes the batch with other dims")
 
     def _transfer(self, node: fx.Node, seeds: dict[str, Layout]) -> Any:
+        wrapped = rng_wrapped(node)
+        if wrapped is not None:
+            return self._through_rng_wrapper(node, wrapped, seeds)
         val = node.meta.get("val")
+        if node.target is operator.getitem and isinstance(val, (tuple, list)) and \
+                isinstance(self.layouts.get(node.args[0]), tuple):
+            return self.layouts[node.args[0]][node.args[1]]   # a wrapper's op's outputs
         if isinstance(val, (tuple, list)):
             if node.op == "placeholder":
                 return None
@@ -348,7 +365,10 @@ class BatchAnalysis:
         if node.target is operator.getitem:
             parent = self.layouts.get(node.args[0])
             if isinstance(parent, tuple) and isinstance(node.args[1], int):
-                return parent[node.args[1]]
+                lay = parent[node.args[1]]
+                if isinstance(lay, BatchDim) and lay.drawn:
+                    self.draws.add(node)      # a wrapped draw's output
+                return lay
             return self.from_shape(val)
         if node.target is aten.cat.default:
             return self._through_cat(node, val)
@@ -368,6 +388,25 @@ class BatchAnalysis:
             if broadcast is not None:
                 return broadcast
         return self._inherit(node, val)
+
+    def _through_rng_wrapper(self, node: fx.Node, wrapped: WrappedOp, seeds) -> Any:
+        """Note [An op run under a saved RNG state]: the op's layouts; before them the state's
+        (None) where the wrapper returns it."""
+        self.wrapped[node] = wrapped
+        val = wrapped.meta.get("val")
+        inner = self._transfer(wrapped, seeds) if val is not None else None
+        self.layouts[wrapped] = inner
+        if wrapped in self.draws:
+            self.draws.discard(wrapped)
+            if isinstance(inner, BatchDim):
+                inner = dataclasses.replace(inner, drawn=True)
+        if saves_state(node):
+            self.values[node] = (None, val)
+            return None, inner
+        self.values[node] = val
+        if isinstance(inner, BatchDim) and inner.drawn:
+            self.draws.add(node)
+        return inner
 
     # Note [A constant broadcast over k rows per example]
     # A batch-free tensor that holds no data expanded along a dim of size k*B (HF's multiple
@@ -397,7 +436,7 @@ class BatchAnalysis:
             return False
         ins = node.all_input_nodes
         if _is_draw_op(node.target):     # its sizes say only how many draws
-            ins = [a for a in ins if isinstance(a.meta.get("val"), torch.Tensor) and not (
+            ins = [a for a in ins if isinstance(self.value(a), torch.Tensor) and not (
                 node.target in _SHAPE_ONLY and a is node.args[0])]
         elif not (isinstance(node.target, torch._ops.OpOverload) and
                   torch.Tag.pointwise in node.target.tags and
@@ -435,9 +474,9 @@ class BatchAnalysis:
     def _move(self, node: fx.Node, src: fx.Node, bd: BatchDim, val: torch.Tensor) -> Any:
         """Layout through ops that move dims; NotImplemented for everything else."""
         t = node.target
-        rank_in = src.meta["val"].dim()
+        rank_in = self.value(src).dim()
         if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-            return self._through_view(self.shape(src.meta["val"]), bd, self.shape(val))
+            return self._through_view(self.shape(self.value(src)), bd, self.shape(val))
         if t is aten.permute.default:
             dims = [d % rank_in for d in node.args[1]]
             return bd.moved(dims.index(bd.dim))
@@ -453,7 +492,7 @@ class BatchAnalysis:
             return bd.moved(bd.dim + val.dim() - rank_in)
         if bd.index_of and (t in (aten.clone.default, aten.alias.default) or (
                 t is prims.convert_element_type.default and
-                {src.meta["val"].dtype, val.dtype} <= {torch.int64, torch.int32})):
+                {self.value(src).dtype, val.dtype} <= {torch.int64, torch.int32})):
             return bd      # the same values (Note [An arange over the rows])
         return NotImplemented
 
@@ -489,7 +528,7 @@ class BatchAnalysis:
         rank = val.dim()
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
         lays = [self.layouts.get(p) for p in parts]
-        if not all(isinstance(lay, BatchDim) and p.meta["val"].dim() == rank
+        if not all(isinstance(lay, BatchDim) and self.value(p).dim() == rank
                    for p, lay in zip(parts, lays)) or len({lay.dim for lay in lays}) != 1:
             return self._inherit(node, val)
         if lays[0].dim != dim:
@@ -626,8 +665,8 @@ class BatchAnalysis:
             if a in self.draws:
                 continue         # Note [A random draw holds no example]
             lay = self.layouts.get(a)
-            if isinstance(lay, BatchDim) and isinstance(a.meta.get("val"), torch.Tensor):
-                in_size = self.shape(a.meta["val"])[lay.dim]
+            if isinstance(lay, BatchDim) and isinstance(self.value(a), torch.Tensor):
+                in_size = self.shape(self.value(a))[lay.dim]
                 if sizes_equal(in_size, out_shape[d]):
                     candidates.add((lay.outer, lay.inner))
         if len(candidates) == 1:

@@ -78,7 +78,7 @@ from dpfx.errors import OptionValueError, PrivacyError
 from dpfx.loss.track import TrackedTensor, arranged_by_trainer, track_batch, untrack
 from dpfx.loop.data import agreed_pieces, split_batch
 from dpfx.loop.optim import DPOptimizer
-from dpfx.loop.users import per_user
+from dpfx.loop.users import PerUser, per_user
 
 
 class DPTrainer(Trainer):
@@ -184,8 +184,8 @@ class DPTrainer(Trainer):
             broadcast_from_rank0(model, args.device)
         if any(getattr(args, f) for f in checkpointing):
             # enabled on the user's model before compiling (dynamo captures the checkpointed
-            # forward; the wrapper has no such method), and turned off for Trainer
-            _enable_checkpointing(model, args)
+            # forward; the wrappers have no such method), and turned off for Trainer
+            _enable_checkpointing(model.module if isinstance(model, PerUser) else model, args)
         self._compile_settings = dict(max_grad_norm=max_grad_norm,
                                       expected_batch_size=expected_batch_size(n, self.sample_rate),
                                       noise="optimizer", clipping=clip, **(dp_kwargs or {}))

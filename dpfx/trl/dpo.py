@@ -39,12 +39,12 @@ one made from the released policy).
 Losses that read across the batch: ``aot`` and ``aot_unpaired`` sort the batch's log-ratios, so
 a pair's loss depends on the others'. TRL's logged metrics (rewards, margins, accuracies,
 log-probs) are averaged over the batch from detached values, outside the gradient; like the
-loss, they are not private. Also refused: activation checkpointing (DPOConfig's default: inside
-a checkpointed region dpfx's batch analysis does not follow the pair's merged rows, and refuses
-the graph), the user level (``user_column``), ``use_weighting`` (WPO's weights come from TRL's
-fused LM head), ``ld_alpha``, ``f_divergence_type`` other than "reverse_kl", the loss types not
-in ``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss, activation offloading and Liger
-kernels. (tests/hf/test_trl_dpo.py)
+loss, they are not private. Also refused: the user level (``user_column``), ``use_weighting``
+(WPO's weights come from TRL's fused LM head), ``ld_alpha``, ``f_divergence_type`` other than
+"reverse_kl", the loss types not in ``PAIR_LOSSES``, a Mixture-of-Experts load-balancing loss,
+activation offloading and Liger kernels. Activation checkpointing (DPOConfig's default) trains:
+the pair's merged rows are followed through the recomputed blocks (Note [An op run under a
+saved RNG state] in graph/rng_wrappers.py). (tests/hf/test_trl_dpo.py)
 """
 from __future__ import annotations
 
@@ -137,13 +137,6 @@ class DPDPOTrainer(PrivateTRL, trl.DPOTrainer, DPTrainerUnderTRL):
         if unknown:
             raise ValueError(f"DPDPOTrainer trains the loss types {sorted(PAIR_LOSSES)}; "
                              f"loss_type {unknown[0]!r} is not supported")
-        if getattr(args, "gradient_checkpointing", False) or \
-                getattr(args, "activation_checkpointing", False):
-            raise ValueError(
-                "DPDPOTrainer: activation checkpointing over a pair's two rows is not proven per "
-                "pair by dpfx's batch analysis yet (DPOConfig turns it on by default). Set "
-                "gradient_checkpointing=False in the DPOConfig (Note [What is refused in DPO] in "
-                "dpfx/trl/dpo.py)")
         refused = {
             "use_weighting": getattr(args, "use_weighting", False),
             "ld_alpha": getattr(args, "ld_alpha", None) is not None,

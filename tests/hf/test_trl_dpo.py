@@ -96,12 +96,26 @@ VARIANTS = {
     "ipo-lora": dict(loss_type="ipo"),
     # full fine-tuning against a frozen reference model given as ref_model
     "sigmoid-ref-model": dict(loss_type="sigmoid"),
+    # DPOConfig's default activation checkpointing: the checkpointed blocks' forward recomputed
+    # in the backward graph, its attention run under a saved RNG state
+    "sigmoid-precomputed-checkpointed": dict(loss_type="sigmoid", precompute_ref_log_probs=True,
+                                             gradient_checkpointing=True),
+    "ipo-lora-checkpointed": dict(loss_type="ipo", gradient_checkpointing=True),
 }
+
+
+def plain_copy(model):
+    """A copy of ``model`` that runs its blocks without activation checkpointing."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            module.gradient_checkpointing = False
+    return model
 
 
 def make_dpo(tmp_path, variant, model, **dp):
     extra = {}
-    if variant == "ipo-lora":
+    if variant.startswith("ipo-lora"):
         peft = pytest.importorskip("peft")
         extra["peft_config"] = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
                                                fan_in_fan_out=True, lora_dropout=0.0)
@@ -117,26 +131,29 @@ def make_dpo(tmp_path, variant, model, **dp):
 def reference_of(variant, policy):
     """The reference's log-prob of one sequence: a frozen copy of the initial policy, or the
     PEFT policy with its adapter disabled."""
-    if variant == "ipo-lora":
+    if variant.startswith("ipo-lora"):
         def logp(ids, completion):
             with policy.disable_adapter():
                 return sequence_logp(policy, ids, completion)
         return logp
-    frozen = copy.deepcopy(policy)
+    frozen = plain_copy(policy)
     return lambda ids, completion: sequence_logp(frozen, ids, completion)
 
 
 @pytest.mark.parametrize("variant", ["sigmoid-precomputed", "ipo-lora",
-                                     pytest.param("sigmoid-ref-model", marks=pytest.mark.slow)])
+                                     pytest.param("sigmoid-ref-model", marks=pytest.mark.slow),
+                                     "sigmoid-precomputed-checkpointed", "ipo-lora-checkpointed"])
 def test_dp_dpo_steps_are_the_clipped_pair_reference(tmp_path, variant):
     """sigma 0, SGD at lr 1: every optimizer step's parameter change is the DP-SGD gradient of
     the pairs the trainer sampled, each pair's gradient (chosen and rejected together) clipped as
-    one, over logical batches of 0, 1 and 3 pairs (physical batches of at most 2)."""
+    one, over logical batches of 0, 1 and 3 pairs (physical batches of at most 2). The
+    checkpointed variants train with DPOConfig's default activation checkpointing; the
+    reference runs a copy of the policy without it."""
     torch.manual_seed(0)
     model = gpt2()
     loss_type = VARIANTS[variant]["loss_type"]
     probe = make_dpo(tmp_path, variant, copy.deepcopy(model), max_grad_norm=1.0)
-    policy = copy.deepcopy(probe.model._orig_mod.module)
+    policy = plain_copy(probe.model._orig_mod.module)
     everything = probe.data_collator(list(probe.train_dataset))
     norms = sorted(_norm(g) for g in pair_grads(policy, reference_of(variant, policy),
                                                 everything, loss_type))
@@ -146,10 +163,12 @@ def test_dp_dpo_steps_are_the_clipped_pair_reference(tmp_path, variant):
     assert trainer.privacy_unit == "pair"
     users = trainer.model._orig_mod.module
     trainable = [n for n, p in users.named_parameters() if p.requires_grad]
-    if variant == "ipo-lora":
+    if variant.startswith("ipo-lora"):
         assert trainable and all("lora_" in n for n in trainable)
+    checkpointed = [m for m in users.modules() if getattr(m, "gradient_checkpointing", False)]
+    assert bool(checkpointed) == variant.endswith("checkpointed")
     params = [p for p in users.parameters() if p.requires_grad]
-    policy = copy.deepcopy(users)
+    policy = plain_copy(users)
     reference = reference_of(variant, policy)
     steps = Recording(params)
     trainer.add_callback(steps)
@@ -177,17 +196,21 @@ def test_dp_dpo_steps_are_the_clipped_pair_reference(tmp_path, variant):
     assert clipped > 0
 
 
-def test_a_canary_pair_moves_the_release_by_at_most_C(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_canary_pair_moves_the_release_by_at_most_C(tmp_path, checkpointing):
     """One step at sigma 0 through Inductor on pairs D and on D with a canary pair added (its
     chosen and rejected completions far from anything the model predicts): the clipped sums
-    differ by the canary pair's clipped gradient, of norm C, chosen and rejected together."""
+    differ by the canary pair's clipped gradient, of norm C, chosen and rejected together, and
+    the gradient the optimizer releases by C over the expected number of pairs; with and
+    without activation checkpointing."""
     from dpfx.loss.track import track_batch
 
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     bound = 0.01
     trainer = dpfx_trl.DPDPOTrainer(
-        model=gpt2(), args=dpo_args(tmp_path, per_device_train_batch_size=2, learning_rate=0.0),
+        model=gpt2(), args=dpo_args(tmp_path, per_device_train_batch_size=2, learning_rate=0.0,
+                                    gradient_checkpointing=checkpointing),
         train_dataset=pairs(), processing_class=tokenizer(), max_grad_norm=bound,
         noise_multiplier=0.0, peft_config=peft.LoraConfig(
             r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
@@ -198,16 +221,21 @@ def test_a_canary_pair_moves_the_release_by_at_most_C(tmp_path):
     rows = list(trainer.train_dataset)[:2]
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1      # set by train(); one step here
-    sums = []
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    sums, released = [], []
     for batch in (rows, rows + [canary]):
         trainer.model.reset_clipped_sums()
         trainer.training_step(trainer.model, track_batch(trainer.data_collator(batch)))
         sums.append({k: v.clone() for k, v in trainer.model.clipped_sums.items()})
         trainer.optimizer.step()        # the release (learning rate 0: the model stays)
+        released.append([p.grad.clone() for p in params])
         trainer.optimizer.zero_grad()
     assert trainer.model.releases == 3 and sums[0]      # backwards: 2, then 2 + 1
     moved = float(torch.sqrt(sum((sums[1][k] - sums[0][k]).pow(2).sum() for k in sums[0])))
     assert bound * 0.99 < moved <= bound * (1 + 1e-4)
+    per_pair = bound / trainer._compile_settings["expected_batch_size"]
+    update = float(torch.sqrt(sum((b - a).pow(2).sum() for a, b in zip(*released))))
+    assert per_pair * 0.99 < update <= per_pair * (1 + 1e-4)
 
 
 def test_dp_dpo_epsilon_is_per_pair(tmp_path):
@@ -242,7 +270,6 @@ def test_dp_dpo_epsilon_is_per_pair(tmp_path):
     (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
     (dict(loss_type="discopop"), "not supported"),
     ({"user_column": "prompt", "max_examples_per_user": 2}, "the preference pair is the unit"),
-    (dict(gradient_checkpointing=True), "gradient_checkpointing=False"),
 ])
 def test_dp_dpo_refuses_what_it_cannot_train_privately(tmp_path, option, match):
     """Losses that read across the batch's pairs, and what DP DPO does not compute, are refused

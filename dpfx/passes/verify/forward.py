@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from dpfx.errors import PrivacyError
 from dpfx.graph.batch import Ambiguous, BatchAnalysis, BatchDim, declared_layouts, nonnegative
+from dpfx.graph.rng_wrappers import rng_state
 from dpfx.passes.indexing import index_problem
 
 aten = torch.ops.aten
@@ -98,12 +99,23 @@ def mixing_ops(gm: fx.GraphModule, an: BatchAnalysis, skip: set[str]) -> list[tu
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("dpfx") in skip or node in an.draws:
             continue     # Note [A random draw holds no example] in graph/batch.py
+        # the op, not its wrapper (Note [An op run under a saved RNG state] in
+        # graph/rng_wrappers.py)
+        if (wrapped := an.wrapped.get(node)) is not None:
+            if not isinstance(wrapped.target, torch._ops.OpOverload) or \
+                    wrapped.meta.get("val") is None:
+                if any(an.is_batched(a) for a in wrapped.all_input_nodes):
+                    found.append((node, f"runs {wrapped.target} under a saved RNG state, and "
+                                        f"dpfx cannot read that op's outputs"))
+                continue
+            node = wrapped
         batched_in = [a for a in node.all_input_nodes if an.is_batched(a)]
         val = node.meta.get("val")
         if not batched_in or not isinstance(val, (torch.Tensor, tuple, list)):
             continue
         if not an.is_batched(node):
-            if not attention_side_output(node) and not _batch_free_block_output(node):
+            if not attention_side_output(node) and not _batch_free_block_output(node) and \
+                    not rng_state(node):
                 found.append((node, "reduces over the batch dim"))
             continue
         lay = an.layout(node)
@@ -204,6 +216,8 @@ def _last(k: int):
 # tests/lower/test_fused_attention.py runs HF GPT-2 through them on the CPU, tests/gpu/test_cuda.py on a GPU.)
 _ATTENTION = {op.default for op in (
     getattr(aten, name, None) for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_efficient_attention_backward",
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
