@@ -30,7 +30,8 @@ from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_w
                                  symbolic_batch_error)
 from dpfx.config import DPConfig, check_loss, warn_fixed_seed
 from dpfx import options
-from dpfx.errors import CaptureError, DPFXError, OptionError, PrivacyError
+from dpfx.errors import (CaptureError, DPFXError, OptionError, PrivacyError,
+                         UnsupportedOpError)
 from dpfx.loss.hf_labels import hf_labels_loss
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss import track as loss_track
@@ -353,7 +354,7 @@ class DPModule(torch.nn.Module):
                         self._orig_mod, pending, args, plain, self.dp_config,
                         places=lambda chosen: sharding.place_blocks(self._orig_mod, chosen),
                         owner=self._private_forward.token)
-            except CaptureError as refused:
+            except _BLOCKS_REFUSED as refused:
                 sharding.places.clear()
                 if not self._blocks_chosen:
                     raise
@@ -466,6 +467,8 @@ class _Entry:
 
 
 _MAX_ENTRIES = 8
+# what refuses a block as it is compiled (See Note [A sharded model gets blocks by default])
+_BLOCKS_REFUSED = (CaptureError, UnsupportedOpError)
 _NOTHING = contextlib.nullcontext()
 _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 
@@ -669,10 +672,12 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
 # only and its clipped sums reduce-scattered as soon as the clip factor is known, which holds
 # about one unit at a time, as plain FSDP does. The gradients are the same either way (both are
 # checked against the reference on the union of the ranks' batches). A unit that blocks cannot
-# take (a layer shared across depth, arguments whose structure follows the batch) falls back to
-# the one graph with a BlocksFallbackWarning naming what it costs; blocks=False asks for the one
-# graph, and an explicit blocks= that fails is an error, as everywhere.
-# (tests/loop/test_fsdp.py::test_a_sharded_model_compiles_its_units_as_blocks_by_default)
+# take (a layer shared across depth, arguments whose structure follows the batch, a block output
+# without the batch that receives a gradient: T5's position bias) falls back to the one graph
+# with a BlocksFallbackWarning naming what it costs; blocks=False asks for the one graph, and an
+# explicit blocks= that fails is an error, as everywhere.
+# (tests/loop/test_fsdp.py::test_a_sharded_model_compiles_its_units_as_blocks_by_default,
+# test_units_blocks_cannot_take_fall_back_to_one_graph_with_a_warning)
 
 
 # Note [The wrapped model's signature]
