@@ -457,7 +457,7 @@ def test_a_zoo_model_whose_blocks_are_refused_falls_back_to_one_graph(tmp_path):
     no block can clip. By default dpfx falls back to the one graph, warned with the fix, and the
     step is the batch-of-one reference's; blocks="auto" asked for is refused."""
     pytest.importorskip("transformers")
-    said = _spawn(tmp_path, 1, "zoo_fallback", "t5")[0]
+    said = _spawn(tmp_path, 1, "zoo_fallback", "t5", deadline=900)[0]
     assert said["asked"].startswith("UnsupportedOpError") \
         and "relative_attention_bias" in said["asked"], said["asked"]
     assert len(said["warned"]) == 1 and "blocks=False" in said["warned"][0], said["warned"]
