@@ -325,10 +325,12 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
 # only and its clipped sums reduce-scattered as soon as the clip factor is known, which holds
 # about one unit at a time, as plain FSDP does. The gradients are the same either way (both are
 # checked against the reference on the union of the ranks' batches). A unit that blocks cannot
-# take (a layer shared across depth, arguments whose structure follows the batch) falls back to
-# the one graph with a BlocksFallbackWarning naming what it costs; blocks=False asks for the one
-# graph, and an explicit blocks= that fails is an error, as everywhere.
-# (tests/loop/test_fsdp.py::test_a_sharded_model_compiles_its_units_as_blocks_by_default)
+# take (a layer shared across depth, arguments whose structure follows the batch, a block output
+# without the batch that receives a gradient: T5's position bias) falls back to the one graph
+# with a BlocksFallbackWarning naming what it costs; blocks=False asks for the one graph, and an
+# explicit blocks= that fails is an error, as everywhere.
+# (tests/loop/test_fsdp.py::test_a_sharded_model_compiles_its_units_as_blocks_by_default,
+# test_units_blocks_cannot_take_fall_back_to_one_graph_with_a_warning)
 
 
 # Note [The wrapped model's signature]

@@ -14,9 +14,12 @@ from __future__ import annotations
 import warnings
 
 from dpfx import blocks as blocks_mod
-from dpfx.errors import CaptureError
+from dpfx.errors import CaptureError, UnsupportedOpError
 from dpfx.loop.fsdp import BlocksFallbackWarning
 from dpfx.loss.captured import TARGETS
+
+# what refuses a block as it is compiled (See Note [A sharded model gets blocks by default])
+BLOCKS_REFUSED = (CaptureError, UnsupportedOpError)
 
 
 class PendingBlocks:
@@ -46,7 +49,7 @@ class PendingBlocks:
                         model, pending, args, plain, config,
                         places=lambda chosen: sharding.place_blocks(model, chosen),
                         owner=call.private_forward.token)
-            except CaptureError as refused:
+            except BLOCKS_REFUSED as refused:
                 sharding.places.clear()
                 if not self.chosen:
                     raise

@@ -293,9 +293,60 @@ def _fallback() -> dict:
     return said
 
 
+def _zoo_fallback(name: str) -> dict:
+    """A zoo model (tests/hf/test_hf_zoo.py) sharded per block of its _no_split_modules, whose
+    blocks dpfx refuses: blocks="auto" asked for is refused with the blocks' error; by default
+    one step falls back to the one graph with a BlocksFallbackWarning, and its gradient
+    (sigma 0, SGD with lr 0 so the step reads it) is the batch-of-one reference's."""
+    import copy
+    import warnings
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from hf.test_hf_zoo import ZOO, reference
+
+    case = ZOO[name]
+
+    def sharded():
+        torch.manual_seed(0)
+        model = case.build().train()
+        plain = copy.deepcopy(model)
+        for m in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+            fully_shard(m)
+        return fully_shard(model), plain
+
+    kw, y = case.inputs(3, torch.Generator().manual_seed(1))
+    said = {}
+    model, _ = sharded()
+    try:
+        dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, noise="optimizer",
+                     expected_batch_size=3, backend="eager", blocks="auto")(**kw, **case.static)
+    except dpfx.DPFXError as e:
+        said["asked"] = f"{type(e).__name__}: {e}"
+    else:
+        said["asked"] = "not refused"
+
+    model, plain = sharded()
+    want, said["norms"] = reference(plain, case, kw, y, 0.05)
+    dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, noise="optimizer",
+                      expected_batch_size=3, backend="eager")
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), dp)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        case.loss(dp(**kw, **case.static).logits, y).backward()
+        opt.step()
+    said["warned"] = [str(w.message) for w in seen
+                      if issubclass(w.category, dpfx.BlocksFallbackWarning)]
+    said["units"] = sum(isinstance(m, FSDPModule) for m in model.modules()) - 1
+    said["places"] = sorted(dp._sharding.places)
+    said["got"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    said["want"] = want
+    return said
+
+
 def _scenario(scenario: str, args: tuple):
     return {"train": _train, "gathers": _counting_gathers, "refusals": _refusals,
-            "fallback": _fallback}[scenario](*args)
+            "fallback": _fallback, "zoo_fallback": _zoo_fallback}[scenario](*args)
 
 
 def _spawn(tmp_path, world, scenario, *args, deadline=480):
@@ -398,6 +449,24 @@ def test_units_blocks_cannot_take_fall_back_to_one_graph_with_a_warning(tmp_path
         assert said["places"] == [], said
         assert 0 < said["step"] ** 0.5 <= 10 * C / 6 * (1 + 1e-5), said     # 10 examples, D = 6
         assert "blocks=False" in said["asked"], said
+
+
+def test_a_zoo_model_whose_blocks_are_refused_falls_back_to_one_graph(tmp_path):
+    """T5 sharded per block on one gloo rank: its first block hands the relative position bias
+    it computes to the next (a block output without the batch that receives a gradient), which
+    no block can clip. By default dpfx falls back to the one graph, warned with the fix, and the
+    step is the batch-of-one reference's; blocks="auto" asked for is refused."""
+    pytest.importorskip("transformers")
+    said = _spawn(tmp_path, 1, "zoo_fallback", "t5", deadline=900)[0]
+    assert said["asked"].startswith("UnsupportedOpError") \
+        and "relative_attention_bias" in said["asked"], said["asked"]
+    assert len(said["warned"]) == 1 and "blocks=False" in said["warned"][0], said["warned"]
+    assert "relative_attention_bias" in said["warned"][0], said["warned"]
+    assert said["units"] >= 2 and said["places"] == [], said["places"]
+    assert min(said["norms"]) > 0.05, said["norms"]     # clipping bites on every example
+    assert said["got"].keys() == said["want"].keys()
+    for n, want in said["want"].items():
+        torch.testing.assert_close(said["got"][n], want, rtol=2e-4, atol=1e-6, msg=n)
 
 
 def test_unsupported_sharding_is_refused_with_the_fix(tmp_path):
