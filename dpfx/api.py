@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dpfx.capture import batch_branches, traceable
+from dpfx.capture import batch_branches, swaps as capture_swaps
 from dpfx.loop import fsdp
 from dpfx.loop.fsdp import BlocksFallbackWarning
 from dpfx import blocks as blocks_mod
@@ -37,7 +37,7 @@ from dpfx.loss import track as loss_track
 from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
 from dpfx.capture.modules import check_modules, norm_layers
 from dpfx.loss.gate import ReleaseGate
-from dpfx.loop.release import BatchSizes, check_loop_inputs, warn_if_plain_trainer
+from dpfx.loop.checks import BatchSizes, check_loop_inputs, warn_if_plain_trainer
 
 
 class DPModule(torch.nn.Module):
@@ -73,7 +73,7 @@ class DPModule(torch.nn.Module):
         self._norm_layers = norm_layers(model)
         self._all_guarded = False
         self._compiles_seen = 0
-        # Note [Batch sizes far from expected_batch_size] in loop/release.py; with
+        # Note [Batch sizes far from expected_batch_size] in loop/checks.py; with
         # noise="optimizer" a release is a logical step, whose size DPOptimizer observes
         self._batch_sizes = BatchSizes(config.expected_batch_size) if (
             config.loss_reduction == "mean" and config.expected_batch_size is not None
@@ -273,8 +273,8 @@ class DPModule(torch.nn.Module):
             sharding.gather(blocks_empty=training and bool(self._blocks))
         try:
             stance = default_stance()
-            # Note [Only the swaps the guards read, between captures] in capture/traceable.py
-            with (entry.swaps if stance else traceable.ALL), self._private_forward, \
+            # Note [Only the swaps the guards read, between captures] in capture/swaps.py
+            with (entry.swaps if stance else capture_swaps.ALL), self._private_forward, \
                     (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if stance:
                     out = entry.compiled(*args, **kwargs)
@@ -306,7 +306,7 @@ class DPModule(torch.nn.Module):
             capture.call = None
             if capture.captures != entry.captures:      # dynamo captured in this call
                 entry.captures = capture.captures
-                entry.swaps = traceable.ALL             # until this call is seen to succeed
+                entry.swaps = capture_swaps.ALL             # until this call is seen to succeed
                 capturing = True
             for t, mark in zip(tensors, propagated):
                 if mark is None:
@@ -461,7 +461,7 @@ class _Entry:
     compiled: Any            # torch.compile of dpfx's own entry function
     capture: "CaptureSettings"   # dynamo's callback (capture/entry.py)
     fn: Any                  # the entry function (its code object is dynamo's cache key)
-    swaps: traceable.Swaps = traceable.ALL   # what a steady-state call swaps
+    swaps: capture_swaps.Swaps = capture_swaps.ALL   # what a steady-state call swaps
     captures: int = 0        # capture.captures when ``swaps`` was chosen
 
 
@@ -539,6 +539,7 @@ def _check_batch(tensors: list[torch.Tensor]) -> int:
     return batch
 
 
+@options.renamed_keywords
 def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
@@ -546,7 +547,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             track_norms: bool = False, self_check: bool | str = True,
             allow_input_grads: bool = False, loss=None,
             clipping: str | options.Clipping | None = None, clipping_gamma: float | None = None,
-            target_quantile: float | None = None, clip_lr: float | None = None,
+            target_unclipped_quantile: float | None = None, clip_lr: float | None = None,
             count_noise_multiplier: float | None = None, blocks=None,
             batch_buckets=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
@@ -568,9 +569,9 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     C / (||g|| + clipping_gamma) instead of clipped (Bu et al. 2022; with the number or the dict
     of bounds, per group), which bounds each example by C as well (Note [Clip functions] in
     config.py); or "adaptive" (Andrew et al. 2021): flat clipping to a bound C_t that starts
-    at ``max_grad_norm`` and follows the ``target_quantile`` of the per-sample norms, moved
-    after every step by C_t * exp(-clip_lr * (b_t - target_quantile)) with b_t the fraction of
-    unclipped examples, released with noise std ``count_noise_multiplier`` (sigma_b, required
+    at ``max_grad_norm`` and follows the ``target_unclipped_quantile`` of the per-sample
+    norms, moved after every step by C_t * exp(-clip_lr * (b_t - target_unclipped_quantile))
+    with b_t the fraction of unclipped examples, released with noise std ``count_noise_multiplier`` (sigma_b, required
     when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
     (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the step costs what sigma costs (Note [Adaptive
     clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t). ``clipping``
@@ -622,8 +623,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             and torch.distributed.get_world_size() > 1
         noise = "optimizer" if distributed or fsdp.units(model) else "graph"
     clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
-                                   target_quantile=target_quantile, clip_lr=clip_lr,
-                                   count_noise_multiplier=count_noise_multiplier)
+                                   target_unclipped_quantile=target_unclipped_quantile,
+                                   clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
                       allow_input_grads=allow_input_grads, clip=clip,
