@@ -269,7 +269,7 @@ def worker(args) -> None:
     # (Note [The LSTM's baseline] in models.py); torch.compile alone would run ATen's fused kernel
     unrolled = args.method == "compile" and models.BASELINE.get(args.model) == "compile_unrolled"
     if unrolled:
-        from dpfx.capture.traceable import traceable_torch
+        from dpfx.capture.swaps import traceable_torch
     def step(x, y):
         if args.method == "dpfx_loss":
             run.loss(x, y).backward()

@@ -96,7 +96,7 @@ def nonprivate_compile_unrolled(model: nn.Module, B: int) -> Method:
     """torch.compile with dpfx's capture-time rewrites in place (``traceable_torch``: nn.LSTM's
     recurrence written out one time step at a time), no DP: the graph dpfx makes private,
     compiled as it is (Note [The LSTM's baseline] in models.py)."""
-    from dpfx.capture.traceable import traceable_torch
+    from dpfx.capture.swaps import traceable_torch
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     compiles = _dynamo_compiles()

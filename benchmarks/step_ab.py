@@ -231,17 +231,17 @@ def shared_sums_inlined() -> ContextManager:
     2026-11-28): computed inside each (Note [A shared sum stored so that its inputs die]).
     Inductor's FX-graph cache is off for it: its key does not see the switch, so the other
     variant's code would come back from the cache."""
-    from dpfx.lower import fast as lower_fast
+    from dpfx.lower import codegen_patches as lower_codegen
 
     @contextlib.contextmanager
     def switch():
-        real = lower_fast.shared_sums_stored
-        lower_fast.shared_sums_stored = lambda: contextlib.nullcontext([])
+        real = lower_codegen.shared_sums_stored
+        lower_codegen.shared_sums_stored = lambda: contextlib.nullcontext([])
         try:
             with torch._inductor.config.patch(fx_graph_cache=False):
                 yield
         finally:
-            lower_fast.shared_sums_stored = real
+            lower_codegen.shared_sums_stored = real
     return switch()
 
 

@@ -300,7 +300,7 @@ def run(task: str, seed: int, *, clipping: str, c: float, args, users: int | Non
                       mechanism=mechanism)
     extra = {}
     if clipping == "adaptive":
-        extra = dict(target_quantile=0.5, clip_lr=0.2, count_noise_multiplier=batch / 20)
+        extra = dict(target_unclipped_quantile=0.5, clip_lr=0.2, count_noise_multiplier=batch / 20)
     elif clipping == "automatic":
         extra = dict(clipping_gamma=0.01)
     inner = _optimizer(method, model.parameters(), lr or TASKS[task]["lr"])

@@ -5,10 +5,12 @@
     loss = F.cross_entropy(dp_model(x), y)
     loss.backward()          # every trainable p.grad holds the DP-SGD gradient
 """
+import warnings
+
 from dpfx import audit, privacy
 from dpfx.loop import data
 from dpfx.privacy import ledger
-from dpfx.ops import norms as stats
+from dpfx.ops import norms
 from dpfx.api import DPModule, compile
 from dpfx.config import FixedSeedWarning
 from dpfx.engine import (PrivateTraining, load_checkpoint, make_private, make_private_with_epsilon,
@@ -25,7 +27,7 @@ from dpfx.loop.optim import DPOptimizer
 from dpfx.loop.adambc import DPAdamBC
 from dpfx.loop.fsdp import BlocksFallbackWarning
 from dpfx.loop.optim import NoNoiseWarning
-from dpfx.loop.release import BatchSizeWarning, public
+from dpfx.loop.checks import BatchSizeWarning, public
 from dpfx.loss.gate import MissingZeroGradWarning, PlainGradientWarning
 from dpfx.loop.users import per_user, user_loader
 from dpfx.passes import Problem
@@ -40,8 +42,18 @@ __all__ = [
     "per_user", "user_loader",
     "make_private", "make_private_with_epsilon",
     "PrivateTraining", "save_checkpoint", "load_checkpoint", "audit", "data", "ledger", "privacy",
-    "stats", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
+    "norms", "FixedSeedWarning", "LossScaleWarning", "ComboKernelsWarning", "track_batch",
     "public", "PlainGradientWarning", "MissingZeroGradWarning", "NoNoiseWarning",
     "BatchSizeWarning", "Mechanism", "BlocksFallbackWarning", "Clipping",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``dpfx.stats``, the old name of ``dpfx.norms``, for this release only."""
+    if name == "stats":
+        warnings.warn("dpfx.stats is renamed dpfx.norms (the per-sample gradient norms: "
+                      "NormStats, NonFiniteExampleWarning); the old name is accepted in this "
+                      "release only", DeprecationWarning, stacklevel=2)
+        return norms
+    raise AttributeError(f"module 'dpfx' has no attribute {name!r}")

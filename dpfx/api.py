@@ -31,7 +31,7 @@ from dpfx.loss.captured import captured
 from dpfx.loss import track as loss_track
 from dpfx.loss.track import untrack
 from dpfx.loss.gate import ReleaseGate
-from dpfx.loop.release import warn_if_plain_trainer
+from dpfx.loop.checks import warn_if_plain_trainer
 
 
 class DPModule(torch.nn.Module):
@@ -198,6 +198,7 @@ _PRIVATE_SETTINGS = {f.name for f in dataclasses.fields(DPConfig)} | set(options
     | {"dp_config"}
 
 
+@options.renamed_keywords
 def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             noise_multiplier: float, loss_reduction: str = "mean",
             expected_batch_size: int | None = None, seed: int | None = None,
@@ -205,7 +206,7 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             track_norms: bool = False, self_check: bool | str = True,
             allow_input_grads: bool = False, loss=None,
             clipping: str | options.Clipping | None = None, clipping_gamma: float | None = None,
-            target_quantile: float | None = None, clip_lr: float | None = None,
+            target_unclipped_quantile: float | None = None, clip_lr: float | None = None,
             count_noise_multiplier: float | None = None, blocks=None,
             batch_buckets=None) -> DPModule:
     """Compile ``model`` so that ``loss.backward()`` writes DP-SGD gradients into ``p.grad``.
@@ -227,10 +228,10 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     C / (||g|| + clipping_gamma) instead of clipped (Bu et al. 2022; with the number or the dict
     of bounds, per group), which bounds each example by C as well (Note [Clip functions] in
     config.py); or "adaptive" (Andrew et al. 2021): flat clipping to a bound C_t that starts
-    at ``max_grad_norm`` and follows the ``target_quantile`` of the per-sample norms, moved
-    after every step by C_t * exp(-clip_lr * (b_t - target_quantile)) with b_t the fraction of
-    unclipped examples, released with noise std ``count_noise_multiplier`` (sigma_b, required
-    when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
+    at ``max_grad_norm`` and follows the ``target_unclipped_quantile`` of the per-sample
+    norms, moved after every step by C_t * exp(-clip_lr * (b_t - target_unclipped_quantile))
+    with b_t the fraction of unclipped examples, released with noise std
+    ``count_noise_multiplier`` (sigma_b, required when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
     (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the step costs what sigma costs (Note [Adaptive
     clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t). ``clipping``
     may be a ``dpfx.Clipping`` that holds these options (then none of the loose keywords);
@@ -281,8 +282,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
             and torch.distributed.get_world_size() > 1
         noise = "optimizer" if distributed or fsdp.units(model) else "graph"
     clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
-                                   target_quantile=target_quantile, clip_lr=clip_lr,
-                                   count_noise_multiplier=count_noise_multiplier)
+                                   target_unclipped_quantile=target_unclipped_quantile,
+                                   clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     config = DPConfig(max_grad_norm, noise_multiplier, loss_reduction, expected_batch_size, seed,
                       backend, strategy, noise, track_norms, self_check,
                       allow_input_grads=allow_input_grads, clip=clip,

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpfx import blocks as blocks_mod
 from dpfx.block_install import PendingBlocks
-from dpfx.capture import batch_branches, traceable
+from dpfx.capture import batch_branches, swaps as capture_swaps
 from dpfx.capture.entry import (BatchMarked, CaptureSettings, DynamoSettings, compile_entry,
                                 default_stance, own_entry, steady_swaps)
 from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_while_capturing,
@@ -31,7 +31,7 @@ from dpfx.capture.errors import (graph_break_error, input_shape_error, refusal_w
 from dpfx.capture.modules import check_modules, norm_layers
 from dpfx.errors import CaptureError, DPFXError
 from dpfx.grad_guards import GradientGuards
-from dpfx.loop.release import BatchSizes, check_loop_inputs
+from dpfx.loop.checks import BatchSizes, check_loop_inputs
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss.trace import WRITTEN
 from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
@@ -64,7 +64,7 @@ class CompiledCall:
         self.param_ids = {id(p) for p in self.params}
         self.norm_layers = norm_layers(model)
         self.compiles_seen = 0
-        # Note [Batch sizes far from expected_batch_size] in loop/release.py; with
+        # Note [Batch sizes far from expected_batch_size] in loop/checks.py; with
         # noise="optimizer" a release is a logical step, whose size DPOptimizer observes
         config = backend.config
         self.batch_sizes = BatchSizes(config.expected_batch_size) if (
@@ -145,8 +145,8 @@ class CompiledCall:
             sharding.gather(blocks_empty=training and bool(self.blocks.installed))
         try:
             stance = default_stance()
-            # Note [Only the swaps the guards read, between captures] in capture/traceable.py
-            with (entry.swaps if stance else traceable.ALL), self.private_forward, \
+            # Note [Only the swaps the guards read, between captures] in capture/swaps.py
+            with (entry.swaps if stance else capture_swaps.ALL), self.private_forward, \
                     (sharding.hooks_off() if sharding is not None else _NOTHING):
                 if stance:
                     out = entry.compiled(*args, **kwargs)
@@ -178,7 +178,7 @@ class CompiledCall:
             capture.call = None
             if capture.captures != entry.captures:      # dynamo captured in this call
                 entry.captures = capture.captures
-                entry.swaps = traceable.ALL             # until this call is seen to succeed
+                entry.swaps = capture_swaps.ALL             # until this call is seen to succeed
                 capturing = True
             for t, mark in zip(tensors, propagated):
                 if mark is None:
@@ -248,7 +248,7 @@ class _Entry:
     compiled: Any            # torch.compile of dpfx's own entry function
     capture: "CaptureSettings"   # dynamo's callback (capture/entry.py)
     fn: Any                  # the entry function (its code object is dynamo's cache key)
-    swaps: traceable.Swaps = traceable.ALL   # what a steady-state call swaps
+    swaps: capture_swaps.Swaps = capture_swaps.ALL   # what a steady-state call swaps
     captures: int = 0        # capture.captures when ``swaps`` was chosen
 
 

@@ -128,7 +128,7 @@ class DPConfig:
     # read them ("clipping" is the resolved mode).
     clipping = _read_clip("mode")
     clipping_gamma = _read_clip("gamma")
-    target_quantile = _read_clip("target_quantile")
+    target_unclipped_quantile = _read_clip("target_unclipped_quantile")
     clip_lr = _read_clip("clip_lr")
     count_noise_multiplier = _read_clip("count_noise_multiplier")
 

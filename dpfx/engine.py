@@ -73,6 +73,7 @@ _LOADER_ARGS = ("num_workers", "pin_memory", "collate_fn", "worker_init_fn",
                 "multiprocessing_context", "persistent_workers", "prefetch_factor", "timeout")
 
 
+@options.renamed_keywords
 def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  data: Dataset | DataLoader, *, max_grad_norm: float | dict,
                  noise_multiplier: float | None = None, batch_size: int | None = None,
@@ -84,8 +85,9 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  track_norms: bool = False, generator: torch.Generator | None = None,
                  process_group=None, ledger=None, loss=None, noise: str | None = None,
                  clipping: str | options.Clipping | None = None,
-                 clipping_gamma: float | None = None, target_quantile: float | None = None,
-                 clip_lr: float | None = None, count_noise_multiplier: float | None = None,
+                 clipping_gamma: float | None = None,
+                 target_unclipped_quantile: float | None = None, clip_lr: float | None = None,
+                 count_noise_multiplier: float | None = None,
                  user_ids=None,
                  max_examples_per_user: int | None = None, mechanism=None,
                  sampler: str | None = None, **loader_kwargs) -> PrivateTraining:
@@ -100,7 +102,7 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     file holds, so a crash after the last checkpoint loses no epsilon.
     ``loss``: the loss function, captured with the model (``dpfx.compile(loss=...)``: train with
     ``dp_model.loss(x, y)``). ``clipping`` (a name or a ``dpfx.Clipping``), ``clipping_gamma``,
-    ``target_quantile``, ``clip_lr``, ``count_noise_multiplier``: as ``dpfx.compile``'s
+    ``target_unclipped_quantile``, ``clip_lr``, ``count_noise_multiplier``: as ``dpfx.compile``'s
     ("flat", "per_layer", "automatic" or "adaptive"; with a ``target_epsilon``, sigma is
     calibrated for the whole step and the gradient's share follows from
     ``count_noise_multiplier``).
@@ -121,8 +123,8 @@ def make_private(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     acc = accountant if isinstance(accountant, privacy.Accountant) \
         else validate.accountant(accountant)
     clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
-                                   target_quantile=target_quantile, clip_lr=clip_lr,
-                                   count_noise_multiplier=count_noise_multiplier)
+                                   target_unclipped_quantile=target_unclipped_quantile,
+                                   clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
     validate.secure_sampling(secure_mode, generator)
     if isinstance(data, DataLoader):
         loader_kwargs = {**{k: getattr(data, k) for k in _LOADER_ARGS if hasattr(data, k)
@@ -211,6 +213,7 @@ def _users(user_ids, max_examples_per_user, n: int) -> list[torch.Tensor] | None
     return group_by_user(user_ids, n)
 
 
+@options.renamed_keywords
 def make_private_with_epsilon(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               data: Dataset | DataLoader, *, target_epsilon: float,
                               target_delta: float, epochs: int, max_grad_norm: float | dict,

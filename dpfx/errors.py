@@ -30,8 +30,8 @@ class OptionError(DPFXError, TypeError):
 
 class OptionValueError(OptionError, ValueError):
     """An option has a value outside what it can take (``max_grad_norm=-1``,
-    ``noise_multiplier=float("nan")``, ``target_quantile=2``): refused at the call, before the
-    model is touched, with the same type whichever entry point is given it (the validators of
+    ``noise_multiplier=float("nan")``, ``target_unclipped_quantile=2``): refused at the call,
+    before the model is touched, with the same type whichever entry point is given it (the validators of
     privacy/validate.py and ``dpfx.Clipping`` raise it). A ``ValueError``, and an
     ``OptionError`` as every option mistake is."""
 

@@ -2,21 +2,24 @@
 ``clipping=`` beside the bound ``max_grad_norm``.
 
     dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.1,
-                 clipping=dpfx.Clipping("adaptive", target_quantile=0.7,
+                 clipping=dpfx.Clipping("adaptive", target_unclipped_quantile=0.7,
                                         count_noise_multiplier=12.8))
     dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.1, clipping="automatic")
 
 A name is shorthand for ``Clipping(name)``, as ``mechanism="bandmf"`` is for
 ``dpfx.Mechanism("bandmf")`` (privacy/plan.py). The loose keywords ``clipping_gamma=``,
-``target_quantile=``, ``clip_lr=`` and ``count_noise_multiplier=`` of ``dpfx.compile``,
-``make_private`` and ``DPTrainer`` build the same object through ``clipping_option``, so the
-defaults below are the only ones. ``Clipping`` checks its own fields when it is made; what
-depends on the bound or the noise (a dict of bounds is per-layer clipping; the count's noise
-against sigma) it checks in ``resolved``, which ``DPConfig`` calls, before any model is touched.
+``target_unclipped_quantile=``, ``clip_lr=`` and ``count_noise_multiplier=`` of
+``dpfx.compile``, ``make_private`` and ``DPTrainer`` build the same object through
+``clipping_option``, so the defaults below are the only ones. ``Clipping`` checks its own fields
+when it is made; what depends on the bound or the noise (a dict of bounds is per-layer clipping;
+the count's noise against sigma) it checks in ``resolved``, which ``DPConfig`` calls, before any
+model is touched.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 from dpfx.errors import OptionError, OptionValueError
 from dpfx.privacy import validate
@@ -27,7 +30,28 @@ CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
 AUTOMATIC_GAMMA = 0.01
 # The keywords of the entry points that build a Clipping (the private settings of a compiled
 # model, api.py's _PRIVATE_SETTINGS).
-KEYWORDS = ("clipping", "clipping_gamma", "target_quantile", "clip_lr", "count_noise_multiplier")
+# Keywords renamed, old -> new: each entry point that takes the new one (``renamed_keywords``)
+# still takes the old one for one release, with a DeprecationWarning that names the new one.
+RENAMED = {"target_quantile": "target_unclipped_quantile"}
+KEYWORDS = ("clipping", "clipping_gamma", "target_unclipped_quantile", "clip_lr",
+            "count_noise_multiplier", *RENAMED)
+
+
+def renamed_keywords(fn):
+    """``fn``, also taking the old names of its keywords in ``RENAMED``: each is passed on under
+    its new name, with a DeprecationWarning at the caller's line."""
+    @functools.wraps(fn)
+    def taking_old_names(*args, **kwargs):
+        for old, new in RENAMED.items():
+            if old not in kwargs:
+                continue
+            if new in kwargs:
+                raise OptionError(f"{old}= is the old name of {new}=: give {new}= alone")
+            warnings.warn(f"{old}= is renamed {new}= (the name Opacus gives it); the old name is "
+                          f"accepted in this release only", DeprecationWarning, stacklevel=2)
+            kwargs[new] = kwargs.pop(old)
+        return fn(*args, **kwargs)
+    return taking_old_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +60,15 @@ class Clipping:
 
     ``mode``: "flat", "per_layer", "automatic" or "adaptive"; None: "per_layer" for a dict of
     bounds, else "flat". ``gamma``: automatic clipping's C / (||g|| + gamma).
-    ``target_quantile``, ``clip_lr``, ``count_noise_multiplier``: adaptive clipping's quantile
-    of the per-sample norms that the bound follows (the fraction of examples left unclipped),
-    its geometric rate eta, and sigma_b, the std of the noise on the count of unclipped
-    examples (required with noise, above sigma / 2; Note [Adaptive clipping] in
-    privacy/adaptive.py). ``target_quantile`` keeps the name of the keyword and of the
-    checkpoints' adaptive state (``AdaptiveClip.state_dict``)."""
+    ``target_unclipped_quantile``, ``clip_lr``, ``count_noise_multiplier``: adaptive clipping's
+    quantile of the per-sample norms that the bound follows (the fraction of examples left
+    unclipped), its geometric rate eta, and sigma_b, the std of the noise on the count of
+    unclipped examples (required with noise, above sigma / 2; Note [Adaptive clipping] in
+    privacy/adaptive.py). ``target_unclipped_quantile`` is also the keyword's name and that of
+    the checkpoints' adaptive state (``AdaptiveClip.state_dict``)."""
     mode: str | None = None
     gamma: float = AUTOMATIC_GAMMA
-    target_quantile: float = 0.5
+    target_unclipped_quantile: float = 0.5
     clip_lr: float = 0.2
     count_noise_multiplier: float | None = None
 
@@ -61,12 +85,13 @@ class Clipping:
                                        "clipping's count of unclipped examples: pass "
                                        "clipping='adaptive' too")
             return
-        if not (validate.finite_number(self.target_quantile) and 0 < self.target_quantile < 1):
-            raise OptionValueError(f"target_quantile must be a number in (0, 1) (the fraction "
-                                   f"of examples left unclipped), got {self.target_quantile!r}")
+        quantile = self.target_unclipped_quantile
+        if not (validate.finite_number(quantile) and 0 < quantile < 1):
+            raise OptionValueError(f"target_unclipped_quantile must be a number in (0, 1) (the "
+                                   f"fraction of examples left unclipped), got {quantile!r}")
         if not (validate.finite_number(self.clip_lr) and self.clip_lr > 0):
             raise OptionValueError(f"clip_lr must be a finite number > 0 (the geometric rate eta "
-                                   f"of C <- C exp(-eta (b - target_quantile))), got "
+                                   f"of C <- C exp(-eta (b - target_unclipped_quantile))), got "
                                    f"{self.clip_lr!r}")
         sigma_b = self.count_noise_multiplier
         if sigma_b is not None and not (validate.finite_number(sigma_b) and sigma_b >= 0):
@@ -116,14 +141,18 @@ class Clipping:
         return self
 
 
-def clipping_option(clipping=None, *, clipping_gamma=None, target_quantile=None, clip_lr=None,
-                    count_noise_multiplier=None) -> Clipping:
+Clipping.__init__ = renamed_keywords(Clipping.__init__)
+
+
+def clipping_option(clipping=None, *, clipping_gamma=None, target_unclipped_quantile=None,
+                    clip_lr=None, count_noise_multiplier=None) -> Clipping:
     """``clipping=`` and its loose keywords as every entry point takes them: None, a name or a
     ``Clipping``; a keyword left None takes ``Clipping``'s default. A ``Clipping`` carries its
     own options, so it comes with none of the keywords."""
     given = {name: value for name, value in (
-        ("gamma", clipping_gamma), ("target_quantile", target_quantile), ("clip_lr", clip_lr),
-        ("count_noise_multiplier", count_noise_multiplier)) if value is not None}
+        ("gamma", clipping_gamma), ("target_unclipped_quantile", target_unclipped_quantile),
+        ("clip_lr", clip_lr), ("count_noise_multiplier", count_noise_multiplier))
+        if value is not None}
     if isinstance(clipping, Clipping):
         if given:
             keywords = sorted("clipping_gamma" if k == "gamma" else k for k in given)

@@ -15,12 +15,12 @@ _CORES = max(1, min(2, os.cpu_count() or 1))
 torch.set_num_threads(max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch._inductor.config.cpp.threads = _CORES
 
-# Note [Inductor lowers the fake values dpfx proved] (dpfx/lower/exact.py): in every test that lowers
-# a dpfx graph, Inductor's propagation runs anyway, on the side, and must give every node the value
-# dpfx kept; the graph is then lowered on the kept values, as outside the tests.
-import dpfx.lower.exact  # noqa: E402
+# Note [Inductor lowers the fake values dpfx proved] (dpfx/lower/shape_patches.py): in every test
+# that lowers a dpfx graph, Inductor's propagation runs anyway, on the side, and must give every
+# node the value dpfx kept; the graph is then lowered on the kept values, as outside the tests.
+import dpfx.lower.shape_patches  # noqa: E402
 
-dpfx.lower.exact._CHECK_KEPT_VALUES = True
+dpfx.lower.shape_patches._CHECK_KEPT_VALUES = True
 
 # Note [A trusted warm start] (dpfx/lower/trust.py): tests compile the same models under the same
 # settings again and again, and many plant a fault in a pass or spy on one; each compile proves

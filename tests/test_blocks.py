@@ -417,7 +417,8 @@ def test_adaptive_clipping_through_blocks():
     first = per_example_norms(loop_example_grads(reference, _token_loss, *make(3))).sort().values
     c0, eta, quantile = float(first[:2].mean()), 0.5, 0.5
     dp = dpfx.compile(net, max_grad_norm=c0, noise_multiplier=0.0, loss_reduction="sum",
-                      clipping="adaptive", target_quantile=quantile, clip_lr=eta, blocks="auto")
+                      clipping="adaptive", target_unclipped_quantile=quantile, clip_lr=eta,
+                      blocks="auto")
     bound = c0
     for b in (3, 5):
         inputs, y = make(b)

@@ -174,7 +174,7 @@ def test_adaptive_clipping_counts_real_examples():
     as clipped would move it differently from the unpadded run."""
     torch.manual_seed(0)
     model = MLP()
-    kw = dict(clipping="adaptive", target_quantile=0.5, clip_lr=0.5)
+    kw = dict(clipping="adaptive", target_unclipped_quantile=0.5, clip_lr=0.5)
     padded = _compile(model, "eager", "mean", None, batch_buckets=BUCKETS, **kw)
     unpadded = _compile(model, "eager", "mean", None, **kw)
     for b in (3, 5, 1):

@@ -37,22 +37,22 @@ LAYERS = [
        passes.verify.release""",
     # 3 capture
     """capture capture.batch_branches capture.entry capture.errors capture.modules
-       capture.requires_grad_skip capture.rnn capture.traceable""",
+       capture.requires_grad_skip capture.rnn capture.swaps""",
     # 4 lowering
-    """lower lower.cpu_builds lower.exact lower.fast lower.inductor lower.trust lower.warm
+    """lower lower.cpu_builds lower.codegen_patches lower.shape_patches lower.inductor lower.trust lower.warm
        lower.selfcheck lower.selfcheck.batches lower.selfcheck.check lower.selfcheck.compare
        lower.selfcheck.grow lower.selfcheck.markers lower.selfcheck.reference
        lower.selfcheck.stream""",
     # 5 the loss and the release gate
     """loss loss.arranged loss.backward loss.captured loss.check loss.form loss.gate
-       loss.hf_labels loss.inputs loss.program loss.replay loss.scale loss.steady loss.trace
+       loss.hf_labels loss.inputs loss.program loss.replay loss.scale loss.verdict_key loss.trace
        loss.track loss.verdicts""",
     # 6 the backend
     """backend backend.checks backend.inputs backend.runtime
        blocks blocks.call blocks.capture blocks.kernels blocks.prepare blocks.selfcheck
        blocks.sizes""",
     # 7 the loop around the graph
-    """loop loop.data loop.fsdp loop.grads loop.noise loop.optim loop.ranks loop.release
+    """loop loop.data loop.fsdp loop.grads loop.noise loop.optim loop.ranks loop.checks
        loop.step_noise loop.users loop.samplers loop.correlated loop.adambc""",
     # 8 the public API
     "api block_install compiled_call engine grad_guards",

@@ -49,7 +49,7 @@ from dpfx.loss.captured import capture_loss
 from dpfx.loss.gate import ReleaseGate
 from dpfx.lower import warm
 from dpfx.lower.trust import Trust, TrustedGrad, trustable
-from dpfx.lower.fast import optimization_hints_once
+from dpfx.lower.codegen_patches import optimization_hints_once
 from dpfx.lower.inductor import cache_key_pass, inductor_patches, lower
 from dpfx.ops.norms import NormStats
 from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
@@ -82,7 +82,7 @@ class DPBackend:
             self._generator = torch.Generator().manual_seed(config.seed)
         self.norm_stats = NormStats(config.clip_bounds) if config.track_norms else None
         # Note [Adaptive clipping] in privacy/adaptive.py: C_t, which every backward reads
-        self.adaptive_clip = AdaptiveClip(config.max_grad_norm, config.target_quantile,
+        self.adaptive_clip = AdaptiveClip(config.max_grad_norm, config.target_unclipped_quantile,
                                           config.clip_lr, config.count_noise_multiplier) \
             if config.adaptive else None
         if self.norm_stats is not None and self.adaptive_clip is not None:
@@ -111,7 +111,7 @@ class DPBackend:
         # at the first forward, not suppressed until (or skipped before) the first backward.
         # ban_recompute_reductions: a captured loss's reductions over the batch stay in the
         # forward, whatever the user's setting (Note [The loss inside the graph], step 4).
-        # Note [Optimization hints, computed once per expression] in lower/fast.py.
+        # Note [Optimization hints, computed once per expression] in lower/codegen_patches.py.
         # Note [A warm start without the joint trace] (lower/warm.py): on CPU, AOTAutogradCache holds
         # dpfx's own output code, which runs dpfx's inner compiler again when it is loaded.
         # (torch's own switch for that cache, enable_autograd_cache, turns it off here too)

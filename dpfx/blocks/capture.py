@@ -31,10 +31,10 @@ from dpfx.blocks.kernels import make_kernels
 from dpfx.blocks.selfcheck import check_block
 from dpfx.blocks.sizes import size_expr
 from dpfx.capture.entry import BatchMarked, DynamoSettings, HeapFrozen
-from dpfx.capture.traceable import Captured
+from dpfx.capture.swaps import Captured
 from dpfx.config import DPConfig
 from dpfx.errors import CaptureError, DPFXError
-from dpfx.lower.fast import optimization_hints_once
+from dpfx.lower.codegen_patches import optimization_hints_once
 from dpfx.lower.inductor import inductor_patches, lower
 from dpfx.lower.selfcheck.reference import has_random_ops
 from dpfx.ops.blocks import KERNELS

@@ -31,7 +31,7 @@ import torch
 
 from dpfx.capture import batch_branches
 from dpfx.capture.errors import FAKE_TENSOR_LOG, NO_META_TRACEBACK
-from dpfx.capture.traceable import ALL, Captured, Swaps
+from dpfx.capture.swaps import ALL, Captured, Swaps
 
 
 # Note [dpfx's own entry frame]
@@ -75,8 +75,8 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # Note [Settings only a capture reads]
 # Some of what a dpfx call sets up is read by dynamo only while it captures a frame: its
 # recompile limit (a capture past 64 fails instead of falling back to eager), the Logger methods
-# it skips (Note [Logging inside the forward]), nn.RNN capture (``allow_rnn``, for capture/traceable.py's
-# LSTM), the unbacked batch mark on the inputs (``BatchMarked``), and the batch-size decisions
+# it skips (Note [Logging inside the forward]), nn.RNN capture (``allow_rnn``, for
+# capture/swaps.py's LSTM), the unbacked batch mark on the inputs (``BatchMarked``), and the batch-size decisions
 # (batch_branches.deciding). dynamo calls its callback only when a frame has no cached code whose
 # guards pass, that is exactly when it captures; a steady-state call runs the cached code from
 # C and never calls it. So dpfx wraps the callback of its own entry (``CaptureSettings``) and
@@ -85,7 +85,7 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 # training loop, where the kernels between two calls evict the interpreter's caches). The
 # wrapper carries dynamo's ``_torchdynamo_orig_backend`` chain, as dynamo's own wrappers do
 # (eval_frame._callback_from_stance), so dynamo matches it to the entry's cached code. What
-# dynamo checks in its guards on every call stays set up on every call: those of capture/traceable.py's
+# dynamo checks in its guards on every call stays set up on every call: those of capture/swaps.py's
 # swaps that the guards read (Note [Only the swaps the guards read, between captures]).
 # A ``torch.compiler.set_stance`` other than the default may put a callback of its own in front
 # (eager_then_compile builds a fresh one from the innermost backend at its second call, which
@@ -183,7 +183,7 @@ def steady_swaps(fn, args: tuple, kwargs: dict) -> Swaps:
     """The swaps for steady-state calls of dpfx's entry ``fn``, right after a call (``args``,
     ``kwargs``) in which dynamo captured it: those that the guards of its cached graphs name,
     if with only them in place one of those graphs still passes its guards for this call; else
-    all (Note [Only the swaps the guards read, between captures] in capture/traceable.py)."""
+    all (Note [Only the swaps the guards read, between captures] in capture/swaps.py)."""
     names = names_guards_read(fn.__code__)
     if names is None:
         return ALL
@@ -211,7 +211,7 @@ def names_guards_read(code) -> set[str] | None:
     """Every name in the sources of the guards of ``code``'s cached graphs (``G['F'].linear``
     names ``linear``, ``L['x'].view.__func__`` names ``view``): a superset of the attributes they
     read. None where dynamo's guards cannot be read so (Note [Only the swaps the guards read,
-    between captures] in capture/traceable.py)."""
+    between captures] in capture/swaps.py)."""
     try:
         entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
         sources = [m for entry in entries

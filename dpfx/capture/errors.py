@@ -68,8 +68,8 @@ def graph_break_error(e: Exception) -> CaptureError:
 
 
 # Note [Refusals raised while capturing]
-# A stand-in of capture/traceable.py that finds an op mixing examples (torch.roll over the batch) raises a
-# PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
+# A stand-in of capture/swaps.py that finds an op mixing examples (torch.roll over the batch)
+# raises a PrivacyError while dynamo runs it on fake tensors; dynamo wraps it in a TorchRuntimeError (the
 # PrivacyError is in its exception chain). The PrivacyError is raised again, with the model's
 # lines that led to it.
 # (tests/loop/test_loop_privacy.py::test_batch_mixing_norms_and_roll)

@@ -24,7 +24,7 @@ def module_problems(model: nn.Module) -> list[str]:
 def _mixing(module: nn.Module) -> str | None:
     """Why a normalization layer mixes the batch, and the fix; None when it does not. Eval-mode
     BatchNorm and InstanceNorm with frozen running statistics normalize each example alone
-    (capture/traceable.py writes them out)."""
+    (capture/swaps.py writes them out)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         if module.training:
             return ("is in training mode: BatchNorm averages over the batch, so each example's "

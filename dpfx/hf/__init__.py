@@ -16,6 +16,6 @@ One module a concern (README.md beside this file):
 """
 from dpfx.hf.resume import ACCOUNTANT_FILE, LEDGER_FILE
 from dpfx.hf.trainer import DPTrainer
-from dpfx.loop.release import UnaccountedTrainingWarning
+from dpfx.loop.checks import UnaccountedTrainingWarning
 
 __all__ = ["DPTrainer", "ACCOUNTANT_FILE", "LEDGER_FILE", "UnaccountedTrainingWarning"]

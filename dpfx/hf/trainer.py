@@ -32,7 +32,7 @@ schedules, saving stay Trainer's):
   applied after the batch reduction removed (Note [The per-example term] in loss/check.py).
 
 ``clipping=`` picks the clip function as ``dpfx.compile``'s does (a name or a ``dpfx.Clipping``;
-or the keywords ``clipping_gamma``, ``target_quantile``, ``clip_lr``,
+or the keywords ``clipping_gamma``, ``target_unclipped_quantile``, ``clip_lr``,
 ``count_noise_multiplier``): under "adaptive" the bound C_t starts at ``max_grad_norm``, moves
 after each optimizer step (the count of unclipped examples summed over the step's physical
 batches and noised once, by ``DPOptimizer``), and is saved in Trainer's ``optimizer.pt`` and in
@@ -87,9 +87,9 @@ class DPTrainer(Trainer):
     ``max_grad_norm``: the per-example clipping bound C (TrainingArguments' own max_grad_norm,
     a clip of the summed gradient, is turned off); under ``clipping="adaptive"`` its initial
     value C_0. ``clipping`` (a name or a ``dpfx.Clipping``), ``clipping_gamma``,
-    ``target_quantile``, ``clip_lr`` and ``count_noise_multiplier``: the clip function, as
+    ``target_unclipped_quantile``, ``clip_lr`` and ``count_noise_multiplier``: the clip function, as
     ``dpfx.compile``'s ("flat" by default, "per_layer" for a dict of bounds, "automatic":
-    C / (||g|| + clipping_gamma), "adaptive": C_t follows the ``target_quantile`` of the
+    C / (||g|| + clipping_gamma), "adaptive": C_t follows the ``target_unclipped_quantile`` of the
     per-example norms at rate ``clip_lr``, the count noised with std
     ``count_noise_multiplier``, required with noise and above sigma / 2; it costs no epsilon
     beyond sigma's: docs/options.md); every option is checked before the model is touched.
@@ -107,8 +107,9 @@ class DPTrainer(Trainer):
     as ``dpfx.make_private``'s (Note [Noise mechanisms] in privacy/plan.py); a correlated
     mechanism is built for the planned steps (``max_steps``, or ``num_train_epochs``)."""
 
-    accounts_privacy = True     # a Trainer that counts epsilon (loop/release.py)
+    accounts_privacy = True     # a Trainer that counts epsilon (loop/checks.py)
 
+    @options.renamed_keywords
     def __init__(self, model=None, args: TrainingArguments | None = None, *,
                  max_grad_norm: float = 1.0, noise_multiplier: float | None = None,
                  target_epsilon: float | None = None, target_delta: float | None = None,
@@ -118,8 +119,9 @@ class DPTrainer(Trainer):
                  user_column: str | None = None, user_ids=None,
                  max_examples_per_user: int | None = None,
                  clipping: str | options.Clipping | None = None,
-                 clipping_gamma: float | None = None, target_quantile: float | None = None,
-                 clip_lr: float | None = None, count_noise_multiplier: float | None = None,
+                 clipping_gamma: float | None = None,
+                 target_unclipped_quantile: float | None = None, clip_lr: float | None = None,
+                 count_noise_multiplier: float | None = None,
                  mechanism=None, sampler: str | None = None, **kwargs):
         if model is None:
             raise OptionValueError("DPTrainer needs the model (model_init is not supported: "
@@ -137,8 +139,8 @@ class DPTrainer(Trainer):
             raise OptionValueError(f"pass {', '.join(misplaced)} to DPTrainer itself, not in "
                                    f"dp_kwargs (which go to dpfx.compile)")
         clip = options.clipping_option(clipping, clipping_gamma=clipping_gamma,
-                                       target_quantile=target_quantile, clip_lr=clip_lr,
-                                       count_noise_multiplier=count_noise_multiplier)
+                                       target_unclipped_quantile=target_unclipped_quantile,
+                                       clip_lr=clip_lr, count_noise_multiplier=count_noise_multiplier)
         # Note [DPTrainer at the user level] in hf/users.py
         self.users = users_of(model, train, user_ids, user_column, max_examples_per_user)
         self.user_column = user_column

@@ -77,7 +77,7 @@ from dpfx.loop.correlated import check_mechanism, check_resume
 from dpfx.loop.grads import GradWriter, noise_std
 from dpfx.privacy import Accountant, validate
 from dpfx.loop.ranks import check_same_model, rank_of, world_of
-from dpfx.loop.release import BatchSizes
+from dpfx.loop.checks import BatchSizes
 from dpfx.loop.step_noise import StepNoise
 from dpfx.loss.gate import warn_at_caller
 
@@ -212,7 +212,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # Note [One release per accounted step] in loss/gate.py: from now on a second backward
         # before step() is refused
         self._gate.attach(self, config.noise)
-        # Note [Batch sizes far from expected_batch_size] in loop/release.py: with
+        # Note [Batch sizes far from expected_batch_size] in loop/checks.py: with
         # noise="optimizer" the logical step is the release; on several ranks each sees a shard
         self._batch_sizes = BatchSizes(config.expected_batch_size) if (
             config.noise == "optimizer" and self.world <= 1 and config.loss_reduction == "mean"

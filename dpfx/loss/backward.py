@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import arranged, check as loss_check, scale as loss_scale, steady as loss_steady
+from dpfx.loss import arranged, check as loss_check, scale as loss_scale, verdict_key as loss_verdict_key
 from dpfx.loss.arranged import LossScaleWarning, arranged_scale, scale_message
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES,
                             SECOND_BACKWARD, compiled_name, compiled_nodes)
@@ -117,10 +117,10 @@ def _verify(loss: Tracked) -> float | tuple:
         # clipped sums are empty), whatever the loss computes from the empty outputs.
         return 1.0
     reduction = trace.backend.config.loss_reduction
-    # Note [The steady-state key] in loss/steady.py
-    steady = None if WRITTEN else loss_steady.key(trace, index, leaf,
+    # Note [The steady-state key] in loss/verdict_key.py
+    steady = None if WRITTEN else loss_verdict_key.key(trace, index, leaf,
                                                    [origin(t) for t in trace.externals])
-    found = steady and loss_steady.lookup(steady, trace)
+    found = steady and loss_verdict_key.lookup(steady, trace)
     if found:
         scale = loss_scale.eval_scale(found[0], trace.batch, found[1], reduction)
         if type(scale) is tuple and not (scale[1] and not getattr(found[0], "warned", False)):
@@ -159,7 +159,7 @@ def _verify(loss: Tracked) -> float | tuple:
             arranged.WARNED.add(message)
             warnings.warn(message, LossScaleWarning, stacklevel=4)
     if steady:
-        loss_steady.store(steady, verdict, program, values, trace)
+        loss_verdict_key.store(steady, verdict, program, values, trace)
     return factor
 
 

@@ -156,7 +156,7 @@ BACKWARD_KWARGS = {"gradient", "retain_graph", "create_graph", "inputs"}
 # compiled over the same model (two dpfx.compile calls, one padded to buckets and one not) is
 # plain to this model's gate but private: it is not warned about. A deliberate public phase (pre-
 # training on public data before the private one) is declared with ``with dpfx.public(model):``
-# (loop/release.py), under which plain backwards are expected and nothing is said. The same slip
+# (loop/checks.py), under which plain backwards are expected and nothing is said. The same slip
 # with a batch of dpfx's loader reaches the loss check, whose refusal names the parameter as the
 # model's own (loss/track.py); ``DPOptimizer.step()`` refuses a plain gradient in either case
 # (Note [Only dpfx's gradients reach a private step]). (tests/loop/test_mis_setups.py)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dpfx.loss import replay as loss_replay, steady as loss_steady
+from dpfx.loss import replay as loss_replay, verdict_key as loss_verdict_key
 from dpfx.loss.arranged import is_arranged
 from dpfx.loss.trace import Output, Trace, followed
 
@@ -41,7 +41,7 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
                 placeholders.append(full and loss_replay.Placeholder(
                     shape, dtype, device, False, is_data=True))
                 inputs.append(t_rec.leaves[_leaf_index(t_rec, k)])
-                keys.append(("data", loss_steady.dim0_key(inputs[-1], batch), shape[1:], dtype,
+                keys.append(("data", loss_verdict_key.dim0_key(inputs[-1], batch), shape[1:], dtype,
                              device))
             else:
                 placeholders.append(full and loss_replay.Placeholder(
@@ -76,7 +76,7 @@ def build_program(trace: Trace, index: int, leaf: int, full: bool = True
                         tuple(t.shape), t.dtype, t.device, False))
                     inputs.append(t)
                     ext_pos[(id(t_rec), d[1])] = len(placeholders) - 1
-                    keys.append(("ext", loss_steady.dim0_key(t, batch), tuple(t.shape[1:]),
+                    keys.append(("ext", loss_verdict_key.dim0_key(t, batch), tuple(t.shape[1:]),
                                  t.dtype, t.device, t.requires_grad))
                 descr.append(("p", ext_pos[(id(t_rec), d[1])]))
                 key.append(descr[-1])

@@ -39,7 +39,8 @@ class Trace:
         self.stop_nodes: list = []        # autograd nodes of the tracked outputs
         self.outputs: dict[int, tuple] = {}   # record -> (value, autograd edge) of an output
         self.nodes: dict[int, Any] = {}     # record -> its result's grad_fn, for a token mean's
-                                            # count (Note [A token mean's count] in loss_steady)
+                                            # count (Note [A token mean's count] in
+                                            # loss/verdict_key.py)
         self.poison: str | None = None
         self.released = False     # a loss of this forward's outputs was checked and released
         self.release = None       # the gate's record of this forward's release (loss/gate.py)

@@ -19,7 +19,7 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
    shapes with the batch written as a symbol), and a step whose trace records what an earlier
    one did finds it by the trace's records alone (Note [The steady-state key] in
-   loss/steady.py);
+   loss/verdict_key.py);
 3. the scalars applied after the batch reduction (the batch size written any way, a token count,
    a constant factor) are evaluated on the step's inputs and divided out of the backward's
    starting gradient (Note [The per-example term] in loss/check.py).
@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import check as loss_check, replay as loss_replay, steady as loss_steady
+from dpfx.loss import check as loss_check, replay as loss_replay, verdict_key as loss_verdict_key
 from dpfx.loss.arranged import ARRANGED, ARRANGING
 from dpfx.loss.backward import release
 from dpfx.loss.gate import BACKWARD_CALLS, TWO_FORWARDS
@@ -227,7 +227,7 @@ def _record(func, args, kwargs, result):
         if ARRANGING[0] and line is not None:
             line = (*line, ARRANGED)        # Note [A scale dpfx arranged]
         trace.records.append((func, spec, descr, line))
-        if func in loss_steady.NLL_CALLS and isinstance(result, torch.Tensor):
+        if func in loss_verdict_key.NLL_CALLS and isinstance(result, torch.Tensor):
             trace.nodes[index] = result.grad_fn
     wrapped = []
     for i, r in enumerate(out_leaves):

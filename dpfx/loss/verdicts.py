@@ -14,14 +14,14 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from dpfx.loss import arranged, check as loss_check, replay as loss_replay, steady as loss_steady
+from dpfx.loss import arranged, check as loss_check, replay as loss_replay, verdict_key as loss_verdict_key
 
 
 def forget() -> None:
     """Drop every cached loss verdict, steady-state entry and given warning: the next loss is
     analyzed, and warned of, as in a new process."""
     _VERDICTS.clear()
-    loss_steady._STEADY.clear()
+    loss_verdict_key._STEADY.clear()
     arranged.WARNED.clear()
 
 

@@ -6,13 +6,14 @@ The verifier proves the FX graph; what runs is the code Inductor generates from 
 runs Inductor under two sets of patches, each patch a context manager that sets torch back as
 it found it:
 
-- ``EXACT`` (lower/exact.py): what makes the generated code compute the proven graph. Each is
-  needed for as long as the torch it names has the behaviour it closes; removing one fails the
-  tests that reproduce that behaviour (tests/lower/test_inductor_exact.py, tests/conftest.py).
-- ``FAST`` (lower/fast.py, lower/cpu_builds.py): what makes compiling fast or the generated code
-  lean. None changes a computed value (tests/lower/test_lowering_patches.py compares the code with and
-  without them), so any of them can be dropped when torch changes, at a cost in time measured in
-  its Note.
+- ``shape_patch_list`` (lower/shape_patches.py): how Inductor treats the graph's shapes, without
+  which the generated code could differ from the proven graph. Each is needed for as long as the
+  torch it names has the behaviour it closes; removing one fails the tests that reproduce that
+  behaviour (tests/lower/test_inductor_exact.py, tests/conftest.py).
+- ``codegen_patch_list`` (lower/codegen_patches.py, lower/cpu_builds.py): how Inductor groups,
+  builds and caches while it generates code, for a fast compile or lean code. None changes a
+  computed value (tests/lower/test_lowering_patches.py compares the code with and without them),
+  so any of them can be dropped when torch changes, at a cost in time measured in its Note.
 
 # Note [dpfx's own FX-graph cache entries]
 Inductor's FX-graph cache keys on the graph and Inductor's config, not on the hook above, so an
@@ -41,23 +42,23 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import dpfx
-from dpfx.lower import exact, fast
+from dpfx.lower import codegen_patches, shape_patches
 from dpfx.lower.cpu_builds import merged_cpu_builds
 from dpfx.lower.warm import canonical_attributes
 from dpfx.errors import DPFXWarning
 
 
-def exact_patches(shape_env) -> list:
+def shape_patch_list(shape_env) -> list:
     """The patches without which Inductor's code could differ from the proven graph."""
-    return [exact.no_unchecked_assumptions(shape_env), exact.bmm_operands_contiguous(),
-            exact.fake_values_kept()]
+    return [shape_patches.no_unchecked_assumptions(shape_env),
+            shape_patches.bmm_operands_contiguous(), shape_patches.fake_values_kept()]
 
 
-def fast_patches() -> list:
-    """The patches that only make compiling fast or the code lean (lower/fast.py)."""
-    return [fast.smaller_cpu_kernel_groups(), merged_cpu_builds(),
-            fast.polynomial_vector_strides(), fast.dtype_rules_once(),
-            fast.fusion_refusals_kept(), fast.shared_sums_stored()]
+def codegen_patch_list() -> list:
+    """The patches that only make compiling fast or the code lean (lower/codegen_patches.py)."""
+    return [codegen_patches.smaller_cpu_kernel_groups(), merged_cpu_builds(),
+            codegen_patches.polynomial_vector_strides(), codegen_patches.dtype_rules_once(),
+            codegen_patches.fusion_refusals_kept(), codegen_patches.shared_sums_stored()]
 
 # Inductor's channels-last layout optimization miscompiles Conv2d on CPU when the batch is
 # unbacked (a stride assertion fails at run time; plain torch.compile fails the same way).
@@ -140,7 +141,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
 
     def attempt(**settings):
         with contextlib.ExitStack() as patches:
-            for patch in exact_patches(shape_env) + fast_patches():
+            for patch in shape_patch_list(shape_env) + codegen_patch_list():
                 patches.enter_context(patch)
             patches.enter_context(torch._functorch.config.patch(bundled_autograd_cache=False))
             patches.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=key,
@@ -151,7 +152,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
         try:
             return attempt()
         except Exception as e:
-            if not torch._inductor.config.combo_kernels or exact.unchecked(e) is not None:
+            if not torch._inductor.config.combo_kernels or shape_patches.unchecked(e) is not None:
                 raise
             # Note [Combo kernels on the GPU]: they only group kernels; without them the same
             # verified graph is lowered kernel by kernel.
@@ -161,10 +162,10 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, kwargs: dict, backend:
                           f"values)", ComboKernelsWarning, stacklevel=2)
             return attempt(combo_kernels=False)
     except Exception as e:
-        cause = exact.unchecked(e)
+        cause = shape_patches.unchecked(e)
         if cause is None:
             raise
-        raise exact.assumption_error(cause.expr) from e
+        raise shape_patches.assumption_error(cause.expr) from e
 
 
 class ComboKernelsWarning(DPFXWarning):

@@ -230,8 +230,9 @@ class PrivacyEngine:
             raise OptionValueError("clipping='adaptive' is not offered through the Opacus surface, "
                                    "which clips 'flat' or 'per_layer' (Opacus's min/max clipbound "
                                    "and unclipped_num_std have no dpfx counterpart): use "
-                                   "dpfx.make_private(..., clipping='adaptive', target_quantile=, "
-                                   "clip_lr=, count_noise_multiplier=)")
+                                   "dpfx.make_private(..., clipping='adaptive', "
+                                   "target_unclipped_quantile=, clip_lr=, "
+                                   "count_noise_multiplier=)")
         if clipping not in CLIPPING_MODES:
             raise OptionValueError(f"clipping={clipping!r} is not offered by dpfx: it clips 'flat' "
                                    f"(one bound) or 'per_layer' (a bound per parameter, or "

@@ -127,7 +127,7 @@ def compile_forward(gm: fx.GraphModule, batch_inputs: dict[str, int], stages: St
 # than run a graph whose traced layouts are not the real ones, such convolutions are refused
 # with the fix. The input reaches here channels-last only when a model calls torch's convolution
 # by a name dpfx does not swap: ``F.conv2d`` and ``F.conv3d`` read ``input.contiguous()`` during
-# capture (Note [Channels-last strides made inside the model] in capture/traceable.py); a channels-last
+# capture (Note [Channels-last strides made inside the model] in capture/swaps.py); a channels-last
 # weight is refused. (tests/rules/test_rule_convolution.py::test_channels_last_weight_is_refused_clearly)
 def _check_convolution_layouts(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default):

@@ -2,7 +2,8 @@
 
     dp_model = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=1.0,
                             expected_batch_size=256, clipping="adaptive",
-                            target_quantile=0.5, clip_lr=0.2, count_noise_multiplier=256 / 20)
+                            target_unclipped_quantile=0.5, clip_lr=0.2,
+                            count_noise_multiplier=256 / 20)
     ...
     dp_model.adaptive_clip.bound        # C_t, public: it is computed from noised releases only
 
@@ -47,9 +48,9 @@ from dpfx.errors import PrivacyError
 class AdaptiveClip:
     """C_t and the count of the step in progress. Its methods are the only writers of both."""
 
-    def __init__(self, initial: float, target_quantile: float, clip_lr: float,
+    def __init__(self, initial: float, target_unclipped_quantile: float, clip_lr: float,
                  count_noise_multiplier: float):
-        self.target_quantile = float(target_quantile)
+        self.target_unclipped_quantile = float(target_unclipped_quantile)
         self.clip_lr = float(clip_lr)
         self.count_noise_multiplier = float(count_noise_multiplier)
         self._bound = float(initial)
@@ -93,7 +94,7 @@ class AdaptiveClip:
         if denominator <= 0:
             return
         fraction = float(noisy_count) / float(denominator) + 0.5
-        bound = self._bound * math.exp(-self.clip_lr * (fraction - self.target_quantile))
+        bound = self._bound * math.exp(-self.clip_lr * (fraction - self.target_unclipped_quantile))
         if not (math.isfinite(bound) and bound > 0):
             raise PrivacyError(f"adaptive clipping: the bound left (0, inf) ({bound}); the noised "
                                f"count was {noisy_count}")
@@ -110,11 +111,13 @@ class AdaptiveClip:
         if self._count is not None:
             raise ValueError("a logical batch's count is half accumulated; save after its step()")
         return {"bound": self._bound, "steps": self._steps,
-                "target_quantile": self.target_quantile, "clip_lr": self.clip_lr,
-                "count_noise_multiplier": self.count_noise_multiplier}
+                "target_unclipped_quantile": self.target_unclipped_quantile,
+                "clip_lr": self.clip_lr, "count_noise_multiplier": self.count_noise_multiplier}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("target_quantile", "clip_lr", "count_noise_multiplier"):
+        if "target_quantile" in state:      # a checkpoint written under the keyword's old name
+            state = {**state, "target_unclipped_quantile": state["target_quantile"]}
+        for key in ("target_unclipped_quantile", "clip_lr", "count_noise_multiplier"):
             if float(state[key]) != getattr(self, key):
                 raise ValueError(f"the checkpoint's adaptive clipping has {key}={state[key]}, this "
                                  f"model {getattr(self, key)}: compile with the checkpoint's "

@@ -17,7 +17,7 @@ example adds up) are the op's own, so the per-sample form inherits them unchange
 serves ``index_put(zeros, [idx], g, accumulate=True)`` (the backward of ``table[idx]``) and
 ``embedding_dense_backward`` (graphs captured without Inductor's decomposition of it).
 
-``nn.EmbeddingBag`` on (B, L) ids (one bag per example) is captured through dpfx.capture.traceable's
+``nn.EmbeddingBag`` on (B, L) ids (one bag per example) is captured through dpfx.capture.swaps's
 written-out ``F.embedding_bag`` (a lookup, then the bag's sum/mean/max), so its table gradient
 comes to this rule. The 1-D ids + offsets form keeps torch's kernel, whose ``offset2bag``
 bookkeeping has no provable batch layout: the forward check refuses it with a PrivacyError

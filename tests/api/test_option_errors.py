@@ -63,7 +63,8 @@ CASES = [
     (dict(max_grad_norm=-1.0), "max_grad_norm must be finite and > 0", list(ENTRIES)),
     (dict(noise_multiplier=-1.0), "noise_multiplier must be a finite number >= 0",
      list(ENTRIES)),
-    (dict(target_quantile=2.0, **ADAPTIVE), "target_quantile must be a number in \\(0, 1\\)",
+    (dict(target_unclipped_quantile=2.0, **ADAPTIVE),
+     "target_unclipped_quantile must be a number in \\(0, 1\\)",
      ["compile", "make_private", "DPTrainer"]),     # Opacus's surface clips flat or per layer
     (dict(clipping="quantile"), "clipping must be one of", list(ENTRIES)[:2] + ["DPTrainer"]),
 ]
@@ -99,14 +100,14 @@ def test_a_bad_sample_rate_raises_one_type_at_every_entry_point_that_takes_it():
 
 
 def test_clipping_is_one_option_object_or_its_keywords():
-    keywords = dict(clipping="adaptive", target_quantile=0.7, clip_lr=0.1,
+    keywords = dict(clipping="adaptive", target_unclipped_quantile=0.7, clip_lr=0.1,
                     count_noise_multiplier=3.0)
-    spec = dpfx.Clipping("adaptive", target_quantile=0.7, clip_lr=0.1,
+    spec = dpfx.Clipping("adaptive", target_unclipped_quantile=0.7, clip_lr=0.1,
                          count_noise_multiplier=3.0)
     by_keywords = dpfx.compile(MLP(), **GOOD, **keywords).dp_config
     by_object = dpfx.compile(MLP(), **GOOD, clipping=spec).dp_config
     assert by_keywords == by_object and by_object.clip == spec
-    assert (by_object.clipping, by_object.target_quantile, by_object.clip_lr,
+    assert (by_object.clipping, by_object.target_unclipped_quantile, by_object.clip_lr,
             by_object.count_noise_multiplier) == ("adaptive", 0.7, 0.1, 3.0)
     # the defaults are Clipping's, whichever way the option comes
     plain = dpfx.compile(MLP(), **GOOD).dp_config

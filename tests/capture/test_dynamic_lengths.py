@@ -2,7 +2,7 @@
 every batch size, 0 included. GPT-2's ``key_states.view(*shape[:-1], -1, head_dim)`` over a
 dynamic length made torch divide by the batch times the length, with a runtime assertion that
 the product is not 0, which failed the empty Poisson batch: the -1 is now filled in where sympy
-divides the sizes exactly (``_explicit_sizes`` in capture/traceable.py). Each step against a
+divides the sizes exactly (``_explicit_sizes`` in capture/swaps.py). Each step against a
 batch-of-one loop through the default backend."""
 import pytest
 import torch

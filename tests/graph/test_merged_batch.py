@@ -13,7 +13,7 @@ K), where a shape alone cannot tell the batch from the other dim. Ops that do re
 batch stay refused.
 
 HF ConvNeXt hands its depthwise convolutions tensors with channels-last strides made inside the
-model (Note [Channels-last strides made inside the model] in dpfx/capture/traceable.py).
+model (Note [Channels-last strides made inside the model] in dpfx/capture/swaps.py).
 """
 import pytest
 import torch

@@ -73,7 +73,7 @@ def inputs(batch, padded):
 
 def check(model, loss_fn, x, y, backend="eager", expected=5, reference=None):
     """dpfx equals the reference for B = len(x), 0 and 1 through one compiled graph. B = 0 needs
-    dpfx.capture.traceable's explicit ``view(B, -1)``: traced as is, transformers' mask code leaves a
+    dpfx.capture.swaps's explicit ``view(B, -1)``: traced as is, transformers' mask code leaves a
     runtime assertion that the batch is not 0 in the graph. ``reference``: a model with the same
     weights that computes the same function another way (without gradient checkpointing)."""
     model.train()

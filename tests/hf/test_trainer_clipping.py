@@ -131,7 +131,7 @@ def test_adaptive_clipping_step_and_bound_are_the_reference(tmp_path):
     torch.manual_seed(0)
     c0 = 0.97 * median_norm(gpt2(), lm_data(16, seed=1))     # bites, and ties no norm
     batch, update, reference, trainer = one_step(tmp_path, "adaptive", c0,
-                                                 target_quantile=GAMMA, clip_lr=ETA)
+                                                 target_unclipped_quantile=GAMMA, clip_lr=ETA)
     grads = token_sum_grads(reference, batch)
     norms = [norm(g) for g in grads]
     assert 0 < sum(n > c0 for n in norms) < len(norms)

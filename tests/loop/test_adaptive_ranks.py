@@ -45,7 +45,7 @@ def _train(mode: str):
         fully_shard(model.fc2)
         fully_shard(model)
     dp = dpfx.compile(model, max_grad_norm=C0, noise_multiplier=0.0, expected_batch_size=D,
-                      clipping="adaptive", target_quantile=QUANTILE, clip_lr=ETA,
+                      clipping="adaptive", target_unclipped_quantile=QUANTILE, clip_lr=ETA,
                       backend="eager", seed=11, blocks=False)   # the one-graph sharded path
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), dp)
     bounds = []

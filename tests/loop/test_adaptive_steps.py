@@ -22,7 +22,8 @@ def test_the_gradient_noise_is_sigma_grad_c_t_and_the_count_noise_sigma_b(noise)
     model = MLP(8, 6, 3)
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=sigma,
                       count_noise_multiplier=sigma_b, expected_batch_size=d, backend="eager",
-                      clipping="adaptive", clip_lr=eta, target_quantile=gamma, noise=noise)
+                      clipping="adaptive", clip_lr=eta, target_unclipped_quantile=gamma,
+                      noise=noise)
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), dp)
     sigma_grad = dp.dp_config.grad_noise_multiplier
     draws = {n: [] for n, _ in model.named_parameters()}
@@ -74,11 +75,12 @@ def test_make_private_threads_adaptive_clipping():
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     run = dpfx.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                             max_grad_norm=0.1, noise_multiplier=1.0, batch_size=16,
-                            backend="eager", clipping="adaptive", target_quantile=0.8,
+                            backend="eager", clipping="adaptive", target_unclipped_quantile=0.8,
                             clip_lr=0.3, count_noise_multiplier=16 / 20 + 0.6,
                             max_physical_batch_size=8)
     config = run.model.dp_config
-    assert (config.clipping, config.target_quantile, config.clip_lr) == ("adaptive", 0.8, 0.3)
+    assert (config.clipping, config.target_unclipped_quantile, config.clip_lr) == \
+        ("adaptive", 0.8, 0.3)
     for x, y in run.loader:
         run.optimizer.zero_grad()
         mse(run.model(x), y).backward()

@@ -67,7 +67,7 @@ def test_sigma0_every_step_is_the_clipped_sum(inductor_mlp, kind):
     assert opt._correlated.t == steps and opt._check.checked == steps
 
 
-EMPTY_BATCHES = pytest.mark.filterwarnings("ignore::dpfx.loop.release.BatchSizeWarning")
+EMPTY_BATCHES = pytest.mark.filterwarnings("ignore::dpfx.loop.checks.BatchSizeWarning")
 
 
 @EMPTY_BATCHES
@@ -231,7 +231,7 @@ def test_graph_noise_is_refused_naming_the_option():
 
 
 def test_adaptive_clipping_is_refused():
-    model, dp = _compiled(clipping="adaptive", target_quantile=0.5, clip_lr=0.2,
+    model, dp = _compiled(clipping="adaptive", target_unclipped_quantile=0.5, clip_lr=0.2,
                           count_noise_multiplier=5.0)
     with pytest.raises(ValueError, match="clipping='adaptive'.*fixed max_grad_norm"):
         dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp,

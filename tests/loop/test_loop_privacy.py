@@ -1,7 +1,7 @@
 """The training loop around dpfx's graph: one release per forward and per accounted step, only
 dpfx's gradients in a private step (post-processing of the release:
 tests/loop/test_post_processing.py), inputs that require grad, secure sampling, fixed seeds and
-private settings that cannot change after compile (dpfx/loop/release.py)."""
+private settings that cannot change after compile (dpfx/loop/checks.py)."""
 import logging
 import warnings
 
@@ -329,7 +329,7 @@ def test_loop_refusals_through_inductor():
 
 class FrozenStatsNet(nn.Module):
     """Eval-mode BatchNorm and InstanceNorm with running statistics (each example normalized
-    alone, written out by capture/traceable.py), and a roll over a non-batch dim."""
+    alone, written out by capture/swaps.py), and a roll over a non-batch dim."""
 
     def __init__(self):
         super().__init__()
@@ -481,7 +481,8 @@ def test_capture_settings_only_while_dynamo_captures(monkeypatch):
 
 class _RollsWhenEvaluating(nn.Module):
     """Reads F.conv2d and F.linear in training; only in eval mode also torch.roll over the
-    features, whose own version fails on the unbacked batch (capture/traceable.py's stand-in does not)."""
+    features, whose own version fails on the unbacked batch (capture/swaps.py's stand-in does
+    not)."""
 
     def __init__(self):
         super().__init__()
@@ -501,7 +502,7 @@ def test_steady_calls_swap_only_what_the_guards_read(backend):
     swaps what the guards of the entry's graphs read and no more; no call captures again for
     want of a swap (Poisson batch sizes 0 and 1 included); a later capture (eval mode, which
     reads torch.roll) runs with every swap; and between calls torch's own functions are back."""
-    from dpfx.capture import traceable
+    from dpfx.capture import swaps as capture_swaps
 
     torch.manual_seed(0)
     model = _RollsWhenEvaluating()
@@ -514,7 +515,7 @@ def test_steady_calls_swap_only_what_the_guards_read(backend):
         assert (F.linear, torch.Tensor.view, torch.roll, F.conv2d) == originals
     entry = dp._dpfx_entries[0]
     assert entry.capture.captures == 1
-    assert {"linear", "conv2d"} <= entry.swaps.names < traceable.ALL.names
+    assert {"linear", "conv2d"} <= entry.swaps.names < capture_swaps.ALL.names
     assert "roll" not in entry.swaps.names
     with torch.no_grad():
         dp.eval()
@@ -522,7 +523,7 @@ def test_steady_calls_swap_only_what_the_guards_read(backend):
             out = dp(torch.randn(batch, 1, 4, 4))
             assert out.shape == (batch, 3)
     assert entry.capture.captures == 2
-    assert {"linear", "conv2d", "roll"} <= entry.swaps.names < traceable.ALL.names
+    assert {"linear", "conv2d", "roll"} <= entry.swaps.names < capture_swaps.ALL.names
     dp.train()
     _sum_xent(dp(torch.randn(2, 1, 4, 4)), torch.arange(2) % 3).backward()
     assert entry.capture.captures == 2
@@ -534,7 +535,7 @@ def test_steady_swaps_are_all_where_the_guards_cannot_be_read(monkeypatch, guard
     """Where dynamo's guards cannot be read (None) or name too little for the graph this call
     ran to pass them (the model reads conv2d too), a steady call swaps everything, as
     before, and never captures again."""
-    from dpfx.capture import entry as capture, traceable
+    from dpfx.capture import entry as capture, swaps as capture_swaps
 
     monkeypatch.setattr(capture, "names_guards_read", lambda code: guard_names)
     torch.manual_seed(0)
@@ -543,7 +544,7 @@ def test_steady_swaps_are_all_where_the_guards_cannot_be_read(monkeypatch, guard
     for batch in (3, 1, 4):
         _sum_xent(dp(torch.randn(batch, 1, 4, 4)), torch.arange(batch) % 3).backward()
     entry = dp._dpfx_entries[0]
-    assert entry.swaps is traceable.ALL and entry.capture.captures == 1
+    assert entry.swaps is capture_swaps.ALL and entry.capture.captures == 1
 
 
 def test_capture_settings_under_a_compile_stance():

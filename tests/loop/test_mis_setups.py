@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import dpfx
-from dpfx.loop.release import BatchSizes
+from dpfx.loop.checks import BatchSizes
 from support.models import MLP
 from support.reference import assert_close, dp_sgd_grads
 

@@ -65,7 +65,7 @@ def _noise(path: str) -> dict:
         _shard(model)
     settings = dict(max_grad_norm=C, noise_multiplier=SIGMA, seed=7, backend="eager")
     if path.startswith("adaptive"):
-        settings.update(clipping="adaptive", target_quantile=QUANTILE, clip_lr=ETA,
+        settings.update(clipping="adaptive", target_unclipped_quantile=QUANTILE, clip_lr=ETA,
                         count_noise_multiplier=SIGMA_B)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     if path == "replicated":

@@ -334,7 +334,7 @@ def test_token_mean_neighbours_move_at_most_C():
     assert torch.sqrt(sum((after[k] - before[k]).pow(2).sum() for k in before)) > bound
 
 
-# Note [The steady-state key] in dpfx/loss/steady.py: a loss proven once is not proven again
+# Note [The steady-state key] in dpfx/loss/verdict_key.py: a loss proven once is not proven again
 # while its recorded calls stay the same; a loss that changes is proven (or refused) again.
 SWITCHED = {   # name: (the private loss, the leaking one it turns into, the op refused)
     "batch_centering": (lambda o, y, d: F.cross_entropy(o, y),
@@ -365,12 +365,12 @@ def no_written_tensors():
 def test_steady_state_switch_to_a_leaking_loss_is_refused(name):
     """A private loss for N steps (all but the first in the steady state), then a leaking one:
     refused at the switch, before anything is written."""
-    from dpfx.loss import steady as loss_steady
+    from dpfx.loss import verdict_key as loss_verdict_key
     model, x, y = _fc()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
     private, leaking, op = SWITCHED[name]
     leaking = leaking or (lambda o, y, d: private(o, y, 0))
-    hits = loss_steady.counters["hit"]
+    hits = loss_verdict_key.counters["hit"]
     for step in range(6):
         batch = (5, 3, 4)[step % 3]
         labels = dpfx.track_batch(y[:batch]) if name == "label_histogram" else y[:batch]
@@ -382,7 +382,7 @@ def test_steady_state_switch_to_a_leaking_loss_is_refused(name):
         with pytest.raises(dpfx.PrivacyError, match=f"op {op}"):
             loss(dp(x[:batch]), labels, 1).backward()
         assert all(p.grad is None for p in model.parameters())
-    assert loss_steady.counters["hit"] - hits == 4
+    assert loss_verdict_key.counters["hit"] - hits == 4
 
 
 @pytest.mark.usefixtures("no_written_tensors")
@@ -390,7 +390,7 @@ def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
     """A token mean whose count of ignored labels changes every step, at changing batch sizes:
     the count read from nll_loss's node (Note [A token mean's count]) gives the full path's
     release (up to the order of the kernels' sums)."""
-    from dpfx.loss import steady as loss_steady
+    from dpfx.loss import verdict_key as loss_verdict_key
     torch.manual_seed(0)
     model = Tokens()
     ids, y, w = _data(6, seed=5)
@@ -407,10 +407,10 @@ def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
                                labels[start:], w[start:]))
         return grads
 
-    hits = loss_steady.counters["hit"]
+    hits = loss_verdict_key.counters["hit"]
     steady = run()
-    assert loss_steady.counters["hit"] - hits >= 4
-    monkeypatch.setattr(loss_steady, "lookup", lambda *a: None)
+    assert loss_verdict_key.counters["hit"] - hits >= 4
+    monkeypatch.setattr(loss_verdict_key, "lookup", lambda *a: None)
     full = run()
     for a, b in zip(steady, full):     # a count off by one would move them by 1/N
         assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -420,20 +420,20 @@ def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
 def test_steady_state_cache_is_bounded(monkeypatch):
     """Many distinct losses: the steady-state cache keeps the most recent _CACHE_SIZE, and a
     loss dropped from it takes the full path again."""
-    from dpfx.loss import steady as loss_steady
-    monkeypatch.setattr(loss_steady, "_CACHE_SIZE", 4)
-    loss_steady._STEADY.clear()
+    from dpfx.loss import verdict_key as loss_verdict_key
+    monkeypatch.setattr(loss_verdict_key, "_CACHE_SIZE", 4)
+    loss_verdict_key._STEADY.clear()
     model, x, y = _fc()
     dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
     for k in range(10):
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             F.cross_entropy(dp(x), y, ignore_index=-1 - k).backward()
-        assert len(loss_steady._STEADY) <= 4
-    hits = loss_steady.counters["hit"]
+        assert len(loss_verdict_key._STEADY) <= 4
+    hits = loss_verdict_key.counters["hit"]
     model.zero_grad(set_to_none=True)
     F.cross_entropy(dp(x), y, ignore_index=-1).backward()
-    assert loss_steady.counters["hit"] == hits
+    assert loss_verdict_key.counters["hit"] == hits
 
 
 # Note [A stack of batch sums] in dpfx/loss/check.py: per-position losses, each a sum or mean
@@ -506,11 +506,11 @@ def _check_stack(name, path, reduction, backend, batches=(3, 1, 0)):
         return verdicts[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        from dpfx.loss import steady as loss_steady
+        from dpfx.loss import verdict_key as loss_verdict_key
         patch.setattr(loss_check, "analyze", analyze)
         # proven afresh, not found among earlier tests' verdicts
         patch.setattr(loss_verdicts, "_VERDICTS", collections.OrderedDict())
-        patch.setattr(loss_steady, "_STEADY", collections.OrderedDict())
+        patch.setattr(loss_verdict_key, "_STEADY", collections.OrderedDict())
         dp = _stack_compile(model, path, loss, max_grad_norm=bound, loss_reduction=reduction,
                             expected_batch_size=expected, backend=backend)
         tol = {"rtol": 1e-4, "atol": 1e-6}
@@ -608,7 +608,7 @@ def test_a_stack_selected_by_a_number_read_from_the_labels_is_refused():
 def test_stacked_batch_means_in_the_steady_state(monkeypatch):
     """A stack of batch means (no Python number to evaluate) is found by the steady-state key
     after its first proof, at changing batch sizes, and releases what the full path releases."""
-    from dpfx.loss import steady as loss_steady
+    from dpfx.loss import verdict_key as loss_verdict_key
     loss, _ = STACKS["stack_of_means_mean"]
     torch.manual_seed(0)
     model = Tokens()
@@ -619,10 +619,10 @@ def test_stacked_batch_means_in_the_steady_state(monkeypatch):
         return [_stack_step(dp, model, "plain", loss, ids[:batch], y[:batch])
                 for batch in (5, 3, 4, 5, 3, 4)]
 
-    hits = loss_steady.counters["hit"]
+    hits = loss_verdict_key.counters["hit"]
     steady = run()
-    assert loss_steady.counters["hit"] - hits >= 4
-    monkeypatch.setattr(loss_steady, "lookup", lambda *a: None)
+    assert loss_verdict_key.counters["hit"] - hits >= 4
+    monkeypatch.setattr(loss_verdict_key, "lookup", lambda *a: None)
     for a, b in zip(steady, run()):
         assert_close(a, b, rtol=1e-5, atol=1e-7)
 

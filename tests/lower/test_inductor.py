@@ -91,9 +91,9 @@ def test_cache_key_covers_every_dpfx_source(tmp_path):
 
 
 def test_kernel_groups_split_at_100_arguments(monkeypatch):
-    """Note [CPU kernel groups of at most 100 arguments] (lower/fast.py): dpfx's backward tail of a
-    many-parameter model is written as several C++ functions, the limit is dpfx's alone (plain
-    torch.compile keeps Inductor's), and the split code is exact."""
+    """Note [CPU kernel groups of at most 100 arguments] (lower/codegen_patches.py): dpfx's backward
+    tail of a many-parameter model is written as several C++ functions, the limit is dpfx's alone
+    (plain torch.compile keeps Inductor's), and the split code is exact."""
     from torch._inductor.codegen.cpp import CppScheduling
 
     limits, flushes = [], []
@@ -106,7 +106,7 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
 
     monkeypatch.setattr(CppScheduling, "_set_flush_status", recording)
     from dpfx.lower import inductor as lowering
-    from dpfx.lower import fast as lower_fast
+    from dpfx.lower import codegen_patches as lower_codegen
     inner = lowering.compile_fx_inner
 
     def seen(*args, **kwargs):
@@ -125,8 +125,8 @@ def test_kernel_groups_split_at_100_arguments(monkeypatch):
             got = run_dpfx(dp, model, mse, x, y)
             want = dp_sgd_grads(model, mse, x, y, max_grad_norm=0.05, expected_batch_size=3)
             assert_close(got, want, rtol=1e-4, atol=1e-6)
-    assert limits == [lower_fast.KERNEL_GROUP_ARGS] * 2       # forward and backward
-    assert lower_fast.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
+    assert limits == [lower_codegen.KERNEL_GROUP_ARGS] * 2       # forward and backward
+    assert lower_codegen.KERNEL_GROUP_ARGS in flushes            # the backward's tail was split
     assert CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM == before == 500
 
 

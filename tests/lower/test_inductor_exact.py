@@ -1,6 +1,6 @@
 """What Inductor runs must be the graph dpfx proved (Note [Inductor must not assume what it cannot
-check] in dpfx/lower/exact.py). Each model in CASES compiled to code that mixed examples, or failed
-on a guard, before the fix; NormedTokens checks the stacked release of vector parameters. Every
+check] in dpfx/lower/shape_patches.py). Each model in CASES compiled to code that mixed examples,
+or failed on a guard, before the fix; NormedTokens checks the stacked release of vector parameters. Every
 test runs through Inductor with a cold and then a warm FX-graph cache, at batch sizes equal to
 the model's other dims (heads, T, d)."""
 import pytest
@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dpfx
-from dpfx.lower.exact import UncheckedAssumption, no_unchecked_assumptions
+from dpfx.lower.shape_patches import UncheckedAssumption, no_unchecked_assumptions
 from support.models import MHAHead, TiedAutoencoder, TiedLM, TwoLookupLM
 from support.reference import assert_close, clip_fraction, dp_sgd_grads, per_example_grads, run_dpfx
 

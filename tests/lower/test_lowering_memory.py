@@ -1,14 +1,14 @@
 """dpfx's lowering patch that changes Inductor's code for memory: Note [A shared sum stored so
-that its inputs die] in dpfx/lower/fast.py. The stored sum gives the same DP-SGD gradient at every
-batch size, through Inductor, and its backward holds fewer bytes at its peak than Inductor's own
-choice."""
+that its inputs die] in dpfx/lower/codegen_patches.py. The stored sum gives the same DP-SGD
+gradient at every batch size, through Inductor, and its backward holds fewer bytes at its peak than
+Inductor's own choice."""
 import contextlib
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dpfx
-from dpfx.lower import fast as lower_fast
+from dpfx.lower import codegen_patches as lower_codegen
 from support.models import ProjectedResNet, xent
 from support.reference import check_every_batch_size, run_dpfx
 
@@ -32,7 +32,7 @@ def _backward_peak(step) -> int:
 
 def _record_stored(monkeypatch) -> list:
     """The names of the nodes dpfx's lowering stores from now on (the patch left in place)."""
-    inner, stored = lower_fast.shared_sums_stored, []
+    inner, stored = lower_codegen.shared_sums_stored, []
 
     @contextlib.contextmanager
     def recorded():
@@ -40,7 +40,7 @@ def _record_stored(monkeypatch) -> list:
             yield made
             stored.extend(made)
 
-    monkeypatch.setattr(lower_fast, "shared_sums_stored", recorded)
+    monkeypatch.setattr(lower_codegen, "shared_sums_stored", recorded)
     return stored
 
 
@@ -59,7 +59,7 @@ def test_a_shared_sum_is_stored_so_that_its_inputs_die(monkeypatch):
     assert stored, "no shared sum was stored"
     patched = _backward_peak(lambda: run_dpfx(dp, model, xent, x, y))
 
-    monkeypatch.setattr(lower_fast, "shared_sums_stored", contextlib.nullcontext)
+    monkeypatch.setattr(lower_codegen, "shared_sums_stored", contextlib.nullcontext)
     torch._dynamo.reset()
     plain_dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0,
                             expected_batch_size=8)

@@ -18,7 +18,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 import dpfx
 import dpfx.backend
-from dpfx.lower import exact as lower_exact, fast as lower_fast
+from dpfx.lower import codegen_patches as lower_codegen, shape_patches as lower_shapes
 from support.models import ResNetGN, SeqModel, mse, xent
 from support.reference import assert_close, dp_sgd_grads, run_dpfx
 
@@ -43,7 +43,7 @@ def polynomials(draw):
 @settings(max_examples=150, deadline=None)
 @given(index=polynomials(), var=st.sampled_from(LOOP), vec=st.sampled_from([None, 4, 8, 16]))
 def test_polynomial_strides_match_inductor(index, var, vec):
-    fast = lower_fast._polynomial_strides(INDUCTOR)
+    fast = lower_codegen._polynomial_strides(INDUCTOR)
     got, want = fast(index, var, vec), INDUCTOR(index, var, vec)
     if want.is_number:
         assert got == want and got.is_Integer == want.is_Integer
@@ -55,7 +55,7 @@ def test_affine_indices_of_an_unbacked_batch():
     """Indices as the LSTM's, GPT-2's and the ResNet's kernels hold them."""
     x0, x1, d2 = LOOP
     u0 = SIZES[0]
-    fast = lower_fast._polynomial_strides(INDUCTOR)
+    fast = lower_codegen._polynomial_strides(INDUCTOR)
     for index, var in [(512 * x0 + x1 + 8192 * u0 + 384, x0), (512 * x0 * u0 + x1, x0),
                        (64 * x0 + 64 * x1 * u0 + d2, x1), (x1 + 256 * d2, x1), (7 * u0 + 3, x0)]:
         assert fast(index, var, 16) == INDUCTOR(index, var, 16)
@@ -70,7 +70,7 @@ def test_other_indices_are_inductors():
         calls.append(index)
         return INDUCTOR(index, var, vec_length)
 
-    fast = lower_fast._polynomial_strides(inductors)
+    fast = lower_codegen._polynomial_strides(inductors)
     for index in [32768 * x0 + 8192 * FloorDiv(x1, 64) + ModularIndexing(x1, 1, 64),
                   8 * x0 + FloorDiv(x1, 2) + u0]:
         assert fast(index, x1, 16) == INDUCTOR(index, x1, 16)
@@ -91,7 +91,7 @@ def test_dtype_rules_built_once_until_a_rule_changes():
 
     DtypePropagationOpsHandler.__init__ = counted
     try:
-        with lower_fast.dtype_rules_once():
+        with lower_codegen.dtype_rules_once():
             first = DtypePropagationOpsHandler()
             for _ in range(3):
                 assert DtypePropagationOpsHandler() is first
@@ -139,7 +139,7 @@ def test_optimization_hints_once_per_expression_and_state():
         m._optimization_hint_base = counted
     try:
         want = {(e, f): inductors(env, e, {}, f) for e in exprs for f in (None, 0, 42)}
-        with lower_fast.optimization_hints_once():
+        with lower_codegen.optimization_hints_once():
             assert symbolic_shapes._optimization_hint_base is not counted
             assert sizevars._optimization_hint_base is not counted
             for _ in range(3):
@@ -180,7 +180,7 @@ def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool 
 
     monkeypatch.setattr(Scheduler, "can_fuse", counted)
     if patched:
-        keeping, values_kept = lower_fast.fusion_refusals_kept, lower_exact.fake_values_kept
+        keeping, values_kept = lower_codegen.fusion_refusals_kept, lower_shapes.fake_values_kept
 
         @contextlib.contextmanager
         def recorded():
@@ -194,15 +194,15 @@ def _lowered_code(model, loss_fn, x, y, patched: bool, monkeypatch, check: bool 
                 yield graphs
                 lowered_on_own_values.extend(graphs)
 
-        monkeypatch.setattr(lower_fast, "fusion_refusals_kept", recorded)
-        monkeypatch.setattr(lower_fast, "_CHECK_KEPT_REFUSALS", check)
-        monkeypatch.setattr(lower_exact, "fake_values_kept", values_recorded)
-        monkeypatch.setattr(lower_exact, "_CHECK_KEPT_VALUES", check)
+        monkeypatch.setattr(lower_codegen, "fusion_refusals_kept", recorded)
+        monkeypatch.setattr(lower_codegen, "_CHECK_KEPT_REFUSALS", check)
+        monkeypatch.setattr(lower_shapes, "fake_values_kept", values_recorded)
+        monkeypatch.setattr(lower_shapes, "_CHECK_KEPT_VALUES", check)
     else:
-        monkeypatch.setattr(lower_fast, "polynomial_vector_strides", contextlib.nullcontext)
-        monkeypatch.setattr(lower_fast, "dtype_rules_once", contextlib.nullcontext)
-        monkeypatch.setattr(lower_fast, "fusion_refusals_kept", contextlib.nullcontext)
-        monkeypatch.setattr(lower_exact, "fake_values_kept", lambda: contextlib.nullcontext([]))
+        monkeypatch.setattr(lower_codegen, "polynomial_vector_strides", contextlib.nullcontext)
+        monkeypatch.setattr(lower_codegen, "dtype_rules_once", contextlib.nullcontext)
+        monkeypatch.setattr(lower_codegen, "fusion_refusals_kept", contextlib.nullcontext)
+        monkeypatch.setattr(lower_shapes, "fake_values_kept", lambda: contextlib.nullcontext([]))
         monkeypatch.setattr(dpfx.backend, "optimization_hints_once", contextlib.nullcontext)
     dp = dpfx.compile(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=3)
     with torch._inductor.config.patch(force_disable_caches=True):
@@ -230,12 +230,12 @@ def test_same_code_and_gradients_through_inductor(monkeypatch):
             (ResNetGN(), xent, torch.randn(3, 1, 8, 8), torch.randint(0, 3, (3,)))]:
         torch.manual_seed(0)
         want = dp_sgd_grads(model, loss_fn, x, y, max_grad_norm=0.05, expected_batch_size=3)
-        lower_fast._polynomial_strides.cache_clear()
+        lower_codegen._polynomial_strides.cache_clear()
         got, fast_code, asked_checked, kept, own_values = _lowered_code(model, loss_fn, x, y,
                                                                         True, monkeypatch)
         assert len(own_values) == 2       # the forward and the backward, values compared
-        assert lower_fast._polynomial_strides.cache_info().currsize == 1
-        assert lower_fast._polynomial_strides(INDUCTOR).cache_info().misses > 0
+        assert lower_codegen._polynomial_strides.cache_info().currsize == 1
+        assert lower_codegen._polynomial_strides(INDUCTOR).cache_info().misses > 0
         assert cpp.stride_at_vec_range is INDUCTOR
         assert DtypePropagationOpsHandler.__init__ is dtype_init
         assert WhyNoFuse.__call__ is why_call

@@ -1,8 +1,8 @@
-"""The lowering's patches (lower/inductor.py): each one in exact.py or fast.py says which torch
-it was written for, and each is entered where dpfx lowers or captures."""
+"""The lowering's patches (lower/inductor.py): each one in shape_patches.py or codegen_patches.py
+says which torch it was written for, and each is entered where dpfx lowers or captures."""
 import inspect
 
-from dpfx.lower import exact, fast, inductor
+from dpfx.lower import codegen_patches, inductor, shape_patches
 
 
 def _patches(module) -> set[str]:
@@ -12,12 +12,13 @@ def _patches(module) -> set[str]:
 
 
 def test_each_patch_names_its_torch_and_is_entered():
-    assert _patches(exact) == set(exact.TORCH_VERSIONS)
-    assert _patches(fast) == set(fast.TORCH_VERSIONS)
-    entered = {cm.gen.__name__ for cm in inductor.exact_patches(None) + inductor.fast_patches()}
-    assert set(exact.TORCH_VERSIONS) <= entered
+    assert _patches(shape_patches) == set(shape_patches.TORCH_VERSIONS)
+    assert _patches(codegen_patches) == set(codegen_patches.TORCH_VERSIONS)
+    entered = {cm.gen.__name__
+               for cm in inductor.shape_patch_list(None) + inductor.codegen_patch_list()}
+    assert set(shape_patches.TORCH_VERSIONS) <= entered
     # optimization_hints_once is entered around the whole capture (backend/__init__.py), the
     # rest here
-    assert set(fast.TORCH_VERSIONS) - entered == {"optimization_hints_once"}
+    assert set(codegen_patches.TORCH_VERSIONS) - entered == {"optimization_hints_once"}
     import dpfx.backend
-    assert dpfx.backend.optimization_hints_once is fast.optimization_hints_once
+    assert dpfx.backend.optimization_hints_once is codegen_patches.optimization_hints_once

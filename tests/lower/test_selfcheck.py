@@ -218,9 +218,9 @@ def test_catches_the_real_torch_miscompile(tmp_path, monkeypatch):
     B == 1: a cold cache fails on a guard, and a warm cache runs code that mixes examples. The
     self-check must refuse the warm-cache code before it trains."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(dpfx.lower.exact, "no_unchecked_assumptions",
+    monkeypatch.setattr(dpfx.lower.shape_patches, "no_unchecked_assumptions",
                         lambda env: contextlib.nullcontext())
-    monkeypatch.setattr(dpfx.lower.exact, "bmm_operands_contiguous", contextlib.nullcontext)
+    monkeypatch.setattr(dpfx.lower.shape_patches, "bmm_operands_contiguous", contextlib.nullcontext)
     # AOTAutogradCache off (Note [A warm start without the joint trace] in lower/warm.py): with it,
     # the third attempt stops at the first attempts' guard instead, before any code runs
     with torch._functorch.config.patch(enable_autograd_cache=False):

@@ -77,7 +77,7 @@ def test_each_step_is_the_reference_at_its_bound_through_inductor(reduction, str
     expected = 4 if reduction == "mean" else None
     dp = dpfx.compile(model, max_grad_norm=_first_bound(model, loss_fn), noise_multiplier=0.0,
                       loss_reduction=reduction, expected_batch_size=expected, strategy=strategy,
-                      clipping="adaptive", clip_lr=ETA, target_quantile=GAMMA)
+                      clipping="adaptive", clip_lr=ETA, target_unclipped_quantile=GAMMA)
     assert dp.dp_config.backend == "inductor" and dp.dp_config.self_check
 
     def step(x, y):
@@ -102,7 +102,7 @@ def test_each_step_is_the_reference_with_noise_at_the_optimizer(reduction, strat
     dp = dpfx.compile(model, max_grad_norm=_first_bound(model, loss_fn), noise_multiplier=0.0,
                       loss_reduction=reduction, expected_batch_size=expected, strategy=strategy,
                       backend=backend, noise="optimizer", clipping="adaptive", clip_lr=ETA,
-                      target_quantile=GAMMA)
+                      target_unclipped_quantile=GAMMA)
     opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), dp)
 
     def step(x, y):
@@ -140,7 +140,7 @@ def test_one_canary_moves_the_release_by_at_most_the_step_bound_over_d():
     model = MLP()
     d = 4
     dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=d,
-                      clipping="adaptive", clip_lr=1.0, target_quantile=0.9)
+                      clipping="adaptive", clip_lr=1.0, target_unclipped_quantile=0.9)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     for _ in range(3):
         run_dpfx_multi(dp, model, mse, (x,), y)
@@ -277,7 +277,7 @@ def test_a_count_that_is_not_the_proven_form_is_refused(plant):
     (dict(count_noise_multiplier=0.5), "must exceed noise_multiplier / 2"),
     (dict(count_noise_multiplier=None), "needs count_noise_multiplier"),
     (dict(max_grad_norm={"": 1.0}), "per-layer adaptive bounds are not supported"),
-    (dict(target_quantile=1.0), "target_quantile must be"),
+    (dict(target_unclipped_quantile=1.0), "target_unclipped_quantile must be"),
     (dict(clip_lr=0.0), "clip_lr must be"),
     (dict(clipping="flat"), "pass clipping='adaptive' too"),
 ])

@@ -30,7 +30,7 @@ class _Scale(torch.nn.Module):
 
 
 @pytest.mark.parametrize("quantile", [0.5, 0.9])
-def test_the_bound_converges_to_the_target_quantile(quantile):
+def test_the_bound_converges_to_the_target_unclipped_quantile(quantile):
     """Norms |x_i| ~ Uniform(0, 2): the gamma-quantile is 2 gamma. From C_0 = 0.1 (or 10), with
     sigma = 1 (sigma_b = B / 20, as Andrew et al. suggest) and eta = 0.2, the bound averaged
     over the last 100 of 300 steps of B = 200 is within 5% of it."""
@@ -41,7 +41,7 @@ def test_the_bound_converges_to_the_target_quantile(quantile):
         warnings.simplefilter("ignore")
         dp = dpfx.compile(model, max_grad_norm=start, noise_multiplier=1.0,
                           loss_reduction="sum", expected_batch_size=b, backend="eager",
-                          clipping="adaptive", target_quantile=quantile, clip_lr=eta,
+                          clipping="adaptive", target_unclipped_quantile=quantile, clip_lr=eta,
                           count_noise_multiplier=b / 20, seed=0)
         g = torch.Generator().manual_seed(0)
         bounds = []

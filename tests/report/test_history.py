@@ -63,7 +63,7 @@ def test_the_figure_draws_the_adaptive_bound_after_each_step(tmp_path):
     initial = bound_that_bites(per_example_norms(per_example_grads(model, mse, *batches[0])))
     dp = dpfx.compile(model, max_grad_norm=initial, noise_multiplier=1.0, clipping="adaptive",
                       count_noise_multiplier=1.0, expected_batch_size=16, clip_lr=3.0,
-                      target_quantile=0.9, track_norms=True)
+                      target_unclipped_quantile=0.9, track_norms=True)
     accountant = dpfx.privacy.Accountant()
     history = dpfx.report.RunHistory(dp, accountant, delta=1e-5)
     opt, bounds, want, at_initial = _optimizer(dp, model, accountant), [], [], []

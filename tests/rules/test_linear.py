@@ -369,7 +369,7 @@ def test_frozen_parameters_take_no_part():
 def test_width_one_hidden_layer_matches_reference(d_in, d_out, extra, batch, bias, reduction,
                                                   strategy):
     """A Linear fed one feature that needs a gradient used to fail capture on Eq(u0, 1) (Note
-    [A Linear with one input feature] in capture/traceable.py): fc2 is written as a broadcast
+    [A Linear with one input feature] in capture/swaps.py): fc2 is written as a broadcast
     product, so its weight takes the sum rule; fc1, on data that needs no gradient, is untouched."""
     torch._dynamo.reset()
     model = MLP(d_in, 1, d_out, bias)
@@ -442,7 +442,7 @@ class BilinearModel(nn.Module):
        bias=st.booleans(), reduction=st.sampled_from(["mean", "sum"]),
        strategy=st.sampled_from(["materialize", "ghost", "auto"]))
 def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
-    """nn.Bilinear captures through dpfx.capture.traceable's written-out F.bilinear: the weight is an mm
+    """nn.Bilinear captures through dpfx.capture.swaps's written-out F.bilinear: the weight is an mm
     (either strategy), the bias a sum."""
     torch._dynamo.reset()
     torch.manual_seed(batch)
@@ -463,7 +463,7 @@ def test_bilinear(batch, d1, d2, seq, bias, reduction, strategy):
 
 class ViewMinusOne(nn.Module):
     """``x.view(x.shape[0], -1)`` and ``reshape(x.size(0), -1, 4)``: torch's size inference
-    divides by the batch; dpfx.capture.traceable writes the -1 out so that B = 0 still runs."""
+    divides by the batch; dpfx.capture.swaps writes the -1 out so that B = 0 still runs."""
 
     def __init__(self):
         super().__init__()

@@ -367,7 +367,7 @@ def test_channels_last_input_is_made_contiguous():
     """Note [Inputs enter row-major] (dpfx/compiled_call.py): a channels-last input is copied
     row-major before dpfx's graph (which needs no copy of its own), and trains exactly.
     Channels-last strides made inside the model: Note [Channels-last strides made inside the
-    model] (dpfx/capture/traceable.py), tests/graph/test_merged_batch.py."""
+    model] (dpfx/capture/swaps.py), tests/graph/test_merged_batch.py."""
     torch._dynamo.reset()
     x, y = torch.randn(3, 2, 6, 6).contiguous(memory_format=torch.channels_last), labels(3)
     model = conv_classifier(nn.Conv2d(2, 4, 3, padding=1), x)
@@ -572,7 +572,7 @@ def test_one_channel_conv_into_linear_matches_reference(dim, in_ch, size, batch,
                                                         first_layer):
     """A conv with one output channel and one output position flattens to one feature, and the
     head's Linear(1, n) used to fail capture on Eq(u0, 1) (Note [A Linear with one input
-    feature] in capture/traceable.py); the head's weight now takes the sum rule."""
+    feature] in capture/swaps.py); the head's weight now takes the sum rule."""
     torch._dynamo.reset()
     x = torch.randn(batch, in_ch, *[size] * dim) * 3
     y = labels(batch)

@@ -377,7 +377,7 @@ def test_embedding_dense_backward_refuses_scale_grad_by_freq(without_embedding_d
        weighted=st.booleans(), reduction=st.sampled_from(["mean", "sum"]),
        strategy=st.sampled_from(["auto", "materialize"]))
 def test_embedding_bag(mode, batch, bag, padding_idx, weighted, reduction, strategy):
-    """nn.EmbeddingBag over (B, L) ids (dpfx.capture.traceable writes the bag out): sum (optionally
+    """nn.EmbeddingBag over (B, L) ids (dpfx.capture.swaps writes the bag out): sum (optionally
     weighted), mean and max, padding entries left out of the bag, repeated ids in a bag."""
     weighted = weighted and mode == "sum"
     torch.manual_seed(batch * 7 + bag)
@@ -393,7 +393,7 @@ def test_embedding_bag(mode, batch, bag, padding_idx, weighted, reduction, strat
 
 def test_embedding_bag_matches_torch_forward():
     """The written-out bag equals torch's kernel, empty (all-padding) bags included."""
-    from dpfx.capture.traceable import _embedding_bag_written_out
+    from dpfx.capture.swaps import _embedding_bag_written_out
 
     w = torch.randn(6, 3)
     x = torch.tensor([[1, 2, 2, 0], [0, 0, 0, 0], [5, 4, 3, 1]])

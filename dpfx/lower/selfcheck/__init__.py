@@ -7,10 +7,10 @@
 # Note [Checking what Inductor generated]
 The verifier proves the FX graph; Inductor then generates the code that runs, and torch's handling
 of an unbacked batch has had bugs the graph cannot show (Note [Inductor must not assume what it
-cannot check] in lower/exact.py: a head split that mixed examples). So before a compiled forward and
-backward pair first runs on the user's data, dpfx runs both on synthetic batches of SIZES examples
-(Note [The self-check's two batch sizes]) built like the user's inputs (floats with the inputs'
-mean and spread, integers within the inputs' range (a captured loss's integer targets: drawn
+cannot check] in lower/shape_patches.py: a head split that mixed examples). So before a
+compiled forward and backward pair first runs on the user's data, dpfx runs both on synthetic
+batches of SIZES examples (Note [The self-check's two batch sizes]) built like the user's inputs
+(floats with the inputs' mean and spread, integers within the inputs' range (a captured loss's integer targets: drawn
 from the values they hold), boolean rows copied from the inputs) and with the real parameters,
 and checks:
 

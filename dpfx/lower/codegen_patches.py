@@ -1,4 +1,6 @@
-"""The patches that make compiling dpfx's graphs fast, or their code lean (torch 2.13).
+"""Patches to how Inductor generates code for dpfx's graphs (torch 2.13): smaller CPU kernel
+groups, and vector strides, dtype rules, fusion refusals and optimization hints each computed
+once, for a fast compile; a shared sum stored, for lean code.
 
     with smaller_cpu_kernel_groups(), polynomial_vector_strides(), dtype_rules_once(), \
             fusion_refusals_kept(), shared_sums_stored():
@@ -20,7 +22,7 @@ import functools
 import sympy
 import torch
 
-from dpfx.lower.exact import _expr
+from dpfx.lower.shape_patches import _expr
 
 # torch versions each patch was written and measured for
 TORCH_VERSIONS = {"smaller_cpu_kernel_groups": "2.13", "polynomial_vector_strides": "2.13",

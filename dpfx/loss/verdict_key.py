@@ -1,6 +1,6 @@
-"""The loss check's steady state: a step whose recorded loss is one already proven reuses the
-verdict without rebuilding its program, and reads a token mean's count where the loss's own
-kernel left it.
+"""The loss verdicts' cache keyed by the trace's records, the loss check's steady state: a step
+whose recorded loss is one already proven reuses the verdict without rebuilding its program, and
+reads a token mean's count where the loss's own kernel left it.
 
     for x, y in loader:
         F.cross_entropy(dp(x), y).backward()   # step 1: replayed and proven (loss/check.py);

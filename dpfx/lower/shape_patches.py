@@ -1,4 +1,7 @@
-"""The patches that make Inductor's code compute the graph dpfx proved (torch 2.13).
+"""Patches to how Inductor treats the shapes of dpfx's graphs (torch 2.13): no unchecked
+assumption about the unbacked batch, bmm operands made contiguous where a stride test would guard
+it, and the fake values dpfx proved lowered as they are. Without them Inductor's code could differ
+from the proven graph.
 
     with no_unchecked_assumptions(shape_env), bmm_operands_contiguous(), fake_values_kept():
         compiled = compile_fx_inner(gm, example_inputs)        # (lower/inductor.py)
