@@ -231,7 +231,8 @@ def compile(model: torch.nn.Module, *, max_grad_norm: float | dict[str, float],
     at ``max_grad_norm`` and follows the ``target_unclipped_quantile`` of the per-sample
     norms, moved after every step by C_t * exp(-clip_lr * (b_t - target_unclipped_quantile))
     with b_t the fraction of unclipped examples, released with noise std
-    ``count_noise_multiplier`` (sigma_b, required when sigma > 0 and > sigma / 2); the gradient's noise multiplier becomes
+    ``count_noise_multiplier`` (sigma_b, required when sigma > 0 and > sigma / 2); the
+    gradient's noise multiplier becomes
     (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the step costs what sigma costs (Note [Adaptive
     clipping] in privacy/adaptive.py; ``dp_model.adaptive_clip.bound`` is C_t). ``clipping``
     may be a ``dpfx.Clipping`` that holds these options (then none of the loose keywords);

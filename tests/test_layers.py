@@ -39,7 +39,8 @@ LAYERS = [
     """capture capture.batch_branches capture.entry capture.errors capture.modules
        capture.requires_grad_skip capture.rnn capture.swaps""",
     # 4 lowering
-    """lower lower.cpu_builds lower.codegen_patches lower.shape_patches lower.inductor lower.trust lower.warm
+    """lower lower.cpu_builds lower.codegen_patches lower.shape_patches lower.inductor lower.trust
+       lower.warm
        lower.selfcheck lower.selfcheck.batches lower.selfcheck.check lower.selfcheck.compare
        lower.selfcheck.grow lower.selfcheck.markers lower.selfcheck.reference
        lower.selfcheck.stream""",

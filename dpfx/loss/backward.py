@@ -16,7 +16,8 @@ import warnings
 import torch
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import arranged, check as loss_check, scale as loss_scale, verdict_key as loss_verdict_key
+from dpfx.loss import (arranged, check as loss_check, scale as loss_scale,
+                       verdict_key as loss_verdict_key)
 from dpfx.loss.arranged import LossScaleWarning, arranged_scale, scale_message
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES,
                             SECOND_BACKWARD, compiled_name, compiled_nodes)

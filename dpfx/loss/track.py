@@ -45,7 +45,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from dpfx.errors import PrivacyError
-from dpfx.loss import check as loss_check, replay as loss_replay, verdict_key as loss_verdict_key
+from dpfx.loss import (check as loss_check, replay as loss_replay,
+                       verdict_key as loss_verdict_key)
 from dpfx.loss.arranged import ARRANGED, ARRANGING
 from dpfx.loss.backward import release
 from dpfx.loss.gate import BACKWARD_CALLS, TWO_FORWARDS

@@ -14,7 +14,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from dpfx.loss import arranged, check as loss_check, replay as loss_replay, verdict_key as loss_verdict_key
+from dpfx.loss import (arranged, check as loss_check, replay as loss_replay,
+                       verdict_key as loss_verdict_key)
 
 
 def forget() -> None:
