@@ -592,8 +592,8 @@ class CapturedLoss(torch.Tensor):
 # nothing released, as in the plain loop; a constant added (``loss + 1.0``, ``loss - c``) has no
 # gradient at all. The result of either stays a ``CapturedLoss`` whose multiple is the product
 # of the scales (a shift keeps it; ``c - loss`` negates it), and its backward releases exactly
-# what ``loss.backward()`` does, its sign kept (Note [A negative multiple of the captured
-# loss]; ``_release`` refuses a zero multiple). A constant is a Python number or a 0-d tensor that needs no gradient, read
+# what ``loss.backward()`` does, its sign kept (``_release`` refuses a zero multiple; See
+# Note [A negative multiple of the captured loss]). A constant is a Python number or a 0-d tensor that needs no gradient, read
 # with ``float`` when it is applied. Anything else (a tensor that needs a gradient, a weight per
 # example, another op on the loss, in place or not) gives a plain tensor whose backward reaches
 # dpfx's graph unproven; what happened is told to the gate (``ReleaseGate.left_capture``),

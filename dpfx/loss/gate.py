@@ -309,8 +309,8 @@ class ReleaseGate:
     @contextlib.contextmanager
     def proven(self, sign: float = 1.0):
         """While a loss dpfx proved runs its backward: dpfx's backward graph may release.
-        ``sign`` -1: the backward graph's runner negates what it releases (Note [A negative
-        multiple of the captured loss] in loss/captured.py)."""
+        ``sign`` -1: the backward graph's runner negates what it releases
+        (Note [A negative multiple of the captured loss] in loss/captured.py)."""
         if sign not in (1.0, -1.0):
             raise ValueError(f"a release's sign is 1 or -1, not {sign}")
         self._proven += 1
