@@ -593,8 +593,9 @@ class CapturedLoss(torch.Tensor):
 # gradient at all. The result of either stays a ``CapturedLoss`` whose multiple is the product
 # of the scales (a shift keeps it; ``c - loss`` negates it), and its backward releases exactly
 # what ``loss.backward()`` does, its sign kept (``_release`` refuses a zero multiple; See
-# Note [A negative multiple of the captured loss]). A constant is a Python number or a 0-d tensor that needs no gradient, read
-# with ``float`` when it is applied. Anything else (a tensor that needs a gradient, a weight per
+# Note [A negative multiple of the captured loss]). A constant is a Python number or a 0-d
+# tensor that needs no gradient (a negative one is refused), read with ``float`` when it is
+# applied. Anything else (a tensor that needs a gradient, a weight per
 # example, another op on the loss, in place or not) gives a plain tensor whose backward reaches
 # dpfx's graph unproven; what happened is told to the gate (``ReleaseGate.left_capture``),
 # which names it in its refusal. A term on the weights (``+ lam * sum(p.pow(2).sum() ...)``) is named with its fix,
