@@ -164,7 +164,7 @@ class DPModule(torch.nn.Module):
         loss=fn)``, as one compiled graph whose proof covers the loss (Note [The loss inside
         the graph] in loss/captured.py). ``inputs``: the model's input (a tensor), its positional
         inputs (a tuple or list), or its keyword inputs (a dict). Every target carries the
-        batch in dim 0. Call ``backward()`` on the result (or on a positive multiple of it)."""
+        batch in dim 0. Call ``backward()`` on the result (or on a nonzero multiple of it)."""
         if self._call.loss_fn is None:
             raise ValueError("dp_model.loss(...) needs the loss function: dpfx.compile(model, "
                              "loss=fn, ...), fn(output, *targets) -> the loss")

@@ -9,9 +9,11 @@ A forward runner runs the self-check at its first calls and tells the release ga
 forward ran. A backward runner asks the gate to admit the backward, refuses a nonzero gradient
 on a batch-free forward output, reseeds the one generator the graph's noise is drawn from
 (Note [Where the graph's noise seed comes from]), appends the graph's scalar inputs (the count
-of real examples of a padded batch, the adaptive bound C_t) and hands the released gradients to
-the gate. A graph's runner is the same whether its code was compiled now or loaded from a
-trusted cache entry (Note [A trusted warm start] in lower/trust.py).
+of real examples of a padded batch, the adaptive bound C_t), negates the released gradients of a
+negative multiple of the captured loss (Note [A negative multiple of the captured loss] in
+loss/captured.py) and hands them to the gate. A graph's runner is the same whether its code was
+compiled now or loaded from a trusted cache entry (Note [A trusted warm start] in
+lower/trust.py).
 """
 from __future__ import annotations
 
@@ -86,17 +88,31 @@ class Runners:
 
         def produced(outs):
             # for the gate's check_gradient: Note [Every gradient a parameter receives is dpfx's]
-            if elsewhere and not isinstance(outs, list):
+            negated = gate.sign != 1.0
+            if (elsewhere or negated) and not isinstance(outs, list):
                 outs = list(outs)
             for i in elsewhere:
                 outs[i] = None      # zeros without storage: the sum went to its block's place
+            if negated:
+                # Note [A negative multiple of the captured loss] in loss/captured.py
+                for i in positions.values():
+                    if outs[i] is not None:
+                        outs[i] = outs[i].neg()
             gate.produced({name: outs[i] for name, i in positions.items()})
             return outs
 
+        def admit(args):
+            gate.admit_backward()
+            if elsewhere and gate.sign != 1.0:
+                raise PrivacyError(
+                    "a negative multiple of the captured loss with sharded blocks: their clipped "
+                    "sums leave by their blocks' places, where dpfx cannot negate them. Put the "
+                    "sign inside the loss function. dpfx's graph has written no gradient.")
+            check_zero_tangents(args, zero_tangents)
+
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
-                gate.admit_backward()
-                check_zero_tangents(args, zero_tangents)
+                admit(args)
                 with block_ops.live():
                     return produced(compiled(args))
 
@@ -113,8 +129,7 @@ class Runners:
         seeds = self.generator
 
         def run_backward(args):
-            gate.admit_backward()
-            check_zero_tangents(args, zero_tangents)
+            admit(args)
             if seeds is None:
                 step_seed = secrets.randbits(62)
             else:

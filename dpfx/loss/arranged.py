@@ -104,7 +104,7 @@ def scale_message(verdict, reduction: str, program: dict) -> str:
                   for i, c in enumerate(verdict.normalizer_calls)
                   if c is not None and not is_arranged(lines[c]))
     mine = [c for _, c in mine]
-    if any(t.normalizers for t in verdict.terms):
+    if any(i not in verdict.scalar_normalizers for t in verdict.terms for i, _ in t.normalizers):
         where = site_text(lines[mine[0]] if mine else lines[-1])
         return (f"the loss ({where}) divides by a number computed from the whole batch (the "
                 f"count of non-ignored tokens or mask entries): one example would change every "
@@ -112,6 +112,11 @@ def scale_message(verdict, reduction: str, program: dict) -> str:
                 f"its tokens instead (the loss value is unchanged)")
     terms = [c for c in verdict.term_calls if c is not None]
     where = site_text(lines[terms[0]] if terms else lines[-1])
-    return (f"the loss ({where}) is a {verdict.declared} over the batch, but dpfx was compiled "
+    # the scale changed, so the loss's reduction is the other one; ``declared`` also counts a
+    # Python number's power, which the warning reads only where it is the batch size's (Note
+    # [A constant factor is no change of scale] in loss/scale.py)
+    declared = verdict.declared if verdict.declared != reduction else \
+        {"mean": "sum", "sum": "mean"}[reduction]
+    return (f"the loss ({where}) is a {declared} over the batch, but dpfx was compiled "
             f"with loss_reduction={reduction!r}; dpfx takes each example's gradient of its own "
-            f"loss, as with a {reduction} (pass loss_reduction={verdict.declared!r} to silence)")
+            f"loss, as with a {reduction} (pass loss_reduction={declared!r} to silence)")

@@ -187,11 +187,7 @@ def _check_autograd(loss: Tracked, trace: Trace) -> None:
                 f"no example or to all of them. Compute the loss from the compiled module's "
                 f"outputs only.")
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            raise PrivacyError(
-                f"the loss ({caller_text()}) goes through a custom autograd.Function or a "
-                f"torch.compile'd function ({type(node).__name__}): dpfx cannot check what its "
-                f"backward does to each example's gradient. Write the loss with torch ops "
-                f"outside torch.compile.")
+            raise PrivacyError(_unseen_backward(type(node).__name__))
         if type(node).__name__ == "AccumulateGrad":
             if id(node.variable) not in trace.param_ids:
                 name = compiled_name(node.variable)
@@ -210,6 +206,23 @@ def _check_autograd(loss: Tracked, trace: Trace) -> None:
                     f"clipped nor noised. Detach it, or make it a parameter of the model.")
             continue
         stack.extend(node.next_functions)
+
+
+def _unseen_backward(kind: str) -> str:
+    """Why a loss through a function whose backward dpfx cannot see is refused, and the fix. A
+    torch.compile'd function captured with the model is traced through by dynamo and proven
+    once (loss/captured.py); a custom autograd.Function is not (its own backward would be
+    replaced by autograd's formulas of its forward), so only the torch ops are named for it."""
+    if kind == "CompiledFunctionBackward":
+        return (f"the loss ({caller_text()}) goes through a torch.compile'd function ({kind}): "
+                f"dpfx cannot check what its backward does to each example's gradient. Capture "
+                f"the loss with the model instead, where dpfx proves it once: dp = "
+                f"dpfx.compile(model, ..., loss=fn), then loss = dp.loss(x, y) (fn may be the "
+                f"compiled function itself; dynamo traces it with the model); or write the loss "
+                f"with torch ops outside torch.compile.")
+    return (f"the loss ({caller_text()}) goes through a custom autograd.Function ({kind}): dpfx "
+            f"cannot check what its backward does to each example's gradient. Write the loss "
+            f"with torch ops outside torch.compile.")
 
 
 def _refusal(e: loss_check.LossRefused, program: dict) -> PrivacyError:

@@ -54,8 +54,9 @@ An empty batch takes the model's own graph (Note [An empty batch and the capture
 
 ``dp.loss`` returns a ``CapturedLoss``. Its backward (``loss.backward()``,
 ``torch.autograd.backward``, ``torch.autograd.grad``) sets the release flag the backward graph
-requires; a positive constant multiple of it plus a constant (``loss / accum_steps``,
-Trainer's ``loss *= k``, ``loss + 1.0``) is released the same (Note [Arithmetic that keeps the
+requires; a nonzero constant multiple of it plus a constant (``loss / accum_steps``,
+Trainer's ``loss *= k``, ``loss + 1.0``, ``-loss`` for gradient ascent) is released the same, up
+to the multiple's sign (Note [Arithmetic that keeps the
 captured loss]); any other use of it yields plain tensors, whose backward reaches dpfx's graph
 unreleased and is refused there, naming what the loss went through. What runs per step beyond
 the graph: one type change of the loss and the flag.
@@ -591,10 +592,10 @@ class CapturedLoss(torch.Tensor):
 # nothing released, as in the plain loop; a constant added (``loss + 1.0``, ``loss - c``) has no
 # gradient at all. The result of either stays a ``CapturedLoss`` whose multiple is the product
 # of the scales (a shift keeps it; ``c - loss`` negates it), and its backward releases exactly
-# what ``loss.backward()`` does; ``_release`` refuses a multiple that is not positive (a sign
-# would flip the release, which the plain loop keeps and the captured loss leaves to the loss
-# function). A constant is a Python number or a 0-d tensor that needs no gradient, read
-# with ``float`` when it is applied. Anything else (a tensor that needs a gradient, a weight per
+# what ``loss.backward()`` does, its sign kept (``_release`` refuses a zero multiple; See
+# Note [A negative multiple of the captured loss]). A constant is a Python number or a 0-d
+# tensor that needs no gradient (a negative one is refused), read with ``float`` when it is
+# applied. Anything else (a tensor that needs a gradient, a weight per
 # example, another op on the loss, in place or not) gives a plain tensor whose backward reaches
 # dpfx's graph unproven; what happened is told to the gate (``ReleaseGate.left_capture``),
 # which names it in its refusal. A term on the weights (``+ lam * sum(p.pow(2).sum() ...)``) is named with its fix,
@@ -645,6 +646,8 @@ def _combined(func, args, kwargs, loss) -> float | str:
         if func in _SUBTRACTIONS:
             return 1.0 if first else -float(alpha)
         return -float(alpha) if first else 1.0
+    if isinstance(other, torch.Tensor) and c < 0:
+        return f"`{name}` of the captured loss with a tensor of value {c}: {NEGATIVE_TENSOR}"
     if func in _DIVISIONS:
         if not first:
             return "a constant divided by the captured loss: only a multiple of it is released"
@@ -652,6 +655,13 @@ def _combined(func, args, kwargs, loss) -> float | str:
             return f"the captured loss divided by {c} (rounding {kwargs.get('rounding_mode')})"
         return 1.0 / c
     return c
+
+
+# See Note [A negative multiple of the captured loss]
+NEGATIVE_TENSOR = (
+    "dpfx cannot tell a negative constant in a tensor from a statistic of the batch, whose sign "
+    "would flip every example's gradient. Write the sign as a Python number or a negation "
+    "(`-loss`, `-0.5 * loss`)")
 
 
 def _constant(other, name: str) -> float | str:
@@ -741,19 +751,49 @@ def _release(func, args, kwargs):
     given = params.get(grad_name)
     if given is not None:
         given = given[0] if isinstance(given, (tuple, list)) else given
+        if float(given) < 0:
+            raise PrivacyError(
+                f"backward of the captured loss with gradient={float(given)}: {NEGATIVE_TENSOR}. "
+                f"Nothing was released.")
         k = k * float(given)
-    if not k > 0:
+    if not (k > 0 or k < 0):
         raise PrivacyError(
-            f"the captured loss was multiplied by {k} before its backward: dpfx releases each "
-            f"example's gradient of its own term, so only a positive multiple can be released "
-            f"(its size is removed anyway). Put the sign inside the loss function.")
+            f"the captured loss was multiplied by {k} before its backward: its gradient is "
+            f"zero, and the captured graph computes the loss's gradient itself, so it has no "
+            f"zero to release. Skip the step (the plain loop's `0 * loss` releases the noise "
+            f"alone), or multiply by a nonzero constant. Nothing was released.")
     with torch._C.DisableTorchFunctionSubclass():
         # the gradient that reaches the captured loss is exactly 1, which the backward graph
-        # reads as the constant it is (Note [The loss inside the graph], step 4)
+        # reads as the constant it is (Note [The loss inside the graph], step 4); a negative
+        # multiple's sign is the release's (Note [A negative multiple of the captured loss])
         params[grad_name] = torch.full((), 1.0 / root._dpfx_loss[1], dtype=root.dtype,
                                        device=root.device)
-        with backend.gate.proven():
+        with backend.gate.proven(sign=1.0 if k > 0 else -1.0):
             return func(*bound.args, **bound.kwargs)
+
+
+# Note [A negative multiple of the captured loss]
+# ``(-dp.loss(x, y)).backward()``, ``(-0.5 * loss / accum).backward()``: gradient ascent, a
+# log-likelihood or a reward maximized. The magnitude of the multiple is removed as every
+# constant is (Note [Arithmetic that keeps the captured loss]); its sign stays, as it stays in
+# the plain loop, where ``-loss`` starts the backward at -1 and each example's gradient is
+# -g_i, clipped to -clip(g_i). The captured graph reads its loss's tangent as the constant 1
+# (Note [The loss inside the graph], step 4), so the sign cannot enter there: the backward runs
+# inside ``gate.proven(sign=-1)`` and the backward graph's runner (backend/runtime.py) negates
+# the gradients the graph released before autograd accumulates them. The release is then
+# -(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / D: noise drawn once, of the same distribution
+# (the Gaussian is symmetric), sensitivity C, what the plain loop releases. With
+# noise="optimizer" the runner negates the clipped sum, and the optimizer adds the noise and
+# divides by D as for any release. The sign must be a constant: one that depends on the batch
+# would let one example flip every example's gradient (a release that moves by 2BC). It comes
+# from the loss's arithmetic (``-loss``, ``c - loss``) or a Python number; a negative tensor
+# (``loss * torch.tensor(-1.)``, ``backward(gradient=...)``) is refused, as dpfx cannot tell it
+# from a statistic of the batch, while a positive one is removed whatever it is. A Python number
+# taken out of the batch's tensors (``float(y.float().mean() - 0.5)``) is taken as the constant
+# it is on that step, as everywhere (docs/losses.md). A zero multiple is refused: the graph
+# cannot release the zero gradient it has (the plain loop's ``0 * loss`` releases the noise
+# alone).
+# (tests/loss/test_loss_sign.py)
 
 
 

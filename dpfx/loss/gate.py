@@ -200,6 +200,7 @@ class ReleaseGate:
         self._on_unaccounted_release = on_unaccounted_release
         self._graph_ran = False    # this call ran dpfx's compiled forward
         self._proven = 0             # > 0 while a loss dpfx proved runs its backward
+        self._sign = 1.0             # the sign of that backward's release
         self._hooked = False         # this forward's release hook ran just before its graph
         self._graph_task = -1        # the autograd graph task of the last backward graph
         self._produced: dict[str, torch.Tensor] = {}   # its gradient per parameter
@@ -275,7 +276,7 @@ class ReleaseGate:
         self._left = None
 
     def left_capture(self, what: str) -> None:
-        """The captured loss of this forward went into arithmetic that is not a positive
+        """The captured loss of this forward went into arithmetic that is not a nonzero
         constant multiple plus a constant (Note [Arithmetic that keeps the captured loss] in
         loss/captured.py): named if its backward reaches the graph."""
         self._left = what
@@ -306,9 +307,14 @@ class ReleaseGate:
 
     # -- the backward ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def proven(self):
-        """While a loss dpfx proved runs its backward: dpfx's backward graph may release."""
+    def proven(self, sign: float = 1.0):
+        """While a loss dpfx proved runs its backward: dpfx's backward graph may release.
+        ``sign`` -1: the backward graph's runner negates what it releases
+        (Note [A negative multiple of the captured loss] in loss/captured.py)."""
+        if sign not in (1.0, -1.0):
+            raise ValueError(f"a release's sign is 1 or -1, not {sign}")
         self._proven += 1
+        before, self._sign = self._sign, sign
         try:
             yield
         except RuntimeError as e:
@@ -317,6 +323,12 @@ class ReleaseGate:
             raise RuntimeError(RETAINED_GRAPH) from None
         finally:
             self._proven -= 1
+            self._sign = before
+
+    @property
+    def sign(self) -> float:
+        """The sign of the release the running backward makes (``proven``)."""
+        return self._sign
 
     def open_release(self) -> None:
         """The release hook of one forward, before its backward graph runs."""

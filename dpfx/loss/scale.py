@@ -83,6 +83,14 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
     if batch == 0 or not verdict.terms:
         return 1.0, False
     target = 1.0 / batch if reduction == "mean" else 1.0
+    negative = next((float(values[i]) for term in verdict.terms for i, _ in term.normalizers
+                     if i not in verdict.scalar_normalizers and float(values[i]) < 0), None)
+    if negative is not None:
+        # See Note [A constant factor is no change of scale]
+        return (f"it is multiplied or divided by a tensor of value {negative:.4g}, and dpfx "
+                f"cannot tell a negative constant in a tensor from a statistic of the batch, "
+                f"whose sign would flip every example's gradient. Write the sign as a Python "
+                f"number or a negation (`-loss`, `-0.5 * loss`)")
     if len(verdict.terms) == 1 and not verdict.scalar_normalizers:
         # the steady state's common case, what the loop below computes for one term
         b = float(batch) ** verdict.terms[0].weight_power
@@ -125,7 +133,31 @@ def eval_scale(verdict: Verdict, batch: int, values: tuple, reduction: str
         return PerTerm([1.0 / (b * top) if b != 0 and math.isfinite(b) else 0.0
                         for b in batch_parts], target)
     factor = target / (first * top)
-    return factor, abs(factor - 1.0) > 1e-6
+    return factor, abs(target / (first * _as_batch(top, batch)) - 1.0) > 1e-6
+
+
+# Note [A constant factor is no change of scale]
+# ``1.5 * F.mse_loss(out, t, reduction="sum")``, ``-loss``, ``(-0.5 * loss).backward()`` for
+# gradient ascent: a Python number on the whole loss is removed with the other scalars (Note
+# [The per-example term] in check.py), its magnitude only: the sign stays in each example's
+# term, so the release is sign(c) times the clipped sum plus noise, whose sensitivity is C and
+# whose noise, symmetric, is the same. Such a factor does not change the loss's reduction, so
+# ``LossScaleWarning`` (which says when the reduction differs from ``loss_reduction``, or a
+# count of the batch divides the loss) reads the largest weight's magnitude |c| as part of the
+# batch's scale only where it is a power of the batch size other than 1 (``sum / len(y)``,
+# ``* (1 / len(y))``, which dpfx cannot tell from a constant): at B = 1 no number is one.
+# A tensor the loss is multiplied or divided by (a count, ``mask.sum()``) is removed with its
+# sign, so a negative one is refused rather than trained as if positive: dpfx cannot tell a
+# constant tensor from a statistic of the batch, and a sign that followed the batch would let
+# one example flip every example's gradient.
+# (tests/loss/test_loss_sign.py)
+def _as_batch(weight: float, batch: int) -> float:
+    """``weight`` where it is ``batch ** q`` for an integer q != 0 and batch > 1, else 1."""
+    if batch > 1 and weight > 0 and math.isfinite(weight):
+        q = math.log(weight) / math.log(batch)
+        if round(q) != 0 and abs(q - round(q)) < 1e-9:
+            return weight
+    return 1.0
 
 
 # Note [Terms on their own scales]

@@ -8,8 +8,8 @@ input under ``allow_input_grads``), a constant or detached tensor beside the out
 autograd.Function or a torch.compile'd function used on the targets, and a training forward,
 which runs through dpfx's compiled graph. Refused, naming what happened: a custom
 autograd.Function or a torch.compile'd function applied to the outputs (its backward is code
-dpfx cannot check per example; a compiled loss goes to ``dpfx.compile(loss=...)``, which
-proves it), and a forward under ``torch.compiler.set_stance("force_eager")``, which never runs
+dpfx cannot check per example; the refusal of a compiled loss names ``dpfx.compile(loss=...)``,
+which proves it, and that trains), and a forward under ``torch.compiler.set_stance("force_eager")``, which never runs
 dpfx's graph.
 """
 import pytest
@@ -189,7 +189,10 @@ def test_a_training_forward_runs_through_dpfx_graph():
 def test_a_function_whose_backward_dpfx_cannot_see_on_the_outputs_is_refused():
     """A custom autograd.Function (here a straight-through clamp) or a torch.compile'd loss
     applied to the outputs: the message names the function's backward and the fix, nothing is
-    written, and the same model then trains the loss written with torch ops."""
+    written, and the same model then trains the loss written with torch ops. For the compiled
+    loss the fix named is the captured loss, and it trains: ``dpfx.compile(model,
+    loss=compiled)`` then ``dp.loss(x, y)`` gives the reference at every batch size. The custom
+    Function's message does not name it (dynamo's capture cannot take that Function)."""
     model = _mlp()
 
     class StraightThrough(torch.autograd.Function):
@@ -209,10 +212,19 @@ def test_a_function_whose_backward_dpfx_cannot_see_on_the_outputs_is_refused():
     with pytest.raises(dpfx.PrivacyError, match="custom autograd.Function") as e:
         mse(StraightThrough.apply(dp(x)), y).backward()
     assert "StraightThroughBackward" in str(e.value) and "torch ops" in str(e.value)
+    assert "dp.loss" not in str(e.value)
     assert _untouched(model)
     compiled = torch.compile(mse, backend="inductor")
     with pytest.raises(dpfx.PrivacyError, match="torch.compile'd function") as e:
         compiled(dp(x), y).backward()
     assert "CompiledFunctionBackward" in str(e.value)
+    assert "dpfx.compile(model, ..., loss=fn), then loss = dp.loss(x, y)" in str(e.value)
     assert _untouched(model)
     _check(dp, model, mse, x, y, bound)
+    captured = _compile(model, bound, loss=compiled)
+    g = _examples(model, mse, x, y)
+    for b in BATCHES:
+        model.zero_grad(set_to_none=True)
+        captured.loss(x[:b], y[:b]).backward()
+        got = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        assert_close(got, clipped_sum({k: v[:b] for k, v in g.items()}, bound), **TOL)
