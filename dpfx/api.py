@@ -69,6 +69,7 @@ class DPModule(torch.nn.Module):
         self._trainable_at_compile = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         # See Note [The steady-state call]
         self._params = [p for _, p, _ in self._trainable_at_compile]
+        self._trainable_flags = [trainable for _, _, trainable in self._trainable_at_compile]
         self._param_ids = {id(p) for p in self._params}
         self._norm_layers = norm_layers(model)
         self._all_guarded = False
@@ -81,11 +82,12 @@ class DPModule(torch.nn.Module):
         object.__setattr__(self, "_entry_by_batch", {})
         # Note [The model passed to dpfx.compile] in loss/gate.py
         backend.gate.own((n, p) for n, p, trainable in self._trainable_at_compile if trainable)
+        # Note [A parameter's hooks are one frame each] in loss/gate.py
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._grad_guards["after_accumulate", name] = \
                     p.register_post_accumulate_grad_hook(functools.partial(
-                        _after_accumulate, weakref.ref(backend), name))
+                        backend.gate.accumulated, name, config.noise))
 
     def _detach_from_model(self) -> None:
         """Take this module's gradient hooks off the model's parameters, for a module compiled
@@ -240,7 +242,9 @@ class DPModule(torch.nn.Module):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major_empty, (args, kwargs))
             tensors = _tensor_leaves(args, kwargs)
         config = self.dp_config
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self._params)
+        # one pass over the parameters, for both questions (Note [The steady-state call])
+        flags = [p.requires_grad for p in self._params] if torch.is_grad_enabled() else None
+        training = flags is not None and True in flags
         if training and batch == 0 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None and config.noise == "graph":
             raise ValueError(
@@ -249,7 +253,7 @@ class DPModule(torch.nn.Module):
         backend = self._dpfx_backend
         if training and backend.problems is None:
             check_modules(self._orig_mod, self._norm_layers)
-            check_loop_inputs(self, tensors)
+            check_loop_inputs(self, tensors, flags)
         if self._blocks_pending is not None:    # Note [Per-block private graphs] in blocks/
             return self._run_with_new_blocks(args, kwargs, targets, tensors)
         real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py
@@ -444,7 +448,7 @@ class DPModule(torch.nn.Module):
         for name, p in self._orig_mod.named_parameters():
             if p.requires_grad and name not in self._grad_guards:
                 self._grad_guards[name] = p.register_hook(functools.partial(
-                    _check_gradient, weakref.ref(backend), name, weakref.ref(p)))
+                    backend.gate.check_gradient, name, weakref.ref(p)))
         # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
         # any later change of requires_grad, and a parameter added later makes dynamo capture
         # again (then the walk runs again: _after_capture).
@@ -473,22 +477,6 @@ _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 def _remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
-
-
-def _check_gradient(backend_ref, name: str, param_ref, grad: torch.Tensor) -> None:
-    """A trainable parameter's tensor hook (Note [Every gradient a parameter receives is
-    dpfx's]): the gate checks the gradient before autograd accumulates it."""
-    backend = backend_ref()
-    if backend is not None:
-        backend.gate.check_gradient(name, param_ref(), grad, backend.graph_params)
-
-
-def _after_accumulate(backend_ref, name: str, p: torch.Tensor) -> None:
-    """A trainable parameter's post-accumulate-grad hook (Note [Clipped sums stay out of
-    p.grad] in loss/gate.py)."""
-    backend = backend_ref()
-    if backend is not None:
-        backend.gate.accumulated(name, p, backend.config.noise)
 
 
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -25,9 +25,11 @@ from dpfx.errors import PrivacyError, DPFXWarning
 from dpfx.loss.gate import gates_of, warn_at_caller
 
 
-def check_loop_inputs(module, tensors: list) -> None:
+def check_loop_inputs(module, tensors: list, flags: list[bool] | None = None) -> None:
     """Refusals of a training forward that the graph cannot see: an input that requires grad
-    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile."""
+    (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile.
+    ``flags``: each parameter's ``requires_grad`` now, in ``module._params``' order, where the
+    caller has read them."""
     config = module.dp_config
     if not config.allow_input_grads:
         for i, t in enumerate(tensors):
@@ -39,6 +41,8 @@ def check_loop_inputs(module, tensors: list) -> None:
                     f"dpfx.compile of a module whose forward runs both), or detach the input; if "
                     f"you need input gradients and accept that they are not private, pass "
                     f"dpfx.compile(..., allow_input_grads=True).")
+    if flags is not None and flags == module._trainable_flags:
+        return
     for name, p, trainable in module._trainable_at_compile:
         if p.requires_grad != trainable:
             change = "unfrozen (requires_grad=True)" if p.requires_grad else \
