@@ -285,6 +285,15 @@ MODELS.update({
                       "heads, SwiGLU 2048, vocab 32000, untied head), T=128, no attention mask"),
 })
 
+MODELS["mlp_host"] = (partial(MLP, 8, 8), partial(_mlp_data, d_in=8), (1,),
+                     "MLP 8-8-8-10, input (B, 8): kernels that cost next to nothing, so that a "
+                     "step's time is its host time (run.py --host-time)")
+
+# (model, batch size): the steady step's host time, run by ``run.py --host-time``: the step of a
+# model whose kernels cost next to nothing is the Python around them (dynamo's guards,
+# aot_autograd's runtime, dpfx's checks and hooks), which on a GPU is the step's floor.
+HOST_TIME = [("mlp_host", 1), ("hf_gpt2", 1)]
+
 # (model, batch size): the sizes DP users train at, run by ``run.py --realistic``; the heaviest
 # last, so that an interrupted run keeps the others.
 REALISTIC = [("mlp_1024", 1024), ("resnet_gn", 256), ("lstm", 256), ("hf_gpt2_256", 16),

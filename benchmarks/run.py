@@ -57,6 +57,12 @@ Measurements, per (model, batch, method):
 - dpfx variable batch: after the timed steps, 10 steps with Poisson-like batch sizes (0 and 1
   included); dpfx's compile count must stay 2 (on by default, off with --realistic).
 
+--host-time runs the rows of ``models.HOST_TIME``: models whose kernels cost next to nothing
+(an MLP 8-8-8-10 and the tiny HF GPT-2 at B = 1), 400 steps of compile, compile_loss, dpfx and
+dpfx_loss; the min step is the host's time per step (dynamo's guards, aot_autograd's runtime,
+dpfx's checks and hooks, the optimizer), and dpfx's min minus its baseline's is what dpfx's
+Python adds, the floor of a GPU step.
+
 --realistic runs the rows of ``models.REALISTIC`` (each model at the batch size DP users train
 at) instead of every model's batch sizes. ``--realistic --quick`` is the short form: 3 timed
 steps and no warm-up steps (the untimed step that opens each method's turn warms it), no
@@ -94,6 +100,7 @@ METHOD_ORDER = ["eager", "compile", "compile_loss", "compile_unrolled", "opacus_
 # compiled with the model, dpfx's and its baseline's, is asked for by name (``--methods compile
 # compile_loss dpfx dpfx_loss``): two more compiles a model.
 QUICK_METHODS = ["eager", "compile", "compile_unrolled", "opacus_ghost", "dpfx"]
+HOST_METHODS = ["compile", "compile_loss", "dpfx", "dpfx_loss"]
 COMPILING = ("compile", "compile_loss", "compile_unrolled", "func_compile", "opake_compile",
              "dpfx", "dpfx_loss", "dpfx_materialize", "dpfx_blocks")
 
@@ -603,6 +610,9 @@ def configs(args) -> list[tuple[str, int]]:
     each model's batch sizes (--batches, or the first with --quick)."""
     import models
 
+    if args.host_time:
+        return [(name, B) for name, B in models.HOST_TIME
+                if args.models is None or name in args.models]
     if args.realistic:
         return [(name, B) for name, B in models.REALISTIC
                 if args.models is None or name in args.models]
@@ -630,6 +640,11 @@ def main() -> None:
     ap.add_argument("--realistic", action="store_true",
                     help="the rows of models.REALISTIC: each model at the batch size DP users "
                          "train at (no variable-batch check; with --quick: 3 steps, no warm-up)")
+    ap.add_argument("--host-time", action="store_true",
+                    help="the rows of models.HOST_TIME (kernels that cost next to nothing, so "
+                         "the min step is the host's time): 400 steps in blocks of 20, methods "
+                         "compile, compile_loss, dpfx, dpfx_loss; no warm-cache process, no "
+                         "variable-batch check")
     ap.add_argument("--methods", nargs="+", default=None, choices=METHOD_ORDER,
                     help="default: all (--quick: eager, compile, compile_unrolled, opacus_ghost, "
                          "dpfx)")
@@ -660,6 +675,12 @@ def main() -> None:
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     ap.add_argument("--warm-cache-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.host_time:
+        args.warm_cache = bool(args.warm_cache)
+        args.varbatch = bool(args.varbatch)
+        args.steps = args.steps or 400
+        args.block = 20 if args.block == 5 else args.block
+        args.methods = args.methods or HOST_METHODS
     if args.warm_cache is None:
         args.warm_cache = not args.quick
     if args.varbatch is None:

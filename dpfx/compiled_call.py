@@ -48,6 +48,7 @@ class CompiledCall:
         self.loss_fn = loss_fn
         # (name, parameter, requires_grad) at compile: check_loop_inputs refuses any change
         self.trainable_at_compile = trainable_at_compile
+        self.trainable_flags = [trainable for _, _, trainable in trainable_at_compile]
         self.guards = guards
         self.blocks = blocks    # Note [Per-block private graphs] in blocks/
         # Note [Sharded DP-SGD] in loop/fsdp.py: for a model sharded with fully_shard
@@ -113,7 +114,9 @@ class CompiledCall:
             tensors = tensor_leaves(args, kwargs)
         backend = self.backend
         config = backend.config
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+        # one pass over the parameters, for both questions (Note [The steady-state call])
+        flags = [p.requires_grad for p in self.params] if torch.is_grad_enabled() else None
+        training = flags is not None and True in flags
         if training and batch == 0 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None and config.noise == "graph":
             raise ValueError(
@@ -121,7 +124,8 @@ class CompiledCall:
                 "gradient would divide by 0. Pass expected_batch_size (Poisson sampling's q*N).")
         if training and backend.problems is None:
             check_modules(self.model, self.norm_layers)
-            check_loop_inputs(config, self.trainable_at_compile, tensors)
+            check_loop_inputs(config, self.trainable_at_compile, tensors,
+                              flags == self.trainable_flags)
         if self.blocks.pending is not None:    # Note [Per-block private graphs] in blocks/
             return self.blocks.install_and_run(self, args, kwargs, targets)
         real = batch    # Note [Padded rows contribute zero] in passes/clip_noise.py

@@ -43,11 +43,12 @@ class GradientGuards:
         self._handles: dict[Any, Any] = {}
         self.complete = False   # every trainable parameter has its tensor hook
         weakref.finalize(owner, remove_hooks, self._handles)
+        # Note [A parameter's hooks are one frame each] in loss/gate.py
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._handles["after_accumulate", name] = \
                     p.register_post_accumulate_grad_hook(functools.partial(
-                        _after_accumulate, weakref.ref(backend), name))
+                        backend.gate.accumulated, name, backend.config.noise))
 
     def guard(self, model: torch.nn.Module) -> None:
         """A tensor hook on each trainable parameter that has none yet (Note [Every gradient a
@@ -59,7 +60,7 @@ class GradientGuards:
         for name, p in model.named_parameters():
             if p.requires_grad and name not in self._handles:
                 self._handles[name] = p.register_hook(functools.partial(
-                    _check_gradient, weakref.ref(backend), name, weakref.ref(p)))
+                    backend.gate.check_gradient, name, weakref.ref(p)))
         # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
         # any later change of requires_grad, and a parameter added later makes dynamo capture
         # again (then the walk runs again: the call's after_capture).
@@ -73,18 +74,3 @@ def remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
 
-
-def _check_gradient(backend_ref, name: str, param_ref, grad: torch.Tensor) -> None:
-    """A trainable parameter's tensor hook (Note [Every gradient a parameter receives is
-    dpfx's]): the gate checks the gradient before autograd accumulates it."""
-    backend = backend_ref()
-    if backend is not None:
-        backend.gate.check_gradient(name, param_ref(), grad, backend.graph_params)
-
-
-def _after_accumulate(backend_ref, name: str, p: torch.Tensor) -> None:
-    """A trainable parameter's post-accumulate-grad hook (Note [Clipped sums stay out of
-    p.grad] in loss/gate.py)."""
-    backend = backend_ref()
-    if backend is not None:
-        backend.gate.accumulated(name, p, backend.config.noise)

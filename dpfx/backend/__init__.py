@@ -89,11 +89,15 @@ class DPBackend:
             self.norm_stats.follow(lambda: self.adaptive_clip.bound)
         self.runners = Runners(config, gate, self._generator, self.adaptive_clip,
                                self.norm_stats)
-        self.graph_params: set[str] | None = None  # trainable parameters the last graph reads
         # batch-size decisions of the entry being compiled (compiled_call.py)
         self.decisions: list = []
         self.inputs: GraphInputs | None = None     # of the graph being compiled
         self.trust = Trust()      # Note [A trusted warm start] in lower/trust.py
+
+    @property
+    def graph_params(self) -> set[str] | None:
+        """The trainable parameters the last graph reads (the gate's, which checks them)."""
+        return self.gate.graph_params
 
     # -- dynamo entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -102,7 +106,7 @@ class DPBackend:
             check_same_parameters(model, self.param_names)
             self.buffer_ids = held_constants(model)
         self.inputs = GraphInputs.of(gm, example_inputs, self.param_names, self.buffer_ids)
-        self.graph_params = self.inputs.params
+        self.gate.reads(self.inputs.params)
         # Note [The loss inside the graph] in loss/captured.py
         batch = self.inputs.batch_size(gm)
         if batch is not None:

@@ -25,10 +25,12 @@ from dpfx.errors import PrivacyError, DPFXWarning
 from dpfx.loss.gate import gates_of, warn_at_caller
 
 
-def check_loop_inputs(config, trainable_at_compile: list, tensors: list) -> None:
+def check_loop_inputs(config, trainable_at_compile: list, tensors: list,
+                      unchanged: bool = False) -> None:
     """Refusals of a training forward that the graph cannot see: an input that requires grad
     (its gradient leaves the graph unclipped), and a parameter frozen or unfrozen since compile
-    (``trainable_at_compile``: each parameter's (name, parameter, requires_grad) then)."""
+    (``trainable_at_compile``: each parameter's (name, parameter, requires_grad) then;
+    ``unchanged``: the caller has compared every parameter's requires_grad with it)."""
     if not config.allow_input_grads:
         for i, t in enumerate(tensors):
             if t.requires_grad:
@@ -39,6 +41,8 @@ def check_loop_inputs(config, trainable_at_compile: list, tensors: list) -> None
                     f"dpfx.compile of a module whose forward runs both), or detach the input; if "
                     f"you need input gradients and accept that they are not private, pass "
                     f"dpfx.compile(..., allow_input_grads=True).")
+    if unchanged:
+        return
     for name, p, trainable in trainable_at_compile:
         if p.requires_grad != trainable:
             change = "unfrozen (requires_grad=True)" if p.requires_grad else \

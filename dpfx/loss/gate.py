@@ -125,6 +125,7 @@ import dpfx
 from dpfx.errors import DPFXWarning, PrivacyError
 
 _COMPILED_NODE = "CompiledFunctionBackward"
+_graph_task_id = torch._C._current_graph_task_id
 
 TWO_FORWARDS = (
     "two forwards of one dpfx model reached a single loss or backward (e.g. dp(a) + dp(b), a "
@@ -216,6 +217,7 @@ class ReleaseGate:
                                      # dpfx.compile])
         self._warned_plain = False   # PlainGradientWarning said once
         self._owned: set[int] = set()   # ids of the model's trainable parameters
+        self.graph_params: set[str] | None = None   # those the last compiled graph reads
         self.ledger = GradientLedger()
 
     def own(self, named_params) -> None:
@@ -306,24 +308,14 @@ class ReleaseGate:
         return record
 
     # -- the backward ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def proven(self, sign: float = 1.0):
-        """While a loss dpfx proved runs its backward: dpfx's backward graph may release.
+    def proven(self, sign: float = 1.0) -> "_Proven":
+        """While a loss dpfx proved runs its backward: dpfx's backward graph may release (a
+        plain class: every step enters it, Note [The steady-state call] in compiled_call.py).
         ``sign`` -1: the backward graph's runner negates what it releases
         (Note [A negative multiple of the captured loss] in loss/captured.py)."""
-        if sign not in (1.0, -1.0):
+        if sign != 1.0 and sign != -1.0:
             raise ValueError(f"a release's sign is 1 or -1, not {sign}")
-        self._proven += 1
-        before, self._sign = self._sign, sign
-        try:
-            yield
-        except RuntimeError as e:
-            if "donated buffers" not in str(e):
-                raise
-            raise RuntimeError(RETAINED_GRAPH) from None
-        finally:
-            self._proven -= 1
-            self._sign = before
+        return _Proven(self, sign)
 
     @property
     def sign(self) -> float:
@@ -374,11 +366,25 @@ class ReleaseGate:
         """The gradients the backward graph just output, per parameter name."""
         self._produced = grads
 
-    def check_gradient(self, name: str, p: torch.Tensor | None, grad: torch.Tensor,
-                       graph_params: set[str]) -> None:
-        """Note [Every gradient a parameter receives is dpfx's] (grad_guards.py): the tensor
-        hook of parameter ``name``, before autograd accumulates ``grad`` into p.grad."""
-        if name not in graph_params:
+    # Note [A parameter's hooks are one frame each]
+    # Every trainable parameter carries two hooks (Note [Every gradient a parameter receives is
+    # dpfx's] in grad_guards.py; Note [Only dpfx's gradients reach a private step]), and
+    # autograd calls both on every backward: on a small model their Python is a large share of dpfx's time
+    # over torch.compile's (28 parameters, 56 calls a step, on the tiny HF GPT-2). Each hook is
+    # therefore the gate's own method bound with ``functools.partial`` (no wrapper frame between
+    # autograd and the check), and its common case, a p.grad of None after ``zero_grad()``,
+    # returns from that one frame after the same checks: the name among the graph's
+    # parameters, the graph task, the tensor identity. The hooks hold the gate, not the
+    # backend: the DPModule takes them off when it is collected (grad_guards.py).
+    def reads(self, graph_params: set[str]) -> None:
+        """The trainable parameters the last compiled graph reads (the backend, per capture)."""
+        self.graph_params = graph_params
+
+    def check_gradient(self, name: str, param_ref, grad: torch.Tensor) -> None:
+        """Note [Every gradient a parameter receives is dpfx's] (grad_guards.py): the tensor hook of
+        parameter ``name`` (``param_ref``: a weak reference to it), before autograd accumulates
+        ``grad`` into p.grad (Note [A parameter's hooks are one frame each])."""
+        if name not in self.graph_params:
             raise PrivacyError(
                 f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read "
                 f"it: it is used outside the dpfx-compiled module (by the loss or another "
@@ -386,7 +392,7 @@ class ReleaseGate:
                 f"neither clipped nor noised. Use every trainable parameter inside the compiled "
                 f"module's forward, or freeze it (requires_grad=False). Gradients of this "
                 f"backward may be partly written: zero them before the next step.")
-        if torch._C._current_graph_task_id() != self._graph_task:
+        if _graph_task_id() != self._graph_task:
             return
         if self._produced.pop(name, None) is not grad:
             raise PrivacyError(
@@ -399,27 +405,31 @@ class ReleaseGate:
                 f"gradient); otherwise move that use into the compiled module's forward, or "
                 f"detach it. Gradients of this backward may be partly written: zero them before "
                 f"the next step.")
-        if p is not None:
+        # a p.grad of None (zero_grad's default) holds nothing the ledger would refuse
+        p = param_ref()
+        if p is not None and p.grad is not None:
             self.ledger.before_accumulate(name, p)
 
-    def accumulated(self, name: str, p: torch.Tensor, noise: str) -> None:
-        """After autograd accumulated into p.grad (Note [Clipped sums stay out of p.grad])."""
-        if p.grad is None:
+    def accumulated(self, name: str, noise: str, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of parameter ``name``, after autograd accumulated into
+        p.grad (Note [Clipped sums stay out of p.grad]); ``noise``: the compile's setting."""
+        grad = p.grad
+        if grad is None:
             return
-        if torch._C._current_graph_task_id() != self._graph_task:
+        if _graph_task_id() != self._graph_task:
             self.ledger.accumulated_plain(name, p)
             if not self._public_phases and not self._warned_plain and not self._elsewhere():
                 self._warned_plain = True
                 warn_at_caller(_PLAIN_GRADIENT.format(name=name), PlainGradientWarning)
             return
         if noise == "graph":
-            self.ledger.released(name, p)
+            self.ledger.released_grad(name, grad)
             return
         acc = self._sums.get(name)
         if acc is None:
-            self._sums[name] = p.grad
+            self._sums[name] = grad
         else:
-            acc.add_(p.grad)
+            acc.add_(grad)
         self._examples += self._pending
         self._pending = 0
         p.grad = None
@@ -457,6 +467,28 @@ RETAINED_GRAPH = (
     "memory of the tensors its forward saved, so its graph cannot be kept for another backward. "
     "dpfx releases one forward by one backward anyway (a second is refused): call "
     "loss.backward() without retain_graph, and run a new forward for each backward.")
+
+
+class _Proven:
+    """``ReleaseGate.proven(sign)``."""
+
+    __slots__ = ("_gate", "_sign", "_before")
+
+    def __init__(self, gate: ReleaseGate, sign: float):
+        self._gate, self._sign = gate, sign
+
+    def __enter__(self):
+        gate = self._gate
+        gate._proven += 1
+        self._before, gate._sign = gate._sign, self._sign
+
+    def __exit__(self, kind, error, traceback):
+        gate = self._gate
+        gate._proven -= 1
+        gate._sign = self._before
+        if isinstance(error, RuntimeError) and "donated buffers" in str(error):
+            raise RuntimeError(RETAINED_GRAPH) from None
+        return False
 
 
 def _release_hook(gate_ref, state: dict):
@@ -515,6 +547,10 @@ class GradientLedger:
     def released(self, name: str, p: torch.Tensor) -> None:
         """dpfx's backward accumulated its release into p.grad, or DPOptimizer wrote it."""
         self._grads[name] = (weakref.ref(p.grad), True, self._steps)
+
+    def released_grad(self, name: str, grad: torch.Tensor) -> None:
+        """``released`` with p.grad already read (the post-accumulate hook's)."""
+        self._grads[name] = (weakref.ref(grad), True, self._steps)
 
     def accumulated_plain(self, name: str, p: torch.Tensor) -> None:
         """A backward that did not run dpfx's graph accumulated into p.grad."""

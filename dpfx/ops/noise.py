@@ -183,10 +183,10 @@ def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, div
                     generator: torch.Generator | None) -> None:
     """``add_noise_`` with the key drawn from ``generator`` (torch's default CPU generator when
     None): DPOptimizer's noise, added in place to the clipped sums or their flat buffer."""
-    other = [x for x in sums if x.dtype not in (torch.float32, torch.float64)]
-    if other:
+    dtypes = {x.dtype for x in sums}
+    if not dtypes <= _NOISE_DTYPES:
         raise TypeError(f"dpfx::add_noise_ takes float32 and float64 sums, not "
-                        f"{sorted({str(x.dtype) for x in other})}")
+                        f"{sorted(str(d) for d in dtypes - _NOISE_DTYPES)}")
     lib = _library()
     if lib is None:     # the same distribution from torch.randn, at ATen's speed
         for x in sums:
@@ -195,24 +195,31 @@ def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, div
             x.div_(divisor)
         return
     key = draw_key(generator)
+    n, threads = len(sums), torch.get_num_threads()
     for dtype, kernel in ((torch.float32, lib.dpfx_philox_add_noise_f32),
                           (torch.float64, lib.dpfx_philox_add_noise_f64)):
-        # A tensor's stream is its position in the call, whatever the dtype grouping.
-        mine = [(t, x) for t, x in enumerate(sums) if x.dtype == dtype]
-        if not mine:
+        if dtype not in dtypes:
             continue
-        dense = [x if x.is_contiguous() else x.contiguous() for _, x in mine]
-        # The kernel reads stream t for the t-th pointer: pad the lists with empty tensors so
-        # that each tensor keeps its position.
-        ptrs = (ctypes.c_void_p * len(sums))()
-        sizes = (ctypes.c_int64 * len(sums))()
-        for (t, _), x in zip(mine, dense):
+        # A tensor's stream is its position in the call, whatever the dtype grouping: the
+        # kernel reads stream t for the t-th pointer, and a position of the other dtype stays
+        # an empty entry (null, size 0).
+        ptrs = (ctypes.c_void_p * n)()
+        sizes = (ctypes.c_int64 * n)()
+        copied = []
+        for t, x in enumerate(sums):
+            if x.dtype is not dtype:
+                continue
+            if not x.is_contiguous():
+                d = x.contiguous()
+                copied.append((x, d))
+                x = d
             ptrs[t], sizes[t] = x.data_ptr(), x.numel()
-        kernel(ptrs, sizes, len(sums), key, float(std), float(multiplier), float(divisor),
-               torch.get_num_threads())
-        for (_, x), d in zip(mine, dense):
-            if d is not x:
-                x.copy_(d)
+        kernel(ptrs, sizes, n, key, float(std), float(multiplier), float(divisor), threads)
+        for x, d in copied:
+            x.copy_(d)
+
+
+_NOISE_DTYPES = frozenset({torch.float32, torch.float64})
 
 
 _LIBRARY.impl("add_noise_", add_noise_, "CompositeExplicitAutograd")
