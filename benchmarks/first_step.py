@@ -404,6 +404,13 @@ def driver(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def _median(rows: list[dict], model: str, warm: bool, method: str, key: str) -> float:
+    """The median over repeats of ``key`` for one model, caches and method (nan: not run)."""
+    vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
+            and r["warm"] == warm and key in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
 def poisson_table(rows: list[dict]) -> str:
     """Medians over repeats of the first step (B), the second (B - 1) and both, cold and (where
     run) warm, and the second step's dynamo compiles; x: both steps over torch.compile's."""
@@ -411,10 +418,7 @@ def poisson_table(rows: list[dict]) -> str:
            "| both (s) | x compile |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         for warm in (False, True):
-            def med(method, key):
-                vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
-                        and r["warm"] == warm and key in r]
-                return statistics.median(vals) if vals else float("nan")
+            med = functools.partial(_median, rows, model, warm)
             base = med("compile", "total") + med("compile", "second")
             if base != base:        # not run (--cold-only)
                 continue
@@ -434,10 +438,7 @@ def warmup_table(rows: list[dict]) -> str:
            "| settled at step |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         for warm in (False, True):
-            def med(method, key):
-                vals = [r[key] for r in rows if r["model"] == model and r["method"] == method
-                        and r["warm"] == warm and key in r]
-                return statistics.median(vals) if vals else float("nan")
+            med = functools.partial(_median, rows, model, warm)
             base = med("compile_regional", "warmup")
             if base != base:
                 base = med("compile", "warmup")
