@@ -44,6 +44,11 @@ and for every per-sample gradient materialized against dpfx's default choice of 
 
     python benchmarks/step_ab.py strategy hf_gpt2_256 16 --rounds 8
 
+and for per-block private graphs (``blocks="auto"``: each decoder layer one op calling its
+compiled block) against the one graph of the whole model, at 12 layers:
+
+    python benchmarks/step_ab.py blocks hf_gpt2_d128_l12 8 --rounds 20
+
 A round's order is not neutral: the variant stepped right after the baseline can pay for what
 the baseline's step left in memory (GPT-2 small, B = 4: about 5% of the step, whichever variant
 came first; ``latest/step_ab_vector_stacks.md``), so a difference of that size is read with the
@@ -271,6 +276,9 @@ EXPERIMENTS = {
     "strategy": {
     "dpfx, strategy auto (the default)": ("dpfx", nothing),
     "dpfx, strategy materialize": ("dpfx_materialize", nothing)},
+    "blocks": {
+    "dpfx, one graph (the default)": ("dpfx", nothing),
+    "dpfx, blocks='auto'": ("dpfx_blocks", nothing)},
     "shared_sums": {
     "dpfx, shared sums stored (the default)": ("dpfx", nothing),
     "dpfx, Inductor's choice (before)": ("dpfx", shared_sums_inlined)}}

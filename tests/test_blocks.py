@@ -671,3 +671,75 @@ def test_a_block_call_is_checked_against_the_call_it_was_compiled_for():
         assert said in str(e.value)
     net.how = "keywords"
     torch.testing.assert_close(dp(x), want)
+
+
+def test_a_held_output_shares_memory_only_with_what_the_op_holds():
+    """Note [What a held tensor may share]: an output the op returns is a new tensor; one it
+    holds may be a view of another held tensor (a held input, an earlier held output) as it is,
+    and is copied where it would share a buffer of the model's graph (an argument, a returned
+    output). Every copy keeps its values."""
+    from dpfx.blocks.kernels import _storage, _unaliased
+    arg, held_in = torch.randn(4, 3), torch.randn(4, 3)
+    returned_new, held_new = torch.randn(2), torch.randn(3, 4)
+    outs = [returned_new,           # 0 returned, new: kept
+            arg.view(12),           # 1 returned, a view of an argument: copied
+            held_in[0],             # 2 returned, a view of a held input: copied
+            held_in.t(),            # 3 held, a view of a held input: kept
+            held_new,               # 4 held, new: kept
+            held_new.view(12),      # 5 held, a view of an earlier held output: kept
+            arg[1],                 # 6 held, a view of an argument: copied
+            returned_new.view(1, 2)]    # 7 held, a view of a returned output: copied
+    got = _unaliased(outs, [arg, held_in], returned=3, held_inputs={1})
+    shared = [_storage(g) == _storage(o) for g, o in zip(got, outs)]
+    assert shared == [True, False, False, True, True, True, False, False]
+    for g, o in zip(got, outs):
+        assert torch.equal(g, o) and g.stride() == o.stride()
+    # without held inputs (the forward, part B) every alias of an input or output is copied
+    got = _unaliased(outs[:3] + outs[4:6], [arg, held_in], returned=3)
+    assert [_storage(g) == _storage(o) for g, o in
+            zip(got, outs[:3] + outs[4:6])] == [True, False, False, True, True]
+
+
+def test_a_block_evaluates_its_sizes_once_per_batch_size(monkeypatch):
+    """Note [A block call's sizes, once per batch size]: the second call at a batch size walks
+    no expression, and every batch size (0, 1, and one met before) gets its own sizes and
+    layouts: the kernels equal the block's FX graphs there."""
+    import dpfx.blocks.kernels as block_kernels
+    torch.manual_seed(0)
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.0)
+    key = compile_block(_NormTanh(), (torch.randn(3, 4, 8),), {}, {0}, config)
+    k = kernels(key)
+    params = [p.detach() for p in _NormTanh().parameters()]
+    walked = [0]
+    evaluate = block_kernels.evaluate
+
+    def counted(expr, batch):
+        walked[0] += 1
+        return evaluate(expr, batch)
+
+    monkeypatch.setattr(block_kernels, "evaluate", counted)
+    seen, fresh = set(), []
+    for b in (2, 0, 1, 2, 7, 2):
+        for _ in range(2):
+            before = walked[0]
+            # a transposed argument: conformed to the layout the graph was compiled for
+            args = [torch.randn(4, b, 8).transpose(0, 1)] + params
+            out = k.forward(args)
+            grads = [torch.randn_like(o) for o in out[:k.num_outputs]]
+            reads = [args[i] if kind == "arg" else out[k.num_outputs + i] if kind == "saved"
+                     else grads[i] for kind, i in k.backward_reads]
+            part_a = k.backward(reads)
+            ops = operands(k, reads, part_a)
+            coefs = ([torch.rand(b) for _ in k.params],
+                     [torch.rand(b) > 0.3 for _ in k.params])
+            sums = k.clip(*coefs, ops)
+            if b in seen:
+                assert walked[0] == before, f"batch {b}, met before, walked its expressions"
+            else:       # (the block's self-check may have met it first)
+                fresh.append(walked[0] - before)
+            seen.add(b)
+            for got, want in ((out, k.fake_forward(args)), (part_a, k.fake_backward(reads)),
+                              (sums, k.fake_clip(*coefs, ops))):
+                for x, y in zip(got, want):
+                    torch.testing.assert_close(x, y)
+    assert any(fresh), "no batch size walked its expressions: the count reads nothing"

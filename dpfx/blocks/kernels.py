@@ -7,9 +7,11 @@
 
 Each kernel runs a compiled graph (or, for the self-check, its FX graph: ``fake_*``) at the
 call's batch size: sizes the graph reads are evaluated from it, inputs are laid out as the graph
-was compiled for them (Note [A block's inputs in the layouts it was compiled for]), outputs that
-alias an input are copied (a custom op's outputs are new tensors), and a fake call's outputs
-are read from the graph's metadata (Note [A block op's shapes come from its graphs' metadata]).
+was compiled for them (Note [A block's inputs in the layouts it was compiled for]), both once
+per batch size (Note [A block call's sizes, once per batch size]), outputs that alias a buffer
+of the model's graph are copied (a custom op's outputs are new tensors; Note [What a held tensor
+may share]), and a fake call's outputs are read from the graph's metadata (Note [A block op's
+shapes come from its graphs' metadata]).
 """
 from __future__ import annotations
 
@@ -20,22 +22,38 @@ from dpfx.blocks.sizes import batch_of, batch_of_reads, evaluate, size_expr
 from dpfx.ops.blocks import Kernels
 
 
-def _unaliased(outs, inputs) -> list:
-    """``outs`` with every output that shares memory with an input or an earlier output
-    copied: a custom op's outputs are new tensors (a saved view of the block's input, two views
-    of one activation)."""
-    seen = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+def _unaliased(outs, inputs, returned: int | None = None, held_inputs=()) -> list:
+    """``outs`` with every output that shares memory with an input or an earlier output copied:
+    a custom op's outputs are new tensors (a saved view of the block's input, two views of one
+    activation). The outputs after the first ``returned`` are held by the op (Note [A block's own
+    tensors stay out of the model's graph] in ops/blocks.py): they may share memory with each
+    other and with the inputs at ``held_inputs`` (tensors the op held too), whose buffers no
+    graph reuses (Note [What a held tensor may share])."""
+    graph = {_storage(t) for i, t in enumerate(inputs)
+             if isinstance(t, torch.Tensor) and i not in held_inputs}
+    held = {_storage(inputs[i]) for i in held_inputs}
+    returned = len(outs) if returned is None else returned
     result = []
-    for o in outs:
+    for n, o in enumerate(outs):
         key = _storage(o)
-        if key in seen:     # the same strides: the graphs that read it were compiled so
-            o = _laid_out(o, o.stride())
-            key = _storage(o)
-        seen.add(key)
+        if key in graph or (n < returned and key in held):
+            o = _laid_out(o, o.stride())    # the same strides: the graphs that read it were
+            key = _storage(o)               # compiled so
+        (graph if n < returned else held).add(key)
         result.append(o)
     return result
 
 
+# Note [What a held tensor may share]
+# A tensor a block op holds must not share memory with a buffer of the model's graph: Inductor
+# reuses a buffer once the graph reads it no more (an argument of the call, an output
+# gradient, an output the op returned), and the op's later readers would see its new contents.
+# Memory the block's own compiled graphs made and the op holds (its saved activations, part B's
+# operands) is read by the block's ops alone: views of it, and views of each other, are held as
+# they are, with no copy (a decoder layer's forward saves several views of one activation, and
+# its part A passes some of them on to part B). A parameter is a graph input like the others:
+# a view of it is copied, so that no value held for the backward bypasses autograd's check of
+# a parameter changed in place, and a sharded block frees its gathered parameters after the op.
 def _storage(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (views share it, empty ones too)."""
     return t.untyped_storage()._cdata
@@ -75,24 +93,29 @@ def make_kernels(c, name: str, params: list[str], num_inputs: int,
     sources = [("out", k) if kind == "out" else ("in", op_index[k])
                for kind, k in result.operands]
 
-    def fw_inputs(args):
-        batch = batch_of(args, batched)
-        return [args[pos] if kind == "arg" else evaluate(pos, batch) for kind, pos in c.fw_spec]
+    fw_sizes = _AtBatch(lambda batch: [None if kind == "arg" else evaluate(pos, batch)
+                                       for kind, pos in c.fw_spec])
+
+    def fw_inputs(args, batch):
+        return [args[pos] if kind == "arg" else size
+                for (kind, pos), size in zip(c.fw_spec, fw_sizes(batch))]
 
     def split_fw(outs):
         return list(outs[:num_outputs]) + [outs[i] for i in c.saved]
 
-    fw_strides = _strides_of(c.fw_fake)
-    a_strides = _strides_of(c.part_a_fake)
-    b_strides = _strides_of(c.part_b_fake)
+    fw_strides = _strides_at(c.fw_fake)
+    a_strides = _strides_at(c.part_a_fake)
+    b_strides = _strides_at(c.part_b_fake)
 
     def forward(args):
-        inputs = _conformed(fw_inputs(args), fw_strides, batch_of(args, batched))
-        return _unaliased(split_fw(c.fw_compiled(inputs)), args)
+        batch = batch_of(args, batched)
+        inputs = _conformed(fw_inputs(args, batch), fw_strides(batch), batch)
+        return _unaliased(split_fw(c.fw_compiled(inputs)), args, num_outputs)
 
     def fake_forward(args):
-        inputs = _conformed(fw_inputs(args), fw_strides, batch_of(args, batched))
-        return _unaliased(split_fw(c.fw_fake(*inputs)), args)
+        batch = batch_of(args, batched)
+        inputs = _conformed(fw_inputs(args, batch), fw_strides(batch), batch)
+        return _unaliased(split_fw(c.fw_fake(*inputs)), args, num_outputs)
 
     def a_batch(reads):
         for r, t in zip(op_reads, reads):
@@ -100,18 +123,25 @@ def make_kernels(c, name: str, params: list[str], num_inputs: int,
                 return t.shape[0]
         return None
 
-    def a_inputs(reads):
-        batch = a_batch(reads)
+    a_sizes = _AtBatch(lambda batch: [evaluate(r[1], batch) if r[0] == "size" else None
+                                      for r in c.reads])
+
+    def a_inputs(reads, batch):
         it = iter(reads)
-        return [evaluate(r[1], batch) if r[0] == "size" else next(it) for r in c.reads]
+        return [next(it) if size is None else size for size in a_sizes(batch)]
+
+    a_returned = len(result.input_grads) + 1        # the input gradients and the norms
+    a_held = frozenset(i for i, r in enumerate(op_reads) if r[0] == "saved")
 
     def backward(reads):
-        inputs = _conformed(a_inputs(reads), a_strides, a_batch(reads))
-        return _unaliased(c.part_a(inputs), reads)
+        batch = a_batch(reads)
+        inputs = _conformed(a_inputs(reads, batch), a_strides(batch), batch)
+        return _unaliased(c.part_a(inputs), reads, a_returned, a_held)
 
     def fake_backward(reads):
-        inputs = _conformed(a_inputs(reads), a_strides, a_batch(reads))
-        return _unaliased(c.part_a_fake(*inputs), reads)
+        batch = a_batch(reads)
+        inputs = _conformed(a_inputs(reads, batch), a_strides(batch), batch)
+        return _unaliased(c.part_a_fake(*inputs), reads, a_returned, a_held)
 
     def b_inputs(coefs, keeps, operands):
         batch = coefs[0].shape[0]
@@ -122,11 +152,13 @@ def make_kernels(c, name: str, params: list[str], num_inputs: int,
         return [o.to(c.param_dtypes[n]) for o, n in zip(outs, params)]
 
     def clip(coefs, keeps, operands):
-        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides, coefs[0].shape[0])
+        batch = coefs[0].shape[0]
+        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides(batch), batch)
         return _unaliased(c.part_b(inputs), operands)
 
     def fake_clip(coefs, keeps, operands):
-        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides, coefs[0].shape[0])
+        batch = coefs[0].shape[0]
+        inputs = _conformed(b_inputs(coefs, keeps, operands), b_strides(batch), batch)
         return _unaliased(c.part_b_fake(*inputs), operands)
 
     def _ones(norms):
@@ -190,19 +222,59 @@ def _strides_of(gm: fx.GraphModule) -> list:
     return out
 
 
-def _conformed(inputs: list, strides: list, batch) -> list:
+def _strides_at(gm: fx.GraphModule) -> "_AtBatch":
+    """``gm``'s placeholders' strides at a batch size: a tuple of numbers per tensor (None: not
+    a tensor, or strides that need the batch size where the call has none)."""
+    strides = [(want, want is not None and any(e.free_symbols for e in want))
+               for want in _strides_of(gm)]
+    return _AtBatch(lambda batch: [
+        None if want is None or (batch is None and free) else
+        tuple(evaluate(e, batch) for e in want) for want, free in strides])
+
+
+def _conformed(inputs: list, wants: list, batch) -> list:
+    plain = type(batch) is int      # a real call: every stride is a number
     out = []
-    for t, want in zip(inputs, strides):
-        if want is not None and isinstance(t, torch.Tensor) and t.dim() and \
-                (batch is not None or not any(e.free_symbols for e in want)):
-            want = [evaluate(e, batch) for e in want]
+    for t, want in zip(inputs, wants):
+        if want is not None and isinstance(t, torch.Tensor) and t.dim():
+            have = t.stride()
+            if plain and have == want:
+                out.append(t)
+                continue
             # symbolic strides (a fake call's, through the batch) are compared where they are
             # plain numbers on both sides
             if any(_known(n) and _known(s) and _known(w) and n > 1 and s != w
-                   for n, s, w in zip(t.shape, t.stride(), want)):
+                   for n, s, w in zip(t.shape, have, want)):
                 t = _laid_out(t, want)
         out.append(t)
     return out
+
+
+# Note [A block call's sizes, once per batch size]
+# A block's graphs read sizes, and were compiled for strides, that are polynomials in the batch
+# size (sizes.py); a decoder layer's three ops evaluate about a hundred of them a call. A step
+# calls each op once per layer at one batch size, so each list is evaluated at the first call
+# of a batch size and looked up after: the ops' own time per call is that of the compiled
+# graphs' calls, not of walking expressions. A symbolic batch (a trace) is evaluated each time.
+class _AtBatch:
+    """``fn(batch)``, kept for each integer batch size."""
+
+    __slots__ = ("fn", "kept")
+    LIMIT = 4096        # distinct batch sizes kept (Poisson sampling draws many)
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.kept: dict[int, list] = {}
+
+    def __call__(self, batch) -> list:
+        if type(batch) is not int:
+            return self.fn(batch)
+        found = self.kept.get(batch)
+        if found is None:
+            if len(self.kept) >= self.LIMIT:
+                self.kept.clear()
+            found = self.kept[batch] = self.fn(batch)
+        return found
 
 
 def _known(x) -> bool:
