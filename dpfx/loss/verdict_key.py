@@ -20,18 +20,23 @@ path). Two steps with equal keys record the same calls on the same kinds of tens
 have the same program up to its Python numbers' values and the batch size: the program cache's
 key is a function of this one and the batch size (it drops the records the loss does not need
 and the numbers' values, and writes a size int that is a multiple of the batch as that
-multiple), and the proof holds for every value of the batch symbol. A verdict is kept here only
-if no size int was a multiple of the batch when it was proven, so it read each as written, which
-is the call the user makes at any batch size. The key is finer than the program's: a step that misses takes the full path, which proves or refuses
-as before. So a loss changed on step 100 (a batch statistic added, another label tensor, the
-same calls on another line) is checked on step 100. What is not in the key is checked on every
-step as before: the autograd walk (loss/backward.py), a poisoned trace (two forwards,
-GradScaler), tensors written from detached outputs (any such tensor sends every step down the
-full path), the empty batch. Only verdicts whose scale needs no evaluation of the program are
-kept here (no size int read as the batch size, no Python number among the normalizers, every
-normalizer a token count of Note [A token mean's count]); the others take the full path every
-step. At most _CACHE_SIZE keys, least recently used dropped first.
-(tests/loss/test_loss_check.py::test_steady_state_switch_to_a_leaking_loss_is_refused)
+multiple), and the proof holds for every value of the batch symbol. A verdict proven where no
+size int was a multiple of the batch read each as written, which is the call the user makes at
+any batch size: it serves every batch size. One proven where some were (a vocabulary size at a
+batch of one, ``logits.reshape(-1, V)``) may have read one of them as the batch size, a reading
+another batch size would not make: it serves only the batch size it was proven at, where the
+same records give the same program, the same size ints and so the same verdict as the full
+path; a step at another batch size takes the full path. The key is finer than the program's:
+a step that misses takes the full path, which proves or refuses as before. So a loss changed on
+step 100 (a batch statistic added, another label tensor, the same calls on another line) is
+checked on step 100. What is not in the key is checked on every step as before: the autograd
+walk (loss/backward.py), a poisoned trace (two forwards, GradScaler), tensors written from
+detached outputs (any such tensor sends every step down the full path), the empty batch. Only
+verdicts whose scale needs no evaluation of the program are kept here (no Python number among
+the normalizers, every normalizer a token count of Note [A token mean's count]); the others take
+the full path every step. At most _CACHE_SIZE keys, least recently used dropped first.
+(tests/loss/test_loss_check.py::test_steady_state_switch_to_a_leaking_loss_is_refused,
+tests/loss/test_loss_check.py::test_steady_state_of_a_size_int_read_as_the_batch)
 
 # Note [A token mean's count]
 A token mean (``F.cross_entropy(logits, y)`` with ignored labels) divides by N, the count of
@@ -63,7 +68,8 @@ NLL_CALLS = {F.cross_entropy: inspect.signature(F.cross_entropy),
 _MEAN = 1       # nll_loss's Reduction::Mean, as its node saves it
 _TENSOR = object()
 
-# key -> (verdict, for each normalizer the record whose node holds it)
+# key -> (verdict, for each normalizer the record whose node holds it, the batch size it serves
+# or None for every one)
 _STEADY: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
 counters = collections.Counter()     # "hit": steps that took the steady state
 
@@ -96,7 +102,9 @@ def lookup(found: tuple, trace) -> tuple | None:
         entry = _STEADY.get(found) if found is not None else None
     if entry is None:
         return None
-    verdict, sources = entry
+    verdict, sources, batch = entry
+    if batch is not None and batch != trace.batch:
+        return None
     values = tuple(_total_weight(trace.nodes.get(k)) for k in sources)
     if None in values:
         return None
@@ -107,9 +115,9 @@ def lookup(found: tuple, trace) -> tuple | None:
 
 def store(found: tuple, verdict, program: dict, values: tuple, trace) -> None:
     """Keep a verdict the full path proved and released, if its scale can be had without the
-    program: no size int read as the batch, every normalizer a token count of Note [A token
-    mean's count] that equals its evaluated value ``values``."""
-    if program["candidates"] or verdict.scalar_normalizers:
+    program: every normalizer a token count of Note [A token mean's count] that equals its
+    evaluated value ``values``; for this batch size only where a size int was a multiple of it."""
+    if verdict.scalar_normalizers:
         return
     sources = []
     for call, value in zip(verdict.normalizer_calls, values):
@@ -127,7 +135,7 @@ def store(found: tuple, verdict, program: dict, values: tuple, trace) -> None:
         found = _hashable_key(found)
         if found is None:
             return
-    _STEADY[found] = (verdict, tuple(sources))
+    _STEADY[found] = (verdict, tuple(sources), trace.batch if program["candidates"] else None)
     _STEADY.move_to_end(found)
     while len(_STEADY) > _CACHE_SIZE:
         _STEADY.popitem(last=False)

@@ -386,6 +386,39 @@ def test_steady_state_switch_to_a_leaking_loss_is_refused(name):
 
 
 @pytest.mark.usefixtures("no_written_tensors")
+def test_steady_state_of_a_size_int_read_as_the_batch(monkeypatch):
+    """A size int that is a multiple of the batch (``reshape(2, -1)`` at a batch of 2, where it
+    keeps each example on its own row) is served from the steady state at that batch size only,
+    with the full path's release; at a batch of 4 the same call mixes two examples in one row
+    and is refused, although its records are the same."""
+    from dpfx.loss import verdict_key as loss_verdict_key
+    model, x, y = _fc()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0)
+
+    def loss(o, t):
+        return F.cross_entropy(o, t) + o.reshape(2, -1).logsumexp(1).mean()
+
+    def run():
+        grads = []
+        for start in (0, 1, 2, 3):
+            model.zero_grad(set_to_none=True)
+            loss(dp(x[start:start + 2]), y[start:start + 2]).backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        return grads
+
+    hits = loss_verdict_key.counters["hit"]
+    steady = run()
+    assert loss_verdict_key.counters["hit"] - hits == 3
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(dpfx.PrivacyError, match="couples examples"):
+        loss(dp(x[:4]), y[:4]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(loss_verdict_key, "lookup", lambda *a: None)
+    for a, b in zip(steady, run()):
+        assert_close(a, b)
+
+
+@pytest.mark.usefixtures("no_written_tensors")
 def test_steady_state_releases_what_the_full_path_releases(monkeypatch):
     """A token mean whose count of ignored labels changes every step, at changing batch sizes:
     the count read from nll_loss's node (Note [A token mean's count]) gives the full path's
