@@ -120,7 +120,7 @@ SLOW_IN_THE_DEFAULT_RUN = {
     # graph through test_units_blocks_cannot_take_fall_back_to_one_graph_with_a_warning; blocks'
     # split clipping groups eager; the per-user trainer's clipped reference and epsilon), or
     # that measures no privacy property (a recompile count, the heap frozen, a kernel's layout,
-    # a figure, a refused backend's message, the bands' optimality)
+    # a refused backend's message, the bands' optimality)
     "tests/test_blocks_usable.py::test_zoo_models_stay_usable_after_blocks[whisper-inductor]": 192,
     "tests/test_blocks_usable.py::test_the_model_stays_usable_after_blocks[gpt2-inductor]": 114,
     "tests/hf/test_trl_dpo.py::"
@@ -137,5 +137,4 @@ SLOW_IN_THE_DEFAULT_RUN = {
     "tests/capture/test_inputs.py::test_heap_frozen_only_during_a_capture[eager]": 31,
     "tests/rules/test_rule_convolution.py::"
     "test_conv2d_input_grads_take_the_channels_last_op[inductor]": 28,
-    "tests/report/test_history.py::test_the_figure_draws_epsilon_and_the_clipped_fraction_recorded": 25,
 }
