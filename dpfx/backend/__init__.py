@@ -56,6 +56,25 @@ from dpfx.passes import ForwardInfo, Stages, compile_backward, compile_forward
 from dpfx.privacy.adaptive import AdaptiveClip
 
 
+# Note [Saved activations carry no dynamo marks]
+# aot_autograd's runtime stamps each tensor the forward saves for the backward, whose batch dim is
+# symbolic, with the dims dynamo should treat as dynamic if the tensor ever reached another
+# compiled graph (``_dynamo_propagated_dynamic_indices``: a Python attribute set per tensor per
+# step). dpfx's graphs have a symbolic batch, so every activation carries it: 32 stamps a step
+# on a two-layer GPT-2, about 16 more for each layer, Python on the steady call's path that
+# torch.compile with static shapes never pays. A saved activation only ever reaches the
+# compiled backward, which takes it as it is; so the forward's compile clears that list, read
+# once per call by the runtime (its outputs keep their stamps: they reach user code). The list is
+# cleared before AOTAutogradCache stores the entry, so a warm start has none either.
+# (tests/lower/test_warm_start.py::test_saved_activations_carry_no_dynamo_marks)
+def _no_saved_marks() -> None:
+    """Clear the forward being compiled's list of saved tensors to stamp."""
+    context = torch._guards.TracingContext.try_get()
+    stamped = getattr(getattr(context, "fw_metadata", None), "dynamic_saved_tensors_idxs", None)
+    if stamped:
+        stamped.clear()
+
+
 class DPBackend:
     """One per ``dpfx.compile`` call: knows the model's parameters and the DP options, and
     compiles each graph dynamo hands over: the forward and backward graphs aot_autograd makes
@@ -144,6 +163,8 @@ class DPBackend:
 
     # -- inner compiler: one call for the forward, one for the backward --------------------------
     def _inner(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Any:
+        if not kwargs.get("is_backward"):
+            _no_saved_marks()   # Note [Saved activations carry no dynamo marks]
         if self.config.backend != "inductor" or device_of(example_inputs).type != "cpu":
             return self.compile_graph(gm, example_inputs, kwargs)
         return warm.output_code(

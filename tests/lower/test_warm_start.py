@@ -373,3 +373,28 @@ def test_an_entry_holds_the_inputs_fake_values_only(cache, monkeypatch):
         inner = [n for n in graph.nodes if n.op == "call_function"]
         assert inner and not any(k in n.meta for n in inner
                                  for k in ("val", "tensor_meta", "example_value"))
+
+
+def test_saved_activations_carry_no_dynamo_marks(cache, monkeypatch):
+    """Note [Saved activations carry no dynamo marks] (dpfx/backend/__init__.py): a steady step,
+    cold and warm, stamps the forward's outputs only, not the activations it saves; and the
+    warm start still trains exactly."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    stamped = []
+    mark = runtime_wrappers.mark_dynamo_propagated_dynamic_indices
+    monkeypatch.setattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices",
+                        lambda t, dims: (stamped.append(tuple(t.shape)), mark(t, dims)))
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    for start in ("cold", "warm"):
+        torch.manual_seed(0)
+        model = MLP(8, 16, 4)
+        dp = _compile(model)
+        mse(dp(x), y).backward()
+        stamped.clear()
+        mse(dp(x), y).backward()
+        # the one output (5, 4); without the note, the input, tanh's output and the other
+        # activations the forward saves are stamped too
+        assert stamped == [(5, 4)], (start, stamped)
+        _exact(dp, model, 5)
+    assert _trusted() >= 1
