@@ -61,7 +61,10 @@ Measurements, per (model, batch, method):
 (an MLP 8-8-8-10 and the tiny HF GPT-2 at B = 1), 400 steps of compile, compile_loss, dpfx and
 dpfx_loss; the min step is the host's time per step (dynamo's guards, aot_autograd's runtime,
 dpfx's checks and hooks, the optimizer), and dpfx's min minus its baseline's is what dpfx's
-Python adds, the floor of a GPU step.
+Python adds, the floor of a GPU step. Each step is also split into the time inside the compiled
+graphs (their kernels, dpfx's DP kernels among them, and Inductor's code around them) and the
+time outside them: dpfx's Python beyond torch.compile's is the difference of the latter
+(``GraphTimer``; results.md's "The host's time outside the compiled graphs").
 
 --realistic runs the rows of ``models.REALISTIC`` (each model at the batch size DP users train
 at) instead of every model's batch sizes. ``--realistic --quick`` is the short form: 3 timed
@@ -244,6 +247,32 @@ def _relative_paths(text: str) -> str:
     return text.replace(os.path.dirname(HERE) + os.sep, "")
 
 
+class GraphTimer:
+    """The wall time spent inside compiled graphs (Inductor's ``CompiledFxGraph`` calls, the
+    outermost of nested ones: a block op's graph runs inside the model's), so that a step splits
+    into its compiled graphs (kernels and the generated code around them) and the Python outside
+    them (dynamo's guards, aot_autograd's runtime, dpfx's checks and hooks, the loss, the
+    optimizer). About a microsecond a graph call, alike for every method."""
+
+    def __init__(self):
+        from torch._inductor import output_code
+
+        self.total, self._depth = 0.0, 0
+        inner = output_code.CompiledFxGraph.__call__
+
+        def timed(graph, inputs):
+            if self._depth:
+                return inner(graph, inputs)
+            self._depth = 1
+            t0 = time.perf_counter()
+            try:
+                return inner(graph, inputs)
+            finally:
+                self.total += time.perf_counter() - t0
+                self._depth = 0
+        output_code.CompiledFxGraph.__call__ = timed
+
+
 def worker(args) -> None:
     """Phase 1, per method: build the model, first step (cold compile), warm-up. Phase 2: the
     timed steps, round-robin over the methods (a block of steps of each in turn), so that
@@ -293,6 +322,8 @@ def worker(args) -> None:
               f"{'ok' if method in live else 'FAILS ' + res['error']}", flush=True)
 
     times = {method: [] for method in live}
+    in_graphs = {method: [] for method in live}
+    timer = GraphTimer() if args.graph_time else None
     noise = noise_draw(live["dpfx"][1]) if "dpfx" in live else None
     noise_times = []
     graphs_before = methods.unique_graphs()
@@ -306,10 +337,14 @@ def worker(args) -> None:
                 m.step(x, y)   # untimed: the first step after another method ran is cache-cold
                 sync()
                 for _ in range(n):
+                    if timer is not None:
+                        timer.total = 0.0
                     t0 = time.perf_counter()
                     m.step(x, y)
                     sync()
                     times[method].append(time.perf_counter() - t0)
+                    if timer is not None:
+                        in_graphs[method].append(timer.total)
             except Exception as e:
                 fail(results[method], e, "timed steps")
                 del live[method]
@@ -332,6 +367,13 @@ def worker(args) -> None:
         res["max_ms"] = 1e3 * t[-1]
         quartiles = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
         res["q1_ms"], res["q3_ms"] = 1e3 * quartiles[0], 1e3 * quartiles[2]
+        if in_graphs[method]:
+            outside = sorted(a - g for a, g in zip(times[method], in_graphs[method]))
+            graphs = sorted(in_graphs[method])
+            res["in_graphs_median_ms"] = 1e3 * statistics.median(graphs)
+            res["in_graphs_min_ms"] = 1e3 * graphs[0]
+            res["outside_median_ms"] = 1e3 * statistics.median(outside)
+            res["outside_min_ms"] = 1e3 * outside[0]
         if method == "dpfx" and noise_times:
             res["noise_ms"] = 1e3 * statistics.median(noise_times)
         progress.mark(method, "memory")
@@ -545,7 +587,8 @@ def _run_worker(model, B, todo, args, base, cache_dir, *extra) -> tuple:
            "--warmup", str(args.warmup), "--block", str(args.block),
            "--threads", str(args.threads), "--device", args.device, "--jsonl", jsonl,
            "--progress", progress,
-           "--cache-dir", cache_dir, *(["--no-varbatch"] if not args.varbatch else []), *extra]
+           "--cache-dir", cache_dir, *(["--no-varbatch"] if not args.varbatch else []),
+           *(["--graph-time"] if args.host_time else []), *extra]
     try:
         with open(base + ".log", "a") as err:   # warnings and profiler chatter
             rc = subprocess.run(cmd, timeout=args.timeout, stderr=err).returncode
@@ -583,7 +626,8 @@ def driver(args) -> None:
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "machine": machine_info(args.threads, args.device),
             "steps": args.steps, "warmup": args.warmup, "block": args.block, "quick": args.quick,
-            "warm_cache": args.warm_cache, "realistic": args.realistic}
+            "warm_cache": args.warm_cache, "realistic": args.realistic,
+            "host_time": args.host_time}
     print(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {args.steps} steps after {args.warmup} warm-up", flush=True)
     results = []
@@ -674,6 +718,7 @@ def main() -> None:
     ap.add_argument("--progress", help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     ap.add_argument("--warm-cache-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--graph-time", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.host_time:
         args.warm_cache = bool(args.warm_cache)
