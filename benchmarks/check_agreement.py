@@ -1,6 +1,7 @@
 """Check that the private methods of the benchmark compute the same DP-SGD update.
 
-    python benchmarks/check_agreement.py [--models mlp cnn gpt embedding lstm hf_gpt2 hf_llama] [--batch 8]
+    python benchmarks/check_agreement.py [--models mlp cnn gpt embedding lstm hf_gpt2 hf_llama]
+        [--batch 8] [--detail 5]
 
 With sigma = 0 and lr = 1, one step of every private method must change the parameters by the
 same clipped, averaged gradient as the reference, a batch-of-one loop with plain autograd
@@ -32,6 +33,10 @@ def main() -> None:
                                                      "opacus_ghost", "func_compile", "opake_eager",
                                                      "opake_compile", "dpfx", "dpfx_materialize"],
                     help="the first that runs is the reference (default: the batch-of-one loop)")
+    ap.add_argument("--detail", type=int, default=0,
+                    help="also print each method's N parameters furthest from the reference, "
+                         "with the reference update's largest entry (a small update's relative "
+                         "difference is the float rounding of the whole)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore")
@@ -54,10 +59,13 @@ def main() -> None:
             if ref is None:
                 ref = delta
                 continue
-            err = max(((delta[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item()
-                      for k in ref)
-            print(f"{name:10s} {meth:16s} max relative difference to the reference: {err:.1e}",
-                  flush=True)
+            errs = sorted(((((delta[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item(),
+                            k) for k in ref), reverse=True)
+            print(f"{name:10s} {meth:16s} max relative difference to the reference: "
+                  f"{errs[0][0]:.1e}", flush=True)
+            for err, k in errs[:args.detail]:
+                print(f"    {err:.1e}  {k}  (the reference's largest entry "
+                      f"{ref[k].abs().max().item():.2e})", flush=True)
 
 
 if __name__ == "__main__":
