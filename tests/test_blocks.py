@@ -743,3 +743,36 @@ def test_a_block_evaluates_its_sizes_once_per_batch_size(monkeypatch):
                 for x, y in zip(got, want):
                     torch.testing.assert_close(x, y)
     assert any(fresh), "no batch size walked its expressions: the count reads nothing"
+
+
+def test_a_step_skips_the_block_ops_autograd_layer(monkeypatch):
+    """Note [Compiled graphs run below autograd] (backend/runtime.py): the model's compiled
+    graphs call the block ops with the autograd keys excluded, so the ops' Python autograd layer
+    (which would redispatch below itself) never runs in a step, forward or backward, at batch
+    sizes 4 and 1; the step stays exact, clipping biting, under Inductor."""
+    torch.manual_seed(0)
+    net = Net(layers=2)
+    reference = copy.deepcopy(net)
+    dp = dpfx.compile(net, max_grad_norm=0.05, noise_multiplier=0.0, loss_reduction="sum",
+                      blocks="auto")
+    redispatched = []
+    redispatch = torch._ops.OpOverload.redispatch
+
+    def counted(op, *args, **kwargs):
+        if op.namespace == "dpfx":
+            redispatched.append(op.name())
+        return redispatch(op, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", counted)
+    for step, b in enumerate((4, 1, 4, 1)):
+        if step == 2:       # the compiles and self-checks are done: steady steps from here
+            assert "dpfx::block_fwd" in redispatched    # (the eager references take the layer)
+            redispatched.clear()
+        g = torch.Generator().manual_seed(b)
+        inputs, y = (torch.randint(0, 11, (b, 5), generator=g),), torch.randint(0, 11, (b, 5),
+                                                                             generator=g)
+        got = run_dpfx_multi(dp, net, _token_loss, inputs, y, "sum")
+        want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
+                                 loss_reduction="sum")
+        assert_close(got, want, rtol=2e-4, atol=1e-6)
+    assert redispatched == [], redispatched

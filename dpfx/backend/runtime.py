@@ -31,6 +31,20 @@ from dpfx.ops.norms import NormStats
 from dpfx.privacy.adaptive import AdaptiveClip
 
 
+# Note [Compiled graphs run below autograd]
+# A compiled graph's code runs with grad mode off (inside aot_autograd's function), yet every op
+# it calls still enters the dispatcher's autograd key first, which then finds nothing to record:
+# a C++ check for ATen's ops, but for an op with a Python autograd formula (a block's ops,
+# ``torch.library.custom_op``: ops/blocks.py) a Python layer that boxes the op's tensor lists and
+# redispatches below itself, 100 us a call with a decoder layer's 30 tensors (36 calls a step at
+# twelve layers). The runners call the code with the autograd keys excluded, as that layer
+# itself does: each op goes straight to its kernel. Nothing in the graph records autograd
+# history; views and version counters are kept by the key below autograd, which stays. The
+# self-check calls the code the same way (lower/selfcheck/batches.py).
+# (tests/test_blocks.py::test_a_step_skips_the_block_ops_autograd_layer)
+below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
 @dataclasses.dataclass
 class BackwardPlan:
     """What a compiled backward's runner needs besides its code: each parameter's gradient
@@ -66,7 +80,7 @@ class Runners:
                 if saved is not None:
                     stats.__dict__.update(saved)
             gate.graph_forward()
-            with block_ops.live():
+            with block_ops.live(), below_autograd():
                 return compiled(args)
 
         run_forward._boxed_call = True
@@ -113,7 +127,7 @@ class Runners:
         if self.config.noise == "optimizer":     # no random op in the graph
             def run_deferred(args):
                 admit(args)
-                with block_ops.live():
+                with block_ops.live(), below_autograd():
                     return produced(compiled(args))
 
             run_deferred._boxed_call = True
@@ -139,7 +153,7 @@ class Runners:
             saved = generator.get_state()
             generator.manual_seed(step_seed)
             try:
-                with block_ops.live():
+                with block_ops.live(), below_autograd():
                     return produced(compiled(args))
             finally:
                 generator.set_state(saved)

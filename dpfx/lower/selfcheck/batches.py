@@ -84,7 +84,8 @@ def call_boxed(fn, args: list, device, consume: bool = False) -> list:
     """``fn(args)`` for a boxed ``fn``; ``consume``: ``args`` itself, which ``fn`` empties."""
     torch.manual_seed(1234) if device.type == "cpu" else torch.get_device_module(
         device.type).manual_seed(1234)
-    with torch.no_grad():
+    # as the runners call it: Note [Compiled graphs run below autograd] in backend/runtime.py
+    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
         out = fn(args if consume else list(args))
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
