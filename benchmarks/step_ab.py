@@ -28,6 +28,11 @@ against each on its own (Note [Vector parameters' per-sample gradients stacked])
 
     python benchmarks/step_ab.py vector_stacks hf_gpt2_256 16 --rounds 20
 
+and for the compiled graphs called with the dispatcher's autograd keys excluded against through
+them (Note [Compiled graphs run below autograd]), with blocks and in one graph:
+
+    python benchmarks/step_ab.py below_autograd hf_gpt2_d128_l12 8 --rounds 20
+
 and for a pointwise value read by several kernels stored once where its inputs then die, against
 Inductor's choice of computing it inside each (Note [A shared sum stored so that its inputs die]):
 
@@ -250,6 +255,19 @@ def shared_sums_inlined() -> ContextManager:
     return switch()
 
 
+@contextlib.contextmanager
+def through_autograd() -> ContextManager:
+    """The compiled graphs' ops entering the dispatcher's autograd key (dpfx before 2026-12-02;
+    Note [Compiled graphs run below autograd] in dpfx/backend/runtime.py)."""
+    from dpfx.backend import runtime
+    real = runtime.below_autograd
+    runtime.below_autograd = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        runtime.below_autograd = real
+
+
 EXPERIMENTS = {
     "dpfx": {"dpfx": ("dpfx", nothing)},
     "combo_kernels": {
@@ -279,6 +297,11 @@ EXPERIMENTS = {
     "blocks": {
     "dpfx, one graph (the default)": ("dpfx", nothing),
     "dpfx, blocks='auto'": ("dpfx_blocks", nothing)},
+    "below_autograd": {
+    "dpfx, blocks='auto', below autograd (the default)": ("dpfx_blocks", nothing),
+    "dpfx, blocks='auto', through the autograd key (before)": ("dpfx_blocks", through_autograd),
+    "dpfx, one graph, below autograd (the default)": ("dpfx", nothing),
+    "dpfx, one graph, through the autograd key (before)": ("dpfx", through_autograd)},
     "shared_sums": {
     "dpfx, shared sums stored (the default)": ("dpfx", nothing),
     "dpfx, Inductor's choice (before)": ("dpfx", shared_sums_inlined)}}
