@@ -35,7 +35,7 @@ from dpfx.privacy.adaptive import AdaptiveClip
 # A compiled graph's code runs with grad mode off (inside aot_autograd's function), yet every op
 # it calls still enters the dispatcher's autograd key first, which then finds nothing to record:
 # a C++ check for ATen's ops, but for an op with a Python autograd formula (a block's ops,
-# ``torch.library.custom_op``: ops/blocks.py) a Python layer that boxes the op's tensor lists and
+# custom ops: ops/blocks.py) a Python layer that boxes the op's tensor lists and
 # redispatches below itself, 100 us a call with a decoder layer's 30 tensors (36 calls a step at
 # twelve layers). The runners call the code with the autograd keys excluded, as that layer
 # itself does: each op goes straight to its kernel. Nothing in the graph records autograd
