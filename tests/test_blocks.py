@@ -771,6 +771,8 @@ def test_a_step_skips_the_block_ops_autograd_layer(monkeypatch):
         g = torch.Generator().manual_seed(b)
         inputs, y = (torch.randint(0, 11, (b, 5), generator=g),), torch.randint(0, 11, (b, 5),
                                                                              generator=g)
+        norms = per_example_norms(loop_example_grads(reference, _token_loss, inputs, y))
+        assert bool((norms > 0.05).all()), norms
         got = run_dpfx_multi(dp, net, _token_loss, inputs, y, "sum")
         want = loop_dp_sgd_grads(reference, _token_loss, inputs, y, max_grad_norm=0.05,
                                  loss_reduction="sum")

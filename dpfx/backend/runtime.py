@@ -35,12 +35,12 @@ from dpfx.privacy.adaptive import AdaptiveClip
 # A compiled graph's code runs with grad mode off (inside aot_autograd's function), yet every op
 # it calls still enters the dispatcher's autograd key first, which then finds nothing to record:
 # a C++ check for ATen's ops, but for an op with a Python autograd formula (a block's ops,
-# custom ops: ops/blocks.py) a Python layer that boxes the op's tensor lists and
-# redispatches below itself, 100 us a call with a decoder layer's 30 tensors (36 calls a step at
-# twelve layers). The runners call the code with the autograd keys excluded, as that layer
-# itself does: each op goes straight to its kernel. Nothing in the graph records autograd
-# history; views and version counters are kept by the key below autograd, which stays. The
-# self-check calls the code the same way (lower/selfcheck/batches.py).
+# custom ops: ops/blocks.py) a Python layer that boxes the op's tensor lists and redispatches
+# below itself, up to 100 us a call with a decoder layer's 30 tensors (36 calls a step at twelve
+# layers; benchmarks/latest/below_autograd.md). The runners call the code with the autograd keys
+# excluded, as that layer itself does: each op goes straight to its kernel. Nothing in the graph
+# records autograd history; views and version counters are kept by the key below autograd,
+# which stays. The self-check calls the code the same way (lower/selfcheck/batches.py).
 # (tests/test_blocks.py::test_a_step_skips_the_block_ops_autograd_layer)
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
