@@ -1,7 +1,7 @@
 """Check that the private methods of the benchmark compute the same DP-SGD update.
 
     python benchmarks/check_agreement.py [--models mlp cnn gpt embedding lstm hf_gpt2 hf_llama]
-        [--batch 8] [--detail 5]
+        [--batch 8] [--detail 5] [--opake-patches]
 
 With sigma = 0 and lr = 1, one step of every private method must change the parameters by the
 same clipped, averaged gradient as the reference, a batch-of-one loop with plain autograd
@@ -37,7 +37,15 @@ def main() -> None:
                     help="also print each method's N parameters furthest from the reference, "
                          "with the reference update's largest entry (a small update's relative "
                          "difference is the float rounding of the whole)")
+    ap.add_argument("--opake-patches", action="store_true",
+                    help="run Opake's methods under its process-wide model patches, which a "
+                         "model with an attention mask needs (Note [Opake in the harness] in "
+                         "methods.py): they run after every other method, so that none of "
+                         "those, the reference included, runs patched")
     args = ap.parse_args()
+    if args.opake_patches:
+        methods.OPAKE_PATCHES = True
+        args.methods = sorted(args.methods, key=lambda m: m in methods.OPAKE_METHODS)
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore")
     methods.SIGMA, methods.LR = 0.0, 1.0

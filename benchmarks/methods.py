@@ -221,18 +221,29 @@ def func_compile(model, B):
 # Opake (PyTorch DP on torch.func) runs the same DP-SGD step through its own functions:
 # ``opake.dpsgd.clipping.clipped_grad`` (vmap of grad over the examples, flat clipping at C,
 # the sum divided by B) and ``opake.dpsgd.noise.gaussian_noise`` (std sigma * C / B), the model
-# through ``torch.func.functional_call``. Two limits make it not apply to some rows, reported as
-# the row's error rather than run:
+# through ``torch.func.functional_call``. Two limits shape where it runs:
 # - It holds every example's gradient at once: its eager step's tensor peak on CPU was 19.7
 #   bytes per parameter per example on the MLP and 8.5 on the GPT (run.step_peak_bytes). A step
 #   that would need 20 bytes per parameter per example beyond the memory available is refused
-#   before it starts.
+#   before it starts, as the row's error.
 #   Opake's ``microbatch_size`` bounds the memory by looping over chunks of the batch: a
 #   different step from the one the other methods take, so it is not used here.
 # - Hugging Face models with an attention mask branch on the mask's values, which vmap cannot
-#   map; Opake runs them after ``opake.patches.apply_model_patches``, which replaces
-#   transformers' mask builders, ``LlamaForCausalLM.forward`` and parts of torch.func for the
-#   whole process, so every other method of the worker would run under them.
+#   map. Opake runs them after ``opake.patches.apply_model_patches``, which replaces
+#   transformers' mask builders, the causal LM's forward and parts of torch.func for the whole
+#   process. So on a row with a mask its methods run in a process of their own
+#   (``own_process``; run.py's ``--opake-patches`` worker, ``OPAKE_PATCHES`` set), beside that
+#   row's non-private baseline timed in the same process, and no other method runs under the
+#   patches. Without them the step is refused with the reason.
+OPAKE_PATCHES = False
+OPAKE_METHODS = ("opake_eager", "opake_compile")
+
+
+def own_process(method: str, model_name: str) -> bool:
+    """Whether ``method`` runs on ``model_name``'s row only in a process of its own, under
+    Opake's process-wide model patches (Note [Opake in the harness])."""
+    return method in OPAKE_METHODS and models.has_attention_mask(model_name)
+
 
 OPAKE_BYTES_PER_PARAM_EXAMPLE = 20
 
@@ -250,7 +261,7 @@ def _available_bytes(device: torch.device) -> int:
 def _check_opake_applies(model: nn.Module, B: int, x) -> None:
     """Raise, naming why, where Opake's step cannot run this row in the harness (Note [Opake in
     the harness]); the worker records the error as the row's result."""
-    if isinstance(x, dict) and "attention_mask" in x:
+    if isinstance(x, dict) and "attention_mask" in x and not OPAKE_PATCHES:
         raise NotImplementedError(
             "Opake maps an attention mask under vmap only after opake.patches."
             "apply_model_patches, which patches transformers and torch.func process-wide (the "
@@ -271,6 +282,10 @@ def _opake_method(model: nn.Module, B: int, x, compiled: bool) -> Method:
     from opake.random import key
 
     _check_opake_applies(model, B, x)
+    if OPAKE_PATCHES:
+        from opake.patches import apply_model_patches
+
+        apply_model_patches(model)    # process-wide: Note [Opake in the harness]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     named = {k: p for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())

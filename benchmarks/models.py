@@ -333,3 +333,9 @@ def build(name: str, B: int, seed: int = 0):
 
 def make_data(name: str, B: int, seed: int):
     return MODELS[name][1](B, torch.Generator().manual_seed(seed))
+
+
+def has_attention_mask(name: str) -> bool:
+    """Whether the model's input is a dict with an attention mask (Hugging Face rows)."""
+    x, _ = make_data(name, 1, 0)
+    return isinstance(x, dict) and "attention_mask" in x

@@ -228,6 +228,8 @@ def add_ratios(name: str, rows: list[dict]) -> None:
     ok = {r["method"]: r for r in rows if r["status"] == "ok"}
 
     def baseline_for(r):
+        if "own_baseline" in r:     # timed in the row's own process (run._own_process_rows)
+            return r["own_baseline"]
         # dpfx with its loss captured against torch.compile of the model and its loss (the
         # loss's forward and gradient compiled in both), where that baseline ran
         if r["method"] == "dpfx_loss" and baseline_of(name) == "compile" and "compile_loss" in ok:
@@ -235,8 +237,11 @@ def add_ratios(name: str, rows: list[dict]) -> None:
         return ok.get(baseline_of(name))
 
     for r in ok.values():
+        own = r.get("own_baseline")
         for key, ref in (("ratio_to_baseline", baseline_for(r)),
-                         ("ratio_to_compile", ok.get("compile")), ("ratio_to_eager", ok.get("eager"))):
+                         ("ratio_to_compile", own if own and own["method"] == "compile"
+                          else None if own else ok.get("compile")),
+                         ("ratio_to_eager", None if own else ok.get("eager"))):
             if ref:
                 r[key] = r["median_ms"] / ref["median_ms"]
     for r in ok.values():

@@ -66,6 +66,11 @@ graphs (their kernels, dpfx's DP kernels among them, and Inductor's code around 
 time outside them: dpfx's Python beyond torch.compile's is the difference of the latter
 (``GraphTimer``; results.md's "The host's time outside the compiled graphs").
 
+Opake's methods on a row whose input has an attention mask run in one more worker of their own,
+under Opake's process-wide model patches (Note [Opake in the harness] in methods.py), beside
+the row's baseline timed in that worker: their x base, first x and mem x are over that
+baseline, and their label says so.
+
 --realistic runs the rows of ``models.REALISTIC`` (each model at the batch size DP users train
 at) instead of every model's batch sizes. ``--realistic --quick`` is the short form: 3 timed
 steps and no warm-up steps (the untimed step that opens each method's turn warms it), no
@@ -285,6 +290,7 @@ def worker(args) -> None:
 
     global DEVICE
     DEVICE = torch.device(args.device)
+    methods.OPAKE_PATCHES = args.opake_patches     # Note [Opake in the harness] in methods.py
     torch.set_num_threads(args.threads)
     progress = Progress(args.progress)
     name, B = args.models[0], args.batch
@@ -542,7 +548,49 @@ def run_config(model: str, B: int, method_list: list[str], args) -> list[dict]:
     """Run one worker for (model, B). If it dies, the method it was in (from its progress file)
     is recorded as failing and the worker is run again without it (with fresh caches). Then,
     with --warm-cache, a second worker takes the compiling methods' first steps again on the
-    caches the first one filled."""
+    caches the first one filled. Methods that need a process of their own on this row
+    (``methods.own_process``) run in one more worker, beside the row's baseline."""
+    import methods
+
+    own = [m for m in method_list if methods.own_process(m, model)]
+    rows = _shared_rows(model, B, [m for m in method_list if m not in own], args)
+    if own:
+        rows += _own_process_rows(model, B, own, args)
+    return sorted(rows, key=lambda r: method_list.index(r["method"]))
+
+
+def _own_process_rows(model: str, B: int, own: list[str], args) -> list[dict]:
+    """Opake's methods on a row with an attention mask (Note [Opake in the harness] in
+    methods.py): one worker under Opake's model patches, with the row's non-private baseline
+    timed in the same process, which each row's ratios are then taken against."""
+    import models
+
+    baseline = models.BASELINE.get(model, "compile")
+    base = os.path.join(args.out, "logs", f"worker-{model}-{B}-opake-patches")
+    cache_dir = tempfile.mkdtemp(prefix="dpfx-bench-")
+    try:
+        rc, got = _run_worker(model, B, [baseline, *own], args, base, cache_dir,
+                              "--opake-patches")
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    ref = got.get(baseline, {})
+    rows = []
+    for method in own:
+        r = got.get(method) or {"model": model, "batch": B, "method": method,
+                                "label": label(method), "status": "fails",
+                                "error": f"Opake-patches worker: {rc}"}
+        r["label"] += ", under Opake's model patches (own process"
+        if ref.get("status") == "ok":
+            r["own_baseline"] = {k: ref[k] for k in ("method", "label", "median_ms",
+                                                     "first_step_s", "step_peak_mb")}
+            r["label"] += f"; its {ref['label']} there: {ref['median_ms']:.1f} ms"
+        r["label"] += ")"
+        rows.append(r)
+    return rows
+
+
+def _shared_rows(model: str, B: int, method_list: list[str], args) -> list[dict]:
+    """The methods that share one worker process, interleaved."""
     todo = list(method_list)
     crashed: list[dict] = []
     base = os.path.join(args.out, "logs", f"worker-{model}-{B}")
@@ -719,6 +767,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     ap.add_argument("--warm-cache-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--graph-time", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--opake-patches", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.host_time:
         args.warm_cache = bool(args.warm_cache)
