@@ -115,10 +115,12 @@ def host_time(results: list[dict]) -> list[str]:
              "kernels among them, and Inductor's code around them) and the time outside them "
              f"(dynamo's guards, aot_autograd's runtime, dpfx's checks and hooks, the loss, the "
              f"optimizer). Min (median) ms over the timed steps; target: dpfx's Python outside "
-             f"the graphs at most {HOST_TARGET_MS} ms beyond torch.compile's.", "",
+             f"the graphs at most {HOST_TARGET_MS} ms beyond torch.compile's. Python bytecodes: "
+             f"those a steady step executes (sys.settrace, Inductor's generated wrapper code "
+             f"included; the same in every counted step).", "",
              "| model | B | method | step | in the graphs | outside | outside, beyond "
-             "torch.compile's (target) |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "torch.compile's (target) | Python bytecodes a step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     key = lambda r: (r["model"], r["batch"], r["method"])
     by = {key(r): r for r in results if r["status"] == "ok" and "outside_min_ms" in r}
     for (model, B, method), r in by.items():
@@ -130,8 +132,16 @@ def host_time(results: list[dict]) -> list[str]:
                       f"+{r['outside_median_ms'] - base['outside_median_ms']:.2f})")
         lines.append(f"| {model} | {B} | {r['label']} | {r['min_ms']:.2f} ({r['median_ms']:.2f}) "
                      f"| {r['in_graphs_min_ms']:.2f} ({r['in_graphs_median_ms']:.2f}) | "
-                     f"{r['outside_min_ms']:.2f} ({r['outside_median_ms']:.2f}) | {beyond} |")
+                     f"{r['outside_min_ms']:.2f} ({r['outside_median_ms']:.2f}) | {beyond} | "
+                     f"{_opcodes(r.get('python_opcodes'))} |")
     return lines + [""]
+
+
+def _opcodes(counts: list[int] | None) -> str:
+    if not counts:
+        return ""
+    low, high = min(counts), max(counts)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
 
 
 def summary(results: list[dict], realistic: bool = False) -> list[str]:

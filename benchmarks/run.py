@@ -64,7 +64,9 @@ dpfx's checks and hooks, the optimizer), and dpfx's min minus its baseline's is 
 Python adds, the floor of a GPU step. Each step is also split into the time inside the compiled
 graphs (their kernels, dpfx's DP kernels among them, and Inductor's code around them) and the
 time outside them: dpfx's Python beyond torch.compile's is the difference of the latter
-(``GraphTimer``; results.md's "The host's time outside the compiled graphs").
+(``GraphTimer``; results.md's "The host's time outside the compiled graphs"), and the Python
+bytecodes a step executes are counted after the timed steps (``python_opcodes``): a figure of
+the host's work that the machine's speed does not move.
 
 Opake's methods on a row whose input has an attention mask run in one more worker of their own,
 under Opake's process-wide model patches (Note [Opake in the harness] in methods.py), beside
@@ -252,6 +254,33 @@ def _relative_paths(text: str) -> str:
     return text.replace(os.path.dirname(HERE) + os.sep, "")
 
 
+def python_opcodes(step, x, y, steps: int = 5) -> list[int]:
+    """Python bytecodes executed by each of ``steps`` steps (``sys.settrace`` with opcode
+    events, Inductor's generated wrapper code included): the host's Python as a count that the
+    machine's speed does not move. Three traced steps run first, uncounted: a trace function
+    makes dynamo look at the frame anew once."""
+    counted = [0]
+
+    def trace(frame, event, arg):
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counted[0] += 1
+        return trace
+
+    per_step = []
+    for i in range(3 + steps):
+        counted[0] = 0
+        sys.settrace(trace)
+        try:
+            step(x, y)
+        finally:
+            sys.settrace(None)
+        if i >= 3:
+            per_step.append(counted[0])
+    return per_step
+
+
 class GraphTimer:
     """The wall time spent inside compiled graphs (Inductor's ``CompiledFxGraph`` calls, the
     outermost of nested ones: a block op's graph runs inside the model's), so that a step splits
@@ -384,6 +413,8 @@ def worker(args) -> None:
             res["noise_ms"] = 1e3 * statistics.median(noise_times)
         progress.mark(method, "memory")
         try:
+            if args.graph_time:
+                res["python_opcodes"] = python_opcodes(m.step, x, y)
             res["step_peak_mb"] = step_peak_bytes(m.step, x, y) / 2**20
             res["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             res["dynamo_graphs_compiled_during_timing"] = graphs_during_timing

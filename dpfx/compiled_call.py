@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from dpfx.grad_guards import GradientGuards
 from dpfx.loop.checks import BatchSizes, check_loop_inputs
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss.trace import WRITTEN
-from dpfx.loss.track import TrackedTensor, check_inputs, track, untrack
+from dpfx.loss.track import TrackedTensor, _is_model_output, check_inputs, track, untrack
 
 
 class CompiledCall:
@@ -115,7 +116,7 @@ class CompiledCall:
         backend = self.backend
         config = backend.config
         # one pass over the parameters, for both questions (Note [The steady-state call])
-        flags = [p.requires_grad for p in self.params] if torch.is_grad_enabled() else None
+        flags = list(map(_REQUIRES_GRAD, self.params)) if torch.is_grad_enabled() else None
         training = flags is not None and True in flags
         if training and batch == 0 and config.loss_reduction == "mean" \
                 and config.expected_batch_size is None and config.noise == "graph":
@@ -204,7 +205,7 @@ class CompiledCall:
         if training:
             if not self.guards.complete:
                 self.guards.guard(self.model)
-            outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
+            outputs = output_leaves(out)
             release = backend.gate.track(outputs, tensors)
             if targets is not None:
                 return captured(out, backend)     # Note [The loss inside the graph]
@@ -262,9 +263,29 @@ _PROPAGATED = "_dynamo_propagated_dynamic_indices"
 
 
 def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return list(args)
+    """The tensors among a call's arguments, in pytree's order. Tensors given directly as
+    positional or keyword arguments (the common call) are read without pytree's walk."""
+    leaves = [*args, *kwargs.values()]
+    if all(type(a) in _PLAIN_LEAVES or isinstance(a, torch.Tensor) for a in leaves):
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def output_leaves(out) -> list:
+    """``pytree.tree_leaves(out)``, without the walk for a tensor, a tuple or list of tensors,
+    or a Hugging Face ModelOutput of tensors (a dict subclass pytree flattens by its values)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (tuple, list) or (isinstance(out, dict) and _is_model_output(out)):
+        values = list(out.values()) if isinstance(out, dict) else list(out)
+        if all(isinstance(v, torch.Tensor) for v in values):
+            return values
+    return pytree.tree_leaves(out)
+
+
+# Python values that are pytree leaves themselves (a keyword such as use_cache=False)
+_PLAIN_LEAVES = frozenset({bool, int, float, str, type(None)})
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def check_batch(tensors: list[torch.Tensor]) -> int:

@@ -171,9 +171,16 @@ def untrack(tree: Any) -> Any:
 
 
 def _is_model_output(out: Any) -> bool:
-    return isinstance(out, dict) and any(
-        c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
-        for c in type(out).__mro__)
+    kind = type(out)
+    found = _MODEL_OUTPUTS.get(kind)
+    if found is None:
+        found = _MODEL_OUTPUTS[kind] = issubclass(kind, dict) and any(
+            c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
+            for c in kind.__mro__)
+    return found
+
+
+_MODEL_OUTPUTS: dict[type, bool] = {}    # type -> a Hugging Face ModelOutput (a dict)?
 
 
 def _record(func, args, kwargs, result):

@@ -429,3 +429,30 @@ def test_heap_left_alone_where_the_process_froze_it(monkeypatch):
         assert seen[1:] == [0] and gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+def test_a_calls_tensors_are_read_in_pytrees_order():
+    """The call reads its tensors without pytree's walk where they are given directly; the
+    tensors and their order are pytree's in every case (the batch check, the marks and the
+    loss tracking pair them by position)."""
+    import torch.utils._pytree as pytree
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    from dpfx.compiled_call import output_leaves, tensor_leaves
+
+    a, b, c = torch.zeros(2, 3), torch.ones(2), torch.arange(2)
+    calls = [((a,), {}), ((), {"input_ids": c, "attention_mask": b}),
+             ((a, None, 3), {"use_cache": False, "mask": b}), ((a, [b, c]), {"x": (b,)}),
+             ((), {"batch": {"ids": c, "mask": b}, "flag": True}), ((a, "text", 1.5), {})]
+    for args, kwargs in calls:
+        expected = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        got = tensor_leaves(args, kwargs)
+        assert len(got) == len(expected) and all(g is e for g, e in zip(got, expected))
+    outputs = [a, (a, b), [b, c], (a, None), (a, (b, c)), {"logits": a},
+               CausalLMOutputWithCrossAttentions(logits=a),
+               CausalLMOutputWithCrossAttentions(loss=b, logits=a),
+               CausalLMOutputWithCrossAttentions(logits=a, hidden_states=(b, c))]
+    for out in outputs:
+        expected = pytree.tree_leaves(out)
+        got = output_leaves(out)
+        assert len(got) == len(expected) and all(g is e for g, e in zip(got, expected))
