@@ -35,7 +35,7 @@ from dpfx.grad_guards import GradientGuards
 from dpfx.loop.checks import BatchSizes, check_loop_inputs
 from dpfx.loss.captured import TARGETS, captured, loss_entry
 from dpfx.loss.trace import WRITTEN
-from dpfx.loss.track import TrackedTensor, _is_model_output, check_inputs, track, untrack
+from dpfx.loss.track import TrackedTensor, check_inputs, is_model_output, track, untrack
 
 
 class CompiledCall:
@@ -276,7 +276,7 @@ def output_leaves(out) -> list:
     or a Hugging Face ModelOutput of tensors (a dict subclass pytree flattens by its values)."""
     if isinstance(out, torch.Tensor):
         return [out]
-    if type(out) in (tuple, list) or (isinstance(out, dict) and _is_model_output(out)):
+    if type(out) in (tuple, list) or (isinstance(out, dict) and is_model_output(out)):
         values = list(out.values()) if isinstance(out, dict) else list(out)
         if all(isinstance(v, torch.Tensor) for v in values):
             return values

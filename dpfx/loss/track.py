@@ -115,7 +115,7 @@ def track(out: Any, backend, batch: int, param_ids: set[int], inputs=(),
 
     if isinstance(out, torch.Tensor):
         return wrap(out)
-    if _is_model_output(out):
+    if is_model_output(out):
         # A Hugging Face ModelOutput, made afresh by each call: its values are replaced in
         # place (its __setitem__ keeps the attributes in step), in the order pytree visits them.
         # Rebuilding it through pytree would run its dataclass constructor, tens of
@@ -170,7 +170,8 @@ def untrack(tree: Any) -> Any:
     return pytree.tree_map_only(TrackedTensor, lambda t: t.as_subclass(torch.Tensor), tree)
 
 
-def _is_model_output(out: Any) -> bool:
+def is_model_output(out: Any) -> bool:
+    """Whether ``out`` is a Hugging Face ModelOutput (a dict subclass; read once per type)."""
     kind = type(out)
     found = _MODEL_OUTPUTS.get(kind)
     if found is None:
