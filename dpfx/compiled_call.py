@@ -103,7 +103,7 @@ class CompiledCall:
         elif WRITTEN and torch.is_grad_enabled():
             check_inputs(tensors)
         batch = check_batch(tensors)
-        if not all(t.is_contiguous() for t in tensors):
+        if not all(map(_CONTIGUOUS, tensors)):
             # See Note [Inputs enter row-major]
             args, kwargs = pytree.tree_map_only(torch.Tensor, _row_major, (args, kwargs))
             tensors = tensor_leaves(args, kwargs)
@@ -203,8 +203,6 @@ class CompiledCall:
         if backend.compiles != self.compiles_seen:
             self._after_capture()
         if training:
-            if not self.guards.complete:
-                self.guards.guard(self.model)
             outputs = output_leaves(out)
             release = backend.gate.track(outputs, tensors)
             if targets is not None:
@@ -219,7 +217,6 @@ class CompiledCall:
         self.compiles_seen = self.backend.compiles
         self.param_ids = {id(p) for p in self.model.parameters()}
         self.norm_layers = norm_layers(self.model)
-        self.guards.complete = False
 
     def _entry_for(self, batch: int, with_loss: bool = False) -> "_Entry":
         """The compiled entry whose batch-size decisions hold at ``batch``, else a new one
@@ -286,17 +283,18 @@ def output_leaves(out) -> list:
 # Python values that are pytree leaves themselves (a keyword such as use_cache=False)
 _PLAIN_LEAVES = frozenset({bool, int, float, str, type(None)})
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DIM = torch.Tensor.dim
 
 
 def check_batch(tensors: list[torch.Tensor]) -> int:
     """The batch size of a call's tensor inputs, which all carry it in dim 0."""
     if not tensors:
         raise CaptureError("dpfx needs at least one tensor input with the batch in dim 0")
-    for t in tensors:
-        if t.dim() == 0:
-            raise CaptureError("every tensor input needs the batch in dim 0; got a 0-d tensor")
+    if not all(map(_DIM, tensors)):
+        raise CaptureError("every tensor input needs the batch in dim 0; got a 0-d tensor")
     batch = tensors[0].shape[0]
-    if any(t.shape[0] != batch for t in tensors):
+    if len(set(map(len, tensors))) != 1:     # len(t): its size in dim 0
         sizes = [tuple(t.shape) for t in tensors]
         raise ValueError(f"every tensor input needs the batch in dim 0 with the same size; got "
                          f"shapes {sizes}")

@@ -1,70 +1,97 @@
-"""The gradient guards: hooks on a compiled model's trainable parameters that check every
-gradient they receive before autograd accumulates it.
+"""The gradient guards: a compiled model's hooks on its trainable parameters, and the check of
+what their p.grad holds before dpfx's backward releases into them.
 
     guards = GradientGuards(dp_model, model, backend)   # post-accumulate hooks, at compile
-    guards.guard(model)      # after the first training forward: a tensor hook per parameter
+    guards.check_held(names, ledger)   # the release gate, before the backward graph writes
     guards.remove()          # the module is replaced (or collected): the hooks come off
 
 The release state the hooks consult has one owner, the release gate (loss/gate.py); the guards
 only call it at the right moments.
 
 # Note [Every gradient a parameter receives is dpfx's]
-The graph proof covers the graph; what reaches p.grad is autograd's sum of every
-contribution to the parameter's gradient in that backward. After the first training
-forward, every trainable parameter gets a tensor hook, which autograd calls with that total
-before accumulating it:
-- a parameter the graph does not read (used by the loss or another module outside the
-  compiled forward, or by code dynamo ran outside dpfx's graph) must get no gradient at all;
-- in a backward that ran dpfx's graph, a parameter the graph reads must get exactly the
-  tensor dpfx's backward produced for it (identity: one contribution is passed through
-  unchanged; a second one, such as a regularizer on the weight written in the loss, makes
-  autograd pass a fresh sum).
-Either failure raises a PrivacyError before that gradient is accumulated. A backward that
-never ran dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
-post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step()
-refuses (Note [Only dpfx's gradients reach a private step] in loss/gate.py). A parameter the
-model does not use is left alone.
+The graph proof covers the graph; what reaches p.grad is autograd's sum of every contribution
+to the parameter's gradient in that backward. In a backward that runs dpfx's graph, a trainable
+parameter of the model must receive exactly the tensor dpfx's backward produced for it, or
+nothing. Autograd's graph of that backward is known before it runs, and every way into a
+parameter's accumulation other than dpfx's compiled function is an edge of it that dpfx walks:
+
+- the loss's own nodes, from each root of the backward call down to dpfx's outputs
+  (``_check_autograd`` and ``_check_other_roots`` in loss/backward.py, before the backward
+  starts): a parameter of the model met there (a regularizer on the weight written in the loss,
+  another module sharing it, a module of the model called on the output) is refused, naming it;
+- the graph's inputs that are not leaves (``ReleaseGate.track`` at the forward: an input
+  computed from a parameter outside the forward, with ``allow_input_grads``): refused the same
+  way;
+- the captured loss (loss/captured.py) is the graph's output itself, and arithmetic on it with
+  anything that needs a gradient is refused where it is written.
+
+So a refusal comes before anything is written, and no hook per parameter has to compare tensors
+on every backward. What p.grad held before is the gate's to check (``admit_backward`` reads it
+here, ``check_held``: None, all zero, or dpfx's earlier release). A backward that never ran
+dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
+post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step() refuses
+(Note [Only dpfx's gradients reach a private step] in loss/gate.py). A parameter the model does
+not use is left alone.
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import weakref
 from typing import Any
 
 import torch
 
+_GRAD = operator.attrgetter("grad")
+
 
 class GradientGuards:
-    """The hooks of one compiled module on its model's trainable parameters: a post-accumulate
-    hook on each from compile, and a tensor hook on each from the first training forward."""
+    """The post-accumulate hooks of one compiled module on its model's trainable parameters, and
+    the read of their p.grad before a backward releases into them."""
 
     def __init__(self, owner, model: torch.nn.Module, backend):
-        self._backend = backend
         self._handles: dict[Any, Any] = {}
-        self.complete = False   # every trainable parameter has its tensor hook
+        self._noise_setting = backend.config.noise
+        self._named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self._released_into: dict[tuple, tuple[list, list]] = {}   # names -> (names, params)
         weakref.finalize(owner, remove_hooks, self._handles)
-        # Note [A parameter's hooks are one frame each] in loss/gate.py
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self._handles["after_accumulate", name] = \
-                    p.register_post_accumulate_grad_hook(functools.partial(
-                        backend.gate.accumulated, name, backend.config.noise))
+        # Note [A parameter's hook is one frame] in loss/gate.py
+        for name, p in self._named.items():
+            self._handles["after_accumulate", name] = \
+                p.register_post_accumulate_grad_hook(functools.partial(
+                    backend.gate.accumulated, name, backend.config.noise))
+        backend.gate.watch(self)
 
-    def guard(self, model: torch.nn.Module) -> None:
-        """A tensor hook on each trainable parameter that has none yet (Note [Every gradient a
-        parameter receives is dpfx's]), once the backend knows which parameters its graph
-        reads."""
-        backend = self._backend
-        if backend.graph_params is None:
+    def check_held(self, names: tuple, ledger) -> None:
+        """Before the backward graph releases into the parameters ``names``: each p.grad is None,
+        all zero or dpfx's release (``ledger.before_accumulate`` refuses the rest). Their
+        p.grad read in C: on the common path (after ``zero_grad()``) every one is None."""
+        entry = self._released_into.get(names)
+        if entry is None:
+            known = [n for n in names if n in self._named]
+            entry = self._released_into[names] = (known, [self._named[n] for n in known])
+        held = list(map(_GRAD, entry[1]))
+        if held.count(None) == len(held):
             return
-        for name, p in model.named_parameters():
-            if p.requires_grad and name not in self._handles:
-                self._handles[name] = p.register_hook(functools.partial(
-                    backend.gate.check_gradient, name, weakref.ref(p)))
-        # Parameters trainable at compile are all there is to guard: check_loop_inputs refuses
-        # any later change of requires_grad, and a parameter added later makes dynamo capture
-        # again (then the walk runs again: the call's after_capture).
-        self.complete = True
+        for name, p, grad in zip(entry[0], entry[1], held):
+            if grad is not None:
+                ledger.before_accumulate(name, p)
+
+    def record_released(self, names: tuple, ledger) -> None:
+        """After a proven backward that released into ``names`` (noise="graph"): each p.grad
+        that is set holds dpfx's release (``ReleaseGate._settle``). With noise="optimizer" the
+        post-accumulate hooks moved the clipped sums out of p.grad already."""
+        if self._noise_setting != "graph":
+            return
+        known, params = self._released_into[names]
+        grads = list(map(_GRAD, params))
+        steps = ledger.steps
+        if grads.count(None):
+            kept = [(n, g) for n, g in zip(known, grads) if g is not None]
+            known, grads = [n for n, _ in kept], [g for _, g in kept]
+        ledger.record(zip(known, zip(map(weakref.ref, grads), itertools.repeat(True),
+                                     itertools.repeat(steps))))
 
     def remove(self) -> None:
         remove_hooks(self._handles)
@@ -73,4 +100,3 @@ class GradientGuards:
 def remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
-

@@ -11,7 +11,7 @@ on a batch-free forward output, reseeds the one generator the graph's noise is d
 (Note [Where the graph's noise seed comes from]), appends the graph's scalar inputs (the count
 of real examples of a padded batch, the adaptive bound C_t), negates the released gradients of a
 negative multiple of the captured loss (Note [A negative multiple of the captured loss] in
-loss/captured.py) and hands them to the gate. A graph's runner is the same whether its code was
+loss/captured.py) and drops those whose sums left by their block's place. A graph's runner is the same whether its code was
 compiled now or loaded from a trusted cache entry (Note [A trusted warm start] in
 lower/trust.py).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 import secrets
 
 import torch
@@ -90,7 +89,7 @@ class Runners:
     def backward(self, compiled, plan: BackwardPlan, device: torch.device,
                  released_elsewhere: set[str] = frozenset()):
         """The compiled backward's runner: the gate's admission, the noise seed, the released
-        gradients handed to the gate. ``released_elsewhere``: parameters whose clipped sums
+        gradients' sign and place. ``released_elsewhere``: parameters whose clipped sums
         leave by their block's place (Note [Sharded blocks] in loop/fsdp.py)."""
         if plan.adaptive:
             compiled = self._with_bound(compiled, device)
@@ -100,14 +99,13 @@ class Runners:
         elsewhere = [i for name, i in plan.positions.items() if name in released_elsewhere]
         positions = {name: i for name, i in plan.positions.items()
                      if name not in released_elsewhere}
-        # the released gradients by name, picked in C (a dict comprehension over every
-        # parameter was the runner's largest share of a step's Python)
-        names, pick = list(positions), _picker(list(positions.values()))
+        names = tuple(positions)    # the parameters whose p.grad autograd accumulates into
 
         def produced(outs):
-            # for the gate's check_gradient: Note [Every gradient a parameter receives is dpfx's]
             negated = gate.sign != 1.0
-            if (elsewhere or negated) and not isinstance(outs, list):
+            if not (elsewhere or negated):
+                return outs
+            if not isinstance(outs, list):
                 outs = list(outs)
             for i in elsewhere:
                 outs[i] = None      # zeros without storage: the sum went to its block's place
@@ -116,11 +114,10 @@ class Runners:
                 for i in positions.values():
                     if outs[i] is not None:
                         outs[i] = outs[i].neg()
-            gate.produced(dict(zip(names, pick(outs))))
             return outs
 
         def admit(args):
-            gate.admit_backward()
+            gate.admit_backward(names)
             if elsewhere and gate.sign != 1.0:
                 raise PrivacyError(
                     "a negative multiple of the captured loss with sharded blocks: their clipped "
@@ -206,16 +203,6 @@ class Runners:
 
         run._boxed_call = True
         return run
-
-
-def _picker(indices: list[int]):
-    """``outs -> [outs[i] for i in indices]`` as one C call (``operator.itemgetter``)."""
-    if not indices:
-        return lambda outs: ()
-    if len(indices) == 1:
-        get = operator.itemgetter(indices[0])
-        return lambda outs: (get(outs),)
-    return operator.itemgetter(*indices)
 
 
 def check_zero_tangents(args, positions: list[int]) -> None:

@@ -20,7 +20,8 @@ from dpfx.loss import (arranged, check as loss_check, scale as loss_scale,
                        verdict_key as loss_verdict_key)
 from dpfx.loss.arranged import LossScaleWarning, arranged_scale, scale_message
 from dpfx.loss.gate import (BACKWARD_CALLS, BACKWARD_KWARGS, BACKWARD_SIGNATURES,
-                            SECOND_BACKWARD, compiled_name, compiled_nodes)
+                            SECOND_BACKWARD, COMPILED_NODE, compiled_name,
+                            compiled_nodes, second_use)
 from dpfx.loss.program import build_program
 from dpfx.loss.trace import (WRITTEN, Output, Trace, Tracked, caller_text, origin, site_text,
                              was_written)
@@ -33,7 +34,8 @@ def release(func, args, kwargs):
         # loss.backward(): the common call, without inspect's binding (Tensor.backward hands
         # its defaults on as keywords, so a test for no keywords never held)
         bound, single, losses, grads = None, True, [args[0]], [None]
-        rest = {k: v for k, v in kwargs.items() if k != "gradient"}
+        rest = dict(kwargs)
+        rest.pop("gradient", None)
     else:
         bound = BACKWARD_SIGNATURES[func].bind(*args, **kwargs)
         params = bound.arguments
@@ -44,7 +46,7 @@ def release(func, args, kwargs):
         grads = params.get(grad_name)
         grads = [None] * len(losses) if grads is None else [grads] if isinstance(
             grads, torch.Tensor) else list(grads)
-    backends = []
+    backends, traces, others = [], [], []
     for i, loss in enumerate(losses):
         if isinstance(loss, Tracked):
             factor = _verify(loss)
@@ -67,9 +69,14 @@ def release(func, args, kwargs):
                     grads[i] = (torch.full((), factor, dtype=loss.dtype, device=loss.device)
                                 if grads[i] is None else grads[i] * factor)
             backends.append(loss._dpfx[0].backend)
+            traces.append(loss._dpfx[0])
+        elif isinstance(loss, torch.Tensor):
+            others.append(loss)
+    if others and traces:
+        _check_other_roots(others, traces)
     with contextlib.ExitStack() as proven:
         for b in backends:
-            proven.enter_context(b.gate.proven())
+            proven.enter_context(b.gate.proven(accumulates=func is not torch.autograd.grad))
         if bound is None:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(args[0], grads[0], **rest)
@@ -189,7 +196,11 @@ def _check_autograd(loss: Tracked, trace: Trace) -> None:
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             raise PrivacyError(_unseen_backward(type(node).__name__))
         if type(node).__name__ == "AccumulateGrad":
-            if id(node.variable) not in trace.param_ids:
+            if id(node.variable) in trace.param_ids:
+                # Note [Every gradient a parameter receives is dpfx's] in grad_guards.py
+                raise PrivacyError(second_use(compiled_name(node.variable), trace.backend.gate,
+                                              f"the loss at {caller_text()}"))
+            else:
                 name = compiled_name(node.variable)
                 if name is not None:
                     # Note [The model passed to dpfx.compile] in loss/gate.py
@@ -206,6 +217,47 @@ def _check_autograd(loss: Tracked, trace: Trace) -> None:
                     f"clipped nor noised. Detach it, or make it a parameter of the model.")
             continue
         stack.extend(node.next_functions)
+
+
+def _check_other_roots(roots: list, traces: list) -> None:
+    """A backward call on several roots, some not computed from dpfx's outputs: their autograd
+    graphs reach neither a parameter of the model nor dpfx's compiled function (Note [Every
+    gradient a parameter receives is dpfx's] in grad_guards.py)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        stack = [(r.grad_fn, None) for r in roots]
+    params = set().union(*(t.param_ids for t in traces))
+    graphs = {n for t in traces for n in compiled_nodes(t.stop_nodes)}
+    seen = set()
+    while stack:
+        node, through = stack.pop()     # through: a compiled function above it, by its kind
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in graphs:
+            raise PrivacyError(
+                f"a backward call ({caller_text()}) on several tensors, one of which reaches "
+                f"dpfx's compiled module without being computed from its outputs by torch ops "
+                f"dpfx follows: its gradient would enter dpfx's backward unchecked. Add the terms "
+                f"into one loss, computed from the outputs with torch ops. Nothing was released.")
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            if id(node.variable) in params:
+                name = compiled_name(node.variable)
+                if through is not None:
+                    raise PrivacyError(
+                        f"a backward call ({caller_text()}) on several tensors, one of which "
+                        f"reaches parameter '{name}' through a compiled function ({through}) "
+                        f"that dpfx did not check: another forward of the dpfx-compiled module "
+                        f"whose outputs dpfx could not find in what it returned (a tensor kept "
+                        f"in a custom object), or a torch.compile'd function. Return the model's "
+                        f"outputs as tensors (or tuples, lists, dicts of them) and compute each "
+                        f"loss from them. Nothing was released.")
+                raise PrivacyError(second_use(name, traces[0].backend.gate,
+                                              f"a backward call at {caller_text()}"))
+            continue
+        if kind == COMPILED_NODE:
+            through = kind
+        stack.extend((n, through) for n, _ in node.next_functions)
 
 
 def _unseen_backward(kind: str) -> str:

@@ -685,8 +685,8 @@ def _constant(other, name: str) -> float | str:
 # a gradient of the data (a penalty scaled by a statistic of the batch reads one, invisibly: the
 # statistic is a constant of the autograd graph). So the penalty is refused, in the captured
 # loss at its backward (``_needs_grad`` finds parameters and no dpfx forward in its autograd
-# graph), in the loss function at capture (``_stand_in``) and in the plain loop by the gate's
-# tensor hook, each naming the optimizer's weight decay, which is post-processing of the release:
+# graph), in the loss function at capture (``_stand_in``) and in the plain loop by the walk of
+# the loss's autograd graph at its backward (loss/backward.py), each naming the optimizer's weight decay, which is post-processing of the release:
 # SGD and Adam add ``weight_decay * p`` to the gradient they step on, the gradient of
 # weight_decay / 2 * ||p||^2, so weight_decay = 2 lam gives the release plus exactly 2 lam p.
 # (tests/loss/test_captured_arithmetic.py::test_weight_decay_is_the_penalty)
@@ -768,7 +768,8 @@ def _release(func, args, kwargs):
         # multiple's sign is the release's (Note [A negative multiple of the captured loss])
         params[grad_name] = torch.full((), 1.0 / root._dpfx_loss[1], dtype=root.dtype,
                                        device=root.device)
-        with backend.gate.proven(sign=1.0 if k > 0 else -1.0):
+        with backend.gate.proven(sign=1.0 if k > 0 else -1.0,
+                                 accumulates=func is not torch.autograd.grad):
             return func(*bound.args, **bound.kwargs)
 
 

@@ -9,9 +9,7 @@ and of what it released. One per compiled model; its methods are that state's on
     with gate.proven():                          # the loss tracker or the captured loss: a loss
         torch.autograd.backward(loss)            #   dpfx proved runs its backward, in which
             gate.open_release()                  #   the hook: one release per forward and step
-            gate.admit_backward()                #   the backward graph's runner, before it writes
-            gate.produced(grads)                 #   what it wrote
-            gate.check_gradient(...)             #   each parameter's tensor hook
+            gate.admit_backward(names)           #   the backward graph's runner, before it writes
             gate.accumulated(...)                #   each parameter's post-accumulate hook
     gate.close_step()                            # DPOptimizer.step(), a skipped step, zero_grad()
 
@@ -76,9 +74,11 @@ the tensor it released into:
   noise="optimizer" the clipped sum leaves p.grad at once, Note [Clipped sums stay out of
   p.grad]), a plain gradient if it did not (the raw model, a module sharing the parameter, before
   or after dpfx's backward, in its backward call or another);
-- dpfx's backward, in the parameter's tensor hook that runs just before it accumulates
-  (``check_gradient``), refuses a p.grad that is not None, not all zero, and not the tensor
-  holding dpfx's release;
+- dpfx's backward, before its graph writes anything (``admit_backward``, from the backward
+  graph's runner), refuses a p.grad of a parameter it is about to release into that is not
+  None, not all zero, and not the tensor holding dpfx's release (Note [Every gradient a
+  parameter receives is dpfx's] in grad_guards.py says why nothing but dpfx's gradient reaches
+  those parameters in that backward);
 - ``step()`` refuses the same: a p.grad into which a plain backward accumulated (until
   ``zero_grad()`` or a new release of dpfx's replaces it), or a tensor assigned to p.grad
   (``p.grad = g``), which dpfx cannot vouch for.
@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import sys
 import warnings
@@ -124,7 +125,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 import dpfx
 from dpfx.errors import DPFXWarning, PrivacyError
 
-_COMPILED_NODE = "CompiledFunctionBackward"
+COMPILED_NODE = "CompiledFunctionBackward"   # aot_autograd's autograd node
+_FIRST = operator.itemgetter(0)
+_ACCUMULATE_GRAD = type(torch.zeros((), requires_grad=True).expand(1).grad_fn.next_functions[0][0])
+_LEAF_KINDS = {_ACCUMULATE_GRAD, type(None)}    # a compiled function's edges to leaves, or none
 _graph_task_id = torch._C._current_graph_task_id
 
 TWO_FORWARDS = (
@@ -194,6 +198,14 @@ def warn_at_caller(message: str, category: type) -> None:
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(dpfx.__file__))
 
 
+def _user_line() -> str:
+    """The first line outside torch and dpfx on the stack, as file:line."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        f = f.f_back
+    return "line unknown" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
 class ReleaseGate:
     """The release state of one compiled model (module docstring)."""
 
@@ -202,9 +214,11 @@ class ReleaseGate:
         self._graph_ran = False    # this call ran dpfx's compiled forward
         self._proven = 0             # > 0 while a loss dpfx proved runs its backward
         self._sign = 1.0             # the sign of that backward's release
+        self._accumulates = True     # and whether autograd accumulates it into p.grad
+        self._admitted: tuple | None = None   # the parameters that backward's graph releases into
         self._hooked = False         # this forward's release hook ran just before its graph
         self._graph_task = -1        # the autograd graph task of the last backward graph
-        self._produced: dict[str, torch.Tensor] = {}   # its gradient per parameter
+        self._guards = None          # a weakref to the model's GradientGuards (grad_guards.py)
         self._releases = 0
         self._stepper = None         # a weakref to the DPOptimizer counting this model's steps
         self._noise = "graph"
@@ -301,21 +315,51 @@ class ReleaseGate:
         Returns the forward's release record: ``record["released"]`` once its backward ran."""
         stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
         nodes = compiled_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], stop)
+        for node in nodes:
+            # Note [Every gradient a parameter receives is dpfx's] in grad_guards.py: what flows
+            # into the graph's inputs that are not leaves must reach no parameter of the model
+            if not set(map(type, map(_FIRST, node.next_functions))) <= _LEAF_KINDS:
+                self._check_upstream(node)
         record = {"released": False}
         hook = _release_hook(weakref.ref(self), record)
         for node in nodes:
             node.register_prehook(hook)
         return record
 
+    def _check_upstream(self, node) -> None:
+        """Refuses a parameter of this model that the autograd graph below ``node`` (dpfx's
+        compiled function) reaches other than as the graph's own leaf input: an input computed
+        from it outside the forward (with ``allow_input_grads``), whose gradient autograd would
+        add to the private one."""
+        todo = [n for n, _ in node.next_functions if n is not None and type(n) not in _LEAF_KINDS]
+        seen = set()
+        while todo:
+            n = todo.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            if type(n) is _ACCUMULATE_GRAD:
+                if id(n.variable) in self._owned:
+                    raise PrivacyError(
+                        f"parameter '{compiled_name(n.variable)}' reaches dpfx's compiled module "
+                        f"through one of its inputs too ({_user_line()}), computed from the "
+                        f"parameter outside the module's forward: autograd would add that plain gradient to the "
+                        f"clipped, noised one the graph releases for it. Compute that input "
+                        f"inside the compiled module's forward, or detach it. Nothing was "
+                        f"released.")
+                continue
+            todo.extend(next_node for next_node, _ in n.next_functions)
+
     # -- the backward ------------------------------------------------------------------------
-    def proven(self, sign: float = 1.0) -> "_Proven":
+    def proven(self, sign: float = 1.0, accumulates: bool = True) -> "_Proven":
         """While a loss dpfx proved runs its backward: dpfx's backward graph may release (a
         plain class: every step enters it, Note [The steady-state call] in compiled_call.py).
         ``sign`` -1: the backward graph's runner negates what it releases
-        (Note [A negative multiple of the captured loss] in loss/captured.py)."""
+        (Note [A negative multiple of the captured loss] in loss/captured.py).
+        ``accumulates`` False: ``torch.autograd.grad``, which leaves every p.grad as it was."""
         if sign != 1.0 and sign != -1.0:
             raise ValueError(f"a release's sign is 1 or -1, not {sign}")
-        return _Proven(self, sign)
+        return _Proven(self, sign, accumulates)
 
     @property
     def sign(self) -> float:
@@ -334,10 +378,12 @@ class ReleaseGate:
         self._releases += 1
         self._hooked = True
 
-    def admit_backward(self) -> None:
+    def admit_backward(self, names: tuple = ()) -> None:
         """Run by the backward graph's runner before it writes anything: the loss was proven
-        (loss/track.py), this forward's release hook ran (Note [One release per forward]), and
-        no other forward's graph ran in this backward (Note [One forward per backward])."""
+        (loss/track.py), this forward's release hook ran (Note [One release per forward]), no
+        other forward's graph ran in this backward (Note [One forward per backward]), and no
+        parameter of ``names`` (those the graph releases into) holds a gradient that is not
+        dpfx's release (Note [Only dpfx's gradients reach a private step])."""
         if not self._proven and self._left is not None:
             raise PrivacyError(
                 f"the backward reached dpfx's graph from a loss dpfx did not check: {self._left}. "
@@ -361,78 +407,65 @@ class ReleaseGate:
             raise PrivacyError(TWO_FORWARDS + " Zero the gradients before retrying: the first "
                                "forward's have been written.")
         self._graph_task = task
+        guards = self._guards() if self._guards is not None else None
+        if guards is not None and self._accumulates:
+            guards.check_held(names, self.ledger)
+            self._admitted = names
 
-    def produced(self, grads: dict[str, torch.Tensor]) -> None:
-        """The gradients the backward graph just output, per parameter name."""
-        self._produced = grads
+    def watch(self, guards) -> None:
+        """The model's gradient guards (grad_guards.py), which read the parameters' p.grad for
+        ``admit_backward``; held weakly (they belong to the compiled module)."""
+        self._guards = weakref.ref(guards)
 
-    # Note [A parameter's hooks are one frame each]
-    # Every trainable parameter carries two hooks (Note [Every gradient a parameter receives is
-    # dpfx's] in grad_guards.py; Note [Only dpfx's gradients reach a private step]), and
-    # autograd calls both on every backward: on a small model their Python is a large share of dpfx's time
-    # over torch.compile's (28 parameters, 56 calls a step, on the tiny HF GPT-2). Each hook is
-    # therefore the gate's own method bound with ``functools.partial`` (no wrapper frame between
-    # autograd and the check), and its common case, a p.grad of None after ``zero_grad()``,
-    # returns from that one frame after the same checks: the name among the graph's
-    # parameters, the graph task, the tensor identity. The hooks hold the gate, not the
-    # backend: the DPModule takes them off when it is collected (grad_guards.py).
+    # Note [A parameter's hook is one frame]
+    # Every trainable parameter carries a post-accumulate-grad hook (Note [Only dpfx's gradients
+    # reach a private step]), and autograd calls it on every backward: on a small model its
+    # Python is a large share of dpfx's time over torch.compile's (28 parameters on the tiny HF
+    # GPT-2). The hook is therefore the gate's own method bound with ``functools.partial`` (no
+    # wrapper frame between autograd and the record), and its common case, dpfx's release with
+    # noise="graph", returns from that frame after one comparison: the ledger's entries of that
+    # backward are written together when it returns (``_settle``, the p.grad read in C). The
+    # hooks hold the gate, not the backend: the DPModule takes them off when it is collected
+    # (grad_guards.py).
     def reads(self, graph_params: set[str]) -> None:
         """The trainable parameters the last compiled graph reads (the backend, per capture)."""
         self.graph_params = graph_params
 
-    def check_gradient(self, name: str, param_ref, grad: torch.Tensor) -> None:
-        """Note [Every gradient a parameter receives is dpfx's] (grad_guards.py): the tensor hook of
-        parameter ``name`` (``param_ref``: a weak reference to it), before autograd accumulates
-        ``grad`` into p.grad (Note [A parameter's hooks are one frame each])."""
-        if name not in self.graph_params:
-            raise PrivacyError(
-                f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read "
-                f"it: it is used outside the dpfx-compiled module (by the loss or another "
-                f"module), or by code that ran outside dpfx's graph. That gradient would be "
-                f"neither clipped nor noised. Use every trainable parameter inside the compiled "
-                f"module's forward, or freeze it (requires_grad=False). Gradients of this "
-                f"backward may be partly written: zero them before the next step.")
-        if _graph_task_id() != self._graph_task:
-            return
-        if self._produced.pop(name, None) is not grad:
-            raise PrivacyError(
-                f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
-                f"produced: it is also used outside the dpfx-compiled module in this backward (a "
-                f"regularizer on the weight in the loss, or another module sharing it), and "
-                f"autograd would add that plain gradient to the clipped, noised one. For a "
-                f"weight penalty lam * ||p||^2 use the optimizer's weight_decay = 2 * lam "
-                f"instead (torch.optim.SGD and Adam add weight_decay * p to the released "
-                f"gradient); otherwise move that use into the compiled module's forward, or "
-                f"detach it. Gradients of this backward may be partly written: zero them before "
-                f"the next step.")
-        # a p.grad of None (zero_grad's default) holds nothing the ledger would refuse
-        p = param_ref()
-        if p is not None and p.grad is not None:
-            self.ledger.before_accumulate(name, p)
-
     def accumulated(self, name: str, noise: str, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook of parameter ``name``, after autograd accumulated into
         p.grad (Note [Clipped sums stay out of p.grad]); ``noise``: the compile's setting."""
+        if _graph_task_id() == self._graph_task:
+            if noise == "graph":
+                return      # recorded when the backward returns (``_settle``)
+            grad = p.grad
+            if grad is None:
+                return
+            acc = self._sums.get(name)
+            if acc is None:
+                self._sums[name] = grad
+            else:
+                acc.add_(grad)
+            self._examples += self._pending
+            self._pending = 0
+            p.grad = None
+            return
         grad = p.grad
         if grad is None:
             return
-        if _graph_task_id() != self._graph_task:
-            self.ledger.accumulated_plain(name, p)
-            if not self._public_phases and not self._warned_plain and not self._elsewhere():
-                self._warned_plain = True
-                warn_at_caller(_PLAIN_GRADIENT.format(name=name), PlainGradientWarning)
-            return
-        if noise == "graph":
-            self.ledger.released_grad(name, grad)
-            return
-        acc = self._sums.get(name)
-        if acc is None:
-            self._sums[name] = grad
-        else:
-            acc.add_(grad)
-        self._examples += self._pending
-        self._pending = 0
-        p.grad = None
+        self.ledger.accumulated_plain(name, p)
+        if not self._public_phases and not self._warned_plain and not self._elsewhere():
+            self._warned_plain = True
+            warn_at_caller(_PLAIN_GRADIENT.format(name=name), PlainGradientWarning)
+
+    def _settle(self) -> None:
+        """The proven backward returned: the p.grad of the parameters its graph released into
+        hold dpfx's release (``admit_backward`` saw them None, all zero or dpfx's, and Note
+        [Every gradient a parameter receives is dpfx's] in grad_guards.py says nothing else
+        reached them), recorded in the ledger at once."""
+        names, self._admitted = self._admitted, None
+        guards = self._guards() if self._guards is not None else None
+        if guards is not None:
+            guards.record_released(names, self.ledger)
 
     # -- the step ----------------------------------------------------------------------------
     def attach(self, optimizer, noise: str) -> None:
@@ -470,22 +503,28 @@ RETAINED_GRAPH = (
 
 
 class _Proven:
-    """``ReleaseGate.proven(sign)``."""
+    """``ReleaseGate.proven(sign, accumulates)``."""
 
-    __slots__ = ("_gate", "_sign", "_before")
+    __slots__ = ("_gate", "_sign", "_accumulates", "_before")
 
-    def __init__(self, gate: ReleaseGate, sign: float):
-        self._gate, self._sign = gate, sign
+    def __init__(self, gate: ReleaseGate, sign: float, accumulates: bool):
+        self._gate, self._sign, self._accumulates = gate, sign, accumulates
 
     def __enter__(self):
         gate = self._gate
         gate._proven += 1
-        self._before, gate._sign = gate._sign, self._sign
+        self._before = gate._sign, gate._accumulates
+        gate._sign, gate._accumulates = self._sign, self._accumulates
 
     def __exit__(self, kind, error, traceback):
         gate = self._gate
         gate._proven -= 1
-        gate._sign = self._before
+        gate._sign, gate._accumulates = self._before
+        if gate._admitted is not None:
+            if error is None:
+                gate._settle()
+            else:
+                gate._admitted = None   # what it wrote stays unvouched: DPOptimizer refuses it
         if isinstance(error, RuntimeError) and "donated buffers" in str(error):
             raise RuntimeError(RETAINED_GRAPH) from None
         return False
@@ -511,11 +550,31 @@ def compiled_nodes(roots: list, stop: set = frozenset()) -> list:
         if node is None or node in seen or node in stop:
             continue
         seen.add(node)
-        if type(node).__name__ == _COMPILED_NODE:
+        if type(node).__name__ == COMPILED_NODE:
             nodes.append(node)
             continue
         todo.extend(next_node for next_node, _ in node.next_functions)
     return nodes
+
+
+def second_use(name: str | None, gate: "ReleaseGate", where: str) -> str:
+    """Why a backward that would accumulate into parameter ``name`` outside dpfx's graph is
+    refused (Note [Every gradient a parameter receives is dpfx's] in grad_guards.py); ``where``:
+    the user's line."""
+    if gate.graph_params is not None and name not in gate.graph_params:
+        return (f"parameter '{name}' received a gradient, but dpfx's compiled graph does not read "
+                f"it: it is used outside the dpfx-compiled module ({where}: by the loss or another "
+                f"module), so that gradient would be neither clipped nor noised. Use every "
+                f"trainable parameter inside the compiled module's forward, or freeze it "
+                f"(requires_grad=False). Nothing was released.")
+    return (f"parameter '{name}' received a gradient beyond the private one dpfx's graph "
+            f"produces: it is also used outside the dpfx-compiled module in this backward "
+            f"({where}: a regularizer on the weight in the loss, another module sharing it, or the "
+            f"model given to dpfx.compile called directly), and autograd would add that plain "
+            f"gradient to the clipped, noised one. For a weight penalty lam * ||p||^2 use the "
+            f"optimizer's weight_decay = 2 * lam instead (torch.optim.SGD and Adam add "
+            f"weight_decay * p to the released gradient); otherwise move that use into the "
+            f"compiled module's forward, or detach it. Nothing was released.")
 
 
 def second_backward_error(noise: str) -> PrivacyError:
@@ -548,13 +607,19 @@ class GradientLedger:
         """dpfx's backward accumulated its release into p.grad, or DPOptimizer wrote it."""
         self._grads[name] = (weakref.ref(p.grad), True, self._steps)
 
-    def released_grad(self, name: str, grad: torch.Tensor) -> None:
-        """``released`` with p.grad already read (the post-accumulate hook's)."""
-        self._grads[name] = (weakref.ref(grad), True, self._steps)
-
     def accumulated_plain(self, name: str, p: torch.Tensor) -> None:
         """A backward that did not run dpfx's graph accumulated into p.grad."""
         self._grads[name] = (weakref.ref(p.grad), False, self._steps)
+
+    @property
+    def steps(self) -> int:
+        """Inner optimizer steps so far (Note [Gradients kept across steps])."""
+        return self._steps
+
+    def record(self, entries) -> None:
+        """Many ``released`` entries at once: (name, (weakref to p.grad, True, steps)) pairs,
+        built by the caller in C (grad_guards.py's ``record_released``)."""
+        self._grads.update(entries)
 
     def stepped(self) -> None:
         """DPOptimizer's inner optimizer stepped the gradients (Note [Gradients kept across
@@ -585,8 +650,7 @@ class GradientLedger:
         raise PrivacyError(
             f"parameter '{name}' already holds a gradient that is not dpfx's release: {held}; "
             f"dpfx's private gradient would be added to it. Call zero_grad() before the "
-            f"private forward and backward. Gradients of this backward may be partly written: "
-            f"zero them before the next step.")
+            f"private forward and backward. dpfx's backward has written nothing.")
 
     # Note [Gradients kept across steps]
     # Without zero_grad() between DPOptimizer.step() and the next backward, dpfx's release is

@@ -93,10 +93,16 @@ def was_written(t) -> bool:
 
 
 def caller_site():
-    f = sys._getframe(1)
-    while f is not None and _skipped(f.f_code):
+    f, skipped = sys._getframe(1), _SKIPPED
+    while f is not None:
+        code = f.f_code
+        skip = skipped.get(code)    # ``_skipped``, its common case in this frame
+        if skip is None:
+            skip = _skipped(code)
+        if not skip:
+            return code.co_filename, f.f_lineno
         f = f.f_back
-    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+    return None
 
 
 def _skipped(code) -> bool:

@@ -14,7 +14,8 @@ and ``torch.autograd.grad`` on a tracked tensor first check the loss:
 
 1. its autograd graph, from the loss down to dpfx's outputs, holds no custom autograd.Function
    (its backward could do anything), no torch.compile'd function, and no tensor requiring a
-   gradient other than the model's own parameters (which invariant 4 in grad_guards.py watches);
+   gradient: not the model's own parameters either (Note [Every gradient a parameter receives
+   is dpfx's] in grad_guards.py), nor any other;
 2. the recorded calls, replayed with a symbolic batch, are a per-example sum
    (``loss_check.analyze``); the verdict is cached by the calls' structure (functions, constants,
    shapes with the batch written as a symbol), and a step whose trace records what an earlier
@@ -187,6 +188,8 @@ _MODEL_OUTPUTS: dict[type, bool] = {}    # type -> a Hugging Face ModelOutput (a
 def _record(func, args, kwargs, result):
     if isinstance(result, torch.Tensor):
         out_leaves, out_spec = [result], None
+    elif type(result) is torch.Size:     # ``out.shape``: a tuple of ints, nothing to follow
+        return result
     elif isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result):
         out_leaves, out_spec = pytree.tree_flatten(result)
     else:
@@ -227,10 +230,10 @@ def _record(func, args, kwargs, result):
     else:
         # a tracked tensor of another trace (a batch's, in a forward's call) is an external
         # whose own calls build_program follows
-        descr = tuple(("t", a._dpfx[1], a._dpfx[2])
-                      if isinstance(a, TrackedTensor) and a._dpfx[0] is trace
-                      else ("e", trace.external(a)) if isinstance(a, torch.Tensor)
-                      else ("c", a) for a in leaves)
+        descr = tuple([("t", a._dpfx[1], a._dpfx[2])
+                       if isinstance(a, TrackedTensor) and a._dpfx[0] is trace
+                       else ("e", trace.external(a)) if isinstance(a, torch.Tensor)
+                       else ("c", a) for a in leaves])
         index = len(trace.records)
         line = caller_site()
         if ARRANGING[0] and line is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import operator
 import threading
 import warnings
 
@@ -183,7 +184,7 @@ def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, div
                     generator: torch.Generator | None) -> None:
     """``add_noise_`` with the key drawn from ``generator`` (torch's default CPU generator when
     None): DPOptimizer's noise, added in place to the clipped sums or their flat buffer."""
-    dtypes = {x.dtype for x in sums}
+    dtypes = set(map(_DTYPE, sums))
     if not dtypes <= _NOISE_DTYPES:
         raise TypeError(f"dpfx::add_noise_ takes float32 and float64 sums, not "
                         f"{sorted(str(d) for d in dtypes - _NOISE_DTYPES)}")
@@ -196,6 +197,15 @@ def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, div
         return
     key = draw_key(generator)
     n, threads = len(sums), torch.get_num_threads()
+    if len(dtypes) == 1 and all(map(_CONTIGUOUS, sums)):
+        # the common call (every sum of one dtype, contiguous), its pointers read in C: a
+        # step's Python per parameter is host time on every step (tensor t still takes stream t)
+        kernel = lib.dpfx_philox_add_noise_f32 if torch.float32 in dtypes else \
+            lib.dpfx_philox_add_noise_f64
+        ptrs = (ctypes.c_void_p * n)(*map(_DATA_PTR, sums))
+        sizes = (ctypes.c_int64 * n)(*map(_NUMEL, sums))
+        kernel(ptrs, sizes, n, key, float(std), float(multiplier), float(divisor), threads)
+        return
     for dtype, kernel in ((torch.float32, lib.dpfx_philox_add_noise_f32),
                           (torch.float64, lib.dpfx_philox_add_noise_f64)):
         if dtype not in dtypes:
@@ -220,6 +230,10 @@ def add_noise_keyed(sums: list[torch.Tensor], std: float, multiplier: float, div
 
 
 _NOISE_DTYPES = frozenset({torch.float32, torch.float64})
+_DTYPE = operator.attrgetter("dtype")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
 
 
 _LIBRARY.impl("add_noise_", add_noise_, "CompositeExplicitAutograd")

@@ -299,6 +299,83 @@ def test_second_use_outside_the_graph_refused(backend):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_parameter_reached_through_an_input_is_refused_at_the_forward(backend):
+    """With ``allow_input_grads``, an input computed from one of the model's own parameters
+    outside its forward would carry that parameter's plain gradient into p.grad beside the
+    private one: refused at the forward, naming the parameter. An input computed by a trainable
+    module of another model is the caller's accepted non-private input gradient: it trains, and
+    the model's own gradients are exactly the private ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend=backend,
+                      allow_input_grads=True)
+    x, y = torch.randn(6, 4), torch.arange(6) % 3
+    with pytest.raises(dpfx.PrivacyError, match=r"parameter '0\.weight' reaches dpfx's compiled "
+                                                r"module through one of its inputs"):
+        dp(x * model[0].weight[0])
+    assert all(p.grad is None for p in model.parameters())
+    upstream = nn.Linear(4, 4)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(dp(upstream(x)), y).backward()
+    assert upstream.weight.grad is not None
+    ref = loop_dp_sgd_grads(model, F.cross_entropy, (upstream(x).detach(),), y,
+                            max_grad_norm=0.5)
+    assert_close({n: p.grad for n, p in model.named_parameters()}, ref)
+
+
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_backward_of_several_roots_is_walked_before_it_runs(backend):
+    """``torch.autograd.backward([loss, other])`` with ``other`` not computed from dpfx's
+    outputs by the ops it follows: a root that reaches one of the model's parameters, or dpfx's
+    compiled function itself (a coupling term computed with torch function dispatch off, which
+    ran unchecked beside the checked loss), is refused before anything is written; one over
+    another model's parameters alone runs, that model's gradient plain and the private one
+    exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend=backend)
+    x, y = torch.randn(6, 4), torch.arange(6) % 3
+    with pytest.raises(dpfx.PrivacyError, match=r"parameter '2\.weight' received a gradient "
+                                                r"beyond the private one"):
+        torch.autograd.backward([F.cross_entropy(dp(x), y), model[2].weight.pow(2).sum()])
+    assert all(p.grad is None for p in model.parameters())
+    out = dp(x)
+    with torch._C.DisableTorchFunctionSubclass():     # a term that left dpfx's tracking
+        coupled = (out - out.mean(0)).pow(2).sum()
+    with pytest.raises(dpfx.PrivacyError, match="one of which reaches dpfx's compiled module "
+                                                "without being computed"):
+        torch.autograd.backward([F.cross_entropy(out, y), coupled])
+    assert all(p.grad is None for p in model.parameters())
+    other = nn.Linear(4, 3)
+    torch.autograd.backward([F.cross_entropy(dp(x), y), F.cross_entropy(other(x), y)])
+    assert other.weight.grad is not None
+    assert_close({n: p.grad for n, p in model.named_parameters()},
+                 loop_dp_sgd_grads(model, F.cross_entropy, (x,), y, max_grad_norm=0.5))
+
+
+@pytest.mark.filterwarnings("ignore::dpfx.PlainGradientWarning")   # a plain backward on purpose
+def test_autograd_grad_reads_no_p_grad():
+    """``torch.autograd.grad`` accumulates nothing, so a plain gradient left in p.grad is not its
+    concern (exact both ways): it returns the private gradients and leaves p.grad as it was,
+    while ``backward`` over that p.grad is refused before writing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=0.0, backend="eager")
+    x, y = torch.randn(6, 4), torch.arange(6) % 3
+    F.cross_entropy(model(x), y).backward()          # plain, on the raw model
+    held = {n: p.grad.clone() for n, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(F.cross_entropy(dp(x), y), params)
+    assert_close(dict(zip(names, grads)),
+                 loop_dp_sgd_grads(model, F.cross_entropy, (x,), y, max_grad_norm=0.5))
+    assert_close({n: p.grad for n, p in model.named_parameters()}, held)
+    with pytest.raises(dpfx.PrivacyError, match="already holds a gradient that is not dpfx's"):
+        F.cross_entropy(dp(x), y).backward()
+    assert_close({n: p.grad for n, p in model.named_parameters()}, held)
+
+
 class TokenModel(nn.Module):
     def __init__(self, vocab=30, d=8):
         super().__init__()
@@ -456,3 +533,24 @@ def test_a_calls_tensors_are_read_in_pytrees_order():
         expected = pytree.tree_leaves(out)
         got = output_leaves(out)
         assert len(got) == len(expected) and all(g is e for g, e in zip(got, expected))
+
+
+def test_inputs_without_one_batch_dim_are_refused():
+    """Every tensor input carries the batch in dim 0, of one size: a 0-d input and inputs of
+    two sizes are refused by name, before anything is captured."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, w):
+            return self.fc(x) * w
+
+    model = Two()
+    dp = dpfx.compile(model, max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    with pytest.raises(dpfx.errors.CaptureError, match="got a 0-d tensor"):
+        dp(torch.randn(5, 4), torch.tensor(2.0))
+    with pytest.raises(ValueError, match=r"same size; got shapes \[\(5, 4\), \(4, 1\)\]"):
+        dp(torch.randn(5, 4), torch.ones(4, 1))
+    assert dp.compile_count == 0 and model.fc.weight.grad is None
+    assert dp(torch.randn(5, 4), torch.ones(5, 1)).shape == (5, 3)

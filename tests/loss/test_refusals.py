@@ -101,15 +101,22 @@ class _BoxNet(nn.Module):
 
 
 def test_backward_graph_without_its_release_hook_is_refused():
-    """G3: an output hidden in a custom object, backwarded beside a checked loss."""
+    """G3: an output hidden in a custom object, backwarded beside a checked loss: refused before
+    the backward, by the walk of the root dpfx did not check; and the backward graph's runner
+    refuses to run without its release hook (the gate's own check, which fails closed)."""
     model = _BoxNet()
     dp = _plain(model)
     checked = F.mse_loss(dp(torch.randn(3, 8)), torch.randn(3, 4))
     hidden = F.mse_loss(dp(torch.randn(3, 8), box=True).t, torch.randn(3, 4))
-    with pytest.raises(dpfx.PrivacyError,
-                       match="dpfx's backward graph ran without its release check"):
+    with pytest.raises(dpfx.PrivacyError, match=r"through a compiled function "
+                                                r"\(CompiledFunctionBackward\) that dpfx did not "
+                                                r"check: another forward"):
         torch.autograd.backward([checked, hidden])
     assert _untouched(model)
+    gate = dp._dpfx_backend.gate
+    with gate.proven(), pytest.raises(dpfx.PrivacyError,
+                                      match="dpfx's backward graph ran without its release check"):
+        gate.admit_backward()
 
 
 def test_two_forwards_in_one_backward_call_are_refused_by_the_gate():

@@ -189,6 +189,20 @@ def test_add_noise_matches_a_float64_reference():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_add_noise_of_one_dtype_matches_the_reference(dtype):
+    """The common call (every sum of one dtype and contiguous, its pointers read in C) draws
+    what the general path draws: tensor t takes Philox stream t, an empty one among them too."""
+    sizes = [37, 0, 4 * 2048 + 39, 3]
+    before = [torch.randn(n, dtype=dtype) for n in sizes]
+    sums = [x.clone() for x in before]
+    key = _add_noise(sums, 0.7, 0.25, 3, seed=11)
+    for t, (x, b) in enumerate(zip(sums, before)):
+        z = _normal_reference(b.numel(), key, stream=t) if b.numel() else 0
+        torch.testing.assert_close(x.double(), (b.double() + 0.7 * z) * 0.25 / 3,
+                                   rtol=2e-5, atol=2e-5)
+
+
 def test_add_noise_does_not_depend_on_thread_count_and_refuses_half_precision():
     threads = torch.get_num_threads()
     runs = []
