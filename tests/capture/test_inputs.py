@@ -554,3 +554,32 @@ def test_inputs_without_one_batch_dim_are_refused():
         dp(torch.randn(5, 4), torch.ones(4, 1))
     assert dp.compile_count == 0 and model.fc.weight.grad is None
     assert dp(torch.randn(5, 4), torch.ones(5, 1)).shape == (5, 3)
+
+
+def test_a_steady_step_compares_no_tensor_with_eq(monkeypatch):
+    """Note [Tensors are compared by identity] (grad_guards.py): a steady step of the plain loop
+    and of the captured loss calls no ``Tensor.__eq__`` (``list.count(None)`` over gradients
+    did, raising and catching a TypeError inside torch for every parameter)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    dp = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=1.0, backend="eager")
+    captured = dpfx.compile(model, max_grad_norm=0.5, noise_multiplier=1.0, backend="eager",
+                            loss=F.cross_entropy)
+    opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp)
+    x, y = torch.randn(6, 4), torch.arange(6) % 3
+
+    def steps():
+        for _ in range(2):
+            F.cross_entropy(dp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):
+            captured.loss(x, y).backward()
+            model.zero_grad(set_to_none=True)
+
+    steps()
+    calls = []
+    eq = torch.Tensor.__eq__
+    monkeypatch.setattr(torch.Tensor, "__eq__", lambda a, b: calls.append(b) or eq(a, b))
+    steps()
+    assert calls == []
