@@ -142,6 +142,33 @@ def test_gradient_hooks_on_tensors_dpfx_did_not_produce_train():
     torch.testing.assert_close(to_input[0], xplain.grad, **TOL)
 
 
+def test_a_hook_that_transforms_a_parameters_release_trains():
+    """A hook on a parameter that returns another tensor (a gradient scaled by a constant)
+    transforms dpfx's release before autograd accumulates it: post-processing, which trains
+    (Note [Every gradient a parameter receives is dpfx's] in grad_guards.py), registered before
+    or after dpfx.compile; a DPOptimizer steps it."""
+    model = _mlp()
+
+    def mse(out, y):
+        return F.mse_loss(out, y, reduction="sum")
+
+    x, y, bound = _data(mse, model)
+    before = model[0].weight.register_hook(lambda g: g * 0.5)
+    dp = _compile(model, bound)
+    after = model[2].bias.register_hook(lambda g: g * 2.0)
+    want = dp_sgd_grads(model, mse, x, y, max_grad_norm=bound, loss_reduction="sum")
+    want["0.weight"], want["2.bias"] = want["0.weight"] * 0.5, want["2.bias"] * 2.0
+    try:
+        got = _step(dp, model, mse, x, y)
+        assert_close(got, want, **TOL)
+        opt = dpfx.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp)
+        mse(dp(x), y).backward()
+        opt.step()
+    finally:
+        before.remove()
+        after.remove()
+
+
 def test_a_custom_function_or_compiled_function_on_the_targets_trains():
     """Both kinds of function the loss must not go through are fine on the targets, which hold
     no gradient of the model."""
