@@ -29,12 +29,12 @@ So a refusal comes before anything is written, and no hook per parameter has to 
 on every backward. A hook the user registers on a parameter (``p.register_hook``) receives
 dpfx's release and may return another tensor: that is the user's code transforming the release,
 taken as post-processing, like an edit of p.grad in place (Note [Only dpfx's gradients reach a
-private step] in loss/gate.py). What p.grad held before is the gate's to check (``admit_backward`` reads it
-here, ``check_held``: None, all zero, or dpfx's earlier release). A backward that never ran
-dpfx's graph (plain autograd on the raw model) runs as it would without dpfx; the
-post-accumulate-grad hook marks what it accumulated as plain, which DPOptimizer.step() refuses
-(Note [Only dpfx's gradients reach a private step] in loss/gate.py). A parameter the model does
-not use is left alone.
+private step] in loss/gate.py). What p.grad held before is the gate's to check
+(``admit_backward`` reads it here, ``check_held``: None, all zero, or dpfx's earlier release).
+A backward that never ran dpfx's graph (plain autograd on the raw model) runs as it would
+without dpfx; the post-accumulate-grad hook marks what it accumulated as plain, which
+DPOptimizer.step() refuses (Note [Only dpfx's gradients reach a private step] in
+loss/gate.py). A parameter the model does not use is left alone.
 """
 from __future__ import annotations
 

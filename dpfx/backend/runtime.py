@@ -11,9 +11,9 @@ on a batch-free forward output, reseeds the one generator the graph's noise is d
 (Note [Where the graph's noise seed comes from]), appends the graph's scalar inputs (the count
 of real examples of a padded batch, the adaptive bound C_t), negates the released gradients of a
 negative multiple of the captured loss (Note [A negative multiple of the captured loss] in
-loss/captured.py) and drops those whose sums left by their block's place. A graph's runner is the same whether its code was
-compiled now or loaded from a trusted cache entry (Note [A trusted warm start] in
-lower/trust.py).
+loss/captured.py) and drops those whose sums left by their block's place. A graph's runner is
+the same whether its code was compiled now or loaded from a trusted cache entry (Note [A trusted
+warm start] in lower/trust.py).
 """
 from __future__ import annotations
 

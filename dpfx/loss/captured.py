@@ -686,8 +686,9 @@ def _constant(other, name: str) -> float | str:
 # statistic is a constant of the autograd graph). So the penalty is refused, in the captured
 # loss at its backward (``_needs_grad`` finds parameters and no dpfx forward in its autograd
 # graph), in the loss function at capture (``_stand_in``) and in the plain loop by the walk of
-# the loss's autograd graph at its backward (loss/backward.py), each naming the optimizer's weight decay, which is post-processing of the release:
-# SGD and Adam add ``weight_decay * p`` to the gradient they step on, the gradient of
+# the loss's autograd graph at its backward (loss/backward.py), each naming the optimizer's
+# weight decay, which is post-processing of the release: SGD and Adam add ``weight_decay * p``
+# to the gradient they step on, the gradient of
 # weight_decay / 2 * ||p||^2, so weight_decay = 2 lam gives the release plus exactly 2 lam p.
 # (tests/loss/test_captured_arithmetic.py::test_weight_decay_is_the_penalty)
 def _needs_grad(other: torch.Tensor, name: str) -> str:

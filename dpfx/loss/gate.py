@@ -343,10 +343,10 @@ class ReleaseGate:
                     raise PrivacyError(
                         f"parameter '{compiled_name(n.variable)}' reaches dpfx's compiled module "
                         f"through one of its inputs too ({_user_line()}), computed from the "
-                        f"parameter outside the module's forward: autograd would add that plain gradient to the "
-                        f"clipped, noised one the graph releases for it. Compute that input "
-                        f"inside the compiled module's forward, or detach it. Nothing was "
-                        f"released.")
+                        f"parameter outside the module's forward: autograd would add that "
+                        f"plain gradient to the clipped, noised one the graph releases for it. "
+                        f"Compute that input inside the compiled module's forward, or detach "
+                        f"it. Nothing was released.")
                 continue
             todo.extend(next_node for next_node, _ in n.next_functions)
 
